@@ -1,0 +1,16 @@
+"""The one error type for bad user input.
+
+Every check of flags, YAML keys, data files and tokenizer files raises
+:class:`ConfigError`; the entry point catches it on every rank, prints its one-line
+message and exits with status 2 before any collective could hang.
+"""
+
+
+class ConfigError(ValueError):
+    """A problem with the user's input, fixable by changing one flag or file.
+
+    Args:
+        message: what is wrong, naming the flag (``--num-experts``) or the file.
+    """
+
+    exit_code = 2
