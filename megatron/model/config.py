@@ -1,0 +1,97 @@
+"""Typed configuration of the GPT-MoE model."""
+
+from dataclasses import dataclass
+
+
+@dataclass
+class GPTMoEConfig:
+    """Shape and MoE settings of a :class:`~megatron.model.gpt_moe.GPTMoEModel`.
+
+    Every field mirrors a Megatron-DeepSpeed flag of the same name (underscores for
+    dashes); :func:`megatron.training.arguments.model_config_from_args` builds one.
+    """
+
+    num_layers: int
+    """Transformer layers (``--num-layers``)."""
+    hidden_size: int
+    """Model width (``--hidden-size``)."""
+    num_attention_heads: int
+    """Attention heads; must divide ``hidden_size`` (``--num-attention-heads``)."""
+    vocab_size: int
+    """Vocabulary size after padding (from the tokenizer)."""
+    max_position_embeddings: int
+    """Longest sequence the position table covers (``--max-position-embeddings``)."""
+    ffn_hidden_size: int = 0
+    """MLP inner width; 0 means 4 * hidden_size (``--ffn-hidden-size``)."""
+    position_embedding_type: str = "learned_absolute"
+    """``learned_absolute`` or ``rope`` (``--position-embedding-type``)."""
+    num_experts: int = 1
+    """Experts per MoE layer; 1 means a dense model (``--num-experts``)."""
+    expert_interval: int = 2
+    """Every ``expert_interval``-th layer is an MoE layer (``--expert-interval``)."""
+    moe_expert_parallel_size: int = 1
+    """Ranks the experts of one layer are spread over (``--moe-expert-parallel-size``)."""
+    topk: int = 1
+    """Experts each token is routed to (``--topk``)."""
+    moe_train_capacity_factor: float = 1.0
+    """Expert capacity factor in training (``--moe-train-capacity-factor``)."""
+    moe_eval_capacity_factor: float = 1.0
+    """Expert capacity factor in evaluation (``--moe-eval-capacity-factor``)."""
+    moe_min_capacity: int = 4
+    """Lower bound on expert capacity in tokens (``--moe-min-capacity``)."""
+    moe_token_dropping: bool = True
+    """Drop tokens over capacity (``--disable-moe-token-dropping`` turns it off)."""
+    moe_loss_coeff: float = 0.01
+    """Weight of the auxiliary load-balancing loss (``--moe-loss-coeff``)."""
+    hidden_dropout: float = 0.1
+    """Dropout after attention and MLP (``--hidden-dropout``)."""
+    attention_dropout: float = 0.1
+    """Dropout on attention probabilities (``--attention-dropout``)."""
+    init_method_std: float = 0.02
+    """Standard deviation of the normal weight init (``--init-method-std``)."""
+    layernorm_epsilon: float = 1e-5
+    """LayerNorm epsilon (``--layernorm-epsilon``)."""
+    seed: int = 1234
+    """Seed of the weight init; each tensor is seeded by its global name (``--seed``)."""
+
+    def __post_init__(self):
+        if self.ffn_hidden_size == 0:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        positive = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
+                    "max_position_embeddings", "ffn_hidden_size", "num_experts",
+                    "expert_interval", "moe_expert_parallel_size", "topk")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"--hidden-size ({self.hidden_size}) must be divisible by "
+                             f"--num-attention-heads ({self.num_attention_heads})")
+        if self.position_embedding_type not in ("learned_absolute", "rope"):
+            raise ValueError("--position-embedding-type must be learned_absolute or rope, "
+                             f"got {self.position_embedding_type!r}")
+        if self.position_embedding_type == "rope" and self.head_dim % 2:
+            raise ValueError(f"rope needs an even head size, got {self.head_dim}")
+        if self.num_experts % self.moe_expert_parallel_size:
+            raise ValueError(f"--num-experts ({self.num_experts}) must be divisible by "
+                             f"--moe-expert-parallel-size ({self.moe_expert_parallel_size})")
+        if self.num_experts > 1 and self.topk > self.num_experts:
+            raise ValueError(f"--topk ({self.topk}) cannot exceed --num-experts ({self.num_experts})")
+        if self.num_experts > 1 and self.topk > 2:
+            raise ValueError(f"--topk must be 1 or 2 with deepspeed.moe, got {self.topk}")
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def moe_layer_indices(self) -> list:
+        """0-based indices of the MoE layers (layers 1, 3, 5, ... for interval 2)."""
+        if self.num_experts <= 1:
+            return []
+        return [i for i in range(self.num_layers) if (i + 1) % self.expert_interval == 0]
+
+    @property
+    def num_local_experts(self) -> int:
+        """Experts of one MoE layer held by each expert-parallel rank."""
+        return self.num_experts // self.moe_expert_parallel_size

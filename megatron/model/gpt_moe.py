@@ -1,0 +1,219 @@
+"""GPT decoder whose MLP is a ``deepspeed.moe.layer.MoE`` every ``expert_interval`` layers.
+
+The model is built identically on every rank except for the experts: each
+expert-parallel rank holds ``num_experts / ep_size`` experts of every MoE layer.
+Weights are initialised per tensor from a seed derived from the tensor's *global*
+name (experts named by their global index), so the same seed gives the same model
+under every expert-parallel layout.
+"""
+
+import math
+import zlib
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.model.config import GPTMoEConfig
+
+EXPERTS_KEY = "deepspeed_moe.experts.deepspeed_experts."
+
+
+def _layer_norm(config: GPTMoEConfig) -> nn.Module:
+    """A LayerNorm: apex's fused kernel on CUDA when apex is installed, torch's otherwise."""
+    if torch.cuda.is_available():
+        try:
+            from apex.normalization import FusedLayerNorm  # optional `gpu` extra
+            return FusedLayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+        except ImportError:
+            pass
+    return nn.LayerNorm(config.hidden_size, eps=config.layernorm_epsilon)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding applied to queries and keys."""
+
+    def __init__(self, head_dim: int, max_positions: int, base: float = 10000.0):
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        # Not parameters: recomputed from the config, so never checkpointed.
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` [batch, heads, seq, head_dim] by the angles of ``position_ids`` [batch, seq]."""
+        cos = self.cos[position_ids].unsqueeze(1).to(x.dtype)
+        sin = self.sin[position_ids].unsqueeze(1).to(x.dtype)
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+        return rotated.flatten(-2)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention (fused QKV projection, SDPA kernel)."""
+
+    def __init__(self, config: GPTMoEConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.dropout = config.attention_dropout
+        self.query_key_value = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.rotary = (RotaryEmbedding(self.head_dim, config.max_position_embeddings)
+                       if config.position_embedding_type == "rope" else None)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        batch, seq, hidden = x.shape
+        qkv = self.query_key_value(x).view(batch, seq, 3, self.num_heads, self.head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        if self.rotary is not None:
+            q, k = self.rotary(q, position_ids), self.rotary(k, position_ids)
+        out = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        return self.dense(out.transpose(1, 2).reshape(batch, seq, hidden))
+
+
+class MLP(nn.Module):
+    """The dense feed-forward block; also the module each expert is a copy of."""
+
+    def __init__(self, config: GPTMoEConfig):
+        super().__init__()
+        self.dense_h_to_4h = nn.Linear(config.hidden_size, config.ffn_hidden_size)
+        self.dense_4h_to_h = nn.Linear(config.ffn_hidden_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x)))
+
+
+class TransformerLayer(nn.Module):
+    """Pre-LayerNorm decoder layer; its MLP is an MoE layer when ``is_moe``."""
+
+    def __init__(self, config: GPTMoEConfig, is_moe: bool):
+        super().__init__()
+        self.is_moe = is_moe
+        self.input_layernorm = _layer_norm(config)
+        self.self_attention = CausalSelfAttention(config)
+        self.post_attention_layernorm = _layer_norm(config)
+        self.hidden_dropout = nn.Dropout(config.hidden_dropout)
+        if is_moe:
+            from deepspeed.moe.layer import MoE
+            self.mlp = MoE(
+                hidden_size=config.hidden_size,
+                expert=MLP(config),
+                num_experts=config.num_experts,
+                ep_size=config.moe_expert_parallel_size,
+                k=config.topk,
+                capacity_factor=config.moe_train_capacity_factor,
+                eval_capacity_factor=config.moe_eval_capacity_factor,
+                min_capacity=config.moe_min_capacity,
+                drop_tokens=config.moe_token_dropping,
+                use_rts=False,  # random token selection would make the gate depend on RNG draws
+            )
+        else:
+            self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
+        """Returns ``(hidden, aux_loss or None, expert_counts or None)``."""
+        x = x + self.hidden_dropout(self.self_attention(self.input_layernorm(x), position_ids))
+        h = self.post_attention_layernorm(x)
+        if self.is_moe:
+            out, aux_loss, counts = self.mlp(h)
+            return x + self.hidden_dropout(out), aux_loss, counts
+        return x + self.hidden_dropout(self.mlp(h)), None, None
+
+
+class GPTMoEModel(nn.Module):
+    """GPT language model with tied input/output embeddings and MoE MLPs.
+
+    ``forward(tokens, position_ids, labels, loss_mask)`` returns
+    ``(lm_loss, aux_loss, expert_counts)`` where ``expert_counts`` is an int64 tensor
+    ``[num_moe_layers, num_experts]`` with the number of token-to-expert assignments
+    the gates made on this rank's micro batch (before capacity dropping), the figure
+    lost-token accounting needs. Without labels it returns the logits.
+    """
+
+    def __init__(self, config: GPTMoEConfig, ep_rank: int = 0):
+        super().__init__()
+        self.config = config
+        self.ep_rank = ep_rank
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.position_embeddings = (nn.Embedding(config.max_position_embeddings, config.hidden_size)
+                                    if config.position_embedding_type == "learned_absolute" else None)
+        self.embedding_dropout = nn.Dropout(config.hidden_dropout)
+        moe_layers = set(config.moe_layer_indices)
+        self.layers = nn.ModuleList(TransformerLayer(config, i in moe_layers)
+                                    for i in range(config.num_layers))
+        self.final_layernorm = _layer_norm(config)
+        self.init_weights()
+
+    def global_name(self, name: str) -> str:
+        """The layout-independent name of parameter ``name``: local expert index -> global."""
+        if EXPERTS_KEY not in name:
+            return name
+        head, tail = name.split(EXPERTS_KEY, 1)
+        local, rest = tail.split(".", 1)
+        global_index = self.ep_rank * self.config.num_local_experts + int(local)
+        return f"{head}{EXPERTS_KEY}{global_index}.{rest}"
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialise every tensor from ``seed`` and its global name (layout-independent)."""
+        cfg = self.config
+        out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
+        for name, param in self.named_parameters():
+            gen = torch.Generator().manual_seed(
+                (cfg.seed * 1_000_003 + zlib.crc32(self.global_name(name).encode())) % (2 ** 62))
+            if param.dim() == 1:
+                param.fill_(1.0 if "layernorm" in name and name.endswith("weight") else 0.0)
+                continue
+            std = out_std if name.endswith(("dense.weight", "dense_4h_to_h.weight")) else cfg.init_method_std
+            param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor,
+                labels: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None):
+        x = self.word_embeddings(tokens)
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(position_ids)
+        x = self.embedding_dropout(x)
+        aux_losses: List[torch.Tensor] = []
+        counts: List[torch.Tensor] = []
+        for layer in self.layers:
+            x, aux, cnt = layer(x, position_ids)
+            if aux is not None:
+                aux_losses.append(aux)
+                counts.append(cnt.to(torch.int64))
+        x = self.final_layernorm(x)
+        logits = F.linear(x, self.word_embeddings.weight)  # tied output embedding
+        if labels is None:
+            return logits
+        return self._losses(logits, labels, loss_mask, aux_losses, counts)
+
+    def _losses(self, logits, labels, loss_mask, aux_losses, counts
+                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        losses = F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.reshape(-1),
+                                 reduction="none")
+        mask = (loss_mask if loss_mask is not None else torch.ones_like(labels)).reshape(-1).float()
+        lm_loss = (losses * mask).sum() / mask.sum().clamp(min=1.0)
+        aux = torch.stack([a.float() for a in aux_losses]).sum() if aux_losses else lm_loss.new_zeros(())
+        expert_counts = (torch.stack(counts) if counts
+                         else torch.zeros(0, self.config.num_experts, dtype=torch.int64))
+        return lm_loss, aux, expert_counts
+
+
+def count_parameters(config: GPTMoEConfig) -> dict:
+    """Global parameter counts (all experts, tied embeddings counted once) by kind."""
+    h, f = config.hidden_size, config.ffn_hidden_size
+    mlp = h * f + f + f * h + h
+    attn = 3 * h * h + 3 * h + h * h + h
+    ln = 2 * h
+    n_moe = len(config.moe_layer_indices)
+    dense_layers = config.num_layers - n_moe
+    non_expert = (config.vocab_size * h
+                  + (config.max_position_embeddings * h if config.position_embedding_type == "learned_absolute" else 0)
+                  + config.num_layers * (attn + 2 * ln) + dense_layers * mlp
+                  + n_moe * h * config.num_experts  # gate
+                  + ln)
+    expert = n_moe * config.num_experts * mlp
+    return {"non_expert": non_expert, "expert": expert, "total": non_expert + expert}

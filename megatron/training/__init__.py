@@ -1,0 +1,1 @@
+"""Training side: arguments, DeepSpeed config, checkpoints, logging and the loop."""

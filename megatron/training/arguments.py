@@ -1,0 +1,322 @@
+"""Command-line arguments with Megatron-DeepSpeed's flag names, YAML configs, and checks.
+
+Order of precedence: flags on the command line > keys of the ``--config FILE.yaml``
+files (a later file over an earlier one) > defaults. YAML keys are the flag names without dashes (``num-layers`` or
+``num_layers``); a nested section is flattened with its name as prefix, so
+``moc: {pec-k: 1}`` means ``--moc-pec-k 1``. Every problem raises
+:class:`~megatron.training.errors.ConfigError` naming the flag, key or file.
+"""
+
+import argparse
+import os
+from typing import Dict, List, Optional, Sequence
+
+from megatron.training.errors import ConfigError
+
+# Settings that fix the shape of the model: a checkpoint saved with other values
+# cannot be loaded, and the error names the first one that differs.
+MODEL_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                    "num_experts", "expert_interval", "padded_vocab_size",
+                    "max_position_embeddings", "position_embedding_type")
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors raise ConfigError instead of exiting the process.
+
+    Exiting inside argparse on one rank while others continue is how a job hangs;
+    raising lets the entry point report the message and exit 2 on every rank.
+    """
+
+    def error(self, message):
+        raise ConfigError(message)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, help="Transformer layers (required).")
+    g.add_argument("--hidden-size", type=int, help="Model width (required).")
+    g.add_argument("--ffn-hidden-size", type=int, default=0, help="MLP inner width; 0: 4 * hidden size.")
+    g.add_argument("--num-attention-heads", type=int, help="Attention heads (required).")
+    g.add_argument("--seq-length", type=int, help="Tokens per sample (required).")
+    g.add_argument("--max-position-embeddings", type=int,
+                   help="Position table size; default: --seq-length.")
+    g.add_argument("--position-embedding-type", default="learned_absolute",
+                   choices=["learned_absolute", "rope"], help="Learned absolute or rotary positions.")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="Pad the vocabulary to a multiple of this.")
+    g.add_argument("--init-method-std", type=float, default=0.02, help="Std of the normal weight init.")
+    g.add_argument("--layernorm-epsilon", type=float, default=1e-5, help="LayerNorm epsilon.")
+    g.add_argument("--hidden-dropout", type=float, default=0.1, help="Dropout after attention and MLP.")
+    g.add_argument("--attention-dropout", type=float, default=0.1, help="Dropout on attention probabilities.")
+
+
+def _add_moe_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("mixture of experts")
+    g.add_argument("--num-experts", type=int, default=1, help="Experts per MoE layer; 1: dense model.")
+    g.add_argument("--moe-expert-parallel-size", type=int, default=1,
+                   help="Ranks the experts of a layer are spread over; must divide --num-experts "
+                        "and the world size.")
+    g.add_argument("--expert-interval", type=int, default=2, help="Every N-th layer is an MoE layer.")
+    g.add_argument("--topk", type=int, default=1, choices=[1, 2], help="Experts per token.")
+    g.add_argument("--moe-loss-coeff", type=float, default=0.01,
+                   help="Weight of the load-balancing loss added to the LM loss.")
+    g.add_argument("--moe-train-capacity-factor", type=float, default=1.0, help="Capacity factor in training.")
+    g.add_argument("--moe-eval-capacity-factor", type=float, default=1.0, help="Capacity factor in evaluation.")
+    g.add_argument("--moe-min-capacity", type=int, default=4, help="Minimum expert capacity in tokens.")
+    g.add_argument("--disable-moe-token-dropping", action="store_true",
+                   help="Never drop tokens over an expert's capacity.")
+
+
+def _add_training_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, help="Samples per rank per forward (required).")
+    g.add_argument("--global-batch-size", type=int,
+                   help="Samples per optimizer step; default: micro batch x data-parallel size.")
+    g.add_argument("--train-iters", type=int, help="Optimizer steps to train for (required).")
+    g.add_argument("--seed", type=int, default=1234, help="Seed of init, dropout and data order.")
+    g.add_argument("--clip-grad", type=float, default=1.0, help="Global gradient-norm clip; 0: off.")
+    g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay.")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="AdamW beta1.")
+    g.add_argument("--adam-beta2", type=float, default=0.999, help="AdamW beta2.")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon.")
+    g.add_argument("--bf16", action="store_true", help="bfloat16 compute with fp32 master weights.")
+    g.add_argument("--fp16", action="store_true", help="float16 compute with dynamic loss scaling.")
+    g.add_argument("--loss-scale", type=float, default=0.0, help="fp16 static loss scale; 0: dynamic.")
+    g.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2], help="DeepSpeed ZeRO stage.")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="A collective that waits longer fails instead of hanging.")
+    g.add_argument("--num-threads", type=int, default=0,
+                   help="CPU threads per rank; 0: cores / local ranks (unless OMP_NUM_THREADS is set).")
+
+    g = p.add_argument_group("learning rate")
+    g.add_argument("--lr", type=float, help="Peak learning rate (required).")
+    g.add_argument("--min-lr", type=float, default=0.0, help="Learning rate at the end of decay.")
+    g.add_argument("--lr-decay-style", default="linear",
+                   choices=["constant", "linear", "cosine", "inverse-square-root"], help="Decay shape.")
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="Linear warmup steps.")
+    g.add_argument("--lr-decay-iters", type=int, help="Decay steps; default: --train-iters.")
+
+
+def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", help="Directory to save checkpoints to.")
+    g.add_argument("--load", help="Directory to resume from; empty or missing: start from scratch.")
+    g.add_argument("--save-interval", type=int, default=0, help="Save every N iterations; 0: only at the end.")
+    g.add_argument("--no-load-optim", action="store_true", help="Load weights only, not optimizer state.")
+    g.add_argument("--no-load-rng", action="store_true", help="Do not restore RNG states.")
+
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="+",
+                   help="Indexed dataset prefix, or 'w1 prefix1 w2 prefix2 ...' for a blend (required).")
+    g.add_argument("--split", default="969,30,1", help="Train,valid,test proportions.")
+    g.add_argument("--tokenizer-type", default="ByteLevelTokenizer",
+                   help="ByteLevelTokenizer, or GPT2BPETokenizer with --vocab-file and --merge-file.")
+    g.add_argument("--vocab-file", help="Tokenizer vocabulary file.")
+    g.add_argument("--merge-file", help="BPE merges file.")
+    g.add_argument("--data-cache-path", help="Where dataset index caches are written.")
+    g.add_argument("--num-workers", type=int, default=0, help="Data loader worker processes.")
+
+
+def _add_logging_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("logging and evaluation")
+    g.add_argument("--log-interval", type=int, default=10, help="Log every N iterations.")
+    g.add_argument("--eval-interval", type=int, default=1000, help="Evaluate every N iterations.")
+    g.add_argument("--eval-iters", type=int, default=10, help="Batches per evaluation; 0: no evaluation.")
+    g.add_argument("--tensorboard-dir", help="Write TensorBoard scalars here (needs `tensorboard`).")
+    g.add_argument("--metrics-file", help="Append one JSON line per iteration (rank 0) to this file.")
+
+
+def _add_deepspeed_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("deepspeed")
+    g.add_argument("--deepspeed", action="store_true", help="Accepted for compatibility; always on.")
+    g.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config",
+                   help="DeepSpeed JSON config; default: built from the flags.")
+    g.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
+                   help="Set by the launcher.")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``pretrain_gpt_moe.py``; extension modules may add groups to it."""
+    p = _Parser(prog="pretrain_gpt_moe.py", description="GPT-MoE pretraining on DeepSpeed.",
+                allow_abbrev=False)
+    p.add_argument("--config", action="append",
+                   help="YAML file whose keys are flag names; repeatable (later files win); "
+                        "flags win over all of them.")
+    for add in (_add_model_args, _add_moe_args, _add_training_args, _add_checkpoint_args,
+                _add_data_args, _add_logging_args, _add_deepspeed_args):
+        add(p)
+    return p
+
+
+def _flatten(mapping: Dict, prefix: str = "") -> Dict[str, object]:
+    out = {}
+    for key, value in mapping.items():
+        name = f"{prefix}{str(key).replace('_', '-')}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, name + "-"))
+        else:
+            out[name] = value
+    return out
+
+
+def yaml_to_argv(path: str, parser: argparse.ArgumentParser) -> List[str]:
+    """Turn a YAML config into the flags it stands for.
+
+    Raises:
+        ConfigError: the file is missing or not a mapping, or has a key that is no flag.
+    """
+    import yaml
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"--config: file not found: {path}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--config: {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config: {path} must hold a mapping of flag names to values")
+    actions = {opt: a for a in parser._actions for opt in a.option_strings}
+    argv: List[str] = []
+    for key, value in _flatten(data).items():
+        flag = f"--{key}"
+        action = actions.get(flag)
+        if action is None or flag == "--config":
+            raise ConfigError(f"unknown key '{key}' in {path} (no flag {flag})")
+        if isinstance(action, argparse._StoreTrueAction):
+            if not isinstance(value, bool):
+                raise ConfigError(f"key '{key}' in {path} must be true or false, got {value!r}")
+            if value:
+                argv.append(flag)
+        elif value is None:
+            continue
+        elif isinstance(value, list):
+            argv += [flag] + [str(v) for v in value]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def parse_args(argv: Optional[Sequence[str]] = None,
+               parser: Optional[argparse.ArgumentParser] = None) -> argparse.Namespace:
+    """Parse flags and the optional ``--config`` YAML (flags win). Does not validate.
+
+    Raises:
+        ConfigError: unknown flag or YAML key, or a value of the wrong type.
+    """
+    parser = parser or build_parser()
+    argv = list(os.sys.argv[1:] if argv is None else argv)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--config", action="append", default=[])
+    known, _ = pre.parse_known_args(argv)
+    yaml_argv: List[str] = []
+    for path in known.config:
+        file_argv = yaml_to_argv(path, parser)
+        try:
+            parser.parse_args(file_argv)  # attribute bad values to the file, not the command line
+        except ConfigError as e:
+            raise ConfigError(f"in {path}: {e}") from None
+        yaml_argv += file_argv
+    return parser.parse_args(yaml_argv + argv)
+
+
+def _require(args: argparse.Namespace, names: Sequence[str]) -> None:
+    for name in names:
+        if getattr(args, name) is None:
+            flag = name.replace("_", "-")
+            raise ConfigError(f"--{flag} is required (a flag, or the key '{flag}' in --config)")
+
+
+def _check_positive(args: argparse.Namespace, names: Sequence[str]) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Check the arguments against each other and the world size; fill derived values.
+
+    Called on every rank before any collective, so every rank stops with the same
+    message. Adds ``data_parallel_size`` and ``gradient_accumulation_steps``.
+
+    Raises:
+        ConfigError: naming the flag to fix.
+    """
+    _require(args, ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                    "micro_batch_size", "train_iters", "lr", "data_path"))
+    _check_positive(args, ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                           "micro_batch_size", "global_batch_size", "train_iters", "num_experts",
+                           "moe_expert_parallel_size", "expert_interval", "log_interval",
+                           "eval_interval", "make_vocab_size_divisible_by"))
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    if args.seq_length > args.max_position_embeddings:
+        raise ConfigError(f"--seq-length ({args.seq_length}) exceeds --max-position-embeddings "
+                          f"({args.max_position_embeddings})")
+    if args.hidden_size % args.num_attention_heads:
+        raise ConfigError(f"--hidden-size ({args.hidden_size}) must be divisible by "
+                          f"--num-attention-heads ({args.num_attention_heads})")
+    ep = args.moe_expert_parallel_size
+    if args.num_experts % ep:
+        raise ConfigError(f"--num-experts ({args.num_experts}) must be divisible by "
+                          f"--moe-expert-parallel-size ({ep})")
+    if world_size % ep:
+        raise ConfigError(f"world size ({world_size}) must be divisible by "
+                          f"--moe-expert-parallel-size ({ep})")
+    if args.num_experts > 1 and args.expert_interval > args.num_layers:
+        raise ConfigError(f"--expert-interval ({args.expert_interval}) exceeds --num-layers "
+                          f"({args.num_layers}): the model would have no MoE layer")
+    if args.num_experts > 1 and args.topk > args.num_experts:
+        raise ConfigError(f"--topk ({args.topk}) exceeds --num-experts ({args.num_experts})")
+    args.data_parallel_size = world_size
+    per_step = args.micro_batch_size * world_size
+    if args.global_batch_size is None:
+        args.global_batch_size = per_step
+    if args.global_batch_size % per_step:
+        raise ConfigError(f"--global-batch-size ({args.global_batch_size}) must be divisible by "
+                          f"--micro-batch-size x data-parallel size ({args.micro_batch_size} x "
+                          f"{world_size} = {per_step})")
+    args.gradient_accumulation_steps = args.global_batch_size // per_step
+    if args.bf16 and args.fp16:
+        raise ConfigError("--bf16 and --fp16 are mutually exclusive")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if not 0 <= args.min_lr <= args.lr:
+        raise ConfigError(f"--min-lr ({args.min_lr}) must be between 0 and --lr ({args.lr})")
+    if args.lr_warmup_iters >= args.lr_decay_iters:
+        raise ConfigError(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than "
+                          f"--lr-decay-iters ({args.lr_decay_iters})")
+    if args.save_interval < 0:
+        raise ConfigError(f"--save-interval must be >= 0, got {args.save_interval}")
+    if args.deepspeed_config and not os.path.isfile(args.deepspeed_config):
+        raise ConfigError(f"--deepspeed_config: file not found: {args.deepspeed_config}")
+    for flag, dropout in (("--hidden-dropout", args.hidden_dropout),
+                          ("--attention-dropout", args.attention_dropout)):
+        if not 0.0 <= dropout < 1.0:
+            raise ConfigError(f"{flag} must be in [0, 1), got {dropout}")
+    return args
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
+    """Round the tokenizer's vocabulary up to a multiple of ``--make-vocab-size-divisible-by``."""
+    return -(-vocab_size // divisible_by) * divisible_by
+
+
+def model_config_from_args(args: argparse.Namespace):
+    """The :class:`~megatron.model.config.GPTMoEConfig` the arguments describe."""
+    from megatron.model.config import GPTMoEConfig
+    return GPTMoEConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, vocab_size=args.padded_vocab_size,
+        max_position_embeddings=args.max_position_embeddings, ffn_hidden_size=args.ffn_hidden_size,
+        position_embedding_type=args.position_embedding_type, num_experts=args.num_experts,
+        expert_interval=args.expert_interval, moe_expert_parallel_size=args.moe_expert_parallel_size,
+        topk=args.topk, moe_train_capacity_factor=args.moe_train_capacity_factor,
+        moe_eval_capacity_factor=args.moe_eval_capacity_factor,
+        moe_min_capacity=args.moe_min_capacity,
+        moe_token_dropping=not args.disable_moe_token_dropping, moe_loss_coeff=args.moe_loss_coeff,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std, layernorm_epsilon=args.layernorm_epsilon,
+        seed=args.seed)

@@ -1,0 +1,160 @@
+"""Baseline checkpoints through DeepSpeed's own ``save_checkpoint``/``load_checkpoint``.
+
+Besides the engine's state a checkpoint carries, in ``client_state``, the iteration,
+consumed samples, the LR scheduler, the RNG states of every rank and the arguments.
+Rank 0 also writes ``megatron_meta.json`` beside DeepSpeed's files after every rank
+has saved, so that ``--load`` can compare model settings before DeepSpeed tries to
+load mismatching tensors (which fails deep inside with a shape error).
+
+All ranks call :func:`save_checkpoint` and :func:`load_checkpoint` together.
+"""
+
+import argparse
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch.distributed as dist
+
+from megatron.training.arguments import MODEL_SHAPE_ARGS
+from megatron.training.errors import ConfigError
+from megatron.training.log import print_rank_0
+from megatron.training.rng import get_rng_state, set_rng_state
+
+META_FILE = "megatron_meta.json"
+LATEST_FILE = "latest"
+
+
+@dataclass
+class ResumeState:
+    """Where training resumes: 0/0 for a fresh start."""
+
+    iteration: int = 0
+    """Optimizer steps already taken."""
+    consumed_train_samples: int = 0
+    """Training samples already consumed (the data loader resumes after them)."""
+
+
+def tag_for(iteration: int) -> str:
+    """Megatron-DeepSpeed's checkpoint folder name."""
+    return f"global_step{iteration}"
+
+
+def args_to_dict(args: argparse.Namespace) -> Dict:
+    """The JSON-serialisable part of the arguments."""
+    return {k: v for k, v in vars(args).items()
+            if isinstance(v, (int, float, str, bool, list, type(None)))}
+
+
+def _write_json_atomic(path: str, data: Dict) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_checkpoint(engine, args: argparse.Namespace, scheduler, state: ResumeState) -> str:
+    """Save through ``engine.save_checkpoint``; all ranks call it. Returns the tag.
+
+    Every rank contributes its RNG state (one ``all_gather_object``), DeepSpeed
+    writes its files, then rank 0 writes ``megatron_meta.json`` after a barrier.
+    """
+    start = time.perf_counter()
+    tag = tag_for(state.iteration)
+    rng_states = [None] * dist.get_world_size()
+    dist.all_gather_object(rng_states, get_rng_state())
+    client_state = {"iteration": state.iteration,
+                    "consumed_train_samples": state.consumed_train_samples,
+                    "opt_param_scheduler": scheduler.state_dict(),
+                    "rng_states": rng_states,
+                    "args": args_to_dict(args)}
+    engine.save_checkpoint(args.save, tag=tag, client_state=client_state)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        _write_json_atomic(os.path.join(args.save, tag, META_FILE), {
+            "iteration": state.iteration, "consumed_train_samples": state.consumed_train_samples,
+            "world_size": dist.get_world_size(), "args": args_to_dict(args)})
+    dist.barrier()
+    print_rank_0(f"[{time.strftime('%H:%M:%S')}] saved checkpoint at iteration {state.iteration:7d} "
+                 f"to {args.save}/{tag} in {time.perf_counter() - start:.2f} s")
+    return tag
+
+
+def find_latest_tag(load_dir: str) -> Optional[str]:
+    """The tag DeepSpeed's ``latest`` file names, or None when there is no checkpoint."""
+    latest = os.path.join(load_dir, LATEST_FILE)
+    if not os.path.isfile(latest):
+        return None
+    with open(latest) as f:
+        tag = f.read().strip()
+    return tag or None
+
+
+def check_compatible(meta: Dict, args: argparse.Namespace, path: str) -> None:
+    """Stop with the first model setting that differs between a checkpoint and this run.
+
+    Raises:
+        ConfigError: naming the flag and both values.
+    """
+    saved = meta.get("args", {})
+    for name in MODEL_SHAPE_ARGS:
+        if name in saved and saved[name] != getattr(args, name, None):
+            flag = name.replace("_", "-")
+            raise ConfigError(f"checkpoint {path} was saved with --{flag} {saved[name]} but this "
+                              f"run has --{flag} {getattr(args, name, None)}; use the same setting "
+                              "or another --load directory")
+    if saved.get("moe_expert_parallel_size", args.moe_expert_parallel_size) != args.moe_expert_parallel_size \
+            or meta.get("world_size", dist.get_world_size()) != dist.get_world_size():
+        raise ConfigError(
+            f"checkpoint {path} was saved on {meta.get('world_size')} ranks with "
+            f"--moe-expert-parallel-size {saved.get('moe_expert_parallel_size')}; DeepSpeed's "
+            f"checkpoints only load on the same layout (this run: {dist.get_world_size()} ranks, "
+            f"--moe-expert-parallel-size {args.moe_expert_parallel_size})")
+
+
+def load_checkpoint(engine, args: argparse.Namespace, scheduler) -> ResumeState:
+    """Resume from the newest checkpoint under ``--load``; all ranks call it.
+
+    An empty or missing directory starts from scratch with a log line.
+
+    Raises:
+        ConfigError: the checkpoint's model settings differ from this run's, or its
+            metadata is missing.
+    """
+    load_dir = args.load
+    tag = find_latest_tag(load_dir) if load_dir and os.path.isdir(load_dir) else None
+    if tag is None:
+        print_rank_0(f"> no checkpoint found at --load {load_dir}: starting from scratch")
+        return ResumeState()
+    path = os.path.join(load_dir, tag)
+    meta_path = os.path.join(path, META_FILE)
+    if not os.path.isfile(meta_path):
+        raise ConfigError(f"--load: {meta_path} is missing: {path} is not a complete checkpoint "
+                          "of this trainer")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    check_compatible(meta, args, path)
+    start = time.perf_counter()
+    load_path, client_state = engine.load_checkpoint(
+        load_dir, tag=tag, load_optimizer_states=not args.no_load_optim,
+        load_lr_scheduler_states=False)
+    if load_path is None:
+        raise ConfigError(f"--load: DeepSpeed could not load {path}")
+    scheduler.load_state_dict(client_state["opt_param_scheduler"])
+    rng_states = client_state.get("rng_states") or []
+    if not args.no_load_rng:
+        if len(rng_states) == dist.get_world_size():
+            set_rng_state(rng_states[dist.get_rank()])
+        else:
+            print_rank_0(f"WARNING: checkpoint holds {len(rng_states)} RNG states for "
+                         f"{dist.get_world_size()} ranks; RNG states not restored")
+    state = ResumeState(iteration=int(client_state["iteration"]),
+                        consumed_train_samples=int(client_state["consumed_train_samples"]))
+    print_rank_0(f"> loaded checkpoint {path} at iteration {state.iteration} "
+                 f"({state.consumed_train_samples} consumed samples) in "
+                 f"{time.perf_counter() - start:.2f} s")
+    return state

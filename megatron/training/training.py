@@ -1,0 +1,289 @@
+"""The pretraining loop: set up DeepSpeed, the model, data and schedule; train; evaluate; save.
+
+Every rank runs :func:`pretrain` with the same arguments. Call order on each rank:
+``validate_args`` (no collectives) -> process group -> tokenizer and datasets ->
+model and ``deepspeed.initialize`` -> ``load_checkpoint`` -> the loop, where each
+iteration runs ``gradient_accumulation_steps`` forward/backward passes, one
+optimizer step, and one small all-reduce of the losses.
+"""
+
+import argparse
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.training import checkpointing
+from megatron.training.arguments import (model_config_from_args, padded_vocab_size,
+                                         validate_args)
+from megatron.training.ds_config import build_ds_config
+from megatron.training.errors import ConfigError
+from megatron.training.log import (MetricsWriter, eval_log_line, print_rank_0, timestamp,
+                                   training_log_line)
+from megatron.training.rng import set_seed
+
+
+@dataclass
+class StepStats:
+    """What one training iteration produced on this rank."""
+
+    lm_loss: float
+    """LM loss averaged over the data-parallel ranks and micro batches."""
+    moe_aux_loss: float
+    """Load-balancing loss, averaged like ``lm_loss`` (before ``--moe-loss-coeff``)."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    skipped: bool
+    """The optimizer skipped the step (fp16 overflow)."""
+    expert_counts: torch.Tensor
+    """Token-to-expert assignments of this rank's micro batches, int64 ``[moe_layers, experts]``."""
+
+
+@dataclass
+class TrainResult:
+    """What :func:`pretrain` returns (for tests and wrappers)."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    losses: List[float] = field(default_factory=list)
+    """LM loss of every iteration this process ran."""
+    valid_losses: List[float] = field(default_factory=list)
+
+
+def initialize_distributed(args: argparse.Namespace) -> None:
+    """Create the process group through DeepSpeed's accelerator (NCCL on CUDA, gloo on CPU).
+
+    A plain ``python pretrain_gpt_moe.py`` run gets single-rank defaults.
+    """
+    import deepspeed
+    from datetime import timedelta
+    from deepspeed.accelerator import get_accelerator
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
+                       ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    if "MASTER_PORT" not in os.environ:
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    accel = get_accelerator()
+    if accel.device_name() != "cpu":
+        accel.set_device(int(os.environ["LOCAL_RANK"]))
+    deepspeed.init_distributed(dist_backend=accel.communication_backend_name(),
+                               timeout=timedelta(minutes=args.distributed_timeout_minutes))
+
+
+def _set_threads(args: argparse.Namespace) -> None:
+    # Several CPU ranks on one machine each defaulting to all cores oversubscribe it
+    # many times over and run slower than one rank.
+    if args.num_threads > 0:
+        torch.set_num_threads(args.num_threads)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> List[Dict]:
+    """Decay and no-decay groups (biases and norms), split further into MoE groups for ZeRO."""
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        (no_decay if param.dim() == 1 else decay).append(param)
+    groups = [{"name": "decay", "params": decay, "weight_decay": weight_decay, "wd_mult": 1.0},
+              {"name": "no_decay", "params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0}]
+    return split_params_into_different_moe_groups_for_optimizer(groups)
+
+
+def setup_model_and_optimizer(args: argparse.Namespace):
+    """Build the model, AdamW, the DeepSpeed engine and the LR schedule (all ranks)."""
+    import deepspeed
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.model.gpt_moe import GPTMoEModel
+    from deepspeed.accelerator import get_accelerator
+    if args.fp16 and not get_accelerator().is_fp16_supported():
+        raise ConfigError(f"--fp16 is not supported on this {get_accelerator().device_name()} "
+                          "device; use --bf16 or full precision")
+    config = model_config_from_args(args)
+    ep_rank = dist.get_rank() % args.moe_expert_parallel_size
+    model = GPTMoEModel(config, ep_rank=ep_rank)
+    optimizer = torch.optim.AdamW(_param_groups(model, args.weight_decay), lr=args.lr,
+                                  betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+                                  foreach=False)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                           config=build_ds_config(args))
+    _check_expert_layout(model, args, ep_rank)
+    scheduler = OptimizerParamScheduler(
+        engine.optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr,
+        min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters,
+        lr_decay_steps=args.lr_decay_iters, lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=args.train_iters,
+        wd_incr_style="constant")
+    return engine, scheduler
+
+
+def _check_expert_layout(model, args, ep_rank: int) -> None:
+    """The global expert indices the model assumed must be the ones DeepSpeed assigned."""
+    if args.num_experts <= 1:
+        return
+    from deepspeed.utils import groups
+    name = f"ep_size_{args.moe_expert_parallel_size}"
+    actual = groups._get_expert_parallel_rank(name)
+    if actual != ep_rank:
+        raise RuntimeError(f"expert-parallel rank {actual} != assumed {ep_rank}: "
+                           "DeepSpeed's expert group layout changed")
+
+
+def _batch_to_device(batch: Dict, device) -> Dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items() if torch.is_tensor(v)}
+
+
+def train_step(engine, data_iterator: Iterator, args: argparse.Namespace) -> StepStats:
+    """One optimizer step over ``gradient_accumulation_steps`` micro batches (all ranks)."""
+    lm_sum = torch.zeros(2, dtype=torch.float64)
+    counts = None
+    for _ in range(args.gradient_accumulation_steps):
+        batch = _batch_to_device(next(data_iterator), engine.device)
+        lm_loss, aux_loss, expert_counts = engine(batch["tokens"], batch["position_ids"],
+                                                  batch["labels"], batch["loss_mask"])
+        engine.backward(lm_loss + args.moe_loss_coeff * aux_loss)
+        engine.step()
+        lm_sum += torch.tensor([lm_loss.item(), aux_loss.item()], dtype=torch.float64)
+        expert_counts = expert_counts.cpu()
+        counts = expert_counts if counts is None else counts + expert_counts
+    lm_sum /= args.gradient_accumulation_steps * dist.get_world_size()
+    dist.all_reduce(lm_sum)
+    grad_norm = engine.get_global_grad_norm()
+    grad_norm = float(grad_norm) if grad_norm is not None else 0.0
+    skipped = bool(getattr(engine.optimizer, "overflow", False))
+    return StepStats(lm_loss=lm_sum[0].item(), moe_aux_loss=lm_sum[1].item(), grad_norm=grad_norm,
+                     skipped=skipped, expert_counts=counts)
+
+
+@torch.no_grad()
+def evaluate(engine, data_iterator: Iterator, args: argparse.Namespace) -> float:
+    """Mean LM loss over ``--eval-iters`` global batches of validation data (all ranks)."""
+    engine.eval()
+    total = torch.zeros(1, dtype=torch.float64)
+    steps = args.eval_iters * args.gradient_accumulation_steps
+    for _ in range(steps):
+        batch = _batch_to_device(next(data_iterator), engine.device)
+        lm_loss, _, _ = engine(batch["tokens"], batch["position_ids"], batch["labels"],
+                               batch["loss_mask"])
+        total += lm_loss.item()
+    engine.train()
+    total /= steps * dist.get_world_size()
+    dist.all_reduce(total)
+    return total.item()
+
+
+def _build_data(args: argparse.Namespace, tokenizer, state: checkpointing.ResumeState):
+    from megatron.data import build_pretraining_data_loader, build_train_valid_test_datasets
+    train_ds, valid_ds, _ = build_train_valid_test_datasets(args, tokenizer)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    train = build_pretraining_data_loader(train_ds, state.consumed_train_samples,
+                                          args.micro_batch_size, rank, world, args.num_workers)
+    valid_consumed = (state.iteration // args.eval_interval) * args.eval_iters * args.global_batch_size
+    valid = (build_pretraining_data_loader(valid_ds, valid_consumed, args.micro_batch_size, rank,
+                                           world, args.num_workers)
+             if args.eval_iters > 0 and valid_ds is not None else None)
+    return iter(train), (iter(valid) if valid is not None else None)
+
+
+def pretrain(args: argparse.Namespace, extra_setup=None) -> TrainResult:
+    """Train a GPT-MoE model as the arguments say; every rank calls it.
+
+    Args:
+        args: parsed (not yet validated) arguments.
+        extra_setup: optional ``callable(engine, args)`` run after the engine exists
+            and before any checkpoint is loaded (extensions patch the engine here).
+
+    Raises:
+        ConfigError: bad input, raised on every rank before training starts.
+    """
+    validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+    _set_threads(args)
+    initialize_distributed(args)
+    validate_args(args, dist.get_world_size())
+    set_seed(args.seed)
+    from megatron.data import build_tokenizer
+    tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
+    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by)
+    _print_banner(args)
+    engine, scheduler = setup_model_and_optimizer(args)
+    if extra_setup is not None:
+        extra_setup(engine, args)
+    state = checkpointing.ResumeState()
+    if args.load:
+        state = checkpointing.load_checkpoint(engine, args, scheduler)
+    train_iter, valid_iter = _build_data(args, tokenizer, state)
+    writer = MetricsWriter(args.metrics_file, args.tensorboard_dir)
+    try:
+        return _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer)
+    finally:
+        writer.close()
+
+
+def _print_banner(args: argparse.Namespace) -> None:
+    from megatron.model.gpt_moe import count_parameters
+    counts = count_parameters(model_config_from_args(args))
+    print_rank_0(f"> building GPT-MoE model: {args.num_layers} layers, hidden {args.hidden_size}, "
+                 f"{args.num_experts} experts every {args.expert_interval} layers, top-{args.topk}; "
+                 f"parameters: {counts['total']:,} ({counts['expert']:,} in experts)")
+    print_rank_0(f"> world size {dist.get_world_size()}, expert-parallel {args.moe_expert_parallel_size}, "
+                 f"ZeRO stage {args.zero_stage}, micro batch {args.micro_batch_size}, global batch "
+                 f"{args.global_batch_size} ({args.gradient_accumulation_steps} accumulation steps), "
+                 f"{'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}")
+
+
+def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer) -> TrainResult:
+    result = TrainResult(iteration=state.iteration, consumed_train_samples=state.consumed_train_samples)
+    tokens_per_iter = args.global_batch_size * args.seq_length
+    window: List[StepStats] = []
+    window_start = time.perf_counter()
+    skipped_total = 0
+    last_saved = state.iteration if args.load else -1
+    print_rank_0(f"[{timestamp()}] training from iteration {state.iteration} to {args.train_iters}"
+                 + ("" if args.save else " (no --save: no checkpoints will be written)"))
+    while state.iteration < args.train_iters:
+        stats = train_step(engine, train_iter, args)
+        scheduler.step(1)
+        state.iteration += 1
+        state.consumed_train_samples += args.global_batch_size
+        skipped_total += int(stats.skipped)
+        window.append(stats)
+        result.losses.append(stats.lm_loss)
+        writer.write("train", state.iteration, {
+            "consumed_samples": state.consumed_train_samples, "lm_loss": stats.lm_loss,
+            "moe_aux_loss": stats.moe_aux_loss, "grad_norm": stats.grad_norm,
+            "lr": scheduler.optimizer.param_groups[0]["lr"], "skipped": int(stats.skipped)})
+        if state.iteration % args.log_interval == 0 or state.iteration == args.train_iters:
+            elapsed = time.perf_counter() - window_start
+            print_rank_0(training_log_line(state.iteration, args.train_iters, {
+                "consumed_samples": state.consumed_train_samples,
+                "elapsed_ms": 1000.0 * elapsed / len(window),
+                "tokens_per_s": tokens_per_iter * len(window) / max(elapsed, 1e-9),
+                "lr": scheduler.optimizer.param_groups[0]["lr"],
+                "global_batch_size": args.global_batch_size,
+                "lm_loss": sum(s.lm_loss for s in window) / len(window),
+                "moe_aux_loss": sum(s.moe_aux_loss for s in window) / len(window),
+                "grad_norm": window[-1].grad_norm, "skipped": skipped_total}))
+            window, window_start = [], time.perf_counter()
+        if valid_iter is not None and state.iteration % args.eval_interval == 0:
+            loss = evaluate(engine, valid_iter, args)
+            result.valid_losses.append(loss)
+            print_rank_0(eval_log_line(f"validation loss at iteration {state.iteration}", loss))
+            writer.write("valid", state.iteration, {"lm_loss": loss})
+            window_start = time.perf_counter()
+        if args.save and args.save_interval and state.iteration % args.save_interval == 0:
+            checkpointing.save_checkpoint(engine, args, scheduler, state)
+            last_saved = state.iteration
+            window_start = time.perf_counter()
+    if args.save and last_saved != state.iteration:
+        checkpointing.save_checkpoint(engine, args, scheduler, state)
+    print_rank_0(f"[{timestamp()}] training done at iteration {state.iteration} "
+                 f"({state.consumed_train_samples} samples)")
+    result.iteration, result.consumed_train_samples = state.iteration, state.consumed_train_samples
+    return result

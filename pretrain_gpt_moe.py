@@ -1,0 +1,34 @@
+"""Pretrain a GPT-MoE model on DeepSpeed (ZeRO + expert parallelism).
+
+Run with ``deepspeed pretrain_gpt_moe.py --config configs/small.yaml ...``,
+``torchrun --nproc_per_node N pretrain_gpt_moe.py ...`` or plain ``python`` (one rank).
+"""
+
+import sys
+
+
+def main(argv=None) -> int:
+    """Parse, train, and turn bad input into exit code 2 on every rank."""
+    from megatron.training.errors import ConfigError
+    from megatron.training.log import fatal
+    try:
+        from megatron.training.arguments import parse_args
+        from megatron.training.training import pretrain
+        pretrain(parse_args(argv))
+    except ConfigError as e:
+        fatal(str(e))
+        return ConfigError.exit_code
+    finally:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def main_cli() -> None:
+    """Console-script entry point (``moc-pretrain``)."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

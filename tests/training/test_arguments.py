@@ -1,0 +1,115 @@
+"""Flags, YAML configs, precedence and the bad-input checks of validate_args."""
+
+import textwrap
+
+import pytest
+
+from megatron.training.arguments import parse_args, padded_vocab_size, validate_args
+from megatron.training.ds_config import build_ds_config
+from megatron.training.errors import ConfigError
+
+BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "4", "--lr", "1e-3",
+        "--data-path", "some/prefix"]
+
+
+def _yaml(tmp_path, text, name="c.yaml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def test_yaml_values_are_used_and_flags_win(tmp_path):
+    cfg = _yaml(tmp_path, """
+        num-layers: 6
+        hidden_size: 64          # underscores work too
+        num-experts: 8
+        bf16: true
+        data-path: [0.3, a, 0.7, b]
+        """)
+    args = parse_args(["--config", cfg, "--num-layers", "3"])
+    assert args.num_layers == 3            # flag beats YAML
+    assert args.hidden_size == 64
+    assert args.num_experts == 8
+    assert args.bf16 is True
+    assert args.data_path == ["0.3", "a", "0.7", "b"]
+
+
+def test_later_config_file_wins_and_sections_flatten(tmp_path):
+    first = _yaml(tmp_path, "num-layers: 6\nlr: 0.1\n", "a.yaml")
+    second = _yaml(tmp_path, "lr: 0.5\nlr-decay:\n  style: cosine\n", "b.yaml")
+    args = parse_args(["--config", first, "--config", second])
+    assert (args.num_layers, args.lr, args.lr_decay_style) == (6, 0.5, "cosine")
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("num-layer: 2\n", "unknown key 'num-layer'"),
+    ("num-layers: two\n", "invalid int value"),
+    ("bf16: 3\n", "must be true or false"),
+    ("- a\n- b\n", "must hold a mapping"),
+])
+def test_bad_yaml_names_the_key_and_file(tmp_path, text, needle):
+    cfg = _yaml(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        parse_args(["--config", cfg])
+    assert needle in str(err.value)
+    assert "c.yaml" in str(err.value)
+
+
+def test_unknown_flag_and_missing_file():
+    with pytest.raises(ConfigError, match="unrecognized arguments: --num-layerz"):
+        parse_args(BASE + ["--num-layerz", "3"])
+    with pytest.raises(ConfigError, match="--config: file not found: nope.yaml"):
+        parse_args(["--config", "nope.yaml"])
+
+
+def test_derived_values():
+    args = validate_args(parse_args(BASE + ["--global-batch-size", "16"]), world_size=4)
+    assert args.data_parallel_size == 4
+    assert args.gradient_accumulation_steps == 2
+    assert args.max_position_embeddings == 16
+    assert args.lr_decay_iters == 4
+    cfg = build_ds_config(args)
+    assert (cfg["train_batch_size"], cfg["train_micro_batch_size_per_gpu"],
+            cfg["gradient_accumulation_steps"]) == (16, 2, 2)
+    assert cfg["zero_optimization"]["stage"] == 2
+
+
+@pytest.mark.parametrize("extra, world, needle", [
+    (["--num-experts", "6", "--moe-expert-parallel-size", "4"], 4,
+     "--num-experts (6) must be divisible by --moe-expert-parallel-size (4)"),
+    (["--num-experts", "4", "--moe-expert-parallel-size", "4"], 6,
+     "world size (6) must be divisible by --moe-expert-parallel-size (4)"),
+    (["--global-batch-size", "6"], 2, "--global-batch-size (6) must be divisible by"),
+    (["--bf16", "--fp16"], 1, "mutually exclusive"),
+    (["--hidden-size", "30"], 1, "--hidden-size (30) must be divisible by --num-attention-heads"),
+    (["--seq-length", "64", "--max-position-embeddings", "32"], 1, "--seq-length (64) exceeds"),
+    (["--min-lr", "1"], 1, "--min-lr"),
+    (["--deepspeed_config", "missing.json"], 1, "--deepspeed_config: file not found"),
+])
+def test_validation_names_the_flag(extra, world, needle):
+    with pytest.raises(ConfigError) as err:
+        validate_args(parse_args(BASE + extra), world_size=world)
+    assert needle in str(err.value)
+
+
+def test_required_flag_is_named():
+    with pytest.raises(ConfigError, match="--train-iters is required"):
+        i = BASE.index("--train-iters")
+        validate_args(parse_args(BASE[:i] + BASE[i + 2:]), 1)
+
+
+def test_deepspeed_config_file_must_agree(tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"train_batch_size": 99, "zero_optimization": {"stage": 1}}')
+    args = validate_args(parse_args(BASE + ["--deepspeed_config", str(ds)]), world_size=2)
+    with pytest.raises(ConfigError, match="train_batch_size is 99 but the flags give 4"):
+        build_ds_config(args)
+    ds.write_text('{"zero_optimization": {"stage": 1}}')
+    cfg = build_ds_config(args)
+    assert cfg["train_batch_size"] == 4 and cfg["zero_optimization"]["stage"] == 1
+
+
+def test_padded_vocab():
+    assert padded_vocab_size(257, 128) == 384
+    assert padded_vocab_size(256, 128) == 256
