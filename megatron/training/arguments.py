@@ -102,6 +102,9 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--save", help="Directory to save checkpoints to.")
     g.add_argument("--load", help="Directory to resume from; empty or missing: start from scratch.")
     g.add_argument("--save-interval", type=int, default=0, help="Save every N iterations; 0: only at the end.")
+    g.add_argument("--exit-interval", type=int, default=0,
+                   help="Save (with --save) and exit once the iteration is a multiple of N; "
+                        "the schedule still follows --train-iters.")
     g.add_argument("--no-load-optim", action="store_true", help="Load weights only, not optimizer state.")
     g.add_argument("--no-load-rng", action="store_true", help="Do not restore RNG states.")
 
@@ -288,8 +291,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.lr_warmup_iters >= args.lr_decay_iters:
         raise ConfigError(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than "
                           f"--lr-decay-iters ({args.lr_decay_iters})")
-    if args.save_interval < 0:
-        raise ConfigError(f"--save-interval must be >= 0, got {args.save_interval}")
+    for flag in ("save_interval", "exit_interval", "eval_iters", "num_workers", "num_threads"):
+        if getattr(args, flag) < 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     if args.deepspeed_config and not os.path.isfile(args.deepspeed_config):
         raise ConfigError(f"--deepspeed_config: file not found: {args.deepspeed_config}")
     for flag, dropout in (("--hidden-dropout", args.hidden_dropout),

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megatron.training.arguments import MODEL_SHAPE_ARGS
 from megatron.training.errors import ConfigError
 from megatron.training.log import print_rank_0
-from megatron.training.rng import get_rng_state, set_rng_state
+from megatron.training.rng import get_rng_state
 
 META_FILE = "megatron_meta.json"
 LATEST_FILE = "latest"
@@ -35,6 +35,10 @@ class ResumeState:
     """Optimizer steps already taken."""
     consumed_train_samples: int = 0
     """Training samples already consumed (the data loader resumes after them)."""
+    rng_state: Optional[Dict] = None
+    """This rank's saved RNG state. Applied by the caller right before the first
+    iteration: building data loaders draws from the global generator, so applying it
+    any earlier would shift every later random draw."""
 
 
 def tag_for(iteration: int) -> str:
@@ -146,14 +150,16 @@ def load_checkpoint(engine, args: argparse.Namespace, scheduler) -> ResumeState:
         raise ConfigError(f"--load: DeepSpeed could not load {path}")
     scheduler.load_state_dict(client_state["opt_param_scheduler"])
     rng_states = client_state.get("rng_states") or []
+    rng_state = None
     if not args.no_load_rng:
         if len(rng_states) == dist.get_world_size():
-            set_rng_state(rng_states[dist.get_rank()])
+            rng_state = rng_states[dist.get_rank()]
         else:
             print_rank_0(f"WARNING: checkpoint holds {len(rng_states)} RNG states for "
                          f"{dist.get_world_size()} ranks; RNG states not restored")
     state = ResumeState(iteration=int(client_state["iteration"]),
-                        consumed_train_samples=int(client_state["consumed_train_samples"]))
+                        consumed_train_samples=int(client_state["consumed_train_samples"]),
+                        rng_state=rng_state)
     print_rank_0(f"> loaded checkpoint {path} at iteration {state.iteration} "
                  f"({state.consumed_train_samples} consumed samples) in "
                  f"{time.perf_counter() - start:.2f} s")

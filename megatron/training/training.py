@@ -23,7 +23,7 @@ from megatron.training.ds_config import build_ds_config
 from megatron.training.errors import ConfigError
 from megatron.training.log import (MetricsWriter, eval_log_line, print_rank_0, timestamp,
                                    training_log_line)
-from megatron.training.rng import set_seed
+from megatron.training.rng import set_rng_state, set_seed
 
 
 @dataclass
@@ -219,6 +219,8 @@ def pretrain(args: argparse.Namespace, extra_setup=None) -> TrainResult:
     if args.load:
         state = checkpointing.load_checkpoint(engine, args, scheduler)
     train_iter, valid_iter = _build_data(args, tokenizer, state)
+    if state.rng_state is not None:
+        set_rng_state(state.rng_state)
     writer = MetricsWriter(args.metrics_file, args.tensorboard_dir)
     try:
         return _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer)
@@ -281,6 +283,9 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer) 
             checkpointing.save_checkpoint(engine, args, scheduler, state)
             last_saved = state.iteration
             window_start = time.perf_counter()
+        if args.exit_interval and state.iteration % args.exit_interval == 0:
+            print_rank_0(f"> exiting at iteration {state.iteration} (--exit-interval {args.exit_interval})")
+            break
     if args.save and last_saved != state.iteration:
         checkpointing.save_checkpoint(engine, args, scheduler, state)
     print_rank_0(f"[{timestamp()}] training done at iteration {state.iteration} "
