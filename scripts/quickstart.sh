@@ -24,7 +24,7 @@ if [ ! -f "${DATA_PREFIX}_text_document.idx" ]; then
     echo "[quickstart] preparing data from the Python standard library at $STDLIB"
     python tools/preprocess_data.py --input "$STDLIB" --input-ext .py \
         --output-prefix "$DATA_PREFIX" --tokenizer-type ByteLevelTokenizer \
-        --append-eod --workers 2 --max-documents 1500
+        --append-eod --workers 2 --max-documents 1500 --exclude-dirs site-packages dist-packages
 fi
 
 rm -rf "$RUN_DIR"

@@ -1,0 +1,60 @@
+"""Run ``pretrain_gpt_moe.py`` (or any script) as N local ranks for tests.
+
+A minimal launcher: it sets the variables torchrun/deepspeed set (RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and returns every rank's exit
+code and output, so a test can assert what *each* rank did. Every job has a timeout:
+a hang fails the test instead of hanging the suite.
+"""
+
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass
+class RankResult:
+    rank: int
+    returncode: int
+    output: str
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(nproc: int, args: Sequence[str], script: str = "pretrain_gpt_moe.py",
+              timeout: float = 240, env: Optional[dict] = None) -> List[RankResult]:
+    """Start ``nproc`` processes of ``script`` with ``args``; wait for all; return results."""
+    port = str(free_port())
+    procs = []
+    for rank in range(nproc):
+        rank_env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
+                        LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                        OMP_NUM_THREADS="1", PYTHONPATH=REPO, PYTHONWARNINGS="ignore")
+        rank_env.update(env or {})
+        procs.append(subprocess.Popen([sys.executable, os.path.join(REPO, script), *args],
+                                      cwd=REPO, env=rank_env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    results = []
+    try:
+        for rank, proc in enumerate(procs):
+            out, _ = proc.communicate(timeout=timeout)
+            results.append(RankResult(rank, proc.returncode, out))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
+
+
+def describe(results: List[RankResult]) -> str:
+    """All ranks' output, for assertion messages."""
+    return "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-4000:]}" for r in results)
