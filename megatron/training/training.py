@@ -179,9 +179,10 @@ def evaluate(engine, data_iterator: Iterator, args: argparse.Namespace) -> float
     return total.item()
 
 
-def _build_data(args: argparse.Namespace, tokenizer, state: checkpointing.ResumeState):
-    from megatron.data import build_pretraining_data_loader, build_train_valid_test_datasets
-    train_ds, valid_ds, _ = build_train_valid_test_datasets(args, tokenizer)
+def _build_loaders(args: argparse.Namespace, datasets, state: checkpointing.ResumeState):
+    """Train and valid iterators positioned after what ``state`` says was consumed."""
+    from megatron.data import build_pretraining_data_loader
+    train_ds, valid_ds, _ = datasets
     rank, world = dist.get_rank(), dist.get_world_size()
     train = build_pretraining_data_loader(train_ds, state.consumed_train_samples,
                                           args.micro_batch_size, rank, world, args.num_workers)
@@ -208,9 +209,12 @@ def pretrain(args: argparse.Namespace, extra_setup=None) -> TrainResult:
     initialize_distributed(args)
     validate_args(args, dist.get_world_size())
     set_seed(args.seed)
-    from megatron.data import build_tokenizer
+    from megatron.data import build_tokenizer, build_train_valid_test_datasets
     tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
     args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by)
+    # Data before the model: a missing or unusable --data-path stops the job before
+    # the (slow) engine set-up.
+    datasets = build_train_valid_test_datasets(args, tokenizer)
     _print_banner(args)
     engine, scheduler = setup_model_and_optimizer(args)
     if extra_setup is not None:
@@ -218,7 +222,7 @@ def pretrain(args: argparse.Namespace, extra_setup=None) -> TrainResult:
     state = checkpointing.ResumeState()
     if args.load:
         state = checkpointing.load_checkpoint(engine, args, scheduler)
-    train_iter, valid_iter = _build_data(args, tokenizer, state)
+    train_iter, valid_iter = _build_loaders(args, datasets, state)
     if state.rng_state is not None:
         set_rng_state(state.rng_state)
     writer = MetricsWriter(args.metrics_file, args.tensorboard_dir)

@@ -1,0 +1,168 @@
+"""End-to-end runs of pretrain_gpt_moe.py on 1, 2 and 4 CPU ranks (gloo).
+
+Each run is a real job on a real corpus (standard-library sources): DeepSpeed ZeRO-2
+with expert parallelism, checkpoints through DeepSpeed's own save/load.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.launch import REPO, describe, free_port, run_ranks
+
+TINY = ["--config", "configs/tiny.yaml", "--split", "90,10,0"]
+
+
+def _metrics(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def _train_losses(path):
+    return [r["lm_loss"] for r in _metrics(path) if r["kind"] == "train"]
+
+
+def _assert_ok(results):
+    assert all(r.returncode == 0 for r in results), describe(results)
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_tiny_run_trains_with_expert_parallelism(corpus, tmp_path, nproc):
+    metrics = tmp_path / "m.jsonl"
+    results = run_ranks(nproc, TINY + [
+        "--data-path", corpus, "--moe-expert-parallel-size", str(nproc), "--train-iters", "24",
+        "--lr", "0.003", "--lr-warmup-iters", "2", "--log-interval", "6", "--eval-interval", "12",
+        "--metrics-file", str(metrics)])
+    _assert_ok(results)
+    losses = _train_losses(metrics)
+    assert len(losses) == 24
+    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.5, losses
+    log = results[0].output
+    assert f"world size {nproc}, expert-parallel {nproc}" in log
+    assert " iteration       24/      24 | consumed samples:          192 |" in log
+    for field in ("elapsed time per iteration (ms):", "tokens per second:", "learning rate:",
+                  "lm loss:", "moe aux loss:", "grad norm:"):
+        assert field in log
+    assert "validation loss at iteration 12" in log
+    assert "iteration" not in results[1].output  # only rank 0 logs
+
+
+def test_single_process_python_run(corpus, tmp_path):
+    """`python pretrain_gpt_moe.py` with no launcher: one rank, its own rendezvous."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    metrics = tmp_path / "m.jsonl"
+    proc = subprocess.run([sys.executable, "pretrain_gpt_moe.py", *TINY, "--data-path", corpus,
+                           "--moe-expert-parallel-size", "1", "--train-iters", "4",
+                           "--metrics-file", str(metrics)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len(_train_losses(metrics)) == 4
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(corpus, tmp_path_factory):
+    """8 iterations in one go, through the `deepspeed` launcher, saved at the end."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", "2", "--master_port",
+           str(free_port()), "pretrain_gpt_moe.py", *TINY, "--data-path", corpus,
+           "--save", str(out / "ckpt"), "--metrics-file", str(out / "m.jsonl")]
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return out
+
+
+def _tensors(obj, prefix=""):
+    if torch.is_tensor(obj):
+        yield prefix, obj
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _tensors(value, f"{prefix}/{key}")
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from _tensors(value, f"{prefix}/{i}")
+
+
+def _checkpoint_tensors(tag_dir):
+    out = {}
+    for name in sorted(os.listdir(tag_dir)):
+        if name.endswith(".pt"):
+            # Files this test's own runs just wrote; DeepSpeed pickles non-tensor objects.
+            state = torch.load(os.path.join(tag_dir, name), map_location="cpu", weights_only=False)
+            state.pop("client_state", None)  # holds RNG states compared through the losses
+            for key, value in _tensors(state):
+                out[name + key] = value
+    return out
+
+
+def test_resume_is_bitwise_exact(corpus, tmp_path, uninterrupted):
+    """4 iterations + save + exit, then a fresh job loads and runs 4 more: identical."""
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    common = TINY + ["--data-path", corpus, "--save", str(ckpt), "--metrics-file", str(metrics)]
+    first = run_ranks(2, common + ["--exit-interval", "4"])
+    _assert_ok(first)
+    assert "exiting at iteration 4" in first[0].output
+    second = run_ranks(2, common + ["--load", str(ckpt)])
+    _assert_ok(second)
+    assert "loaded checkpoint" in second[0].output and "at iteration 4" in second[0].output
+
+    assert _metrics(metrics) == _metrics(uninterrupted / "m.jsonl")  # losses, lr, grad norms
+    ours = _checkpoint_tensors(ckpt / "global_step8")
+    theirs = _checkpoint_tensors(uninterrupted / "ckpt" / "global_step8")
+    assert ours.keys() == theirs.keys() and len(ours) > 20
+    different = [k for k in ours if not torch.equal(ours[k], theirs[k])]
+    assert not different, different[:5]
+
+
+def test_load_of_missing_directory_starts_from_scratch(corpus, tmp_path):
+    results = run_ranks(2, TINY + ["--data-path", corpus, "--exit-interval", "1",
+                                   "--load", str(tmp_path / "nothing-here")])
+    _assert_ok(results)
+    assert "no checkpoint found at --load" in results[0].output
+
+
+def test_incompatible_checkpoint_names_the_setting(corpus, uninterrupted):
+    results = run_ranks(2, TINY + ["--data-path", corpus, "--hidden-size", "64",
+                                   "--load", str(uninterrupted / "ckpt")])
+    for r in results:
+        assert r.returncode == 2, describe(results)
+        assert "saved with --hidden-size 32 but this run has --hidden-size 64" in r.output
+        assert "Traceback" not in r.output
+
+
+BAD_INPUTS = {
+    "unknown flag": (["--num-layerz", "2"], "unrecognized arguments: --num-layerz"),
+    "experts vs expert parallel": (["--num-experts", "3"],
+                                   "--num-experts (3) must be divisible by --moe-expert-parallel-size (2)"),
+    "world vs expert parallel": (["--moe-expert-parallel-size", "4"],
+                                 "world size (2) must be divisible by --moe-expert-parallel-size (4)"),
+    "global batch": (["--global-batch-size", "6"], "--global-batch-size (6) must be divisible by"),
+    "missing data": (["--data-path", "/nonexistent/corpus"], "--data-path: missing file"),
+    "tokenizer files": (["--tokenizer-type", "GPT2BPETokenizer"], "--vocab-file"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_stops_every_rank_with_exit_2(corpus, case):
+    extra, needle = BAD_INPUTS[case]
+    args = TINY + ["--data-path", corpus] + extra
+    results = run_ranks(2, args, timeout=120)
+    for r in results:
+        assert r.returncode == 2, describe(results)
+        assert needle in r.output, describe(results)
+        assert "Traceback" not in r.output, describe(results)
+
+
+def test_unknown_yaml_key_stops_every_rank(corpus, tmp_path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("num-layers: 2\nnum-expertz: 4\n")
+    results = run_ranks(2, TINY + ["--config", str(cfg), "--data-path", corpus], timeout=120)
+    for r in results:
+        assert r.returncode == 2 and "unknown key 'num-expertz'" in r.output, describe(results)
