@@ -5,10 +5,19 @@ Run with ``deepspeed pretrain_gpt_moe.py --config configs/small.yaml ...``,
 """
 
 import sys
+import warnings
+
+
+def _quiet_known_warnings() -> None:
+    """Drop warnings that libraries print on every rank and that users cannot act on."""
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*is deprecated")
 
 
 def main(argv=None) -> int:
     """Parse, train, and turn bad input into exit code 2 on every rank."""
+    _quiet_known_warnings()
     from megatron.training.errors import ConfigError
     from megatron.training.log import fatal
     try:

@@ -4,15 +4,16 @@
 #   2. turn a real corpus every machine with Python has -- the standard library's own
 #      source files -- into an indexed dataset (byte-level tokens);
 #   3. train configs/small.yaml on 2 CPU ranks (ZeRO-2, 8 experts, expert-parallel 2)
-#      with the deepspeed launcher, saving checkpoints, stop half way;
+#      with the deepspeed launcher, saving a checkpoint and exiting half way
+#      (--exit-interval: the LR schedule still spans all iterations);
 #   4. start a fresh job that resumes from the checkpoint and finishes.
-# Environment: QUICKSTART_ITERS (default 60), QUICKSTART_RANKS (default 2),
+# Environment: QUICKSTART_ITERS (default 200), QUICKSTART_RANKS (default 2),
 # QUICKSTART_DIR (default runs/quickstart).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
 
-ITERS="${QUICKSTART_ITERS:-60}"
+ITERS="${QUICKSTART_ITERS:-200}"
 RANKS="${QUICKSTART_RANKS:-2}"
 RUN_DIR="${QUICKSTART_DIR:-runs/quickstart}"
 HALF=$((ITERS / 2))
@@ -34,9 +35,9 @@ common=(--config configs/small.yaml --data-path "${DATA_PREFIX}_text_document"
         --save-interval "$HALF" --eval-interval "$HALF" --log-interval 10
         --metrics-file "$RUN_DIR/metrics.jsonl")
 
-echo "[quickstart] training iterations 0-$HALF on $RANKS CPU ranks"
+echo "[quickstart] training iterations 0-$HALF of $ITERS on $RANKS CPU ranks, then stopping"
 deepspeed --num_gpus "$RANKS" --master_port "${MASTER_PORT:-29561}" pretrain_gpt_moe.py \
-    "${common[@]}" --train-iters "$HALF" 2>&1 | tee "$RUN_DIR/part1.log"
+    "${common[@]}" --train-iters "$ITERS" --exit-interval "$HALF" 2>&1 | tee "$RUN_DIR/part1.log"
 
 echo "[quickstart] resuming from $RUN_DIR/checkpoints for iterations $HALF-$ITERS"
 deepspeed --num_gpus "$RANKS" --master_port "${MASTER_PORT:-29561}" pretrain_gpt_moe.py \
