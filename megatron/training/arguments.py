@@ -8,6 +8,7 @@ files (a later file over an earlier one) > defaults. YAML keys are the flag name
 """
 
 import argparse
+import importlib.util
 import os
 from typing import Dict, List, Optional, Sequence
 
@@ -296,6 +297,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     if args.deepspeed_config and not os.path.isfile(args.deepspeed_config):
         raise ConfigError(f"--deepspeed_config: file not found: {args.deepspeed_config}")
+    if args.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
+        # Checked here, on every rank: failing later on rank 0 alone would leave the
+        # other ranks waiting in the first collective.
+        raise ConfigError("--tensorboard-dir needs the tensorboard package "
+                          "(pip install tensorboard, or the project's [tensorboard] extra)")
     for flag, dropout in (("--hidden-dropout", args.hidden_dropout),
                           ("--attention-dropout", args.attention_dropout)):
         if not 0.0 <= dropout < 1.0:

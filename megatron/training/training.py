@@ -292,7 +292,8 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer) 
             break
     if args.save and last_saved != state.iteration:
         checkpointing.save_checkpoint(engine, args, scheduler, state)
-    print_rank_0(f"[{timestamp()}] training done at iteration {state.iteration} "
+    done = "done" if state.iteration >= args.train_iters else "stopped"
+    print_rank_0(f"[{timestamp()}] training {done} at iteration {state.iteration} "
                  f"({state.consumed_train_samples} samples)")
     result.iteration, result.consumed_train_samples = state.iteration, state.consumed_train_samples
     return result

@@ -113,3 +113,12 @@ def test_deepspeed_config_file_must_agree(tmp_path):
 def test_padded_vocab():
     assert padded_vocab_size(257, 128) == 384
     assert padded_vocab_size(256, 128) == 256
+
+
+def test_tensorboard_dir_without_tensorboard_is_refused_on_every_rank(monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(ConfigError, match="--tensorboard-dir needs the tensorboard package"):
+        validate_args(parse_args(BASE + ["--tensorboard-dir", "tb"]), world_size=1)

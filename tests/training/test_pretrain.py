@@ -66,6 +66,17 @@ def test_single_process_python_run(corpus, tmp_path):
     assert len(_train_losses(metrics)) == 4
 
 
+def test_torchrun_launch(corpus, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_port", str(free_port()), "pretrain_gpt_moe.py", *TINY, "--data-path", corpus,
+           "--train-iters", "2", "--metrics-file", str(metrics)]
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len(_train_losses(metrics)) == 2
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(corpus, tmp_path_factory):
     """8 iterations in one go, through the `deepspeed` launcher, saved at the end."""
