@@ -1,0 +1,241 @@
+"""Describe a DeepSpeed engine's training state as fragments of global tensors.
+
+Every tensor that a checkpoint must hold is named by its *global* name (experts by
+their global index, so names do not depend on the expert-parallel layout), its global
+shape, and the fragment ``[offset, offset + length)`` of the flattened tensor that this
+rank holds, with a live 1-D view of those elements:
+
+* ZeRO stage 1/2 (any precision): the fp32 master weights and the optimizer moments of
+  the partition this rank owns, found through the per-parameter fragment maps DeepSpeed
+  keeps (``param._hp_mapping``). Each element has exactly one owner in the world.
+* No ZeRO, fp32: whole parameters and their moments, held identically by every rank of
+  the parameter's data-parallel group (all ranks for non-expert parameters, the
+  expert-data-parallel group for experts).
+
+The bf16/fp16 compute copies are derivable from the fp32 master and never described.
+Every rank calls :func:`describe_local_state` on its own engine; no collectives.
+"""
+
+import re
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+ExpertId = Tuple[int, int]
+"""(MoE layer index in module order, global expert index)."""
+
+FP32 = "fp32"
+MOMENT_KINDS = ("exp_avg", "exp_avg_sq")
+_EXPERT_RE = re.compile(r"^(?P<head>.*\.deepspeed_experts\.)(?P<local>\d+)(?P<tail>\..*)$")
+
+
+@dataclass
+class LocalFragment:
+    """A fragment of a global tensor held by this rank, with a live view of its elements."""
+
+    name: str
+    """Global parameter name (expert index global)."""
+    kind: str
+    """``fp32`` (master weights), ``exp_avg`` or ``exp_avg_sq``."""
+    shape: Tuple[int, ...]
+    """Global shape of the parameter."""
+    offset: int
+    """First element of the fragment in the flattened global tensor."""
+    length: int
+    """Number of elements."""
+    expert: Optional[ExpertId]
+    """The expert this tensor belongs to, or None for non-expert state."""
+    holders: Tuple[int, ...]
+    """Global ranks holding identical bytes (one rank for ZeRO-partitioned state)."""
+    tensor: torch.Tensor
+    """1-D view of the fragment's elements (the training state itself: copy before use)."""
+
+    @property
+    def key(self) -> str:
+        """Storage key, unique across the world."""
+        return f"{self.name}|{self.kind}|{self.offset}"
+
+
+@dataclass(frozen=True)
+class ExpertNaming:
+    """Maps local parameter names to global ones for ``deepspeed.moe`` layers.
+
+    ``moe_prefixes[i]`` is the module path of the i-th MoE layer; ``first_expert[i]``
+    the global index of this rank's local expert 0 in that layer.
+    """
+
+    moe_prefixes: Tuple[str, ...]
+    first_expert: Tuple[int, ...]
+    num_experts: Tuple[int, ...]
+
+    def expert_of(self, name: str) -> Optional[ExpertId]:
+        """(layer, global expert) of an expert parameter name, None for others."""
+        match = _EXPERT_RE.match(name)
+        if match is None:
+            return None
+        for layer, prefix in enumerate(self.moe_prefixes):
+            if name.startswith(prefix + "."):
+                return layer, self.first_expert[layer] + int(match.group("local"))
+        raise ValueError(f"expert parameter {name} belongs to no known MoE layer")
+
+    def global_name(self, name: str) -> str:
+        """``name`` with its local expert index replaced by the global one."""
+        expert = self.expert_of(name)
+        if expert is None:
+            return name
+        match = _EXPERT_RE.match(name)
+        return f"{match.group('head')}{expert[1]}{match.group('tail')}"
+
+
+def expert_naming(module: torch.nn.Module) -> ExpertNaming:
+    """Find the ``deepspeed.moe.layer.MoE`` layers of ``module`` and this rank's experts.
+
+    Called after ``deepspeed.initialize`` (expert groups exist then).
+    """
+    from deepspeed.moe.layer import MoE
+    from deepspeed.utils import groups
+    prefixes, firsts, counts = [], [], []
+    for path, sub in module.named_modules():
+        if isinstance(sub, MoE):
+            ep_rank = groups._get_expert_parallel_rank(sub.expert_group_name)
+            prefixes.append(path)
+            firsts.append(ep_rank * sub.num_local_experts)
+            counts.append(sub.num_experts)
+    return ExpertNaming(tuple(prefixes), tuple(firsts), tuple(counts))
+
+
+def _group_ranks(param: torch.nn.Parameter) -> Tuple[int, ...]:
+    """Global ranks holding a replica of ``param`` when nothing is partitioned."""
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+    if getattr(param, "allreduce", True) is False:  # an expert parameter
+        group = groups._get_expert_data_parallel_group(param.group_name)
+        return tuple(sorted(dist.get_process_group_ranks(group)))
+    return tuple(range(dist.get_world_size()))
+
+
+def base_optimizer(engine):
+    """The torch optimizer holding the fp32 state (inside DeepSpeed's wrapper if any)."""
+    opt = engine.optimizer
+    return getattr(opt, "optimizer", opt)
+
+
+def is_partitioned(engine) -> bool:
+    """Whether the engine keeps fp32 master state in per-rank partitions (ZeRO 1/2, bf16)."""
+    return any(hasattr(p, "_hp_mapping") for p in engine.module.parameters())
+
+
+def ensure_optimizer_state(engine) -> None:
+    """Create the optimizer moments if no step has run yet (torch creates them lazily).
+
+    Loading into a fresh engine needs somewhere to put the saved moments. One step with
+    zero gradients and learning rate 0 creates them without changing any weight; the
+    saved step counters then overwrite the counters it advanced.
+    """
+    opt = base_optimizer(engine)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    if all(opt.state.get(p) for p in params if p.numel()):
+        return
+    saved_lr = [g["lr"] for g in opt.param_groups]
+    saved_grads = [p.grad for p in params]
+    try:
+        for g in opt.param_groups:
+            g["lr"] = 0.0
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        opt.step()
+    finally:
+        for g, lr in zip(opt.param_groups, saved_lr):
+            g["lr"] = lr
+        for p, grad in zip(params, saved_grads):
+            p.grad = grad
+    lazy_init = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+    if lazy_init is not None:
+        lazy_init()
+
+
+def describe_local_state(engine, naming: ExpertNaming, with_moments: bool = True) -> List[LocalFragment]:
+    """Every fragment of fp32 master weights (and moments) this rank holds.
+
+    Raises:
+        ValueError: low-precision training without ZeRO, whose master weights are not
+            reachable through fragment maps.
+    """
+    import torch.distributed as dist
+    fragments: List[LocalFragment] = []
+    partitioned = is_partitioned(engine)
+    rank = dist.get_rank()
+    opt = base_optimizer(engine)
+    for local_name, param in engine.module.named_parameters():
+        name = naming.global_name(local_name)
+        expert = naming.expert_of(local_name)
+        shape = tuple(param.shape)
+        if partitioned:
+            mapping = getattr(param, "_hp_mapping", None)
+            if mapping is None:
+                continue  # this rank owns no element of the parameter
+            offset = mapping.lp_fragment_address.start
+            length = mapping.lp_fragment_address.numel
+            views = {FP32: mapping.hp_fragment}
+            if with_moments:
+                views.update({k: mapping.get_optim_state_fragment(k) for k in MOMENT_KINDS
+                              if mapping.optim_fragment and k in mapping.optim_fragment})
+            holders: Tuple[int, ...] = (rank,)
+        else:
+            if param.dtype != torch.float32:
+                raise ValueError(f"MoC checkpointing of {param.dtype} weights needs ZeRO stage 1 or 2 "
+                                 "(the fp32 master weights live in its partitions); use --zero-stage 1/2")
+            offset, length = 0, param.numel()
+            views = {FP32: param.data.view(-1)}
+            state = opt.state.get(param, {})
+            if with_moments:
+                views.update({k: state[k].view(-1) for k in MOMENT_KINDS if k in state})
+            holders = _group_ranks(param)
+        for kind, view in views.items():
+            fragments.append(LocalFragment(name, kind, shape, offset, length, expert, holders,
+                                           view.view(-1)))
+    return fragments
+
+
+def optimizer_scalars(engine) -> List[Dict]:
+    """Per parameter group, the optimizer state that is not a per-element tensor (e.g. ``step``)."""
+    opt = base_optimizer(engine)
+    out = []
+    for group in opt.param_groups:
+        scalars: Dict = {}
+        for p in group["params"]:
+            for key, value in opt.state.get(p, {}).items():
+                if key in MOMENT_KINDS or (torch.is_tensor(value) and value.numel() > 1):
+                    continue
+                scalars[key] = value.item() if torch.is_tensor(value) else value
+            if scalars:
+                break  # every parameter of a group shares its step counter
+        out.append(scalars)
+    return out
+
+
+def set_optimizer_scalars(engine, scalars: List[Dict]) -> None:
+    """Restore what :func:`optimizer_scalars` returned into every parameter's state."""
+    opt = base_optimizer(engine)
+    if len(scalars) != len(opt.param_groups):
+        raise ValueError(f"checkpoint has {len(scalars)} optimizer parameter groups, "
+                         f"this engine {len(opt.param_groups)}")
+    for group, values in zip(opt.param_groups, scalars):
+        for p in group["params"]:
+            state = opt.state.get(p)
+            if not state:
+                continue
+            for key, value in values.items():
+                old = state.get(key)
+                state[key] = (torch.tensor(value, dtype=old.dtype, device=old.device)
+                              if torch.is_tensor(old) else value)
+
+
+def refresh_compute_weights(engine) -> None:
+    """After fp32 master fragments changed: rebuild the (low-precision) compute weights.
+
+    All ranks call it together (ZeRO all-gathers the partitions).
+    """
+    if is_partitioned(engine):
+        engine.optimizer.update_lp_params()
