@@ -447,7 +447,13 @@ def preprocess(
         committed = True
     finally:
         if pool is not None:
-            pool.terminate()
+            # close() lets idle workers exit cleanly (terminate() could kill one while
+            # it builds a tokenizer and leave its temporary files behind); after a
+            # failure the remaining work is not wanted, so terminate() then.
+            if committed:
+                pool.close()
+            else:
+                pool.terminate()
             pool.join()
         if not committed:
             for output in outputs.values():

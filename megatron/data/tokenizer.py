@@ -21,10 +21,26 @@ places special tokens at the end of the vocabulary, so the id of ``<eod>`` is 25
 the vocabulary has 257 entries; ``_eos_id`` (what ``.eod`` returns) is set to 256 too.
 The library's ``ids_to_text`` strips trailing whitespace (``rstrip``), so
 :meth:`Tokenizer.detokenize` decodes bytes itself for an exact round trip.
+
+GPT-2 BPE tokenizer
+-------------------
+Built from a local GPT-2 ``vocab.json`` (``--vocab-file``) and ``merges.txt``
+(``--merge-file``) with megatron.core's ``"huggingface"`` library, fully offline;
+see :func:`_build_gpt2_bpe` for why it goes through a private temporary directory.
+The end-of-document id is the id of ``<|endoftext|>`` in ``vocab.json``. A literal
+``<|endoftext|>`` inside the text is tokenized as ordinary text (as the original
+Megatron-LM GPT-2 tokenizer does), so documents cannot inject end-of-document ids.
+Needs ``transformers`` (the ``[bpe]`` extra).
 """
 
+import contextlib
 import importlib.util
+import json
 import os
+import shutil
+import signal
+import tempfile
+import threading
 from collections import OrderedDict
 from typing import Iterable, List, Optional
 
@@ -37,6 +53,8 @@ DEFAULT_TOKENIZER_TYPE = "ByteLevelTokenizer"
 NO_PAD_ID = -1
 BYTE_LEVEL_EOD = 256
 BYTE_LEVEL_VOCAB_SIZE = 257
+
+GPT2_EOD_TOKEN = "<|endoftext|>"
 
 
 class Tokenizer:
@@ -114,6 +132,12 @@ class Tokenizer:
                 )
             # Not core.detokenize: it rstrip()s the text, which breaks exact round trips.
             return bytes(i for i in ids if i != self._eod).decode("utf-8", errors="replace")
+        if self.tokenizer_type == "GPT2BPETokenizer":
+            bad = [i for i in ids if not 0 <= i < self._vocab_size]
+            if bad:  # HuggingFace would fail with an obscure TypeError instead
+                raise ValueError(
+                    f"token id {bad[0]} is outside the GPT-2 vocabulary [0, {self._vocab_size})"
+                )
         return self.core.detokenize([i for i in ids if i != self._eod])
 
     def __repr__(self) -> str:
@@ -169,23 +193,175 @@ def _build_byte_level() -> Tokenizer:
     return Tokenizer("ByteLevelTokenizer", core, BYTE_LEVEL_VOCAB_SIZE, BYTE_LEVEL_EOD)
 
 
+def _have_transformers() -> bool:
+    """Whether HuggingFace ``transformers`` is importable (tests monkeypatch this)."""
+    return importlib.util.find_spec("transformers") is not None
+
+
+def _read_gpt2_vocab(vocab_file: str) -> dict:
+    """Parse and sanity-check a GPT-2 ``vocab.json`` (token -> id)."""
+    try:
+        with open(vocab_file, "r", encoding="utf-8") as f:
+            vocab = json.load(f)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ConfigError(
+            f"--vocab-file {vocab_file}: not a GPT-2 vocab.json (invalid JSON: {err})"
+        ) from None
+    except OSError as err:
+        raise ConfigError(
+            f"--vocab-file: cannot read {vocab_file}: {err.strerror or err}"
+        ) from None
+    if not isinstance(vocab, dict) or not vocab:
+        raise ConfigError(
+            f"--vocab-file {vocab_file}: not a GPT-2 vocab.json "
+            "(expected a non-empty JSON object mapping tokens to ids)"
+        )
+    for token, token_id in vocab.items():
+        if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+            raise ConfigError(
+                f"--vocab-file {vocab_file}: token {token!r} has id {token_id!r}; "
+                "ids must be non-negative integers"
+            )
+    if GPT2_EOD_TOKEN not in vocab:
+        raise ConfigError(
+            f"--vocab-file {vocab_file}: the GPT-2 vocabulary has no end-of-text token "
+            f"{GPT2_EOD_TOKEN!r} (needed as the end-of-document id)"
+        )
+    return vocab
+
+
+# tokenizer_config.json of the private directory handed to HuggingFace AutoTokenizer.
+_GPT2_TOKENIZER_CONFIG = {
+    # AutoTokenizer needs the class: without it, it looks for a model config.json.
+    # "GPT2Tokenizer" with use_fast=True resolves to GPT2TokenizerFast on transformers
+    # 4.x and to GPT2Tokenizer (which is Rust-backed there) on 5.x.
+    "tokenizer_class": "GPT2Tokenizer",
+    # GPT-2's own settings (also the class defaults), spelled out so they do not depend
+    # on the transformers version.
+    "add_prefix_space": False,
+    "errors": "replace",
+    "bos_token": GPT2_EOD_TOKEN,
+    "eos_token": GPT2_EOD_TOKEN,
+    "unk_token": GPT2_EOD_TOKEN,
+    # A literal "<|endoftext|>" in a document is text, not the end-of-document id
+    # (the original Megatron-LM GPT-2 tokenizer behaves the same way).
+    "split_special_tokens": True,
+}
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """Symlink ``dst`` to ``src`` (nothing to copy, nothing big left behind if a killed
+    process skips the clean-up); copy where symlinks are not available."""
+    try:
+        os.symlink(os.path.abspath(src), dst)
+    except (OSError, NotImplementedError):
+        shutil.copyfile(src, dst)
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived inside :func:`_sigterm_cleans_up` (not an ``Exception``, so the
+    ``except Exception`` clauses on the way out do not swallow it)."""
+
+
+@contextlib.contextmanager
+def _sigterm_cleans_up():
+    """Let ``with`` blocks inside run their clean-up if SIGTERM arrives, then die of it.
+
+    SIGTERM's default action kills the process on the spot, skipping ``finally`` and
+    ``__exit__``: a ``multiprocessing.Pool`` worker terminated (``Pool.terminate()``,
+    as the preprocessing tool does when it is done) while still building its
+    tokenizer, or a rank stopped by its launcher, would leave the temporary directory
+    behind. Only while SIGTERM has its default action and only in the main thread
+    (signal handlers cannot be set elsewhere), a handler turns it into
+    :class:`_Terminated`; on the way out the default action is restored and the signal
+    re-sent, so the process still ends as killed by SIGTERM.
+    """
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+    state = {"armed": True, "received": False}
+
+    def handler(signum, frame):
+        state["received"] = True
+        if state["armed"]:
+            raise _Terminated()
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        state["armed"] = False
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if state["received"]:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _build_gpt2_bpe(vocab_file: Optional[str], merge_file: Optional[str]) -> Tokenizer:
+    """GPT-2 byte-level BPE from local files, through megatron.core, offline.
+
+    Why not megatron.core's ``"megatron"`` library (``MegatronHFTokenizer``): in
+    megatron.core 0.16.1 it passes the vocab file as the merges file and then calls
+    ``AutoTokenizer.from_pretrained("gpt2", ...)``, which needs the HuggingFace Hub.
+
+    Why not ``"huggingface"`` with ``vocab_file=`` / ``merges_file=`` (its
+    ``HuggingFaceTokenizer``): it forwards the merges path under the misspelt keyword
+    ``merge_files``, which transformers ignores, and it still needs a
+    ``tokenizer_path`` that AutoTokenizer can resolve. transformers 5.x then silently
+    *generates* merges from the vocabulary when merges.txt is missing, and (5.23) it
+    ignores vocab/merges paths written into a tokenizer_config.json: it only takes
+    files inside the directory, or paths passed as keyword arguments, which
+    megatron.core does not do for the merges file.
+
+    So the two files are symlinked (copied where that fails), under the names GPT-2
+    tokenizers look for (``vocab.json``, ``merges.txt``), into a fresh private
+    temporary directory together with a minimal ``tokenizer_config.json``
+    (:data:`_GPT2_TOKENIZER_CONFIG`), and that directory is the ``tokenizer_path``.
+    AutoTokenizer resolves everything locally (no network), reads both files while
+    constructing the tokenizer, and the directory is removed right after (also when
+    the process is terminated meanwhile: :func:`_sigterm_cleans_up`). ``tempfile``
+    gives every call its own directory, so ranks or preprocessing workers building
+    concurrently never share a path.
+
+    Checked with transformers 4.43.4, 4.46.3, 4.57.6 and 5.23.0; 4.41 and older are
+    rejected below (their fast tokenizers ignore ``split_special_tokens``).
+    """
     _check_readable_file(vocab_file, "--vocab-file", "GPT2BPETokenizer")
     _check_readable_file(merge_file, "--merge-file", "GPT2BPETokenizer")
-    if importlib.util.find_spec("transformers") is None:
+    if not _have_transformers():
         raise ConfigError(
             "--tokenizer-type GPT2BPETokenizer needs the 'transformers' package "
-            "(megatron.core's 'megatron' tokenizer library wraps HuggingFace): "
-            "`pip install transformers`, or use --tokenizer-type ByteLevelTokenizer"
+            "(megatron.core's 'huggingface' tokenizer library wraps it): "
+            "`pip install transformers` (or install this project with its [bpe] extra), "
+            "or use --tokenizer-type ByteLevelTokenizer"
         )
+    vocab = _read_gpt2_vocab(vocab_file)
+    expected_eod = vocab[GPT2_EOD_TOKEN]
     try:
-        core = _core_tokenizer_class().from_pretrained(
-            tokenizer_path="GPT2BPETokenizer",
-            metadata_path={"library": "megatron", "model_type": "gpt"},
-            vocab_file=vocab_file,
-            merges_file=merge_file,
-        )
+        core_class = _core_tokenizer_class()
+        # Import transformers (via megatron.core's wrapper) *before* creating the
+        # directory, so that it exists only for the few milliseconds the tokenizer takes
+        # to build.
+        with quiet_core_import():
+            import megatron.core.tokenizers.text.libraries  # noqa: F401
+        with _sigterm_cleans_up(), tempfile.TemporaryDirectory(
+            prefix="megatron-gpt2-bpe-"
+        ) as tmp_dir:
+            _link_or_copy(vocab_file, os.path.join(tmp_dir, "vocab.json"))
+            _link_or_copy(merge_file, os.path.join(tmp_dir, "merges.txt"))
+            with open(os.path.join(tmp_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+                json.dump(_GPT2_TOKENIZER_CONFIG, f)
+            core = core_class.from_pretrained(
+                tokenizer_path=tmp_dir,
+                metadata_path={"library": "huggingface", "model_type": "gpt"},
+                # Rust BPE on transformers 4.x too (5.x has only that one).
+                use_fast=True,
+            )
         vocab_size, eod = core.vocab_size, core.eod
+        # transformers < 4.43 ignores split_special_tokens for fast tokenizers.
+        literal_eod_ok = eod not in core.tokenize(GPT2_EOD_TOKEN)
     except ConfigError:
         raise
     except Exception as err:  # the HF/megatron stack raises many types
@@ -193,10 +369,19 @@ def _build_gpt2_bpe(vocab_file: Optional[str], merge_file: Optional[str]) -> Tok
             f"could not build GPT2BPETokenizer from --vocab-file {vocab_file} and "
             f"--merge-file {merge_file}: {type(err).__name__}: {err}"
         ) from None
-    if eod is None:
+    if eod != expected_eod:
         raise ConfigError(
-            f"--vocab-file {vocab_file}: the GPT-2 vocabulary has no end-of-text token"
+            f"--vocab-file {vocab_file}: {GPT2_EOD_TOKEN!r} has id {expected_eod} in the "
+            f"file but the tokenizer maps it to {eod}"
         )
+    if not literal_eod_ok:
+        raise ConfigError(
+            "--tokenizer-type GPT2BPETokenizer: the installed transformers turns a literal "
+            f"{GPT2_EOD_TOKEN!r} in the text into the end-of-document id; "
+            "`pip install 'transformers>=4.43'`"
+        )
+    # Embedding rows must cover every id in the file even if its ids have gaps.
+    vocab_size = max(int(vocab_size), max(vocab.values()) + 1)
     return Tokenizer("GPT2BPETokenizer", core, vocab_size, eod, vocab_file, merge_file)
 
 

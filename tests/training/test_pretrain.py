@@ -70,7 +70,7 @@ def test_torchrun_launch(corpus, tmp_path):
     metrics = tmp_path / "m.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_port", str(free_port()), "pretrain_gpt_moe.py", *TINY, "--data-path", corpus,
-           "--train-iters", "2", "--metrics-file", str(metrics)]
+           "--train-iters", "2", "--lr-warmup-iters", "0", "--metrics-file", str(metrics)]
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
