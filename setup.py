@@ -27,18 +27,22 @@ setup(
         "safetensors>=0.4",
     ],
     extras_require={
-        "test": ["pytest>=8"],
+        # transformers: so the tests exercise the real GPT2BPETokenizer path.
+        "test": ["pytest>=8", "transformers>=4.43,<6"],
         # ninja lets DeepSpeed JIT-build its fused CUDA ops; NVIDIA apex (fused
         # LayerNorm) is not on PyPI: build it from its source and it is picked up
         # when importable.
         "gpu": ["ninja>=1.11"],
         "tensorboard": ["tensorboard>=2.14"],
-        "bpe": ["transformers>=4.40"],
+        # GPT2BPETokenizer (megatron/data/tokenizer.py). 4.41 and older ignore
+        # split_special_tokens in fast tokenizers; 4.42 pins numpy<2.
+        "bpe": ["transformers>=4.43,<6"],
     },
     entry_points={
         "console_scripts": [
             "moc-pretrain=pretrain_gpt_moe:main_cli",
             "moc-preprocess-data=megatron.data.preprocess:main_cli",
+            "moc-ckpt=deepspeed_ext.cli:main_cli",
         ],
     },
 )

@@ -155,6 +155,22 @@ def ensure_optimizer_state(engine) -> None:
         lazy_init()
 
 
+def _moment_views(opt, mapping) -> Dict[str, torch.Tensor]:
+    """The optimizer moments of a ZeRO fragment, as views into the flat partition's state.
+
+    DeepSpeed links these into ``mapping.optim_fragment`` only once, at the first step,
+    and a group whose state did not exist yet then stays unlinked for good (its moments
+    would silently be missing from checkpoints), so they are found here directly: the
+    fp32 fragment is a view of the flat partition the optimizer state is keyed by.
+    """
+    flat = mapping.hp_fragment._base if mapping.hp_fragment._base is not None else mapping.hp_fragment
+    state = opt.state.get(flat, {})
+    start = mapping.hp_fragment_address.start
+    numel = mapping.hp_fragment_address.numel
+    return {k: state[k].narrow(0, start, numel) for k in MOMENT_KINDS
+            if k in state and state[k].shape == flat.shape}
+
+
 def describe_local_state(engine, naming: ExpertNaming, with_moments: bool = True) -> List[LocalFragment]:
     """Every fragment of fp32 master weights (and moments) this rank holds.
 
@@ -179,8 +195,7 @@ def describe_local_state(engine, naming: ExpertNaming, with_moments: bool = True
             length = mapping.lp_fragment_address.numel
             views = {FP32: mapping.hp_fragment}
             if with_moments:
-                views.update({k: mapping.get_optim_state_fragment(k) for k in MOMENT_KINDS
-                              if mapping.optim_fragment and k in mapping.optim_fragment})
+                views.update(_moment_views(opt, mapping))
             holders: Tuple[int, ...] = (rank,)
         else:
             if param.dtype != torch.float32:

@@ -110,6 +110,19 @@ def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-rng", action="store_true", help="Do not restore RNG states.")
 
 
+def _add_moc_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("MoC checkpointing")
+    g.add_argument("--moc-checkpoint", action="store_true",
+                   help="Save and load through MoC (deepspeed_ext) instead of DeepSpeed's own path.")
+    g.add_argument("--moc-pec-k", type=int, default=0,
+                   help="Experts saved per MoE layer per checkpoint; 0: all.")
+    g.add_argument("--moc-pec-policy", default="sequential", choices=["sequential", "load-aware"],
+                   help="Which experts a partial checkpoint saves.")
+    g.add_argument("--moc-keep", type=int, default=0,
+                   help="Complete checkpoints to keep (still-referenced expert versions are "
+                        "never deleted); 0: all.")
+
+
 def _add_data_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+",
@@ -149,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="YAML file whose keys are flag names; repeatable (later files win); "
                         "flags win over all of them.")
     for add in (_add_model_args, _add_moe_args, _add_training_args, _add_checkpoint_args,
-                _add_data_args, _add_logging_args, _add_deepspeed_args):
+                _add_moc_args, _add_data_args, _add_logging_args, _add_deepspeed_args):
         add(p)
     return p
 
@@ -297,6 +310,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     if args.deepspeed_config and not os.path.isfile(args.deepspeed_config):
         raise ConfigError(f"--deepspeed_config: file not found: {args.deepspeed_config}")
+    if args.moc_pec_k > args.num_experts:
+        raise ConfigError(f"--moc-pec-k ({args.moc_pec_k}) exceeds --num-experts ({args.num_experts})")
+    if args.moc_pec_k < 0 or args.moc_keep < 0:
+        raise ConfigError("--moc-pec-k and --moc-keep must be >= 0")
+    if args.moc_checkpoint and args.zero_stage == 0 and (args.bf16 or args.fp16):
+        raise ConfigError("--moc-checkpoint with --bf16/--fp16 needs --zero-stage 1 or 2 "
+                          "(the fp32 master weights live in ZeRO's partitions)")
     if args.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
         # Checked here, on every rank: failing later on rank 0 alone would leave the
         # other ranks waiting in the first collective.
@@ -312,6 +332,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
 def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
     """Round the tokenizer's vocabulary up to a multiple of ``--make-vocab-size-divisible-by``."""
     return -(-vocab_size // divisible_by) * divisible_by
+
+
+def moc_config_from_args(args: argparse.Namespace):
+    """The :class:`deepspeed_ext.config.MoCConfig` of ``--moc-*`` (or the ``moc:`` YAML section)."""
+    from deepspeed_ext.config import MoCConfig
+    return MoCConfig(pec_k=args.moc_pec_k, pec_policy=args.moc_pec_policy, keep=args.moc_keep)
 
 
 def model_config_from_args(args: argparse.Namespace):

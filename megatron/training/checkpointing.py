@@ -77,6 +77,12 @@ def save_checkpoint(engine, args: argparse.Namespace, scheduler, state: ResumeSt
                     "rng_states": rng_states,
                     "args": args_to_dict(args)}
     engine.save_checkpoint(args.save, tag=tag, client_state=client_state)
+    if getattr(engine, "moc", None) is not None:
+        # MoC's manifest already makes the save atomic and holds the arguments (in the
+        # client state); an extra file would only be something for retention to trip on.
+        print_rank_0(f"[{time.strftime('%H:%M:%S')}] saved checkpoint at iteration "
+                     f"{state.iteration:7d} to {args.save}/{tag} in {time.perf_counter() - start:.2f} s")
+        return tag
     dist.barrier()
     if dist.get_rank() == 0:
         _write_json_atomic(os.path.join(args.save, tag, META_FILE), {
@@ -111,6 +117,8 @@ def check_compatible(meta: Dict, args: argparse.Namespace, path: str) -> None:
             raise ConfigError(f"checkpoint {path} was saved with --{flag} {saved[name]} but this "
                               f"run has --{flag} {getattr(args, name, None)}; use the same setting "
                               "or another --load directory")
+    if getattr(args, "moc_checkpoint", False):
+        return  # MoC checkpoints load on any layout
     if saved.get("moe_expert_parallel_size", args.moe_expert_parallel_size) != args.moe_expert_parallel_size \
             or meta.get("world_size", dist.get_world_size()) != dist.get_world_size():
         raise ConfigError(
@@ -118,6 +126,27 @@ def check_compatible(meta: Dict, args: argparse.Namespace, path: str) -> None:
             f"--moe-expert-parallel-size {saved.get('moe_expert_parallel_size')}; DeepSpeed's "
             f"checkpoints only load on the same layout (this run: {dist.get_world_size()} ranks, "
             f"--moe-expert-parallel-size {args.moe_expert_parallel_size})")
+
+
+def _saved_meta(engine, load_dir: str, tag: str) -> Dict:
+    """The saved arguments (and world size) of checkpoint ``tag``, read without its tensors."""
+    path = os.path.join(load_dir, tag)
+    if getattr(engine, "moc", None) is not None:
+        from deepspeed_ext.reader import CheckpointReader
+        try:
+            with CheckpointReader(load_dir, tag, verify_checksums=False) as reader:
+                objects = reader.objects() or {}
+                world = reader.manifest.world_size
+        except Exception as e:  # a broken newest checkpoint: MoC's load falls back past it
+            print_rank_0(f"WARNING: cannot read the arguments of {path}: {e}")
+            return {}
+        return {"args": objects.get("client_state", {}).get("args", {}), "world_size": world}
+    meta_path = os.path.join(path, META_FILE)
+    if not os.path.isfile(meta_path):
+        raise ConfigError(f"--load: {meta_path} is missing: {path} is not a complete checkpoint "
+                          "of this trainer (was it saved with --moc-checkpoint?)")
+    with open(meta_path) as f:
+        return json.load(f)
 
 
 def load_checkpoint(engine, args: argparse.Namespace, scheduler) -> ResumeState:
@@ -135,19 +164,15 @@ def load_checkpoint(engine, args: argparse.Namespace, scheduler) -> ResumeState:
         print_rank_0(f"> no checkpoint found at --load {load_dir}: starting from scratch")
         return ResumeState()
     path = os.path.join(load_dir, tag)
-    meta_path = os.path.join(path, META_FILE)
-    if not os.path.isfile(meta_path):
-        raise ConfigError(f"--load: {meta_path} is missing: {path} is not a complete checkpoint "
-                          "of this trainer")
-    with open(meta_path) as f:
-        meta = json.load(f)
-    check_compatible(meta, args, path)
+    check_compatible(_saved_meta(engine, load_dir, tag), args, path)
     start = time.perf_counter()
     load_path, client_state = engine.load_checkpoint(
-        load_dir, tag=tag, load_optimizer_states=not args.no_load_optim,
-        load_lr_scheduler_states=False)
+        # MoC picks the newest *valid* checkpoint itself (falling back past a corrupt one).
+        load_dir, tag=None if getattr(args, "moc_checkpoint", False) else tag,
+        load_optimizer_states=not args.no_load_optim, load_lr_scheduler_states=False)
     if load_path is None:
-        raise ConfigError(f"--load: DeepSpeed could not load {path}")
+        raise ConfigError(f"--load: could not load {path}")
+    path = load_path
     scheduler.load_state_dict(client_state["opt_param_scheduler"])
     rng_states = client_state.get("rng_states") or []
     rng_state = None

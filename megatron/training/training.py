@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from megatron.training import checkpointing
-from megatron.training.arguments import (model_config_from_args, padded_vocab_size,
-                                         validate_args)
+from megatron.training.arguments import (moc_config_from_args, model_config_from_args,
+                                         padded_vocab_size, validate_args)
 from megatron.training.ds_config import build_ds_config
 from megatron.training.errors import ConfigError
 from megatron.training.log import (MetricsWriter, eval_log_line, print_rank_0, timestamp,
@@ -217,6 +217,12 @@ def pretrain(args: argparse.Namespace, extra_setup=None) -> TrainResult:
     datasets = build_train_valid_test_datasets(args, tokenizer)
     _print_banner(args)
     engine, scheduler = setup_model_and_optimizer(args)
+    if args.moc_checkpoint:
+        from deepspeed_ext import enable_moc_checkpointing
+        enable_moc_checkpointing(engine, moc_config_from_args(args))
+        print_rank_0(f"> MoC checkpointing on: K = {args.moc_pec_k or args.num_experts} of "
+                     f"{args.num_experts} experts per MoE layer per checkpoint, "
+                     f"policy {args.moc_pec_policy}")
     if extra_setup is not None:
         extra_setup(engine, args)
     state = checkpointing.ResumeState()
@@ -256,6 +262,11 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer) 
     while state.iteration < args.train_iters:
         stats = train_step(engine, train_iter, args)
         scheduler.step(1)
+        moc = getattr(engine, "moc", None)
+        if moc is not None and stats.expert_counts.numel():
+            counts = stats.expert_counts.clone()
+            dist.all_reduce(counts)  # the policy state must be identical on every rank
+            moc.observe_tokens(counts.tolist())
         state.iteration += 1
         state.consumed_train_samples += args.global_batch_size
         skipped_total += int(stats.skipped)

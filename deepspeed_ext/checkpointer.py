@@ -1,0 +1,360 @@
+"""MoC's save and load for a DeepSpeed engine: fully sharded, PEC, reshardable.
+
+Multi-rank call order of :meth:`MoCCheckpointer.save` (every rank calls it):
+
+1. every rank describes its fragments (:mod:`deepspeed_ext.state`); the fragment
+   metadata of all ranks is gathered once per layout (``all_gather_object``);
+2. every rank computes the same PEC selection and the same write plan (pure
+   functions, :mod:`deepspeed_ext.pec` and :mod:`deepspeed_ext.plan`);
+3. every rank writes its share into ``<tag>/rankNNNNN.safetensors`` (temp file, fsync,
+   rename); rank 0 also writes the non-tensor state;
+4. one ``all_gather_object`` of every rank's outcome: if any rank failed, every rank
+   raises and ``latest`` still names the previous checkpoint;
+5. rank 0 writes ``manifest.json`` (checksums, fragments, expert-version index), then
+   ``latest``, then applies retention; its outcome is broadcast so a failure there is
+   raised on every rank too.
+
+:meth:`MoCCheckpointer.load` is called by every rank; rank 0 picks the checkpoint
+(the newest valid one), every rank reads exactly the byte ranges of its own
+partitions, and one ``all_gather_object`` makes any rank's failure every rank's.
+"""
+
+import os
+import time
+import traceback
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from deepspeed_ext.config import MoCConfig
+from megatron.training.rng import get_rng_state, set_rng_state
+from deepspeed_ext.state import (FP32, ExpertNaming, LocalFragment, describe_local_state,
+                                 ensure_optimizer_state, expert_naming, optimizer_scalars,
+                                 refresh_compute_weights, set_optimizer_scalars)
+
+
+class MoCCheckpointError(RuntimeError):
+    """A save or load failed on some rank; raised on every rank."""
+
+
+def _log(message: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"[moc] {message}", flush=True)
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank{rank:05d}.safetensors"
+
+
+def _all_outcomes(ok: bool, payload) -> List[Tuple[bool, object]]:
+    """Every rank's (ok, payload); the collective that makes one rank's error everyone's."""
+    gathered: List = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (ok, payload))
+    return gathered
+
+
+def _broadcast_outcome(action, what: str):
+    """Run ``action`` on rank 0 and make its failure every rank's (one broadcast)."""
+    status = [None]
+    if dist.get_rank() == 0:
+        try:
+            action()
+            status[0] = (True, None)
+        except Exception as e:
+            traceback.print_exc()
+            status[0] = (False, f"{type(e).__name__}: {e}")
+    dist.broadcast_object_list(status, src=0)
+    if not status[0][0]:
+        raise MoCCheckpointError(f"{what} failed on rank 0: {status[0][1]}")
+
+
+def _raise_if_failed(outcomes, what: str) -> None:
+    failed = [(r, p) for r, (ok, p) in enumerate(outcomes) if not ok]
+    if failed:
+        details = "; ".join(f"rank {r}: {p}" for r, p in failed)
+        raise MoCCheckpointError(f"{what} failed on {len(failed)} rank(s): {details}")
+
+
+class MoCCheckpointer:
+    """Saves and loads one engine's state in MoC's format. Create on every rank."""
+
+    def __init__(self, engine, config: Optional[MoCConfig] = None):
+        from deepspeed_ext.pec import ExpertLayout, make_policy
+        self.engine = engine
+        self.config = config or MoCConfig()
+        self.naming: ExpertNaming = expert_naming(engine.module)
+        self.layout = None
+        self.policy = None
+        if self.naming.moe_prefixes:
+            num_experts = self.naming.num_experts[0]
+            if any(n != num_experts for n in self.naming.num_experts):
+                raise ValueError("MoC checkpointing needs the same expert count in every MoE layer")
+            ep_size = num_experts // self._num_local_experts()
+            self.layout = ExpertLayout(len(self.naming.moe_prefixes), num_experts, ep_size)
+            k = self.config.pec_k or num_experts
+            self.policy = make_policy(self.config.pec_policy, self.layout, min(k, num_experts))
+        self._piece_cache: Optional[Tuple[tuple, list]] = None
+        self._previous: Optional[Tuple[str, str]] = None
+        """(save_dir, tag) of the checkpoint the current state descends from."""
+
+    def _num_local_experts(self) -> int:
+        from deepspeed.moe.layer import MoE
+        for module in self.engine.module.modules():
+            if isinstance(module, MoE):
+                return module.num_local_experts
+        raise ValueError("no MoE layer")
+
+    # -- token accounting (load-aware PEC) ---------------------------------------
+
+    def observe_tokens(self, counts) -> None:
+        """Feed one iteration's gate counts, summed over all ranks, ``[moe_layers][experts]``.
+
+        Every rank calls it with the same counts (the policy state must stay identical).
+        """
+        if self.policy is not None:
+            self.policy.observe_tokens(counts)
+
+    # -- save ---------------------------------------------------------------------
+
+    def _gather_pieces(self, fragments: List[LocalFragment]):
+        """The write-plan pieces of the whole world (cached while the layout holds)."""
+        from deepspeed_ext.plan import Piece
+        signature = tuple((f.key, f.length) for f in fragments)
+        if self._piece_cache is not None and self._piece_cache[0] == signature:
+            return self._piece_cache[1]
+        local = [(f.key, f.length * f.tensor.element_size(), f.holders, f.expert) for f in fragments]
+        gathered: List = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local)
+        pieces: Dict[str, Piece] = {}
+        for rank_pieces in gathered:
+            for key, nbytes, holders, expert in rank_pieces:
+                pieces.setdefault(key, Piece(key, nbytes, tuple(holders),
+                                             tuple(expert) if expert is not None else None))
+        result = sorted(pieces.values(), key=lambda p: p.key)
+        self._piece_cache = (signature, result)
+        return result
+
+    def _select(self):
+        """Experts to save now (None: all), identical on every rank."""
+        if self.policy is None:
+            return None
+        return self.policy.select()
+
+    def _objects(self, client_state) -> Dict:
+        """Non-tensor state of the engine and of MoC (rank 0 writes it)."""
+        engine = self.engine
+        scaler = getattr(engine.optimizer, "loss_scaler", None)
+        scaler_state = ({k: v for k, v in vars(scaler).items() if isinstance(v, (int, float, bool))}
+                        if scaler is not None else None)
+        return {"client_state": client_state or {},
+                "engine": {"global_steps": engine.global_steps,
+                           "global_samples": engine.global_samples,
+                           "skipped_steps": engine.skipped_steps},
+                "optimizer_scalars": optimizer_scalars(engine),
+                "loss_scaler": scaler_state,
+                "pec_policy": self.policy.state_dict() if self.policy is not None else None}
+
+    def save(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[Dict] = None,
+             save_latest: bool = True) -> bool:
+        """Save a checkpoint; all ranks call it. Returns True (DeepSpeed's contract).
+
+        Raises:
+            MoCCheckpointError: on every rank, when any rank failed; ``latest`` is then
+                unchanged.
+        """
+        from deepspeed_ext import manifest as mf
+        from deepspeed_ext.plan import build_write_plan
+        start = time.perf_counter()
+        engine, rank, world = self.engine, dist.get_rank(), dist.get_world_size()
+        step = int(engine.global_steps)
+        tag = tag or f"global_step{step}"
+        tag_dir = os.path.join(save_dir, tag)
+        fragments = describe_local_state(engine, self.naming)
+        pieces = self._gather_pieces(fragments)
+        selected = self._select()
+        plan = build_write_plan(pieces, world, selected)
+        # The saved policy state must already count this checkpoint's experts as saved;
+        # if the save fails, the previous state comes back so the next try saves them.
+        policy_before = self.policy.state_dict() if self.policy is not None else None
+        if self.policy is not None:
+            self.policy.mark_saved(selected, step)
+        rng_states: List = [None] * world
+        dist.all_gather_object(rng_states, get_rng_state())
+        _broadcast_outcome(lambda: mf.prepare_checkpoint_dir(save_dir, tag), f"MoC save to {tag_dir}")
+        ok, payload = True, None
+        try:
+            payload = self._write_share(tag_dir, rank, fragments, plan, rng_states, client_state)
+        except Exception as e:  # reported to every rank below, never swallowed
+            ok, payload = False, f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        outcomes = _all_outcomes(ok, payload)
+        try:
+            _raise_if_failed(outcomes, f"MoC save of {tag_dir}")
+            _broadcast_outcome(
+                lambda: self._commit(save_dir, tag, step, [p for _, p in outcomes],
+                                     selected, save_latest),
+                f"MoC commit of {tag_dir}")
+        except MoCCheckpointError:
+            if self.policy is not None:
+                self.policy.load_state_dict(policy_before)
+            raise
+        self._previous = (save_dir, tag)
+        busiest = max(plan.bytes_per_rank)
+        _log(f"saved {tag_dir} in {time.perf_counter() - start:.2f} s: "
+             f"{sum(plan.bytes_per_rank) / 2**20:.2f} MiB of tensors, busiest rank "
+             f"{busiest / 2**20:.2f} MiB (max/mean {plan.max_over_mean():.2f})"
+             + (f", {len(selected)} expert(s) saved" if selected is not None else ""))
+        return True
+
+    def _write_share(self, tag_dir, rank, fragments, plan, rng_states, client_state) -> Dict:
+        """Write this rank's file (rank 0: also objects.json); returns its report."""
+        from deepspeed_ext import manifest as mf
+        from deepspeed_ext import storage
+        from deepspeed_ext.objects import encode, write_objects_file
+        mine = set(plan.keys_for(rank))
+        tensors, specs = {}, []
+        for frag in fragments:
+            if frag.key in mine:
+                tensors[frag.key] = frag.tensor.detach().to("cpu", copy=True).contiguous()
+                specs.append(mf.FragmentSpec(frag.name, frag.kind, frag.offset, frag.length,
+                                             frag.shape, storage.dtype_name(frag.tensor.dtype),
+                                             frag.expert))
+        objects_record = None
+        if rank == 0:
+            objects = self._objects(client_state)
+            objects["rng_states"] = rng_states
+            tree, object_tensors = encode(objects)
+            tensors.update(object_tensors)
+        file_name = mf.rank_file_name(rank)
+        record = storage.write_fragment_file(os.path.join(tag_dir, file_name), tensors)
+        if rank == 0:
+            objects_record = write_objects_file(tag_dir, tree, file_name if object_tensors else None)
+        report = mf.RankReport(rank, file_name, record.nbytes, record.sha256, specs)
+        return {"report": report.to_json(),
+                "objects": objects_record.to_json() if objects_record is not None else None}
+
+    def _commit(self, save_dir, tag, step, shares, selected, save_latest) -> None:
+        """Rank 0: the manifest (the commit point), then ``latest``, then retention."""
+        from deepspeed_ext import manifest as mf
+        from deepspeed_ext.objects import OBJECTS_FILE
+        reports = [mf.RankReport.from_json(s["report"]) for s in shares]
+        objects = shares[0]["objects"]
+        extra_files = {OBJECTS_FILE: mf.FileEntry(sha256=objects["sha256"],
+                                                  nbytes=objects["nbytes"], rank=0)}
+        index = {}
+        if self.layout is not None:
+            previous = (mf.read_manifest(os.path.join(*self._previous))
+                        if self._previous is not None and self._previous[0] == save_dir else None)
+            index = mf.build_expert_index(previous, selected, step, tag,
+                                          self.layout.num_moe_layers, self.layout.num_experts)
+        layout = {"world_size": dist.get_world_size(),
+                  "ep_size": self.layout.ep_size if self.layout else 1,
+                  "zero_stage": int(self.engine.zero_optimization_stage()),
+                  "num_moe_layers": self.layout.num_moe_layers if self.layout else 0,
+                  "num_experts": self.layout.num_experts if self.layout else 0}
+        manifest = mf.assemble_manifest(tag, step, dist.get_world_size(), layout, reports, index,
+                                        extra_files=extra_files,
+                                        extra={"pec_k": self.policy.k if self.policy else None})
+        mf.write_manifest(os.path.join(save_dir, tag), manifest)
+        if save_latest:
+            mf.update_latest(save_dir, tag)
+        if self.config.keep:
+            for removed in mf.apply_retention(save_dir, self.config.keep):
+                _log(f"retention: removed {removed}")
+
+
+    # -- load ---------------------------------------------------------------------
+
+    def _choose(self, load_dir: str, tag: Optional[str]) -> Optional[str]:
+        """Rank 0: the tag to load; the newest valid one when ``tag`` is None."""
+        from deepspeed_ext import manifest as mf
+        from deepspeed_ext.reader import find_loadable
+        if tag is not None:
+            problems = mf.verify_checkpoint(load_dir, tag, checksums=self.config.verify_on_load)
+            if problems:
+                raise MoCCheckpointError(f"checkpoint {tag} in {load_dir} cannot be loaded: "
+                                         + "; ".join(problems))
+            return tag
+        if not os.path.isdir(load_dir):
+            return None
+        chosen, skipped = find_loadable(load_dir, checksums=self.config.verify_on_load)
+        for line in skipped:
+            _log(f"WARNING: {line}")
+        return chosen
+
+    def load(self, load_dir: str, tag: Optional[str] = None,
+             load_optimizer_states: bool = True) -> Tuple[Optional[str], Optional[Dict]]:
+        """Load into this engine, whatever layout saved it; all ranks call it.
+
+        Returns:
+            ``(path, client_state)``, or ``(None, None)`` when ``load_dir`` holds no
+            checkpoint.
+
+        Raises:
+            MoCCheckpointError: on every rank, when any rank failed (a corrupt file, a
+                tensor this model does not have, ...).
+        """
+        from deepspeed_ext.reader import CheckpointReader
+        start = time.perf_counter()
+        choice = [None]
+        if dist.get_rank() == 0:
+            try:
+                choice[0] = (True, self._choose(load_dir, tag))
+            except Exception as e:
+                choice[0] = (False, f"{type(e).__name__}: {e}")
+        dist.broadcast_object_list(choice, src=0)
+        ok, chosen = choice[0]
+        if not ok:
+            raise MoCCheckpointError(f"MoC load from {load_dir}: {chosen}")
+        if chosen is None:
+            _log(f"no MoC checkpoint in {load_dir}")
+            return None, None
+        if load_optimizer_states:
+            ensure_optimizer_state(self.engine)
+        fragments = describe_local_state(self.engine, self.naming, with_moments=load_optimizer_states)
+        objects, ok, payload = None, True, None
+        try:
+            # Checksums were verified once, on rank 0, while choosing the checkpoint.
+            with CheckpointReader(load_dir, chosen, verify_checksums=False) as reader, torch.no_grad():
+                for frag in fragments:
+                    data = reader.read(frag.name, frag.kind, frag.offset, frag.length)
+                    frag.tensor.copy_(data.to(device=frag.tensor.device, dtype=frag.tensor.dtype))
+                objects = reader.objects()
+        except Exception as e:  # reported to every rank below
+            ok, payload = False, f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        _raise_if_failed(_all_outcomes(ok, payload), f"MoC load of {load_dir}/{chosen}")
+        self._restore_objects(objects, load_optimizer_states)
+        refresh_compute_weights(self.engine)
+        self._previous = (load_dir, chosen)
+        self._piece_cache = None
+        _log(f"loaded {os.path.join(load_dir, chosen)} (step {self.engine.global_steps}) "
+             f"in {time.perf_counter() - start:.2f} s")
+        return os.path.join(load_dir, chosen), objects["client_state"]
+
+    def _restore_objects(self, objects: Dict, load_optimizer_states: bool) -> None:
+        engine = self.engine
+        for key, value in objects["engine"].items():
+            setattr(engine, key, value)
+        if load_optimizer_states:
+            set_optimizer_scalars(engine, objects["optimizer_scalars"])
+            scaler = getattr(engine.optimizer, "loss_scaler", None)
+            for key, value in (objects.get("loss_scaler") or {}).items():
+                if scaler is not None and hasattr(scaler, key):
+                    setattr(scaler, key, value)
+        if self.policy is not None and objects.get("pec_policy") is not None:
+            k = self.policy.k
+            saved = dict(objects["pec_policy"])
+            # The bookkeeping (what was saved when, tokens since) is per global expert and
+            # survives a change of expert-parallel size; only the rotation order follows
+            # the new layout.
+            saved["layout"] = dict(saved["layout"], ep_size=self.layout.ep_size)
+            self.policy.load_state_dict(saved)
+            self.policy.k = k  # the flag of this run wins over the saved K
+        rng_states = objects.get("rng_states") or []
+        if len(rng_states) == dist.get_world_size():
+            set_rng_state(rng_states[dist.get_rank()])
+        else:
+            _log(f"RNG states saved by {len(rng_states)} ranks, loading on "
+                 f"{dist.get_world_size()}: not restored")

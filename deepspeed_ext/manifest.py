@@ -1,0 +1,1115 @@
+"""What a MoC checkpoint holds: the manifest, the expert index, ``latest``, verification
+and retention.
+
+On disk::
+
+    <save_dir>/latest                        tag of the newest complete checkpoint
+    <save_dir>/<tag>/rank00003.safetensors   fragments rank 3 wrote (key "name|kind|offset")
+    <save_dir>/<tag>/objects.json            non-tensor state (deepspeed_ext.objects), rank 0
+    <save_dir>/<tag>/manifest.json           written LAST by rank 0; presence = complete
+
+A fragment is elements ``[offset, offset + length)`` of the *flattened* global tensor
+``name`` of kind ``kind`` (``fp32`` master weights, ``exp_avg``, ``exp_avg_sq``, ...).
+A checkpoint holds every non-expert tensor and the tensors of the experts it saved
+(Partial Experts Checkpointing); its ``expert_index`` says, for every expert of every
+MoE layer, which checkpoint holds that expert's newest version, so loading a tag needs
+that tag plus the older tags its index names (:func:`referenced_tags`).
+
+"layer" in an expert index is the MoE layer's ordinal (0 .. num_moe_layers-1), not the
+transformer layer number; "expert" is the global expert index within that layer.
+
+Save, multi-rank call order (the orchestration owns the collectives)::
+
+    rank 0:     tag_dir = prepare_checkpoint_dir(save_dir, tag)   # empties a crashed save
+    all:        barrier
+    each rank:  specs = [FragmentSpec(...), ...]                    # from the save plan
+                tensors = {spec.key: cpu_snapshot_view, ...}
+                rank 0 also: tree, obj = objects.encode(state); tensors.update(obj)
+                record = write_fragment_file(os.path.join(tag_dir, rank_file_name(rank)),
+                                             tensors)               # returns once fsynced
+                report = RankReport.from_record(rank, rank_file_name(rank), record, specs)
+    all:        gather report.to_json() (or the rank's error) to rank 0
+    rank 0:     if any rank failed: stop (no manifest = incomplete; retention cleans it)
+                obj_record = objects.write_objects_file(tag_dir, tree, rank_file_name(0))
+                index = build_expert_index(previous_manifest, saved_experts, step, tag,
+                                           num_moe_layers, num_experts)
+                manifest = assemble_manifest(
+                    tag, step, world_size, layout, [RankReport.from_json(r) for r in gathered],
+                    index, extra_files={OBJECTS_FILE: FileEntry.from_record(obj_record, 0)})
+                write_manifest(tag_dir, manifest)                   # the commit point
+                update_latest(save_dir, tag)
+                apply_retention(save_dir, keep)
+    all:        broadcast rank 0's outcome
+
+Load: :func:`deepspeed_ext.reader.find_loadable` on one rank, broadcast the tag, then
+:class:`deepspeed_ext.reader.CheckpointReader` on every rank.
+"""
+
+import json
+import math
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+
+from deepspeed_ext.objects import OBJECTS_FILE, read_objects_file, tensor_keys
+from deepspeed_ext.storage import (CheckpointError, FileRecord, FragmentReader, atomic_write_json,
+                                   atomic_write_text, check_file, dtype_from_name,
+                                   ensure_dir, fsync_dir)
+
+FORMAT = "moc-ckpt"
+VERSION = 1
+MANIFEST_FILE = "manifest.json"
+LATEST_FILE = "latest"
+TRASH_PREFIX = ".moc-trash."
+"""Directories being deleted are renamed to this prefix first (see :func:`remove_checkpoint`)."""
+
+_TAG_DIR_ENTRY = re.compile(
+    r"^(rank\d{5,}\.safetensors|objects\.json|manifest\.json)(\.tmp\.\d+)?$")
+"""Names MoC writes into a tag directory. A manifest-less directory is deleted by
+retention only if it holds nothing else, so a user's unrelated directory inside
+save_dir (tensorboard/, a copied dataset) is never removed."""
+
+
+# ---------------------------------------------------------------------------- naming
+
+def tensor_key(name: str, kind: str) -> str:
+    """Manifest key of a global tensor: ``"name|kind"``."""
+    _check_part(name, "tensor name")
+    _check_part(kind, "tensor kind")
+    return f"{name}|{kind}"
+
+
+def split_tensor_key(key: str) -> Tuple[str, str]:
+    """Inverse of :func:`tensor_key`."""
+    parts = key.split("|")
+    if len(parts) != 2 or not all(parts):
+        raise ValueError(f"bad tensor key {key!r}; expected 'name|kind'")
+    return parts[0], parts[1]
+
+
+def fragment_key(name: str, kind: str, offset: int) -> str:
+    """safetensors key of a fragment: ``"name|kind|offset"``."""
+    return f"{tensor_key(name, kind)}|{int(offset)}"
+
+
+def expert_key(layer: int, expert: int) -> str:
+    """expert_index key: ``"layer/expert"``."""
+    return f"{int(layer)}/{int(expert)}"
+
+
+def parse_expert_key(key: str) -> Tuple[int, int]:
+    """Inverse of :func:`expert_key`."""
+    match = re.fullmatch(r"(\d+)/(\d+)", key)
+    if not match:
+        raise ValueError(f"bad expert key {key!r}; expected 'layer/expert'")
+    return int(match.group(1)), int(match.group(2))
+
+
+def rank_file_name(rank: int) -> str:
+    """File a rank writes its fragments to: ``rank00003.safetensors``."""
+    return f"rank{int(rank):05d}.safetensors"
+
+
+def check_tag(tag: str) -> str:
+    """Return ``tag`` if it can name a checkpoint directory, else raise ValueError.
+
+    A tag is one path component: a ``latest`` file or an expert index saying
+    ``../elsewhere`` must not make a reader (or retention!) leave ``save_dir``.
+    """
+    if (not isinstance(tag, str) or not tag or tag in (".", "..", LATEST_FILE)
+            or tag.startswith(".") or "/" in tag or "\\" in tag or "\0" in tag
+            or tag != tag.strip()):
+        raise ValueError(f"bad checkpoint tag {tag!r}: a tag is one directory name, not "
+                         f"starting with '.', not {LATEST_FILE!r}")
+    return tag
+
+
+def _check_part(text: str, what: str) -> None:
+    if not isinstance(text, str) or not text or "|" in text:
+        raise ValueError(f"bad {what} {text!r}: must be a non-empty string without '|'")
+
+
+def _plain_file_name(name: str) -> bool:
+    return (isinstance(name, str) and name not in ("", ".", "..")
+            and os.path.basename(name) == name and "\\" not in name)
+
+
+# ----------------------------------------------------------------------- dataclasses
+
+@dataclass
+class FileEntry:
+    """A file of the checkpoint as its writer recorded it."""
+
+    nbytes: int
+    """Size in bytes."""
+    sha256: str
+    """Hex SHA-256 of the file."""
+    rank: int
+    """Rank that wrote it."""
+
+    @classmethod
+    def from_record(cls, record: FileRecord, rank: int) -> "FileEntry":
+        """From what :func:`~deepspeed_ext.storage.write_fragment_file` or
+        :func:`~deepspeed_ext.objects.write_objects_file` returned."""
+        return cls(nbytes=record.nbytes, sha256=record.sha256, rank=rank)
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"sha256": self.sha256, "nbytes": self.nbytes, "rank": self.rank}
+
+
+@dataclass
+class Fragment:
+    """Elements ``[offset, offset + length)`` of a flattened tensor, stored in ``file``."""
+
+    file: str
+    """File name relative to the checkpoint directory (``rank00001.safetensors``)."""
+    key: str
+    """safetensors key (:func:`fragment_key`)."""
+    offset: int
+    """First element of the flattened global tensor."""
+    length: int
+    """Number of elements (> 0)."""
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"file": self.file, "key": self.key, "offset": self.offset,
+                "length": self.length}
+
+
+@dataclass
+class TensorEntry:
+    """One global tensor (one name and kind) this checkpoint holds."""
+
+    shape: List[int]
+    """Global (unsharded) shape."""
+    dtype: str
+    """dtype name (``float32``, ``bfloat16``; see :func:`deepspeed_ext.storage.dtype_name`)."""
+    expert: Optional[Tuple[int, int]]
+    """``(moe_layer, expert)`` for an expert's tensor, None for non-expert state."""
+    fragments: List[Fragment] = field(default_factory=list)
+    """Where its elements are, sorted by offset; together exactly ``[0, numel)``."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"shape": list(self.shape), "dtype": self.dtype,
+                "expert": list(self.expert) if self.expert is not None else None,
+                "fragments": [f.to_json() for f in self.fragments]}
+
+
+@dataclass
+class ExpertVersion:
+    """Where the newest saved version of one expert lives."""
+
+    step: int
+    """Training step of that checkpoint."""
+    tag: str
+    """Its tag (directory name)."""
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"step": self.step, "tag": self.tag}
+
+
+@dataclass
+class Manifest:
+    """``manifest.json``: everything needed to find and check a checkpoint's bytes."""
+
+    tag: str
+    """Directory name of this checkpoint."""
+    step: int
+    """Training step (optimizer steps taken) the state belongs to."""
+    world_size: int
+    """Ranks that wrote it (loading may use another number)."""
+    layout: Dict[str, Any] = field(default_factory=dict)
+    """Free-form description of the parallel layout and model (ep_size, zero_stage,
+    dtype, num_moe_layers, num_experts, ...). When both ``num_moe_layers`` and
+    ``num_experts`` are present, verification checks the expert index is complete."""
+    files: Dict[str, FileEntry] = field(default_factory=dict)
+    """Every file of this checkpoint (relative name -> entry), objects.json included."""
+    tensors: Dict[str, TensorEntry] = field(default_factory=dict)
+    """``"name|kind"`` -> entry, for what THIS checkpoint holds."""
+    expert_index: Dict[str, ExpertVersion] = field(default_factory=dict)
+    """``"layer/expert"`` -> newest saved version, for every expert of every MoE layer."""
+    extra: Dict[str, Any] = field(default_factory=dict)
+    """Free-form, for the orchestration (PLT counters, K_pec, timings, ...)."""
+    format: str = FORMAT
+    version: int = VERSION
+
+    def held_experts(self) -> Set[Tuple[int, int]]:
+        """Experts whose tensors this checkpoint holds."""
+        return {e.expert for e in self.tensors.values() if e.expert is not None}
+
+    def expert_versions(self) -> Dict[Tuple[int, int], ExpertVersion]:
+        """The expert index keyed by ``(layer, expert)``."""
+        return {parse_expert_key(k): v for k, v in self.expert_index.items()}
+
+    def to_json(self) -> Dict[str, Any]:
+        return {
+            "format": self.format, "version": self.version, "tag": self.tag,
+            "step": self.step, "world_size": self.world_size, "layout": self.layout,
+            "files": {k: v.to_json() for k, v in sorted(self.files.items())},
+            "tensors": {k: v.to_json() for k, v in sorted(self.tensors.items())},
+            "expert_index": {k: v.to_json() for k, v in
+                             sorted(self.expert_index.items(),
+                                    key=lambda kv: parse_expert_key(kv[0]))},
+            "extra": self.extra,
+        }
+
+    @classmethod
+    def from_json(cls, data: Any, source: str = MANIFEST_FILE) -> "Manifest":
+        """Parse and type-check a manifest; ValueError naming ``source`` and the field."""
+        return _parse_manifest(data, source)
+
+    def validate(self) -> List[str]:
+        """Problems of the manifest on its own (no file system access): bad names,
+        fragments naming unknown files, fragments that do not cover each tensor exactly
+        once, and an expert index inconsistent with the held experts."""
+        where = self.tag
+        problems = []
+        if self.format != FORMAT or self.version != VERSION:
+            problems.append(f"{where}: format {self.format!r} version {self.version!r}, "
+                            f"expected {FORMAT!r} {VERSION}")
+        try:
+            check_tag(self.tag)
+        except ValueError as err:
+            problems.append(str(err))
+        if self.world_size < 1 or self.step < 0:
+            problems.append(f"{where}: bad world_size {self.world_size} or step {self.step}")
+        for name in self.files:
+            if not _plain_file_name(name):
+                problems.append(f"{where}: file name {name!r} is not a plain file name")
+        for tkey, entry in self.tensors.items():
+            problems.extend(tensor_problems(where, tkey, entry, self.files))
+        for ekey, version in self.expert_index.items():
+            try:
+                parse_expert_key(ekey)
+                check_tag(version.tag)
+            except ValueError as err:
+                problems.append(f"{where}: expert_index[{ekey!r}]: {err}")
+                continue
+            if version.step > self.step:
+                problems.append(f"{where}: expert_index[{ekey!r}] names step {version.step}, "
+                                f"newer than this checkpoint's step {self.step}")
+        held = self.held_experts()
+        for layer, expert in sorted(held):
+            version = self.expert_index.get(expert_key(layer, expert))
+            if version is None or version.tag != self.tag or version.step != self.step:
+                problems.append(f"{where}: holds expert {expert_key(layer, expert)} but its "
+                                f"expert_index entry is {version and version.to_json()}")
+        for ekey, version in self.expert_index.items():
+            if version.tag == self.tag and _safe_expert(ekey) not in held:
+                problems.append(f"{where}: expert_index[{ekey!r}] points to this checkpoint, "
+                                f"which holds no tensor of that expert")
+        layers, experts = self.layout.get("num_moe_layers"), self.layout.get("num_experts")
+        if isinstance(layers, int) and isinstance(experts, int):
+            missing = [expert_key(l, e) for l in range(layers) for e in range(experts)
+                       if expert_key(l, e) not in self.expert_index]
+            if missing:
+                problems.append(f"{where}: expert_index lacks {len(missing)} of "
+                                f"{layers * experts} experts (first: {', '.join(missing[:5])})")
+        return problems
+
+
+def _safe_expert(ekey: str) -> Optional[Tuple[int, int]]:
+    try:
+        return parse_expert_key(ekey)
+    except ValueError:
+        return None
+
+
+def tensor_problems(where: str, tkey: str, entry: TensorEntry,
+                    files: Mapping[str, FileEntry]) -> List[str]:
+    """Problems of one tensor entry: its key, dtype, fragment keys and files, and whether
+    its fragments cover ``[0, numel)`` exactly once. ``where`` prefixes each line."""
+    problems = []
+    label = f"{where}: tensor {tkey}"
+    try:
+        name, kind = split_tensor_key(tkey)
+        dtype_from_name(entry.dtype)
+    except ValueError as err:
+        return [f"{label}: {err}"]
+    if any((not isinstance(s, int)) or s < 0 for s in entry.shape):
+        return [f"{label}: bad shape {entry.shape}"]
+    for frag in entry.fragments:
+        if frag.file not in files:
+            problems.append(f"{label}: fragment {frag.key!r} is in {frag.file!r}, which is "
+                            f"not among the checkpoint's files")
+        if frag.key != fragment_key(name, kind, frag.offset):
+            problems.append(f"{label}: fragment key {frag.key!r} does not match its offset "
+                            f"{frag.offset}")
+    problems.extend(f"{label}: {p}" for p in coverage_problems(entry.fragments, entry.numel))
+    return problems
+
+
+def coverage_problems(fragments: Sequence[Fragment], numel: int) -> List[str]:
+    """How ``fragments`` fail to cover ``[0, numel)`` exactly once (empty list if they do).
+
+    Gaps would load uninitialised memory as weights; overlaps mean two ranks wrote the
+    same elements, which only happens when the save plan is wrong.
+    """
+    problems = []
+    pos = 0
+    for frag in sorted(fragments, key=lambda f: (f.offset, f.length)):
+        if frag.length <= 0 or frag.offset < 0:
+            problems.append(f"fragment {frag.key!r} has offset {frag.offset} length "
+                            f"{frag.length}")
+            continue
+        if frag.offset > pos:
+            problems.append(f"elements [{pos}, {frag.offset}) are in no fragment (gap)")
+        elif frag.offset < pos:
+            problems.append(f"elements [{frag.offset}, {min(pos, frag.offset + frag.length)}) "
+                            f"are in more than one fragment (overlap)")
+        pos = max(pos, frag.offset + frag.length)
+    if pos < numel:
+        problems.append(f"elements [{pos}, {numel}) are in no fragment (gap)")
+    elif pos > numel:
+        problems.append(f"fragments reach element {pos}, past the tensor's {numel} elements")
+    return problems
+
+
+# --------------------------------------------------------------------------- parsing
+
+def _get(data: Mapping[str, Any], key: str, types: Any, where: str) -> Any:
+    """``data[key]`` checked against ``types``; ValueError naming the field otherwise.
+
+    ``bool`` is refused where an int is expected (JSON ``true`` is no step number).
+    """
+    if not isinstance(data, Mapping) or key not in data:
+        raise ValueError(f"{where}: missing field {key!r}")
+    value = data[key]
+    types = types if isinstance(types, tuple) else (types,)
+    if not isinstance(value, types) or (type(value) is bool and bool not in types):
+        expected = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+        raise ValueError(f"{where}.{key}: expected {expected}, got {type(value).__name__}")
+    return value
+
+
+def _parse_manifest(data: Any, source: str) -> Manifest:
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: not a JSON object")
+    fmt = data.get("format")
+    if fmt != FORMAT:
+        raise ValueError(f"{source}: format is {fmt!r}, not {FORMAT!r} (not a MoC checkpoint "
+                         f"manifest)")
+    version = data.get("version")
+    if version != VERSION:
+        raise ValueError(f"{source}: version {version!r} is not supported (this code reads "
+                         f"version {VERSION})")
+    files = {}
+    for name, f in _get(data, "files", dict, source).items():
+        w = f"{source}: files[{name!r}]"
+        files[name] = FileEntry(nbytes=_get(f, "nbytes", int, w), sha256=_get(f, "sha256", str, w),
+                                rank=_get(f, "rank", int, w))
+    tensors = {}
+    for tkey, t in _get(data, "tensors", dict, source).items():
+        w = f"{source}: tensors[{tkey!r}]"
+        expert = _get(t, "expert", (list, type(None)), w)
+        if expert is not None:
+            if len(expert) != 2 or not all(type(x) is int for x in expert):
+                raise ValueError(f"{w}.expert: expected [layer, expert] or null, got {expert}")
+            expert = (expert[0], expert[1])
+        shape = _get(t, "shape", list, w)
+        if not all(type(s) is int for s in shape):
+            raise ValueError(f"{w}.shape: expected a list of ints, got {shape}")
+        frags = []
+        for i, fr in enumerate(_get(t, "fragments", list, w)):
+            fw = f"{w}.fragments[{i}]"
+            frags.append(Fragment(file=_get(fr, "file", str, fw), key=_get(fr, "key", str, fw),
+                                  offset=_get(fr, "offset", int, fw),
+                                  length=_get(fr, "length", int, fw)))
+        tensors[tkey] = TensorEntry(shape=shape, dtype=_get(t, "dtype", str, w), expert=expert,
+                                    fragments=sorted(frags, key=lambda f: f.offset))
+    index = {}
+    for ekey, v in _get(data, "expert_index", dict, source).items():
+        w = f"{source}: expert_index[{ekey!r}]"
+        index[ekey] = ExpertVersion(step=_get(v, "step", int, w), tag=_get(v, "tag", str, w))
+    return Manifest(tag=_get(data, "tag", str, source), step=_get(data, "step", int, source),
+                    world_size=_get(data, "world_size", int, source),
+                    layout=_get(data, "layout", dict, source), files=files, tensors=tensors,
+                    expert_index=index, extra=_get(data, "extra", dict, source),
+                    format=fmt, version=version)
+
+
+# ------------------------------------------------------------------ building (save)
+
+@dataclass(frozen=True)
+class FragmentSpec:
+    """One fragment a rank writes, with the global facts of its tensor.
+
+    Built by each rank from the save plan; ``key`` is the safetensors key to write the
+    data under.
+    """
+
+    name: str
+    """Global tensor name (the parameter's name, experts by global index)."""
+    kind: str
+    """``fp32``, ``exp_avg``, ``exp_avg_sq``, ..."""
+    offset: int
+    """First element within the flattened global tensor."""
+    length: int
+    """Number of elements (> 0)."""
+    shape: Tuple[int, ...]
+    """Global shape of the tensor."""
+    dtype: str
+    """dtype name as stored (:func:`deepspeed_ext.storage.dtype_name`)."""
+    expert: Optional[Tuple[int, int]] = None
+    """``(moe_layer, expert)`` for an expert's tensor."""
+
+    def __post_init__(self):
+        _check_part(self.name, "tensor name")
+        _check_part(self.kind, "tensor kind")
+        dtype_from_name(self.dtype)
+        numel = math.prod(self.shape)
+        if self.offset < 0 or self.length <= 0 or self.offset + self.length > numel:
+            raise ValueError(f"fragment {self.name}|{self.kind}: [{self.offset}, "
+                             f"{self.offset + self.length}) is not a non-empty range of its "
+                             f"{numel} elements")
+
+    @property
+    def key(self) -> str:
+        return fragment_key(self.name, self.kind, self.offset)
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"name": self.name, "kind": self.kind, "offset": self.offset,
+                "length": self.length, "shape": list(self.shape), "dtype": self.dtype,
+                "expert": list(self.expert) if self.expert is not None else None}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "FragmentSpec":
+        return cls(name=d["name"], kind=d["kind"], offset=int(d["offset"]),
+                   length=int(d["length"]), shape=tuple(int(s) for s in d["shape"]),
+                   dtype=d["dtype"],
+                   expert=tuple(d["expert"]) if d.get("expert") is not None else None)
+
+
+@dataclass
+class RankReport:
+    """What one rank wrote, sent to rank 0 (as :meth:`to_json`, plain data) after its
+    file is published."""
+
+    rank: int
+    file: str
+    """File name relative to the tag directory (:func:`rank_file_name`)."""
+    nbytes: int
+    sha256: str
+    fragments: List[FragmentSpec] = field(default_factory=list)
+
+    @classmethod
+    def from_record(cls, rank: int, file: str, record: FileRecord,
+                    fragments: Iterable[FragmentSpec]) -> "RankReport":
+        """Report of a file :func:`~deepspeed_ext.storage.write_fragment_file` published."""
+        return cls(rank=rank, file=file, nbytes=record.nbytes, sha256=record.sha256,
+                   fragments=list(fragments))
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"rank": self.rank, "file": self.file, "nbytes": self.nbytes,
+                "sha256": self.sha256, "fragments": [f.to_json() for f in self.fragments]}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "RankReport":
+        return cls(rank=int(d["rank"]), file=d["file"], nbytes=int(d["nbytes"]),
+                   sha256=d["sha256"],
+                   fragments=[FragmentSpec.from_json(f) for f in d["fragments"]])
+
+
+def assemble_manifest(tag: str, step: int, world_size: int, layout: Mapping[str, Any],
+                      reports: Iterable[RankReport], expert_index: Mapping[str, ExpertVersion],
+                      extra_files: Optional[Mapping[str, FileEntry]] = None,
+                      extra: Optional[Mapping[str, Any]] = None) -> Manifest:
+    """Merge every rank's report into a manifest (rank 0, after all ranks succeeded).
+
+    Args:
+        tag, step, world_size, layout: as in :class:`Manifest`.
+        reports: one :class:`RankReport` per rank that wrote a file.
+        expert_index: from :func:`build_expert_index`.
+        extra_files: further files of the checkpoint, e.g. ``{"objects.json":
+            FileEntry.from_record(record, rank=0)}``.
+        extra: free-form data stored in the manifest.
+
+    Raises:
+        ValueError: listing every problem: two ranks describing one tensor differently,
+            a file reported twice, fragments that leave a gap or overlap, experts held
+            but not indexed here. Nothing should be committed then: the plan is wrong.
+    """
+    check_tag(tag)
+    files: Dict[str, FileEntry] = {}
+    tensors: Dict[str, TensorEntry] = {}
+    problems = []
+    for report in reports:
+        if report.file in files:
+            problems.append(f"{tag}: file {report.file!r} reported by ranks "
+                            f"{files[report.file].rank} and {report.rank}")
+        files[report.file] = FileEntry(nbytes=report.nbytes, sha256=report.sha256,
+                                       rank=report.rank)
+        for spec in report.fragments:
+            tkey = tensor_key(spec.name, spec.kind)
+            entry = tensors.get(tkey)
+            if entry is None:
+                entry = tensors[tkey] = TensorEntry(shape=list(spec.shape), dtype=spec.dtype,
+                                                    expert=spec.expert)
+            elif (entry.shape, entry.dtype, entry.expert) != (list(spec.shape), spec.dtype,
+                                                               spec.expert):
+                problems.append(f"{tag}: tensor {tkey}: rank {report.rank} describes it as "
+                                f"{list(spec.shape)} {spec.dtype} expert {spec.expert}, another "
+                                f"rank as {entry.shape} {entry.dtype} expert {entry.expert}")
+            entry.fragments.append(Fragment(file=report.file, key=spec.key,
+                                            offset=spec.offset, length=spec.length))
+    for name, entry in (extra_files or {}).items():
+        if name in files:
+            problems.append(f"{tag}: file {name!r} listed twice")
+        files[name] = entry
+    for entry in tensors.values():
+        entry.fragments.sort(key=lambda f: f.offset)
+    manifest = Manifest(tag=tag, step=step, world_size=world_size, layout=dict(layout),
+                        files=files, tensors=tensors, expert_index=dict(expert_index),
+                        extra=dict(extra or {}))
+    problems.extend(manifest.validate())
+    if problems:
+        raise ValueError("cannot assemble the manifest:\n  " + "\n  ".join(problems))
+    return manifest
+
+
+def build_expert_index(previous: Optional[Manifest], saved_experts: Iterable[Tuple[int, int]],
+                       step: int, tag: str, num_moe_layers: int,
+                       num_experts: int) -> Dict[str, ExpertVersion]:
+    """The expert index of a new checkpoint (rank 0, before :func:`assemble_manifest`).
+
+    Args:
+        previous: manifest of the checkpoint this run's state descends from (the newest
+            one saved by this run, or the one it resumed from); None for the first.
+        saved_experts: ``(moe_layer, expert)`` pairs whose tensors this checkpoint holds.
+        step, tag: of the new checkpoint.
+        num_moe_layers, num_experts: the model's MoE layers and experts per layer.
+
+    Returns:
+        ``previous``'s index with the saved experts now pointing at ``(step, tag)``.
+
+    Raises:
+        ValueError: an expert out of range, ``previous`` newer than ``step`` or with
+            experts beyond the model (a different model), or an expert that no
+            checkpoint holds (the first checkpoint must save every expert; otherwise
+            a restart would have no weights for it).
+    """
+    check_tag(tag)
+    index: Dict[str, ExpertVersion] = {}
+    if previous is not None:
+        if previous.step > step:
+            raise ValueError(f"previous checkpoint {previous.tag} is at step {previous.step}, "
+                             f"after the new step {step}")
+        index = {k: ExpertVersion(v.step, v.tag) for k, v in previous.expert_index.items()}
+    valid = {expert_key(l, e) for l in range(num_moe_layers) for e in range(num_experts)}
+    outside = sorted(set(index) - valid)
+    if outside:
+        raise ValueError(f"previous checkpoint {previous.tag} indexes experts {outside[:5]} "
+                         f"outside {num_moe_layers} MoE layers x {num_experts} experts; "
+                         f"it belongs to a different model")
+    for layer, expert in saved_experts:
+        key = expert_key(layer, expert)
+        if key not in valid:
+            raise ValueError(f"saved expert {key} is outside {num_moe_layers} MoE layers x "
+                             f"{num_experts} experts")
+        index[key] = ExpertVersion(step=step, tag=tag)
+    missing = sorted(valid - set(index), key=parse_expert_key)
+    if missing:
+        raise ValueError(f"experts {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} "
+                         f"({len(missing)} in all) are saved in no checkpoint; the first "
+                         f"checkpoint must hold every expert")
+    return dict(sorted(index.items(), key=lambda kv: parse_expert_key(kv[0])))
+
+
+# ------------------------------------------------------------------ manifest on disk
+
+def write_manifest(ckpt_dir: str, manifest: Manifest) -> None:
+    """Write ``<ckpt_dir>/manifest.json`` atomically: the commit point of a save.
+
+    Rank 0 calls it only after every rank's file (and objects.json) is published and
+    fsynced; from then on the checkpoint counts as complete.
+
+    Raises:
+        ValueError: the manifest is inconsistent (:meth:`Manifest.validate`) or its tag
+            is not the directory's name (expert indexes find checkpoints by tag).
+    """
+    if os.path.basename(os.path.normpath(ckpt_dir)) != manifest.tag:
+        raise ValueError(f"manifest tag {manifest.tag!r} does not match directory {ckpt_dir}")
+    problems = manifest.validate()
+    if problems:
+        raise ValueError("refusing to write an invalid manifest:\n  " + "\n  ".join(problems))
+    atomic_write_json(os.path.join(ckpt_dir, MANIFEST_FILE), manifest.to_json())
+
+
+def read_manifest(ckpt_dir: str) -> Manifest:
+    """Read and type-check ``<ckpt_dir>/manifest.json``.
+
+    Raises:
+        CheckpointError: naming the file: missing (the save never finished, or the
+            checkpoint was deleted), not JSON, not a MoC manifest, an unsupported
+            version, or a tag that is not the directory's name.
+    """
+    path = os.path.join(ckpt_dir, MANIFEST_FILE)
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing (incomplete or deleted checkpoint)") from None
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path}: unreadable ({err})") from None
+    try:
+        manifest = Manifest.from_json(data, path)
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
+    dirname = os.path.basename(os.path.normpath(ckpt_dir))
+    if manifest.tag != dirname:
+        raise CheckpointError(f"{path}: records tag {manifest.tag!r} but lies in {dirname!r} "
+                              f"(renamed checkpoint directories break expert indexes)")
+    return manifest
+
+
+def update_latest(save_dir: str, tag: str) -> None:
+    """Point ``<save_dir>/latest`` at ``tag`` atomically (rank 0, after write_manifest).
+
+    Raises:
+        ValueError: ``tag`` has no manifest yet; ``latest`` must only name complete
+            checkpoints, or a crash right after would resume from a partial save.
+    """
+    check_tag(tag)
+    if not os.path.isfile(os.path.join(save_dir, tag, MANIFEST_FILE)):
+        raise ValueError(f"{os.path.join(save_dir, tag)} has no {MANIFEST_FILE}; write it "
+                         f"before pointing {LATEST_FILE} at it")
+    atomic_write_text(os.path.join(save_dir, LATEST_FILE), tag)
+
+
+def read_latest(save_dir: str) -> Optional[str]:
+    """The tag in ``<save_dir>/latest``, or None when there is no (or an empty) file.
+
+    Raises:
+        CheckpointError: naming the file, when it holds something that is not a tag.
+    """
+    path = os.path.join(save_dir, LATEST_FILE)
+    try:
+        with open(path, "r", encoding="utf-8") as f:
+            text = f.read().strip()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path}: unreadable ({err})") from None
+    if not text:
+        return None
+    try:
+        return check_tag(text)
+    except ValueError as err:
+        raise CheckpointError(f"{path}: {err}") from None
+
+
+@dataclass
+class Scan:
+    """The checkpoint directories of a save_dir, by state."""
+
+    complete: List[Tuple[int, str]]
+    """``(step, tag)`` with a readable manifest, oldest first."""
+    corrupt: List[Tuple[str, str]]
+    """``(tag, error)`` whose manifest exists but cannot be read."""
+    incomplete: List[str]
+    """Tags without a manifest (saves in progress or interrupted, deletions interrupted)."""
+
+
+def scan_checkpoints(save_dir: str) -> Scan:
+    """Classify every directory in ``save_dir`` (hidden ones, e.g. trash, excluded)."""
+    complete, corrupt, incomplete = [], [], []
+    try:
+        entries = sorted(os.scandir(save_dir), key=lambda e: e.name)
+    except FileNotFoundError:
+        return Scan([], [], [])
+    for entry in entries:
+        if not entry.is_dir(follow_symlinks=False) or entry.name.startswith("."):
+            continue
+        try:
+            check_tag(entry.name)
+        except ValueError:
+            continue
+        if not os.path.exists(os.path.join(entry.path, MANIFEST_FILE)):
+            incomplete.append(entry.name)
+            continue
+        try:
+            complete.append((read_manifest(entry.path).step, entry.name))
+        except CheckpointError as err:
+            corrupt.append((entry.name, str(err)))
+    complete.sort()
+    return Scan(complete, corrupt, incomplete)
+
+
+def list_checkpoints(save_dir: str) -> List[Tuple[int, str]]:
+    """``(step, tag)`` of every complete checkpoint (manifest present and readable),
+    oldest first."""
+    return scan_checkpoints(save_dir).complete
+
+
+# ---------------------------------------------------------------------- resolution
+
+@dataclass
+class ResolvedTensor:
+    """A tensor of a checkpoint as a load sees it: which checkpoint's bytes to read."""
+
+    name: str
+    kind: str
+    entry: TensorEntry
+    tag: str
+    """Checkpoint holding it: the loaded one, or for an expert not saved there the one
+    its expert index names."""
+    step: int
+    """Step of that checkpoint."""
+
+
+@dataclass
+class Resolution:
+    """Everything needed to load one tag (see :func:`resolve_checkpoint`)."""
+
+    manifest: Manifest
+    """The loaded tag's manifest."""
+    manifests: Dict[str, Manifest]
+    """Every manifest involved (the tag and those its expert index names), by tag."""
+    tensors: Dict[str, ResolvedTensor]
+    """``"name|kind"`` -> where to read it."""
+    problems: List[str]
+    """Why loading would fail or be wrong; empty if fine (files not checked here)."""
+
+
+def resolve_checkpoint(save_dir: str, tag: str,
+                       cache: Optional[Dict[str, Manifest]] = None) -> Resolution:
+    """Find, for every tensor of checkpoint ``tag``, the checkpoint holding its newest
+    version, reading only manifests.
+
+    Args:
+        save_dir: the checkpoint root.
+        tag: the checkpoint to load.
+        cache: optional tag -> manifest cache shared across calls.
+
+    Raises:
+        CheckpointError: ``tag``'s own manifest is missing or unreadable. Problems in
+            what it references are returned in :attr:`Resolution.problems`.
+    """
+    check_tag(tag)
+    cache = {} if cache is None else cache
+
+    def load(t: str) -> Manifest:
+        if t not in cache:
+            cache[t] = read_manifest(os.path.join(save_dir, t))
+        return cache[t]
+
+    manifest = load(tag)
+    problems = manifest.validate()
+    manifests = {tag: manifest}
+    tensors = {}
+    for tkey, entry in manifest.tensors.items():
+        name, kind = _split_or_raw(tkey)
+        tensors[tkey] = ResolvedTensor(name, kind, entry, tag, manifest.step)
+    for ekey, version in sorted(manifest.expert_index.items()):
+        if version.tag == tag:
+            continue  # held here: validate() checked it
+        expert = _safe_expert(ekey)
+        label = f"{tag}: expert_index[{ekey!r}] points to {version.tag!r}"
+        try:
+            check_tag(version.tag)
+            old = load(version.tag)
+        except (ValueError, CheckpointError) as err:
+            problems.append(f"{label}, which is missing or incomplete ({err})")
+            continue
+        manifests[version.tag] = old
+        if old.step != version.step:
+            problems.append(f"{label} at step {version.step}, but that checkpoint is at step "
+                            f"{old.step}")
+        held = {k: e for k, e in old.tensors.items() if e.expert == expert}
+        if not held:
+            problems.append(f"{label}, which holds no tensor of expert {ekey}")
+        for tkey, entry in sorted(held.items()):
+            problems.extend(tensor_problems(version.tag, tkey, entry, old.files))
+            if tkey in tensors:
+                problems.append(f"{tag}: tensor {tkey} is both in {tensors[tkey].tag} and, "
+                                f"for expert {ekey}, in {version.tag}")
+                continue
+            name, kind = _split_or_raw(tkey)
+            tensors[tkey] = ResolvedTensor(name, kind, entry, version.tag, old.step)
+    return Resolution(manifest, manifests, tensors, problems)
+
+
+def _split_or_raw(tkey: str) -> Tuple[str, str]:
+    try:
+        return split_tensor_key(tkey)
+    except ValueError:  # reported by tensor_problems; keep the entry visible
+        return tkey, ""
+
+
+def verify_checkpoint(save_dir: str, tag: str, checksums: bool = True) -> List[str]:
+    """Everything that would make loading ``tag`` fail or load wrong data.
+
+    Checks: the manifest (present, readable, consistent); every file of ``tag`` and
+    every file of an older checkpoint that holds an expert ``tag`` needs (present, size,
+    and with ``checksums`` the SHA-256); that each needed fragment is in its file with
+    the recorded length and dtype; that each tensor's fragments cover it exactly once;
+    the expert index (complete for the layout; entries point to complete checkpoints of
+    the recorded step that hold the expert); objects.json's tensors.
+
+    Args:
+        save_dir: the checkpoint root.
+        tag: the checkpoint.
+        checksums: also hash every needed file (reads all their bytes once).
+
+    Returns:
+        One line per problem, each naming the file, tensor or index entry; empty when
+        ``tag`` loads correctly.
+    """
+    try:
+        res = resolve_checkpoint(save_dir, tag)
+    except (CheckpointError, ValueError) as err:
+        return [str(err)]
+    return verify_resolution(save_dir, res, checksums)
+
+
+def verify_resolution(save_dir: str, res: Resolution, checksums: bool = True) -> List[str]:
+    """:func:`verify_checkpoint` for an already resolved checkpoint (saves re-reading
+    the manifests when the caller needs the :class:`Resolution` anyway)."""
+    tag = res.manifest.tag
+    problems = list(res.problems)
+
+    needed: Dict[Tuple[str, str], FileEntry] = {
+        (tag, rel): fe for rel, fe in res.manifest.files.items() if _plain_file_name(rel)}
+    by_file: Dict[Tuple[str, str], List[Tuple[str, TensorEntry, Fragment]]] = {}
+    for tkey, rt in res.tensors.items():
+        files = res.manifests[rt.tag].files
+        for frag in rt.entry.fragments:
+            if frag.file in files and _plain_file_name(frag.file):
+                needed[(rt.tag, frag.file)] = files[frag.file]
+                by_file.setdefault((rt.tag, frag.file), []).append((tkey, rt.entry, frag))
+    bad = set()
+    for (t, rel), fe in sorted(needed.items()):
+        problem = check_file(os.path.join(save_dir, t, rel), fe.nbytes,
+                             fe.sha256 if checksums else None)
+        if problem is not None:
+            problems.append(problem)
+            bad.add((t, rel))
+    for (t, rel), items in sorted(by_file.items()):
+        if (t, rel) in bad:
+            continue
+        path = os.path.join(save_dir, t, rel)
+        try:
+            with FragmentReader(path) as reader:
+                for tkey, entry, frag in items:
+                    if frag.key not in reader:
+                        problems.append(f"{path}: lacks fragment {frag.key!r} of tensor {tkey}")
+                        continue
+                    shape, dtype = reader.shape(frag.key), reader.dtype(frag.key)
+                    if shape != [frag.length] or str(dtype).rsplit(".", 1)[-1] != entry.dtype:
+                        problems.append(f"{path}: fragment {frag.key!r} is {dtype} {shape}, "
+                                        f"manifest records {entry.dtype} [{frag.length}]")
+        except CheckpointError as err:
+            problems.append(str(err))
+    if OBJECTS_FILE in res.manifest.files and (tag, OBJECTS_FILE) not in bad:
+        problems.extend(_objects_problems(save_dir, tag, res.manifest, bad))
+    return problems
+
+
+def _objects_problems(save_dir: str, tag: str, manifest: Manifest, bad: Set) -> List[str]:
+    tag_dir = os.path.join(save_dir, tag)
+    try:
+        objects = read_objects_file(tag_dir)
+    except CheckpointError as err:
+        return [str(err)]
+    keys = tensor_keys(objects.tree)
+    if not keys:
+        return []
+    if objects.tensor_file not in manifest.files:
+        return [f"{os.path.join(tag_dir, OBJECTS_FILE)}: its tensors are in "
+                f"{objects.tensor_file!r}, which is not among the checkpoint's files"]
+    if (tag, objects.tensor_file) in bad:
+        return []
+    path = os.path.join(tag_dir, objects.tensor_file)
+    try:
+        with FragmentReader(path) as reader:
+            return [f"{path}: lacks tensor {k!r} of {OBJECTS_FILE}" for k in keys
+                    if k not in reader]
+    except CheckpointError as err:
+        return [str(err)]
+
+
+# ------------------------------------------------------------------------ retention
+
+def referenced_tags(save_dir: str, tag: str) -> Set[str]:
+    """``tag`` plus every checkpoint its expert index points to: what loading it reads.
+
+    Not transitive: an index already names each expert's newest version directly.
+
+    Raises:
+        CheckpointError: ``tag``'s manifest is missing or unreadable.
+    """
+    manifest = read_manifest(os.path.join(save_dir, check_tag(tag)))
+    return {tag} | {v.tag for v in manifest.expert_index.values()}
+
+
+def remove_checkpoint(save_dir: str, tag: str) -> None:
+    """Delete a checkpoint directory so that a crash at any point is harmless.
+
+    Order: remove ``manifest.json`` first (fsynced), so a half-deleted directory counts
+    as incomplete and is never loaded; then rename the directory to a hidden
+    ``.moc-trash.<tag>.<pid>`` name (fsynced), then delete it. A crash leaves an
+    incomplete tag directory or a trash directory, both of which
+    :func:`apply_retention` removes later.
+    """
+    check_tag(tag)
+    tag_dir = os.path.join(save_dir, tag)
+    try:
+        os.remove(os.path.join(tag_dir, MANIFEST_FILE))
+        fsync_dir(tag_dir)
+    except FileNotFoundError:
+        pass
+    _trash(save_dir, tag)
+
+
+def _trash(save_dir: str, tag: str) -> None:
+    # pid and time make the name unique: a rename onto a leftover trash directory of
+    # the same tag (an earlier rmtree that failed) would fail.
+    trash = os.path.join(save_dir, f"{TRASH_PREFIX}{tag}.{os.getpid()}.{time.time_ns()}")
+    os.rename(os.path.join(save_dir, tag), trash)
+    fsync_dir(save_dir)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _looks_like_ours(tag_dir: str) -> bool:
+    try:
+        names = os.listdir(tag_dir)
+    except OSError:
+        return False
+    return all(_TAG_DIR_ENTRY.match(n) for n in names)
+
+
+def _last_write(tag_dir: str) -> float:
+    """Newest mtime among the directory's files; the directory's own when empty.
+
+    Files, not the directory, because removing a manifest (an interrupted deletion)
+    touches the directory's mtime but not the files'.
+    """
+    times = []
+    for name in os.listdir(tag_dir):
+        try:
+            times.append(os.stat(os.path.join(tag_dir, name)).st_mtime)
+        except OSError:
+            pass
+    return max(times) if times else os.stat(tag_dir).st_mtime
+
+
+def apply_retention(save_dir: str, keep: int) -> List[str]:
+    """Delete old checkpoints and leftovers of crashed saves (rank 0, after a save).
+
+    Keeps the newest ``keep`` complete checkpoints, the one ``latest`` names, and every
+    checkpoint their expert indexes reference (an old checkpoint may hold the newest
+    version of an expert not saved since). Deletes the other complete checkpoints,
+    oldest first, with :func:`remove_checkpoint`. Also deletes manifest-less tag
+    directories whose files are all older than the newest complete checkpoint's
+    manifest and that hold only MoC's own files (partial saves of crashed runs,
+    interrupted deletions; a save still in progress writes newer files and is spared),
+    and leftover ``.moc-trash.*`` directories. Directories with unreadable manifests are
+    left for a human.
+
+    Args:
+        save_dir: the checkpoint root.
+        keep: number of newest complete checkpoints to keep (>= 1).
+
+    Returns:
+        Tags deleted, in deletion order.
+
+    Raises:
+        ValueError: ``keep < 1``.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    scan = scan_checkpoints(save_dir)
+    deleted: List[str] = []
+    for name in os.listdir(save_dir) if os.path.isdir(save_dir) else []:
+        if name.startswith(TRASH_PREFIX):
+            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+    if not scan.complete:
+        return deleted
+    tags = [t for _, t in scan.complete]
+    kept = set(tags[-keep:])
+    try:
+        latest = read_latest(save_dir)
+    except CheckpointError:
+        latest = None
+    if latest in tags:
+        kept.add(latest)
+    protected = set()
+    for tag in kept:
+        protected |= referenced_tags(save_dir, tag)
+    newest_commit = max(os.stat(os.path.join(save_dir, t, MANIFEST_FILE)).st_mtime
+                        for t in tags)
+    for tag in tags:
+        if tag not in protected:
+            remove_checkpoint(save_dir, tag)
+            deleted.append(tag)
+    for tag in scan.incomplete:
+        tag_dir = os.path.join(save_dir, tag)
+        if _looks_like_ours(tag_dir) and _last_write(tag_dir) < newest_commit:
+            _trash(save_dir, tag)
+            deleted.append(tag)
+    return deleted
+
+
+def discard_checkpoints_after(save_dir: str, step: int) -> List[str]:
+    """Delete every complete checkpoint newer than ``step``, newest first.
+
+    Rank 0 calls it after resuming from a checkpoint older than the newest complete one
+    (an explicit older tag, or :func:`deepspeed_ext.reader.find_loadable` skipping a
+    broken one), before the first new save. Those checkpoints belong to an abandoned
+    timeline: left alone, retention would keep them as the "newest", and a new save
+    of the same step would collide with them. Deleting them is always safe for the
+    kept ones: an expert index only names checkpoints of its own step or older.
+
+    If ``latest`` named a deleted checkpoint it is pointed at the newest remaining one
+    first, so that it never names a missing checkpoint.
+
+    Returns:
+        Tags deleted.
+    """
+    complete = scan_checkpoints(save_dir).complete
+    doomed = [tag for ckpt_step, tag in reversed(complete) if ckpt_step > step]
+    remaining = [tag for ckpt_step, tag in complete if ckpt_step <= step]
+    try:
+        latest = read_latest(save_dir)
+    except CheckpointError:
+        latest = None
+    if remaining and (latest is None or latest in doomed):
+        update_latest(save_dir, remaining[-1])
+    for tag in doomed:
+        remove_checkpoint(save_dir, tag)
+    return doomed
+
+
+def prepare_checkpoint_dir(save_dir: str, tag: str, overwrite: bool = False) -> str:
+    """Create ``<save_dir>/<tag>`` for a new save and return its path (rank 0, then a
+    barrier before any rank writes).
+
+    A manifest-less directory of that name is a crashed save's leftover: it is emptied,
+    or its stale rank files (say from a run with more ranks) would linger beside the
+    new ones. A complete checkpoint of that name (a run resumed from an older step now
+    saving the same step again) is replaced only with ``overwrite``: other checkpoints'
+    expert indexes may point to it.
+
+    Raises:
+        FileExistsError: a complete checkpoint ``tag`` exists and not ``overwrite``.
+    """
+    check_tag(tag)
+    tag_dir = os.path.join(save_dir, tag)
+    if os.path.exists(os.path.join(tag_dir, MANIFEST_FILE)):
+        if not overwrite:
+            raise FileExistsError(f"{tag_dir} is a complete checkpoint; refusing to overwrite "
+                                  f"it (other checkpoints may reference its experts)")
+        remove_checkpoint(save_dir, tag)
+    elif os.path.isdir(tag_dir):
+        if not _looks_like_ours(tag_dir):
+            raise FileExistsError(f"{tag_dir} exists and holds files MoC did not write; "
+                                  f"refusing to delete it")
+        _trash(save_dir, tag)
+    ensure_dir(tag_dir)
+    return tag_dir

@@ -1,0 +1,294 @@
+"""Load a MoC checkpoint: assemble each tensor from its fragments, taking every expert
+from the checkpoint that holds its newest version.
+
+Multi-rank call order (the orchestration owns the collectives)::
+
+    rank 0:    tag, skipped = find_loadable(save_dir)     # verifies, checksums included
+               warn about `skipped`; broadcast tag (None = fresh start)
+    each rank: with CheckpointReader(save_dir, tag, verify_checksums=False) as ckpt:
+                   for name, kind in what this rank owns under the NEW layout:
+                       ckpt.read(name, kind, start, length, out=flat_buffer[...])
+                   state = ckpt.objects()                 # iteration, RNG, scheduler
+
+Each rank reads only the element ranges it needs, whatever layout (world size, ZeRO
+partitioning, expert parallel size) the checkpoint was written with.
+"""
+
+import bisect
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from deepspeed_ext.manifest import (Manifest, ResolvedTensor, read_latest, resolve_checkpoint,
+                                    scan_checkpoints, tensor_key, verify_checkpoint,
+                                    verify_resolution)
+from deepspeed_ext.objects import OBJECTS_FILE, decode, read_objects_file, tensor_keys
+from deepspeed_ext.storage import (CheckpointError, FileRecord, FragmentReader,
+                                   dtype_from_name, verify_file)
+
+__all__ = ["CheckpointError", "CheckpointReader", "TensorInfo", "find_loadable"]
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Global facts of one tensor of a checkpoint."""
+
+    name: str
+    kind: str
+    shape: Tuple[int, ...]
+    """Global shape."""
+    dtype: torch.dtype
+    expert: Optional[Tuple[int, int]]
+    """``(moe_layer, expert)`` or None."""
+    tag: str
+    """Checkpoint its bytes come from (older than the loaded one for an expert not
+    saved there)."""
+    step: int
+    """Step of that version: ``reader.step - info.step`` steps of its updates are lost."""
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def find_loadable(save_dir: str, checksums: bool = True) -> Tuple[Optional[str], List[str]]:
+    """The checkpoint a restart should load, skipping broken ones.
+
+    Tries the tag in ``latest`` first, then every complete checkpoint from the newest
+    step down, and returns the first that :func:`~deepspeed_ext.manifest.verify_checkpoint`
+    passes. Call it on one rank (with ``checksums`` it reads every needed byte once) and
+    broadcast the result.
+
+    Args:
+        save_dir: the checkpoint root.
+        checksums: verify SHA-256 of every needed file.
+
+    Returns:
+        ``(tag, skipped)``: ``skipped`` has one line per checkpoint passed over (newer
+        than ``tag``, or named by ``latest``) with its problems, for a warning.
+        ``(None, [])`` when ``save_dir`` holds no checkpoint at all (a fresh start).
+
+    Raises:
+        CheckpointError: checkpoints exist but none loads. Starting from scratch then
+            would silently throw the run away, so this is left to the user.
+    """
+    skipped: List[str] = []
+    candidates: List[str] = []
+    try:
+        latest = read_latest(save_dir)
+    except CheckpointError as err:
+        skipped.append(str(err))
+        latest = None
+    if latest is not None:
+        candidates.append(latest)
+    scan = scan_checkpoints(save_dir)
+    for _, tag in reversed(scan.complete):
+        if tag not in candidates:
+            candidates.append(tag)
+    for tag, err in scan.corrupt:
+        if tag != latest:
+            skipped.append(f"skipped checkpoint {tag}: {err}")
+    for tag in candidates:
+        problems = verify_checkpoint(save_dir, tag, checksums=checksums)
+        if not problems:
+            return tag, skipped
+        skipped.append(f"skipped checkpoint {tag}: " + "; ".join(problems))
+    if not skipped:
+        return None, []
+    raise CheckpointError(f"no loadable checkpoint in {save_dir}:\n  " + "\n  ".join(skipped))
+
+
+class CheckpointReader:
+    """Random access to the tensors and objects of one checkpoint.
+
+    Opening reads the manifests (this tag's and those its expert index names), checks
+    files exist with their recorded sizes, each fragment is in its file, and every
+    tensor is covered exactly once; it raises :class:`CheckpointError` listing the
+    problems otherwise. It reads no tensor data.
+
+    Args:
+        save_dir: the checkpoint root.
+        tag: the checkpoint; None = the one ``latest`` names (no fallback; use
+            :func:`find_loadable` for that).
+        verify_checksums: hash each file once, right before its first use, and raise
+            :class:`CheckpointError` naming it on a mismatch. That reads whole files,
+            so with many ranks prefer verifying once via :func:`find_loadable` and
+            passing False here.
+
+    File handles are cached until :meth:`close` (or the ``with`` block ends). Not
+    thread-safe.
+    """
+
+    def __init__(self, save_dir: str, tag: Optional[str] = None,
+                 verify_checksums: bool = True):
+        self.save_dir = save_dir
+        if tag is None:
+            tag = read_latest(save_dir)
+            if tag is None:
+                raise CheckpointError(f"{os.path.join(save_dir, 'latest')}: missing or empty; "
+                                      f"no complete checkpoint is recorded in {save_dir}")
+        try:
+            self._res = resolve_checkpoint(save_dir, tag)
+        except ValueError as err:  # a malformed tag
+            raise CheckpointError(str(err)) from None
+        problems = verify_resolution(save_dir, self._res, checksums=False)
+        if problems:
+            raise CheckpointError(f"checkpoint {tag} in {save_dir} cannot be loaded:\n  "
+                                  + "\n  ".join(problems))
+        self.verify_checksums = verify_checksums
+        self._readers: Dict[Tuple[str, str], FragmentReader] = {}
+        self._verified: set = set()
+        self._offsets: Dict[str, List[int]] = {}
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def manifest(self) -> Manifest:
+        """The loaded checkpoint's manifest."""
+        return self._res.manifest
+
+    @property
+    def tag(self) -> str:
+        return self._res.manifest.tag
+
+    @property
+    def step(self) -> int:
+        return self._res.manifest.step
+
+    def expert_versions(self) -> Dict[Tuple[int, int], Tuple[int, str]]:
+        """``(moe_layer, expert)`` -> ``(step, tag)`` of the version this load uses."""
+        return {k: (v.step, v.tag) for k, v in self.manifest.expert_versions().items()}
+
+    def keys(self) -> List[Tuple[str, str]]:
+        """Every ``(name, kind)``, sorted."""
+        return sorted((rt.name, rt.kind) for rt in self._res.tensors.values())
+
+    def tensor_names(self, kind: Optional[str] = None) -> List[str]:
+        """Sorted global tensor names (of one ``kind`` if given)."""
+        return sorted({rt.name for rt in self._res.tensors.values()
+                       if kind is None or rt.kind == kind})
+
+    def kinds(self, name: Optional[str] = None) -> List[str]:
+        """Sorted kinds (``fp32``, ``exp_avg``, ...), of one tensor if ``name`` is given."""
+        return sorted({rt.kind for rt in self._res.tensors.values()
+                       if name is None or rt.name == name})
+
+    def info(self, name: str, kind: str) -> TensorInfo:
+        """Shape, dtype, expert and source checkpoint of a tensor (KeyError if absent)."""
+        rt = self._resolved(name, kind)
+        return TensorInfo(name=name, kind=kind, shape=tuple(rt.entry.shape),
+                          dtype=dtype_from_name(rt.entry.dtype), expert=rt.entry.expert,
+                          tag=rt.tag, step=rt.step)
+
+    # ---------------------------------------------------------------------- reads
+    def read(self, name: str, kind: str, start: int = 0, length: Optional[int] = None,
+             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Elements ``[start, start + length)`` of the flattened global tensor.
+
+        Reads only the byte ranges of the fragments that overlap the range, from the
+        checkpoint that holds the tensor's newest version.
+
+        Args:
+            name, kind: the tensor.
+            start: first element of the flattened tensor.
+            length: number of elements; None = to the end.
+            out: optional 1-D tensor of ``length`` elements and the stored dtype to fill
+                (e.g. a slice of the rank's flat ZeRO partition); returned.
+
+        Raises:
+            KeyError: no such tensor.
+            IndexError: the range is outside the tensor.
+            ValueError: ``out`` does not fit.
+            CheckpointError: a file fails its checksum (with ``verify_checksums``) or
+                cannot be read.
+        """
+        rt = self._resolved(name, kind)
+        numel = rt.entry.numel
+        if length is None:
+            length = numel - start
+        if start < 0 or length < 0 or start + length > numel:
+            raise IndexError(f"{name}|{kind}: range [{start}, {start + length}) outside its "
+                             f"{numel} elements")
+        dtype = dtype_from_name(rt.entry.dtype)
+        if out is None:
+            out = torch.empty(length, dtype=dtype)
+        elif out.dim() != 1 or out.numel() != length or out.dtype != dtype:
+            raise ValueError(f"{name}|{kind}: out must be 1-D {dtype} with {length} elements, "
+                             f"got {tuple(out.shape)} {out.dtype}")
+        frags = rt.entry.fragments
+        offsets = self._offsets.get(tensor_key(name, kind))
+        if offsets is None:
+            offsets = self._offsets[tensor_key(name, kind)] = [f.offset for f in frags]
+        end = start + length
+        pos = start
+        i = bisect.bisect_right(offsets, start) - 1
+        while pos < end:
+            frag = frags[i]
+            stop = min(frag.offset + frag.length, end)
+            self._fragment_file(rt.tag, frag.file).read(
+                frag.key, pos - frag.offset, stop - pos, out=out[pos - start:stop - start])
+            pos = stop
+            i += 1
+        return out
+
+    def read_full(self, name: str, kind: str) -> torch.Tensor:
+        """The whole tensor in its global shape."""
+        rt = self._resolved(name, kind)
+        return self.read(name, kind).view(rt.entry.shape)
+
+    def objects(self) -> Any:
+        """The decoded ``objects.json`` of this checkpoint; None when it has none."""
+        if OBJECTS_FILE not in self.manifest.files:
+            return None
+        self._check_once(self.tag, OBJECTS_FILE)
+        objects = read_objects_file(os.path.join(self.save_dir, self.tag))
+        keys = tensor_keys(objects.tree)
+        tensors = {}
+        if keys:
+            reader = self._fragment_file(self.tag, objects.tensor_file)
+            tensors = {k: reader.read_tensor(k) for k in keys}
+        try:
+            return decode(objects.tree, tensors)
+        except ValueError as err:
+            raise CheckpointError(f"{os.path.join(self.save_dir, self.tag, OBJECTS_FILE)}: "
+                                  f"{err}") from None
+
+    # -------------------------------------------------------------------- internals
+    def _resolved(self, name: str, kind: str) -> ResolvedTensor:
+        rt = self._res.tensors.get(f"{name}|{kind}")
+        if rt is None:
+            raise KeyError(f"checkpoint {self.tag} has no tensor {name!r} of kind {kind!r}")
+        return rt
+
+    def _check_once(self, tag: str, rel: str) -> None:
+        if not self.verify_checksums or (tag, rel) in self._verified:
+            return
+        entry = self._res.manifests[tag].files[rel]
+        verify_file(os.path.join(self.save_dir, tag, rel),
+                    FileRecord(nbytes=entry.nbytes, sha256=entry.sha256))
+        self._verified.add((tag, rel))
+
+    def _fragment_file(self, tag: str, rel: str) -> FragmentReader:
+        reader = self._readers.get((tag, rel))
+        if reader is None:
+            self._check_once(tag, rel)
+            reader = FragmentReader(os.path.join(self.save_dir, tag, rel))
+            self._readers[(tag, rel)] = reader
+        return reader
+
+    def close(self) -> None:
+        """Close every cached file (reads afterwards reopen them)."""
+        for reader in self._readers.values():
+            reader.close()
+        self._readers.clear()
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+

@@ -1,0 +1,500 @@
+"""How bytes of a MoC checkpoint reach the disk and come back: atomic writes, checksums,
+safetensors fragment files and ranged reads from them.
+
+Nothing here knows about ranks, experts or DeepSpeed; :mod:`deepspeed_ext.manifest`
+describes what a checkpoint holds, :mod:`deepspeed_ext.reader` assembles it again.
+
+Every file of a checkpoint is written the same way (:func:`atomic_write_bytes`,
+:func:`write_fragment_file`): into ``<path>.tmp.<pid>``, flushed, fsynced, renamed over
+``<path>`` and the directory fsynced. A crash therefore leaves either the old file, the
+complete new one, or a stray ``*.tmp.<pid>`` file; never a half-written file under the
+real name.
+
+Call order on one rank (the orchestration sits on top of this)::
+
+    ensure_dir(tag_dir)                                   # every rank, idempotent
+    record = write_fragment_file(path, tensors)           # FileRecord(nbytes, sha256)
+    ...                                                   # report record to rank 0
+    problem = check_file(path, record.nbytes, record.sha256)   # when verifying / loading
+    with FragmentReader(path) as f:
+        part = f.read(key, start, length)
+"""
+
+import hashlib
+import json
+import math
+import os
+import struct
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+_HASH_CHUNK = 8 << 20
+"""Bytes hashed per read: large enough for throughput, small enough not to hold a
+multi-GiB rank file in memory at once."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint on disk is missing, incomplete or corrupt.
+
+    The message names the file (or tensor) at fault, so that the user knows what to
+    delete or which tag to load instead.
+    """
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """Size and checksum of a file exactly as it was written."""
+
+    nbytes: int
+    """File size in bytes."""
+    sha256: str
+    """Hex SHA-256 of the whole file."""
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"nbytes": self.nbytes, "sha256": self.sha256}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "FileRecord":
+        return cls(nbytes=int(data["nbytes"]), sha256=str(data["sha256"]))
+
+
+# --------------------------------------------------------------------------- dtypes
+
+_DTYPES: Dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16",
+                 "int8", "uint8", "bool", "uint16", "uint32", "uint64", "complex64",
+                 "float8_e4m3fn", "float8_e5m2")
+    if isinstance(getattr(torch, name, None), torch.dtype)
+}
+"""Tensor dtypes a checkpoint may hold, by the name the manifest stores (``float32``)."""
+
+_SAFETENSORS_CODES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+    "BOOL": "bool", "U16": "uint16", "U32": "uint32", "U64": "uint64", "C64": "complex64",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+}
+"""safetensors header dtype codes -> our dtype names."""
+_CODES_BY_NAME = {name: code for code, name in _SAFETENSORS_CODES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name the manifest stores for ``dtype`` (``torch.bfloat16`` -> ``"bfloat16"``).
+
+    Raises:
+        ValueError: for a dtype safetensors cannot store (the save would fail later,
+            on a background thread, with a less helpful message).
+    """
+    name = str(dtype).rsplit(".", 1)[-1]
+    if _DTYPES.get(name) is not dtype:
+        raise ValueError(f"dtype {dtype} cannot be stored in a checkpoint; "
+                         f"supported: {', '.join(sorted(_DTYPES))}")
+    return name
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Inverse of :func:`dtype_name`; ValueError for an unknown name."""
+    try:
+        return _DTYPES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown tensor dtype {name!r}; expected one of "
+                         f"{', '.join(sorted(_DTYPES))}") from None
+
+
+# --------------------------------------------------------------------- atomic writes
+
+def fsync_dir(path: str) -> None:
+    """fsync a directory so that renames and new entries in it survive a power loss.
+
+    Without it a crash right after ``os.replace`` can bring back the old directory
+    entry (or none), even though the file's data itself was fsynced.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # e.g. a platform that cannot open directories: nothing to sync
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some network file systems refuse fsync on directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def ensure_dir(path: str) -> None:
+    """Create ``path`` (and parents) if missing, and make the new entry durable.
+
+    Safe to call from every rank at once.
+    """
+    if os.path.isdir(path):
+        return
+    os.makedirs(path, exist_ok=True)
+    # The new directory's entry lives in its parent: sync it, or a crash may lose the
+    # directory together with every fsynced file inside it.
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def _tmp_path(path: str) -> str:
+    return f"{path}.tmp.{os.getpid()}"
+
+
+def _publish(tmp: str, path: str) -> None:
+    """Rename a fully written, fsynced temp file over ``path`` and sync the directory."""
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def atomic_write_bytes(path: str, data: bytes) -> FileRecord:
+    """Write ``data`` to ``path`` so that readers see the old file or the whole new one.
+
+    Writes ``path.tmp.<pid>``, flushes and fsyncs it, ``os.replace``-s it over ``path``
+    and fsyncs the directory. The parent directory is created if missing.
+
+    Returns:
+        The written file's size and SHA-256 (computed from ``data``, no re-read).
+    """
+    ensure_dir(os.path.dirname(os.path.abspath(path)))
+    tmp = _tmp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        _publish(tmp, path)
+    except BaseException:
+        # Leave no stray temp file behind on a failed write (disk full, interrupt).
+        _remove_quietly(tmp)
+        raise
+    return FileRecord(nbytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+
+
+def atomic_write_text(path: str, text: str) -> FileRecord:
+    """:func:`atomic_write_bytes` for UTF-8 text."""
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str, obj: Any, *, sort_keys: bool = False) -> FileRecord:
+    """:func:`atomic_write_bytes` for strict JSON (NaN/Infinity are refused: other JSON
+    readers reject them, and :mod:`deepspeed_ext.objects` encodes them explicitly)."""
+    text = json.dumps(obj, indent=1, sort_keys=sort_keys, allow_nan=False)
+    return atomic_write_text(path, text + "\n")
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+
+
+# ------------------------------------------------------------------------ checksums
+
+def sha256_file(path: str) -> str:
+    """Hex SHA-256 of a file, read in chunks (constant memory for any file size)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(_HASH_CHUNK)
+            if not chunk:
+                break
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def check_file(path: str, nbytes: int, sha256: Optional[str] = None) -> Optional[str]:
+    """Compare a file on disk with what was recorded when it was written.
+
+    The size is checked first (cheap: catches files cut short by a crash or a full
+    disk); the checksum, when given, only for a file of the right size (catches flipped
+    bits and files overwritten by another run).
+
+    Args:
+        path: the file.
+        nbytes: recorded size.
+        sha256: recorded hex SHA-256, or None to check only existence and size.
+
+    Returns:
+        None when the file matches, else one line naming the file and the problem.
+    """
+    try:
+        size = os.path.getsize(path)
+    except FileNotFoundError:
+        return f"{path}: file missing"
+    except OSError as err:
+        return f"{path}: cannot stat ({err})"
+    if size != nbytes:
+        how = "truncated" if size < nbytes else "larger than recorded"
+        return f"{path}: {how}: {size} bytes on disk, manifest records {nbytes}"
+    if sha256 is not None:
+        try:
+            actual = sha256_file(path)
+        except OSError as err:
+            return f"{path}: cannot read ({err})"
+        if actual != sha256:
+            return f"{path}: checksum mismatch (sha256 {actual}, manifest records {sha256})"
+    return None
+
+
+def verify_file(path: str, record: FileRecord) -> None:
+    """:func:`check_file` that raises.
+
+    Raises:
+        CheckpointError: naming the file, when it is missing, has the wrong size or
+            the wrong checksum.
+    """
+    problem = check_file(path, record.nbytes, record.sha256)
+    if problem is not None:
+        raise CheckpointError(problem)
+
+
+# --------------------------------------------------------------------- fragment files
+
+def write_fragment_file(path: str, tensors: Mapping[str, torch.Tensor],
+                        metadata: Optional[Dict[str, str]] = None) -> FileRecord:
+    """Write tensors into a safetensors file, atomically, and return its size/checksum.
+
+    Each rank calls this once per checkpoint for its ``rankNNNNN.safetensors`` (rank 0
+    also puts the tensors of :func:`deepspeed_ext.objects.encode` into its file).
+
+    Args:
+        path: final file name; ``path.tmp.<pid>`` is written first.
+        tensors: safetensors key -> CPU tensor. Tensors must be contiguous; views of one
+            buffer are fine as long as they do not overlap (a snapshot buffer sliced into
+            fragments is written without copies). Fragment keys come from
+            :func:`deepspeed_ext.manifest.fragment_key`.
+        metadata: optional string->string header metadata (informative only).
+
+    Returns:
+        :class:`FileRecord` of the published file. The checksum is computed by reading
+        the written temp file back before it is renamed (mostly from the page cache),
+        so it covers what reached the file, not what was meant to.
+
+    Raises:
+        ValueError: a tensor on an accelerator, non-contiguous, or of an unsupported dtype
+            (named by key), or overlapping tensors.
+    """
+    for key, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"{path}: {key!r} is a {type(tensor).__name__}, not a tensor")
+        if tensor.device.type != "cpu":
+            # safetensors would copy device tensors synchronously on this thread, which
+            # is exactly the stall a background writer exists to avoid.
+            raise ValueError(f"{path}: tensor {key!r} is on {tensor.device}; snapshot it to "
+                             f"CPU memory before writing")
+        if not tensor.is_contiguous():
+            raise ValueError(f"{path}: tensor {key!r} is not contiguous")
+        try:
+            dtype_name(tensor.dtype)
+        except ValueError as err:
+            raise ValueError(f"{path}: tensor {key!r}: {err}") from None
+    ensure_dir(os.path.dirname(os.path.abspath(path)))
+    tmp = _tmp_path(path)
+    try:
+        try:
+            save_file(dict(tensors), tmp, metadata=metadata)
+        except RuntimeError as err:  # safetensors: overlapping ("shared") tensors
+            raise ValueError(f"{path}: {err}") from err
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        record = FileRecord(nbytes=os.path.getsize(tmp), sha256=sha256_file(tmp))
+        _publish(tmp, path)
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
+    return record
+
+
+class FragmentReader:
+    """Reads tensors, or element ranges of 1-D tensors, from one safetensors file.
+
+    The file is opened with ``safetensors.safe_open(framework="pt")`` and its default
+    ``mmap`` backend: opening reads only the JSON header, and :meth:`read` slices with
+    ``get_slice(key)[start:stop]``, which maps the file instead of reading it, so the
+    only bytes read from storage are the pages of the requested range, touched when they
+    are copied into the result. (safetensors' ``"pread"`` backend, by contrast, reads the
+    whole tensor even for a small slice; the tests check that a small range stays small.)
+
+    Results are always copies owning their memory: a tensor viewing the mapping would
+    break (SIGBUS) if the file were later truncated in place, and would keep the mapping
+    alive after :meth:`close`.
+
+    Not thread-safe; one reader per thread.
+
+    Raises:
+        CheckpointError: naming the file, when it is missing or not a safetensors file.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            self._file = safe_open(path, framework="pt", device="cpu")
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: file missing") from None
+        except Exception as err:  # safetensors raises its own SafetensorError
+            raise CheckpointError(f"{path}: not a readable safetensors file ({err})") from err
+        self._keys = set(self._file.keys())
+        self._slices: Dict[str, Any] = {}
+
+    def __enter__(self) -> "FragmentReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the file handle and mapping; the reader is unusable afterwards."""
+        self._slices.clear()
+        self._file = None
+
+    def keys(self) -> List[str]:
+        """Every key in the file, sorted."""
+        return sorted(self._keys)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._keys
+
+    def metadata(self) -> Dict[str, str]:
+        """The file's header metadata (empty when none was written)."""
+        return dict(self._handle().metadata() or {})
+
+    def _handle(self):
+        if self._file is None:
+            raise ValueError(f"{self.path}: reader is closed")
+        return self._file
+
+    def _slice(self, key: str):
+        sl = self._slices.get(key)
+        if sl is None:
+            if key not in self._keys:
+                raise CheckpointError(f"{self.path}: no tensor {key!r} in the file")
+            sl = self._handle().get_slice(key)
+            self._slices[key] = sl
+        return sl
+
+    def shape(self, key: str) -> List[int]:
+        """Shape of ``key`` as stored (from the header; no data is read)."""
+        return list(self._slice(key).get_shape())
+
+    def dtype(self, key: str) -> torch.dtype:
+        """dtype of ``key`` as stored (from the header; no data is read)."""
+        code = self._slice(key).get_dtype()
+        name = _SAFETENSORS_CODES.get(code)
+        if name is None or name not in _DTYPES:
+            raise CheckpointError(f"{self.path}: tensor {key!r} has unsupported dtype {code}")
+        return _DTYPES[name]
+
+    def read(self, key: str, start: int = 0, length: Optional[int] = None,
+             out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Elements ``[start, start + length)`` of the 1-D tensor ``key``.
+
+        Args:
+            key: a 1-D tensor in the file (fragments are stored flat).
+            start: first element.
+            length: number of elements; None = to the end.
+            out: optional 1-D CPU tensor of exactly ``length`` elements and the stored
+                dtype to copy into (no intermediate allocation); returned.
+
+        Raises:
+            CheckpointError: the key is missing or not 1-D.
+            IndexError: the range is outside the tensor (safetensors itself would
+                silently clip it and return fewer elements).
+            ValueError: ``out`` has the wrong size or dtype.
+        """
+        shape = self.shape(key)
+        if len(shape) != 1:
+            raise CheckpointError(f"{self.path}: tensor {key!r} has shape {shape}; "
+                                  f"fragments must be 1-D")
+        numel = shape[0]
+        if length is None:
+            length = numel - start
+        if start < 0 or length < 0 or start + length > numel:
+            raise IndexError(f"{self.path}: range [{start}, {start + length}) outside "
+                             f"tensor {key!r} of {numel} elements")
+        dtype = self.dtype(key)
+        if out is not None and (out.dim() != 1 or out.numel() != length or out.dtype != dtype):
+            raise ValueError(f"{self.path}: out must be 1-D {dtype} with {length} elements, "
+                             f"got {tuple(out.shape)} {out.dtype}")
+        if length == 0:
+            return out if out is not None else torch.empty(0, dtype=dtype)
+        view = self._slice(key)[start:start + length]
+        if out is None:
+            return view.clone()
+        out.copy_(view)
+        return out
+
+    def read_tensor(self, key: str) -> torch.Tensor:
+        """The whole tensor ``key`` in its stored shape (any rank, scalars included)."""
+        self._handle()
+        if key not in self._keys:
+            raise CheckpointError(f"{self.path}: no tensor {key!r} in the file")
+        return self._file.get_tensor(key).clone()
+
+
+def write_safetensors_streaming(path: str, layout: Sequence[Tuple[str, Sequence[int], torch.dtype]],
+                                produce: Callable[[str], torch.Tensor],
+                                metadata: Optional[Dict[str, str]] = None) -> FileRecord:
+    """Write a safetensors file one tensor at a time, atomically.
+
+    For outputs larger than memory (``moc-ckpt consolidate`` of a model with its
+    optimizer state): the header is computed from ``layout``, then each tensor is
+    produced, written and dropped, so peak memory is one tensor, not the model.
+    The file is standard safetensors (little-endian data, 8-byte aligned header),
+    readable by ``safetensors.safe_open``.
+
+    Args:
+        path: output file (``path.tmp.<pid>`` first).
+        layout: ``(key, shape, dtype)`` in file order.
+        produce: called once per key, in order; must return a tensor of that shape/dtype.
+        metadata: optional string->string header metadata.
+
+    Raises:
+        ValueError: duplicate or reserved keys, an unsupported dtype, or a produced
+            tensor that does not match its layout entry.
+    """
+    if sys.byteorder != "little":  # safetensors stores little-endian bytes
+        raise ValueError("streaming safetensors writes need a little-endian machine")
+    header: Dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for key, shape, dtype in layout:
+        if key in header:
+            raise ValueError(f"{path}: key {key!r} is duplicate or reserved")
+        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        header[key] = {"dtype": _CODES_BY_NAME[dtype_name(dtype)], "shape": list(shape),
+                       "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    blob += b" " * ((-(8 + len(blob))) % 8)
+    ensure_dir(os.path.dirname(os.path.abspath(path)))
+    tmp = _tmp_path(path)
+    digest = hashlib.sha256()
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in (struct.pack("<Q", len(blob)), blob):
+                f.write(chunk)
+                digest.update(chunk)
+            for key, shape, dtype in layout:
+                tensor = produce(key)
+                if list(tensor.shape) != list(shape) or tensor.dtype != dtype:
+                    raise ValueError(f"{path}: {key!r} produced {tensor.dtype} "
+                                     f"{list(tensor.shape)}, layout says {dtype} {list(shape)}")
+                if tensor.numel() == 0:
+                    continue
+                data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+                f.write(data.data)
+                digest.update(data.data)
+            f.flush()
+            os.fsync(f.fileno())
+            size = f.tell()
+        _publish(tmp, path)
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
+    return FileRecord(nbytes=size, sha256=digest.hexdigest())

@@ -1,0 +1,110 @@
+"""A rank of a multi-process MoC test: builds a tiny GPT-MoE DeepSpeed engine and acts.
+
+Run as N processes by ``tests.launch.run_ranks`` with ``script=`` this file:
+
+    engine_worker.py ACTION OUT_DIR [trainer flags...]
+
+ACTION is ``describe`` (write this rank's fragment metadata), ``train-save`` (train
+``--train-iters`` steps on synthetic tokens, saving every ``--save-interval`` with
+MoC), or ``load-train-save`` (load from ``--load``, then the same). Each rank writes
+``OUT_DIR/rank<R>.json`` with what the test checks.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megatron.training.arguments import (moc_config_from_args, padded_vocab_size,  # noqa: E402
+                                         parse_args, validate_args)
+from megatron.training.rng import set_seed  # noqa: E402
+from megatron.training.training import initialize_distributed, setup_model_and_optimizer  # noqa: E402
+
+BASE = ["--config", "configs/tiny.yaml", "--data-path", "unused", "--lr-warmup-iters", "0",
+        "--hidden-dropout", "0",
+        "--attention-dropout", "0"]
+
+
+def _batch(args, step, micro):
+    """Synthetic tokens that depend only on (global step, micro step, data-parallel rank)."""
+    gen = torch.Generator().manual_seed(1000 * step + 10 * micro + dist.get_rank())
+    tokens = torch.randint(0, 257, (args.micro_batch_size, args.seq_length + 1), generator=gen)
+    pos = torch.arange(args.seq_length).expand(args.micro_batch_size, -1)
+    return tokens[:, :-1], pos, tokens[:, 1:]
+
+
+def _train(engine, args, start, stop, save_dir, states=None):
+    losses = []
+    for step in range(start, stop):
+        for micro in range(args.gradient_accumulation_steps):
+            tokens, pos, labels = _batch(args, step, micro)
+            lm, aux, counts = engine(tokens, pos, labels)
+            engine.backward(lm + args.moe_loss_coeff * aux)
+            engine.step()
+        counts = counts.clone()
+        dist.all_reduce(counts)
+        engine.moc.observe_tokens(counts.tolist())
+        losses.append(lm.item())
+        if save_dir and args.save_interval and (step + 1) % args.save_interval == 0:
+            engine.save_checkpoint(save_dir, client_state={"step": step + 1})
+            if states is not None:
+                states[step + 1] = _state(engine)
+    return losses
+
+
+def _state(engine):
+    """Full fp32 master weights and moments, gathered from the fragments of every rank."""
+    from deepspeed_ext.state import describe_local_state
+    frags = describe_local_state(engine, engine.moc.naming)
+    local = [(f.name, f.kind, f.offset, f.tensor.detach().cpu().tolist()) for f in frags]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    full = {}
+    for rank_frags in gathered:
+        for name, kind, offset, values in rank_frags:
+            full.setdefault(f"{name}|{kind}", {})[offset] = values
+    # Flatten each tensor's fragments in offset order (replicas give the same offset).
+    return {key: [v for _, vals in sorted(parts.items()) for v in vals] for key, parts in full.items()}
+
+
+def main():
+    action, out_dir, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
+    args = parse_args(BASE + argv)
+    validate_args(args, int(os.environ["WORLD_SIZE"]))
+    initialize_distributed(args)
+    set_seed(args.seed)
+    args.padded_vocab_size = padded_vocab_size(257, args.make_vocab_size_divisible_by)
+    engine, _ = setup_model_and_optimizer(args)
+    from deepspeed_ext import enable_moc_checkpointing
+    enable_moc_checkpointing(engine, moc_config_from_args(args))
+    result = {"rank": dist.get_rank()}
+    if action == "describe":
+        from deepspeed_ext.state import describe_local_state
+        _train(engine, args, 0, 1, None)
+        frags = describe_local_state(engine, engine.moc.naming)
+        result["fragments"] = [(f.name, f.kind, list(f.shape), f.offset, f.length, f.expert,
+                                list(f.holders)) for f in frags]
+    else:
+        start = 0
+        if action.startswith("load"):
+            path, client = engine.load_checkpoint(args.load)
+            result["loaded"] = path
+            result["client_state"] = client
+            start = client["step"]
+            result["state_after_load"] = _state(engine)  # a collective: every rank calls it
+        states = {}
+        result["losses"] = _train(engine, args, start, args.train_iters, args.save, states)
+        result["final_state"] = _state(engine)
+        result["saved_states"] = states if dist.get_rank() == 0 else None
+    with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

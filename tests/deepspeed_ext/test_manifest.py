@@ -1,0 +1,442 @@
+"""Manifest, expert index, latest, verification and retention (deepspeed_ext.manifest).
+
+:class:`FakeRun` (also used by test_reader and test_cli) saves small checkpoints of a
+fake 2-MoE-layer x 4-expert model through the public API the way the multi-rank
+orchestration does, in one process: uneven fragments spread over several rank files,
+later checkpoints holding only some experts.
+"""
+
+import json
+import os
+import random
+import shutil
+import time
+import zlib
+from typing import Dict, Iterable, Optional, Tuple
+
+import numpy as np
+import pytest
+import torch
+
+from deepspeed_ext import manifest as mf
+from deepspeed_ext.manifest import (FileEntry, FragmentSpec, Manifest, RankReport,
+                                    apply_retention, assemble_manifest, build_expert_index,
+                                    check_tag, discard_checkpoints_after, expert_key,
+                                    fragment_key, list_checkpoints,
+                                    prepare_checkpoint_dir, rank_file_name, read_latest,
+                                    read_manifest, referenced_tags, remove_checkpoint,
+                                    scan_checkpoints, split_tensor_key, update_latest,
+                                    verify_checkpoint, write_manifest)
+from deepspeed_ext.objects import OBJECTS_FILE, encode, write_objects_file
+from deepspeed_ext.storage import CheckpointError, atomic_write_json, write_fragment_file
+
+LAYERS, EXPERTS = 2, 4
+KINDS = ("fp32", "exp_avg", "exp_avg_sq")
+NON_EXPERT = {"embed.weight": (10, 6), "final_norm.weight": (7,)}
+EXPERT_PARAMS = {"w1": (3, 5), "b1": (4,)}
+ALL_EXPERTS = [(l, e) for l in range(LAYERS) for e in range(EXPERTS)]
+
+
+def expert_param(layer: int, expert: int, param: str) -> str:
+    return f"layers.{2 * layer + 1}.mlp.experts.{expert}.{param}"
+
+
+def value(name: str, kind: str, step: int, shape) -> torch.Tensor:
+    """The deterministic content of a tensor as saved at ``step``."""
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{name}|{kind}|{step}".encode()))
+    return torch.randn(shape, generator=gen)
+
+
+class FakeRun:
+    """Saves checkpoints into ``save_dir`` and remembers what a load must return."""
+
+    def __init__(self, save_dir, seed: int = 0):
+        self.save_dir = str(save_dir)
+        self.rng = random.Random(seed)
+        self.previous: Optional[Manifest] = None
+        self.truth: Dict[Tuple[str, str], torch.Tensor] = {}
+        self.objects = {}
+
+    def tensors_to_save(self, experts) -> Iterable:
+        for name, shape in NON_EXPERT.items():
+            yield name, shape, None
+        for layer, expert in sorted(experts):
+            for param, shape in EXPERT_PARAMS.items():
+                yield expert_param(layer, expert, param), shape, (layer, expert)
+
+    def save(self, tag: str, step: int, world_size: int, experts=ALL_EXPERTS) -> Manifest:
+        tag_dir = prepare_checkpoint_dir(self.save_dir, tag)
+        per_rank = [dict() for _ in range(world_size)]
+        specs = [[] for _ in range(world_size)]
+        saved = {}
+        for name, shape, expert in self.tensors_to_save(experts):
+            for kind in KINDS:
+                data = value(name, kind, step, shape)
+                saved[(name, kind)] = data
+                flat = data.reshape(-1)
+                pieces = self.rng.randint(1, 4)
+                cuts = sorted(self.rng.sample(range(1, flat.numel()), pieces - 1))
+                for start, stop in zip([0] + cuts, cuts + [flat.numel()]):
+                    rank = self.rng.randrange(world_size)
+                    spec = FragmentSpec(name, kind, start, stop - start, tuple(shape),
+                                        "float32", expert)
+                    specs[rank].append(spec)
+                    per_rank[rank][spec.key] = flat[start:stop]  # views of one buffer
+        objects = {"iteration": step, "rng": {"python": random.getstate(),
+                                               "numpy": np.random.get_state(),
+                                               "torch": torch.get_rng_state()},
+                   "scheduler": {"last_epoch": step, "lrs": (0.1, 0.01)}}
+        tree, obj_tensors = encode(objects)
+        per_rank[0].update(obj_tensors)
+        reports = []
+        for rank in range(world_size):
+            record = write_fragment_file(os.path.join(tag_dir, rank_file_name(rank)),
+                                         per_rank[rank])
+            reports.append(RankReport.from_record(rank, rank_file_name(rank), record,
+                                                  specs[rank]).to_json())
+        obj_record = write_objects_file(tag_dir, tree, rank_file_name(0))
+        # rank 0 from here on, with the gathered (plain-data) reports
+        index = build_expert_index(self.previous, experts, step, tag, LAYERS, EXPERTS)
+        manifest = assemble_manifest(
+            tag, step, world_size,
+            {"num_moe_layers": LAYERS, "num_experts": EXPERTS, "ep_size": 2, "zero_stage": 2},
+            [RankReport.from_json(r) for r in reports], index,
+            extra_files={OBJECTS_FILE: FileEntry.from_record(obj_record, rank=0)})
+        write_manifest(tag_dir, manifest)
+        update_latest(self.save_dir, tag)
+        self.previous = manifest
+        self.truth.update(saved)
+        self.objects = objects
+        return manifest
+
+
+def three_checkpoints(save_dir) -> FakeRun:
+    """step 10: every expert, 4 ranks; step 20: experts 0/1 and 1/3, 3 ranks;
+    step 30: experts 0/2 and 1/3, 2 ranks."""
+    run = FakeRun(save_dir)
+    run.save("global_step10", 10, 4)
+    run.save("global_step20", 20, 3, [(0, 1), (1, 3)])
+    run.save("global_step30", 30, 2, [(0, 2), (1, 3)])
+    return run
+
+
+def rank_file(save_dir, tag, rank=0) -> str:
+    return os.path.join(str(save_dir), tag, rank_file_name(rank))
+
+
+def flip_last_byte(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def edit_manifest(save_dir, tag, change) -> None:
+    """Rewrite a manifest as raw JSON (bypassing write_manifest's validation)."""
+    path = os.path.join(str(save_dir), tag, mf.MANIFEST_FILE)
+    data = json.load(open(path))
+    change(data)
+    atomic_write_json(path, data)
+
+
+@pytest.fixture(autouse=True)
+def no_fsync(monkeypatch):
+    """fsync makes writes durable, which no test here can observe; on a disk shared with
+    busy neighbours each call can take tens of ms, hundreds of them per test module.
+    test_storage keeps the real one."""
+    monkeypatch.setattr(os, "fsync", lambda fd: None)
+
+
+# ------------------------------------------------------------------------------ tests
+
+def test_names():
+    assert fragment_key("a.b", "fp32", 12) == "a.b|fp32|12"
+    assert split_tensor_key("a.b|exp_avg") == ("a.b", "exp_avg")
+    assert expert_key(1, 3) == "1/3" and mf.parse_expert_key("1/3") == (1, 3)
+    assert rank_file_name(3) == "rank00003.safetensors"
+    with pytest.raises(ValueError):
+        fragment_key("a|b", "fp32", 0)
+    for bad in ("", "..", "../x", "a/b", ".hidden", "latest", " x"):
+        with pytest.raises(ValueError):
+            check_tag(bad)
+
+
+def test_build_expert_index():
+    with pytest.raises(ValueError, match="first checkpoint must hold every expert"):
+        build_expert_index(None, [(0, 0)], 10, "t10", 1, 2)
+    first = build_expert_index(None, [(0, 0), (0, 1)], 10, "t10", 1, 2)
+    prev = Manifest(tag="t10", step=10, world_size=1, expert_index=first)
+    index = build_expert_index(prev, [(0, 1)], 20, "t20", 1, 2)
+    assert {k: (v.step, v.tag) for k, v in index.items()} == {"0/0": (10, "t10"),
+                                                              "0/1": (20, "t20")}
+    assert prev.expert_index["0/1"].tag == "t10"  # the previous index is not modified
+    with pytest.raises(ValueError, match="outside"):
+        build_expert_index(prev, [(0, 2)], 20, "t20", 1, 2)
+    with pytest.raises(ValueError, match="after the new step"):
+        build_expert_index(prev, [], 5, "t5", 1, 2)
+    with pytest.raises(ValueError, match="different model"):
+        build_expert_index(prev, [], 20, "t20", 1, 1)
+
+
+def test_manifest_json_round_trip(tmp_path):
+    run = FakeRun(tmp_path)
+    manifest = run.save("global_step10", 10, 3)
+    assert read_manifest(str(tmp_path / "global_step10")) == manifest
+    assert Manifest.from_json(json.loads(json.dumps(manifest.to_json()))) == manifest
+    assert manifest.held_experts() == set(ALL_EXPERTS)
+    # the uneven split really produced several fragments in several files
+    frags = manifest.tensors["embed.weight|fp32"].fragments
+    assert [f.offset for f in frags] == sorted(f.offset for f in frags)
+    assert len({f.file for e in manifest.tensors.values() for f in e.fragments}) == 3
+
+
+def test_read_manifest_errors_name_the_file(tmp_path):
+    run = FakeRun(tmp_path)
+    run.save("global_step10", 10, 2)
+    tag_dir = str(tmp_path / "global_step10")
+    path = os.path.join(tag_dir, mf.MANIFEST_FILE)
+    good = open(path).read()
+    with pytest.raises(CheckpointError, match="missing"):
+        read_manifest(str(tmp_path / "nope"))
+    for text, message in [("{not json", "unreadable"),
+                          (good.replace('"moc-ckpt"', '"other"'), "not a MoC checkpoint"),
+                          (good.replace('"version": 1', '"version": 7'), "version 7"),
+                          (good.replace('"step": 10', '"step": "10"'), r"\.step: expected int"),
+                          (good.replace('"tag": "global_step10"', '"tag": "elsewhere"'),
+                           "renamed")]:
+        with open(path, "w") as f:
+            f.write(text)
+        with pytest.raises(CheckpointError, match=message) as err:
+            read_manifest(tag_dir)
+        assert path in str(err.value)
+
+
+def test_assemble_manifest_refuses_bad_plans():
+    spec = lambda off, n, shape=(10,): FragmentSpec("w", "fp32", off, n, shape, "float32")
+    index = {}
+    ok = assemble_manifest("t", 1, 2, {}, [RankReport(0, "a", 1, "x", [spec(0, 4)]),
+                                           RankReport(1, "b", 1, "y", [spec(4, 6)])], index)
+    assert [f.file for f in ok.tensors["w|fp32"].fragments] == ["a", "b"]
+    with pytest.raises(ValueError, match=r"\[4, 10\) are in no fragment"):
+        assemble_manifest("t", 1, 1, {}, [RankReport(0, "a", 1, "x", [spec(0, 4)])], index)
+    with pytest.raises(ValueError, match="overlap"):
+        assemble_manifest("t", 1, 2, {}, [RankReport(0, "a", 1, "x", [spec(0, 6)]),
+                                          RankReport(1, "b", 1, "y", [spec(4, 6)])], index)
+    with pytest.raises(ValueError, match="describes it as"):
+        assemble_manifest("t", 1, 2, {}, [RankReport(0, "a", 1, "x", [spec(0, 4)]),
+                                          RankReport(1, "b", 1, "y", [spec(4, 6, (2, 5))])],
+                          index)
+    expert_spec = FragmentSpec("e", "fp32", 0, 2, (2,), "float32", (0, 0))
+    with pytest.raises(ValueError, match="holds expert 0/0"):
+        assemble_manifest("t", 1, 1, {}, [RankReport(0, "a", 1, "x", [expert_spec])], {})
+
+
+def test_latest_and_listing(tmp_path):
+    assert read_latest(str(tmp_path)) is None
+    assert list_checkpoints(str(tmp_path)) == []
+    run = three_checkpoints(tmp_path)
+    assert read_latest(str(tmp_path)) == "global_step30"
+    (tmp_path / "global_step40").mkdir()  # a save in progress
+    (tmp_path / "global_step5").mkdir()
+    assert list_checkpoints(str(tmp_path)) == [(10, "global_step10"), (20, "global_step20"),
+                                               (30, "global_step30")]
+    assert sorted(scan_checkpoints(str(tmp_path)).incomplete) == ["global_step40",
+                                                                  "global_step5"]
+    with pytest.raises(ValueError, match="no manifest.json"):
+        update_latest(str(tmp_path), "global_step40")
+    assert read_latest(str(tmp_path)) == "global_step30"
+    (tmp_path / "latest").write_text("../../etc")
+    with pytest.raises(CheckpointError, match="latest"):
+        read_latest(str(tmp_path))
+    assert run.previous.tag == "global_step30"
+
+
+def test_three_checkpoints_verify_clean(tmp_path):
+    three_checkpoints(tmp_path)
+    for _, tag in list_checkpoints(str(tmp_path)):
+        assert verify_checkpoint(str(tmp_path), tag) == []
+    index = read_manifest(str(tmp_path / "global_step30")).expert_index
+    assert {k: v.step for k, v in index.items()} == {
+        "0/0": 10, "0/1": 20, "0/2": 30, "0/3": 10, "1/0": 10, "1/1": 10, "1/2": 10, "1/3": 30}
+
+
+def test_verify_catches_truncated_file(tmp_path):
+    three_checkpoints(tmp_path)
+    path = rank_file(tmp_path, "global_step30", 1)
+    os.truncate(path, os.path.getsize(path) - 5)
+    problems = verify_checkpoint(str(tmp_path), "global_step30", checksums=False)
+    assert any(path in p and "truncated" in p for p in problems)
+
+
+def test_verify_catches_flipped_byte(tmp_path):
+    three_checkpoints(tmp_path)
+    path = rank_file(tmp_path, "global_step10", 2)  # an old file an expert resolves to
+    flip_last_byte(path)
+    assert verify_checkpoint(str(tmp_path), "global_step30", checksums=False) == []
+    problems = verify_checkpoint(str(tmp_path), "global_step30")
+    assert len(problems) == 1 and path in problems[0] and "checksum" in problems[0]
+
+
+def test_verify_catches_missing_manifest(tmp_path):
+    three_checkpoints(tmp_path)
+    os.remove(tmp_path / "global_step20" / mf.MANIFEST_FILE)
+    problems = verify_checkpoint(str(tmp_path), "global_step20")
+    assert len(problems) == 1 and "global_step20" in problems[0] and "missing" in problems[0]
+    # and global_step30's index names global_step20 for expert 0/1
+    problems = verify_checkpoint(str(tmp_path), "global_step30")
+    assert any("expert_index['0/1']" in p and "global_step20" in p for p in problems)
+
+
+def test_verify_catches_coverage_gap(tmp_path):
+    three_checkpoints(tmp_path)
+
+    def drop_fragment(data):
+        data["tensors"]["embed.weight|exp_avg"]["fragments"].pop()
+
+    edit_manifest(tmp_path, "global_step30", drop_fragment)
+    problems = verify_checkpoint(str(tmp_path), "global_step30")
+    assert any("embed.weight|exp_avg" in p and "gap" in p for p in problems)
+
+
+def test_verify_catches_overlap_in_an_older_checkpoint(tmp_path):
+    three_checkpoints(tmp_path)
+    name = expert_param(0, 0, "w1")
+
+    def overlap(data):
+        frag = dict(data["tensors"][f"{name}|fp32"]["fragments"][-1])
+        data["tensors"][f"{name}|fp32"]["fragments"].append(frag)
+
+    edit_manifest(tmp_path, "global_step10", overlap)
+    problems = verify_checkpoint(str(tmp_path), "global_step30")
+    assert any(name in p and "overlap" in p and "global_step10" in p for p in problems)
+
+
+def test_verify_catches_index_to_deleted_checkpoint(tmp_path):
+    three_checkpoints(tmp_path)
+    shutil.rmtree(tmp_path / "global_step10")
+    problems = verify_checkpoint(str(tmp_path), "global_step30")
+    # experts 0/0, 0/3, 1/0, 1/1, 1/2 have their newest version only there
+    assert sum("points to 'global_step10'" in p for p in problems) == 5
+
+
+def test_verify_catches_index_to_checkpoint_without_the_expert(tmp_path):
+    three_checkpoints(tmp_path)
+    edit_manifest(tmp_path, "global_step30",
+                  lambda d: d["expert_index"].update({"0/0": {"step": 20,
+                                                              "tag": "global_step20"}}))
+    problems = verify_checkpoint(str(tmp_path), "global_step30")
+    assert any("'0/0'" in p and "holds no tensor of expert 0/0" in p for p in problems)
+
+
+def test_verify_catches_fragment_missing_from_its_file(tmp_path):
+    three_checkpoints(tmp_path)
+
+    def rename_key(data):
+        frag = data["tensors"]["final_norm.weight|fp32"]["fragments"][0]
+        frag["key"] = frag["key"] + "0"
+        frag["offset"] = int(frag["offset"]) * 10
+
+    edit_manifest(tmp_path, "global_step20", rename_key)
+    problems = verify_checkpoint(str(tmp_path), "global_step20", checksums=False)
+    assert any("lacks fragment" in p and "final_norm.weight" in p for p in problems)
+
+
+def test_referenced_tags(tmp_path):
+    three_checkpoints(tmp_path)
+    assert referenced_tags(str(tmp_path), "global_step30") == {
+        "global_step10", "global_step20", "global_step30"}
+    assert referenced_tags(str(tmp_path), "global_step10") == {"global_step10"}
+
+
+def _age(path, seconds=3600):
+    old = time.time() - seconds
+    for root, _, files in os.walk(path):
+        for name in files:
+            os.utime(os.path.join(root, name), (old, old))
+    os.utime(path, (old, old))
+
+
+def test_retention_keeps_referenced_checkpoints(tmp_path):
+    run = three_checkpoints(tmp_path)
+    assert apply_retention(str(tmp_path), keep=1) == []  # 30 needs 10 and 20
+    # step 40 saves every expert global_step10 and global_step20 held newest versions of
+    run.save("global_step40", 40, 2, [(0, 0), (0, 1), (0, 3), (1, 0), (1, 1), (1, 2)])
+    assert apply_retention(str(tmp_path), keep=1) == ["global_step10", "global_step20"]
+    assert [t for _, t in list_checkpoints(str(tmp_path))] == ["global_step30",
+                                                                "global_step40"]
+    assert verify_checkpoint(str(tmp_path), "global_step40") == []
+    assert not any(n.startswith(mf.TRASH_PREFIX) for n in os.listdir(tmp_path))
+
+
+def test_retention_removes_stale_partial_saves_only(tmp_path):
+    run = FakeRun(tmp_path)
+    run.save("global_step10", 10, 2)
+    stale = tmp_path / "global_step15"
+    stale.mkdir()
+    (stale / "rank00001.safetensors").write_bytes(b"partial")
+    (stale / "rank00000.safetensors.tmp.123").write_bytes(b"partial")
+    _age(stale)
+    foreign = tmp_path / "tensorboard"
+    foreign.mkdir()
+    (foreign / "events.out").write_bytes(b"x")
+    _age(foreign)
+    run.save("global_step20", 20, 2)
+    in_progress = tmp_path / "global_step30"
+    in_progress.mkdir()
+    (in_progress / "rank00000.safetensors").write_bytes(b"being written")
+    os.utime(in_progress / "rank00000.safetensors", (time.time() + 5, time.time() + 5))
+    (tmp_path / f"{mf.TRASH_PREFIX}global_step3.99").mkdir()
+    deleted = apply_retention(str(tmp_path), keep=2)
+    assert deleted == ["global_step15"]
+    assert sorted(os.listdir(tmp_path)) == ["global_step10", "global_step20", "global_step30",
+                                            "latest", "tensorboard"]
+
+
+def test_interrupted_deletion_is_incomplete_then_cleaned(tmp_path, monkeypatch):
+    run = FakeRun(tmp_path)
+    run.save("global_step10", 10, 2)
+    run.save("global_step20", 20, 2)
+
+    def crash(*args):
+        raise OSError("killed")
+
+    with monkeypatch.context() as m:
+        m.setattr(mf.os, "rename", crash)
+        with pytest.raises(OSError, match="killed"):
+            remove_checkpoint(str(tmp_path), "global_step10")
+    # half-deleted: never listed or loaded as complete
+    assert list_checkpoints(str(tmp_path)) == [(20, "global_step20")]
+    assert "missing" in verify_checkpoint(str(tmp_path), "global_step10")[0]
+    _age(tmp_path / "global_step10")
+    assert apply_retention(str(tmp_path), keep=1) == ["global_step10"]
+    assert not (tmp_path / "global_step10").exists()
+
+
+def test_prepare_checkpoint_dir(tmp_path):
+    run = FakeRun(tmp_path)
+    run.save("global_step10", 10, 2)
+    with pytest.raises(FileExistsError, match="complete checkpoint"):
+        prepare_checkpoint_dir(str(tmp_path), "global_step10")
+    partial = tmp_path / "global_step20"
+    partial.mkdir()
+    (partial / "rank00007.safetensors").write_bytes(b"from a bigger run")
+    assert prepare_checkpoint_dir(str(tmp_path), "global_step20") == str(partial)
+    assert os.listdir(partial) == []
+    (partial / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="did not write"):
+        prepare_checkpoint_dir(str(tmp_path), "global_step20")
+    prepare_checkpoint_dir(str(tmp_path), "global_step10", overwrite=True)
+    assert os.listdir(tmp_path / "global_step10") == []
+
+
+def test_discard_abandoned_timeline(tmp_path):
+    run = three_checkpoints(tmp_path)
+    # resumed from global_step10: 20 and 30 are another history
+    assert discard_checkpoints_after(str(tmp_path), 10) == ["global_step30", "global_step20"]
+    assert list_checkpoints(str(tmp_path)) == [(10, "global_step10")]
+    assert read_latest(str(tmp_path)) == "global_step10"
+    assert verify_checkpoint(str(tmp_path), "global_step10") == []
+    run.previous = read_manifest(str(tmp_path / "global_step10"))
+    run.save("global_step20", 20, 2, [(1, 1)])  # the same step again, no collision
+    assert verify_checkpoint(str(tmp_path), "global_step20") == []
