@@ -152,6 +152,8 @@ class MoCCheckpointer:
                            "global_samples": engine.global_samples,
                            "skipped_steps": engine.skipped_steps},
                 "optimizer_scalars": optimizer_scalars(engine),
+                "lr_scheduler": (engine.lr_scheduler.state_dict()
+                                 if getattr(engine, "lr_scheduler", None) is not None else None),
                 "loss_scaler": scaler_state,
                 "pec_policy": self.policy.state_dict() if self.policy is not None else None}
 
@@ -170,7 +172,8 @@ class MoCCheckpointer:
         step = int(engine.global_steps)
         tag = tag or f"global_step{step}"
         tag_dir = os.path.join(save_dir, tag)
-        fragments = describe_local_state(engine, self.naming)
+        fragments = describe_local_state(engine, self.naming, for_save=True,
+                                         chunk_elems=self.config.chunk_bytes // 4)
         pieces = self._gather_pieces(fragments)
         selected = self._select()
         plan = build_write_plan(pieces, world, selected)
@@ -283,8 +286,8 @@ class MoCCheckpointer:
             _log(f"WARNING: {line}")
         return chosen
 
-    def load(self, load_dir: str, tag: Optional[str] = None,
-             load_optimizer_states: bool = True) -> Tuple[Optional[str], Optional[Dict]]:
+    def load(self, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
+             load_lr_scheduler_states: bool = True) -> Tuple[Optional[str], Optional[Dict]]:
         """Load into this engine, whatever layout saved it; all ranks call it.
 
         Returns:
@@ -325,7 +328,7 @@ class MoCCheckpointer:
             ok, payload = False, f"{type(e).__name__}: {e}"
             traceback.print_exc()
         _raise_if_failed(_all_outcomes(ok, payload), f"MoC load of {load_dir}/{chosen}")
-        self._restore_objects(objects, load_optimizer_states)
+        self._restore_objects(objects, load_optimizer_states, load_lr_scheduler_states)
         refresh_compute_weights(self.engine)
         self._previous = (load_dir, chosen)
         self._piece_cache = None
@@ -333,8 +336,12 @@ class MoCCheckpointer:
              f"in {time.perf_counter() - start:.2f} s")
         return os.path.join(load_dir, chosen), objects["client_state"]
 
-    def _restore_objects(self, objects: Dict, load_optimizer_states: bool) -> None:
+    def _restore_objects(self, objects: Dict, load_optimizer_states: bool,
+                         load_lr_scheduler_states: bool = True) -> None:
         engine = self.engine
+        if (load_lr_scheduler_states and objects.get("lr_scheduler") is not None
+                and getattr(engine, "lr_scheduler", None) is not None):
+            engine.lr_scheduler.load_state_dict(objects["lr_scheduler"])
         for key, value in objects["engine"].items():
             setattr(engine, key, value)
         if load_optimizer_states:

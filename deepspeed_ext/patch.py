@@ -33,7 +33,8 @@ def enable_moc_checkpointing(engine, config: Optional[MoCConfig] = None) -> MoCC
     def load_checkpoint(load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
         return moc.load(load_dir, tag=tag,
-                        load_optimizer_states=load_optimizer_states and not load_module_only)
+                        load_optimizer_states=load_optimizer_states and not load_module_only,
+                        load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only)
 
     engine.save_checkpoint = save_checkpoint
     engine.load_checkpoint = load_checkpoint

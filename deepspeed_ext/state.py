@@ -171,8 +171,24 @@ def _moment_views(opt, mapping) -> Dict[str, torch.Tensor]:
             if k in state and state[k].shape == flat.shape}
 
 
-def describe_local_state(engine, naming: ExpertNaming, with_moments: bool = True) -> List[LocalFragment]:
+def _chunks(length: int, chunk_elems: int):
+    return [(start, min(chunk_elems, length - start)) for start in range(0, length, chunk_elems)]
+
+
+def describe_local_state(engine, naming: ExpertNaming, with_moments: bool = True,
+                         for_save: bool = False, chunk_elems: int = 0) -> List[LocalFragment]:
     """Every fragment of fp32 master weights (and moments) this rank holds.
+
+    Args:
+        engine: the DeepSpeed engine.
+        naming: from :func:`expert_naming`.
+        with_moments: include the optimizer moments.
+        for_save: describe what can be *read* for a save. With fp32 compute weights the
+            weights every rank of a group holds are bitwise the master weights after a
+            step, so their ``fp32`` kind is described as replicated (all holders), which
+            lets the write plan balance them; loads always target the master partitions.
+        chunk_elems: cut replicated tensors into chunks of this many elements (0: whole),
+            so one large tensor does not fall on one rank.
 
     Raises:
         ValueError: low-precision training without ZeRO, whose master weights are not
@@ -188,12 +204,18 @@ def describe_local_state(engine, naming: ExpertNaming, with_moments: bool = True
         expert = naming.expert_of(local_name)
         shape = tuple(param.shape)
         if partitioned:
+            replicated_weights = for_save and param.dtype == torch.float32
+            if replicated_weights:
+                # Described by every holder, owner of a partition or not: the plan may
+                # pick any of them to write it.
+                fragments += _replicated(name, shape, expert, _group_ranks(param),
+                                         param.data.view(-1), chunk_elems)
             mapping = getattr(param, "_hp_mapping", None)
             if mapping is None:
                 continue  # this rank owns no element of the parameter
             offset = mapping.lp_fragment_address.start
             length = mapping.lp_fragment_address.numel
-            views = {FP32: mapping.hp_fragment}
+            views = {} if replicated_weights else {FP32: mapping.hp_fragment}
             if with_moments:
                 views.update(_moment_views(opt, mapping))
             holders: Tuple[int, ...] = (rank,)
@@ -201,16 +223,25 @@ def describe_local_state(engine, naming: ExpertNaming, with_moments: bool = True
             if param.dtype != torch.float32:
                 raise ValueError(f"MoC checkpointing of {param.dtype} weights needs ZeRO stage 1 or 2 "
                                  "(the fp32 master weights live in its partitions); use --zero-stage 1/2")
-            offset, length = 0, param.numel()
+            holders = _group_ranks(param)
             views = {FP32: param.data.view(-1)}
             state = opt.state.get(param, {})
             if with_moments:
                 views.update({k: state[k].view(-1) for k in MOMENT_KINDS if k in state})
-            holders = _group_ranks(param)
+            for kind, view in views.items():
+                fragments += _replicated(name, shape, expert, holders, view, chunk_elems, kind)
+            continue
         for kind, view in views.items():
             fragments.append(LocalFragment(name, kind, shape, offset, length, expert, holders,
                                            view.view(-1)))
     return fragments
+
+
+def _replicated(name, shape, expert, holders, flat, chunk_elems, kind=FP32) -> List[LocalFragment]:
+    """Fragments of a tensor every rank of ``holders`` holds whole, cut into chunks."""
+    spans = _chunks(flat.numel(), chunk_elems) if chunk_elems else [(0, flat.numel())]
+    return [LocalFragment(name, kind, shape, start, n, expert, holders, flat.narrow(0, start, n))
+            for start, n in spans]
 
 
 def optimizer_scalars(engine) -> List[Dict]:

@@ -6,7 +6,8 @@ Run as N processes by ``tests.launch.run_ranks`` with ``script=`` this file:
 
 ACTION is ``describe`` (write this rank's fragment metadata), ``train-save`` (train
 ``--train-iters`` steps on synthetic tokens, saving every ``--save-interval`` with
-MoC), or ``load-train-save`` (load from ``--load``, then the same). Each rank writes
+MoC), ``load-train-save`` (load from ``--load``, then the same) or ``load-resave``
+(load, then save at once under the tag ``resaved`` into ``--save``). Each rank writes
 ``OUT_DIR/rank<R>.json`` with what the test checks.
 """
 
@@ -71,6 +72,21 @@ def _state(engine):
     return {key: [v for _, vals in sorted(parts.items()) for v in vals] for key, parts in full.items()}
 
 
+def _inject_save_failure(engine):
+    """MOC_TEST_FAIL_RANK/MOC_TEST_FAIL_STEP: that rank's file write raises at that step."""
+    if os.environ.get("MOC_TEST_FAIL_RANK") != str(dist.get_rank()):
+        return
+    from deepspeed_ext import storage
+    real = storage.write_fragment_file
+    fail_step = int(os.environ["MOC_TEST_FAIL_STEP"])
+
+    def failing(path, tensors, *a, **kw):
+        if engine.global_steps == fail_step:
+            raise OSError(28, "No space left on device (injected)")
+        return real(path, tensors, *a, **kw)
+    storage.write_fragment_file = failing
+
+
 def main():
     action, out_dir, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
     args = parse_args(BASE + argv)
@@ -81,6 +97,7 @@ def main():
     engine, _ = setup_model_and_optimizer(args)
     from deepspeed_ext import enable_moc_checkpointing
     enable_moc_checkpointing(engine, moc_config_from_args(args))
+    _inject_save_failure(engine)
     result = {"rank": dist.get_rank()}
     if action == "describe":
         from deepspeed_ext.state import describe_local_state
@@ -97,6 +114,9 @@ def main():
             start = client["step"]
             result["state_after_load"] = _state(engine)  # a collective: every rank calls it
         states = {}
+        if action == "load-resave":
+            engine.save_checkpoint(args.save, tag="resaved", client_state=client)
+            args.train_iters = start
         result["losses"] = _train(engine, args, start, args.train_iters, args.save, states)
         result["final_state"] = _state(engine)
         result["saved_states"] = states if dist.get_rank() == 0 else None

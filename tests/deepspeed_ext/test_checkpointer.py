@@ -78,3 +78,69 @@ def test_reshard_load(tmp_path, save_layout, load_layout):
     assert before.keys() == after.keys()
     different = [k for k in before if before[k] != after[k]]
     assert not different, different[:5]
+
+
+def _consolidated(ckpt, tag, out):
+    from safetensors.torch import load_file
+    from deepspeed_ext.cli import main as moc_ckpt
+    assert moc_ckpt(["consolidate", str(ckpt), "--tag", tag, "--out", str(out), "--optimizer"]) == 0
+    return load_file(str(out))
+
+
+def test_reshard_resave_consolidates_bitwise_equal(tmp_path):
+    """Save on (world 4, EP 4), load on (world 2, EP 2, ZeRO 1), re-save: same model."""
+    import torch
+    ckpt = tmp_path / "ckpt"
+    _run(tmp_path, "first", 4, "train-save", _layout(4, 4, 2) + [
+        "--train-iters", "2", "--save", str(ckpt), "--save-interval", "2"])
+    _run(tmp_path, "second", 2, "load-resave", _layout(2, 2, 1) + [
+        "--train-iters", "2", "--load", str(ckpt), "--save", str(ckpt)])
+    before = _consolidated(ckpt, "global_step2", tmp_path / "a.safetensors")
+    after = _consolidated(ckpt, "resaved", tmp_path / "b.safetensors")
+    assert before.keys() == after.keys() and any(".exp_avg" in k for k in before)
+    assert any(".deepspeed_experts.3." in k for k in before)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_failure_on_one_rank_is_raised_everywhere_and_keeps_latest(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    out = tmp_path / "out"
+    out.mkdir()
+    args = ["train-save", str(out)] + _layout(2, 2, 2) + [
+        "--train-iters", "4", "--save", str(ckpt), "--save-interval", "2"]
+    results = run_ranks(2, args, script=WORKER, timeout=300,
+                        env={"MOC_TEST_FAIL_RANK": "1", "MOC_TEST_FAIL_STEP": "4"})
+    for r in results:
+        assert r.returncode != 0, describe(results)
+        assert "MoC save of" in r.output and "rank 1: OSError" in r.output, describe(results)
+    assert (ckpt / "latest").read_text().strip() == "global_step2"
+    assert not (ckpt / "global_step4" / "manifest.json").exists()
+    from deepspeed_ext.cli import main as moc_ckpt
+    assert moc_ckpt(["verify", str(ckpt)]) == 0
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_damaged_file_is_detected_and_load_falls_back(tmp_path, damage, capsys):
+    ckpt = tmp_path / "ckpt"
+    _run(tmp_path, "first", 2, "train-save", _layout(2, 2, 2) + [
+        "--train-iters", "4", "--save", str(ckpt), "--save-interval", "2"])
+    victim = ckpt / "global_step4" / "rank00001.safetensors"
+    data = bytearray(victim.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+
+    from deepspeed_ext.cli import main as moc_ckpt
+    assert moc_ckpt(["verify", str(ckpt)]) == 1
+    assert "rank00001.safetensors" in capsys.readouterr().out
+
+    out = tmp_path / "second"
+    out.mkdir()
+    results = run_ranks(2, ["load-train-save", str(out)] + _layout(2, 2, 2) + [
+        "--train-iters", "4", "--load", str(ckpt)], script=WORKER, timeout=300)
+    assert all(r.returncode == 0 for r in results), describe(results)
+    assert "skipped checkpoint global_step4" in results[0].output
+    assert "rank00001.safetensors" in results[0].output
+    assert json.load(open(out / "rank0.json"))["loaded"].endswith("global_step2")
