@@ -62,17 +62,18 @@ def test_pec_restores_each_expert_from_its_newest_version(tmp_path):
     assert older > 0  # some experts really came from older checkpoints
 
 
-@pytest.mark.parametrize("save_layout, load_layout", [
-    ((4, 4, 2), (2, 2, 2)),
-    ((4, 2, 2), (4, 4, 2)),
-    ((2, 2, 2), (2, 2, 1)),
+@pytest.mark.parametrize("save_layout, load_layout, precision", [
+    ((4, 4, 2), (2, 2, 2), []),
+    ((4, 2, 2), (4, 4, 2), []),
+    ((2, 2, 2), (2, 2, 1), []),
+    ((2, 2, 2), (4, 4, 1), ["--bf16"]),  # fp32 master in ZeRO partitions, bf16 compute
 ])
-def test_reshard_load(tmp_path, save_layout, load_layout):
+def test_reshard_load(tmp_path, save_layout, load_layout, precision):
     ckpt = str(tmp_path / "ckpt")
-    first = _run(tmp_path, "first", save_layout[0], "train-save", _layout(*save_layout) + [
+    first = _run(tmp_path, "first", save_layout[0], "train-save", _layout(*save_layout) + precision + [
         "--train-iters", "2", "--save", ckpt, "--save-interval", "2"])
-    second = _run(tmp_path, "second", load_layout[0], "load-train-save", _layout(*load_layout) + [
-        "--train-iters", "3", "--load", ckpt])
+    second = _run(tmp_path, "second", load_layout[0], "load-train-save",
+                  _layout(*load_layout) + precision + ["--train-iters", "3", "--load", ckpt])
     before = first[0]["saved_states"]["2"]
     after = second[0]["state_after_load"]
     assert before.keys() == after.keys()
