@@ -219,7 +219,9 @@ class MoCCheckpointer:
         tensors, specs = {}, []
         for frag in fragments:
             if frag.key in mine:
-                tensors[frag.key] = frag.tensor.detach().to("cpu", copy=True).contiguous()
+                # No copy on CPU: the save is synchronous (training waits), and the
+                # fragments are non-overlapping contiguous views safetensors writes as is.
+                tensors[frag.key] = frag.tensor.detach().cpu().contiguous()
                 specs.append(mf.FragmentSpec(frag.name, frag.kind, frag.offset, frag.length,
                                              frag.shape, storage.dtype_name(frag.tensor.dtype),
                                              frag.expert))
