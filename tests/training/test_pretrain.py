@@ -177,3 +177,23 @@ def test_unknown_yaml_key_stops_every_rank(corpus, tmp_path):
     results = run_ranks(2, TINY + ["--config", str(cfg), "--data-path", corpus], timeout=120)
     for r in results:
         assert r.returncode == 2 and "unknown key 'num-expertz'" in r.output, describe(results)
+
+
+def test_moc_checkpoint_resumes_on_another_layout(corpus, tmp_path):
+    """--moc-checkpoint with PEC K=1: save on 2 ranks (EP 2), resume on 4 ranks (EP 4)."""
+    ckpt = tmp_path / "ckpt"
+    common = TINY + ["--data-path", corpus, "--moc-checkpoint", "--moc-pec-k", "1",
+                     "--moc-pec-policy", "load-aware", "--save", str(ckpt), "--save-interval", "2"]
+    first = run_ranks(2, common + ["--exit-interval", "4"])
+    _assert_ok(first)
+    assert "MoC checkpointing on: K = 1 of 4 experts" in first[0].output
+    assert (ckpt / "latest").read_text().strip() == "global_step4"
+    manifest = json.load(open(ckpt / "global_step4" / "manifest.json"))
+    assert sorted(v["step"] for v in manifest["expert_index"].values()).count(4) == 1
+    second = run_ranks(4, common + ["--moe-expert-parallel-size", "4", "--load", str(ckpt)])
+    _assert_ok(second)
+    assert "loaded checkpoint" in second[0].output and "at iteration 4" in second[0].output
+    assert " iteration        8/       8 |" in second[0].output
+    # The resumed run's arguments differ in layout only; a model change is still refused.
+    bad = run_ranks(2, common + ["--hidden-size", "64", "--load", str(ckpt)], timeout=120)
+    assert all(r.returncode == 2 and "--hidden-size" in r.output for r in bad), describe(bad)
