@@ -198,7 +198,8 @@ class GPTMoEModel(nn.Module):
         lm_loss = (losses * mask).sum() / mask.sum().clamp(min=1.0)
         aux = torch.stack([a.float() for a in aux_losses]).sum() if aux_losses else lm_loss.new_zeros(())
         expert_counts = (torch.stack(counts) if counts
-                         else torch.zeros(0, self.config.num_experts, dtype=torch.int64))
+                         else torch.zeros(0, self.config.num_experts, dtype=torch.int64,
+                                          device=logits.device))
         return lm_loss, aux, expert_counts
 
 

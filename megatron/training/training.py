@@ -39,7 +39,8 @@ class StepStats:
     skipped: bool
     """The optimizer skipped the step (fp16 overflow)."""
     expert_counts: torch.Tensor
-    """Token-to-expert assignments of this rank's micro batches, int64 ``[moe_layers, experts]``."""
+    """Token-to-expert assignments of this rank's micro batches, int64 ``[moe_layers, experts]``,
+    on the engine's device."""
 
 
 @dataclass
@@ -141,8 +142,12 @@ def _batch_to_device(batch: Dict, device) -> Dict:
 
 
 def train_step(engine, data_iterator: Iterator, args: argparse.Namespace) -> StepStats:
-    """One optimizer step over ``gradient_accumulation_steps`` micro batches (all ranks)."""
-    lm_sum = torch.zeros(2, dtype=torch.float64)
+    """One optimizer step over ``gradient_accumulation_steps`` micro batches (all ranks).
+
+    Losses and gate counts stay on the device until the one all-reduce at the end: a
+    ``.item()`` per micro batch would make a GPU wait for every micro batch.
+    """
+    sums = torch.zeros(2, dtype=torch.float64, device=engine.device)
     counts = None
     for _ in range(args.gradient_accumulation_steps):
         batch = _batch_to_device(next(data_iterator), engine.device)
@@ -150,29 +155,29 @@ def train_step(engine, data_iterator: Iterator, args: argparse.Namespace) -> Ste
                                                   batch["labels"], batch["loss_mask"])
         engine.backward(lm_loss + args.moe_loss_coeff * aux_loss)
         engine.step()
-        lm_sum += torch.tensor([lm_loss.item(), aux_loss.item()], dtype=torch.float64)
-        expert_counts = expert_counts.cpu()
+        sums += torch.stack((lm_loss.detach().double(), aux_loss.detach().double()))
         counts = expert_counts if counts is None else counts + expert_counts
-    lm_sum /= args.gradient_accumulation_steps * dist.get_world_size()
-    dist.all_reduce(lm_sum)
+    sums /= args.gradient_accumulation_steps * dist.get_world_size()
+    dist.all_reduce(sums)  # on the device: NCCL cannot reduce CPU tensors
+    lm, aux = sums.tolist()
     grad_norm = engine.get_global_grad_norm()
     grad_norm = float(grad_norm) if grad_norm is not None else 0.0
     skipped = bool(getattr(engine.optimizer, "overflow", False))
-    return StepStats(lm_loss=lm_sum[0].item(), moe_aux_loss=lm_sum[1].item(), grad_norm=grad_norm,
-                     skipped=skipped, expert_counts=counts)
+    return StepStats(lm_loss=lm, moe_aux_loss=aux, grad_norm=grad_norm, skipped=skipped,
+                     expert_counts=counts)
 
 
 @torch.no_grad()
 def evaluate(engine, data_iterator: Iterator, args: argparse.Namespace) -> float:
     """Mean LM loss over ``--eval-iters`` global batches of validation data (all ranks)."""
     engine.eval()
-    total = torch.zeros(1, dtype=torch.float64)
+    total = torch.zeros(1, dtype=torch.float64, device=engine.device)
     steps = args.eval_iters * args.gradient_accumulation_steps
     for _ in range(steps):
         batch = _batch_to_device(next(data_iterator), engine.device)
         lm_loss, _, _ = engine(batch["tokens"], batch["position_ids"], batch["labels"],
                                batch["loss_mask"])
-        total += lm_loss.item()
+        total += lm_loss.detach().double()
     engine.train()
     total /= steps * dist.get_world_size()
     dist.all_reduce(total)
