@@ -122,3 +122,15 @@ def test_tensorboard_dir_without_tensorboard_is_refused_on_every_rank(monkeypatc
                         lambda name, *a: None if name == "tensorboard" else real(name, *a))
     with pytest.raises(ConfigError, match="--tensorboard-dir needs the tensorboard package"):
         validate_args(parse_args(BASE + ["--tensorboard-dir", "tb"]), world_size=1)
+
+
+def test_checkpoint_policy_fragments_compose_with_a_model_config():
+    args = parse_args(["--config", "configs/small.yaml", "--config",
+                       "configs/checkpoint/moc-pec.yaml", "--data-path", "x"])
+    assert (args.moc_checkpoint, args.moc_pec_k, args.moc_pec_policy, args.moc_keep) == \
+        (True, 1, "sequential", 3)
+    assert args.num_experts == 8 and args.save_interval == 50
+    validate_args(args, world_size=2)
+    with pytest.raises(ConfigError, match="--moc-pec-k \\(9\\) exceeds --num-experts \\(8\\)"):
+        validate_args(parse_args(["--config", "configs/small.yaml", "--data-path", "x",
+                                  "--moc-pec-k", "9"]), world_size=2)
