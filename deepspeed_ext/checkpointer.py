@@ -184,15 +184,17 @@ class MoCCheckpointer:
             self.policy.mark_saved(selected, step)
         rng_states: List = [None] * world
         dist.all_gather_object(rng_states, get_rng_state())
-        _broadcast_outcome(lambda: mf.prepare_checkpoint_dir(save_dir, tag), f"MoC save to {tag_dir}")
-        ok, payload = True, None
         try:
-            payload = self._write_share(tag_dir, rank, fragments, plan, rng_states, client_state)
-        except Exception as e:  # reported to every rank below, never swallowed
-            ok, payload = False, f"{type(e).__name__}: {e}"
-            traceback.print_exc()
-        outcomes = _all_outcomes(ok, payload)
-        try:
+            _broadcast_outcome(lambda: mf.prepare_checkpoint_dir(save_dir, tag),
+                               f"MoC save to {tag_dir}")
+            ok, payload = True, None
+            try:
+                payload = self._write_share(tag_dir, rank, fragments, plan, rng_states,
+                                            client_state)
+            except Exception as e:  # reported to every rank below, never swallowed
+                ok, payload = False, f"{type(e).__name__}: {e}"
+                traceback.print_exc()
+            outcomes = _all_outcomes(ok, payload)
             _raise_if_failed(outcomes, f"MoC save of {tag_dir}")
             _broadcast_outcome(
                 lambda: self._commit(save_dir, tag, step, [p for _, p in outcomes],
