@@ -67,6 +67,7 @@ def test_pec_restores_each_expert_from_its_newest_version(tmp_path):
     ((4, 2, 2), (4, 4, 2), []),
     ((2, 2, 2), (2, 2, 1), []),
     ((2, 2, 2), (4, 4, 1), ["--bf16"]),  # fp32 master in ZeRO partitions, bf16 compute
+    ((2, 2, 0), (2, 2, 2), []),          # no ZeRO (replicated state) -> ZeRO-2
 ])
 def test_reshard_load(tmp_path, save_layout, load_layout, precision):
     ckpt = str(tmp_path / "ckpt")
