@@ -135,12 +135,6 @@ class MoCCheckpointer:
         self._piece_cache = (signature, result)
         return result
 
-    def _select(self):
-        """Experts to save now (None: all), identical on every rank."""
-        if self.policy is None:
-            return None
-        return self.policy.select()
-
     def _objects(self, client_state) -> Dict:
         """Non-tensor state of the engine and of MoC (rank 0 writes it)."""
         engine = self.engine
@@ -175,7 +169,8 @@ class MoCCheckpointer:
         fragments = describe_local_state(engine, self.naming, for_save=True,
                                          chunk_elems=self.config.chunk_bytes // 4)
         pieces = self._gather_pieces(fragments)
-        selected = self._select()
+        # Identical on every rank (same policy state); None: no MoE layer.
+        selected = self.policy.select() if self.policy is not None else None
         plan = build_write_plan(pieces, world, selected)
         # The saved policy state must already count this checkpoint's experts as saved;
         # if the save fails, the previous state comes back so the next try saves them.

@@ -18,6 +18,7 @@ from typing import Dict, Optional
 
 import torch.distributed as dist
 
+from deepspeed_ext.storage import atomic_write_json
 from megatron.training.arguments import MODEL_SHAPE_ARGS
 from megatron.training.errors import ConfigError
 from megatron.training.log import print_rank_0
@@ -52,15 +53,6 @@ def args_to_dict(args: argparse.Namespace) -> Dict:
             if isinstance(v, (int, float, str, bool, list, type(None)))}
 
 
-def _write_json_atomic(path: str, data: Dict) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def save_checkpoint(engine, args: argparse.Namespace, scheduler, state: ResumeState) -> str:
     """Save through ``engine.save_checkpoint``; all ranks call it. Returns the tag.
 
@@ -85,7 +77,7 @@ def save_checkpoint(engine, args: argparse.Namespace, scheduler, state: ResumeSt
         return tag
     dist.barrier()
     if dist.get_rank() == 0:
-        _write_json_atomic(os.path.join(args.save, tag, META_FILE), {
+        atomic_write_json(os.path.join(args.save, tag, META_FILE), {
             "iteration": state.iteration, "consumed_train_samples": state.consumed_train_samples,
             "world_size": dist.get_world_size(), "args": args_to_dict(args)})
     dist.barrier()

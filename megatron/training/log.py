@@ -23,11 +23,6 @@ def print_rank_0(message: str) -> None:
         print(message, flush=True)
 
 
-def print_all(message: str) -> None:
-    """Print on every rank, prefixed by the rank."""
-    print(f"[rank {rank()}] {message}", flush=True)
-
-
 def timestamp() -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S")
 
