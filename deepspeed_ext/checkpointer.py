@@ -2,17 +2,23 @@
 
 Multi-rank call order of :meth:`MoCCheckpointer.save` (every rank calls it):
 
-1. every rank describes its fragments (:mod:`deepspeed_ext.state`); the fragment
+1. :meth:`MoCCheckpointer.wait` finishes the previous save (below);
+2. every rank describes its fragments (:mod:`deepspeed_ext.state`); the fragment
    metadata of all ranks is gathered once per layout (``all_gather_object``);
-2. every rank computes the same PEC selection and the same write plan (pure
+3. every rank computes the same PEC selection and the same write plan (pure
    functions, :mod:`deepspeed_ext.pec` and :mod:`deepspeed_ext.plan`);
-3. every rank writes its share into ``<tag>/rankNNNNN.safetensors`` (temp file, fsync,
-   rename); rank 0 also writes the non-tensor state;
-4. one ``all_gather_object`` of every rank's outcome: if any rank failed, every rank
-   raises and ``latest`` still names the previous checkpoint;
-5. rank 0 writes ``manifest.json`` (checksums, fragments, expert-version index), then
-   ``latest``, then applies retention; its outcome is broadcast so a failure there is
-   raised on every rank too.
+4. rank 0 prepares ``<tag>/`` (its failure is broadcast); every rank copies its share
+   into a reused host buffer laid out as its file's exact bytes
+   (:mod:`deepspeed_ext.image`); rank 0 adds the non-tensor state; one
+   ``all_gather_object`` of the outcomes makes any failure every rank's;
+5. the training loop goes on while a writer thread per rank writes the buffer to
+   ``<tag>/rankNNNNN.safetensors`` (temp file, fsync, rename) and publishes a report
+   file; rank 0's thread waits for all reports, then writes ``manifest.json`` (the
+   commit point), ``latest`` and applies retention (:mod:`deepspeed_ext.commit`; no
+   collective, so a slow writer cannot hang anyone);
+6. the next ``save``/``load`` (or an explicit ``wait``) joins the thread and gathers
+   every rank's outcome once: a failure anywhere is raised on every rank, and the
+   PEC policy counts that checkpoint's experts as unsaved again.
 
 :meth:`MoCCheckpointer.load` is called by every rank; rank 0 picks the checkpoint
 (the newest valid one), every rank reads exactly the byte ranges of its own
@@ -20,14 +26,18 @@ partitions, and one ``all_gather_object`` makes any rank's failure every rank's.
 """
 
 import os
+import threading
 import time
 import traceback
-from typing import Dict, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from deepspeed_ext.config import MoCConfig
+from deepspeed_ext.image import ImageLayout
+from deepspeed_ext.manifest import FragmentSpec, prepare_checkpoint_dir
 from megatron.training.rng import get_rng_state, set_rng_state
 from deepspeed_ext.state import (FP32, ExpertNaming, LocalFragment, describe_local_state,
                                  ensure_optimizer_state, expert_naming, optimizer_scalars,
@@ -76,6 +86,51 @@ def _raise_if_failed(outcomes, what: str) -> None:
         raise MoCCheckpointError(f"{what} failed on {len(failed)} rank(s): {details}")
 
 
+@dataclass
+class _Staged:
+    """One rank's share of a save, in the host buffer and ready to write."""
+
+    layout: ImageLayout
+    """Bytes layout of the rank file (the buffer holds exactly these bytes)."""
+    file_name: str
+    """``rankNNNNN.safetensors``."""
+    specs: List[FragmentSpec]
+    """What the file holds, for the manifest."""
+    objects_tree: Any
+    """Rank 0: the JSON tree of the non-tensor state; other ranks: None."""
+    objects_in_file: bool
+    """Whether the objects tree references tensors in this rank's file."""
+
+
+@dataclass
+class _PendingSave:
+    """A save whose files are being written in the background."""
+
+    save_dir: str
+    tag: str
+    step: int
+    rank: int
+    world: int
+    zero_stage: int
+    pec_k: Optional[int]
+    selected: Optional[frozenset]
+    """Experts saved by this checkpoint (None: no MoE layer)."""
+    policy_before: Optional[Dict]
+    """PEC policy state before this save marked its experts saved."""
+    save_latest: bool
+    bytes_per_rank: List[int]
+    max_over_mean: float
+    started: float
+    """``time.perf_counter()`` when the save began."""
+    previous: Optional[Tuple[str, str]]
+    """(save_dir, tag) the expert index builds on."""
+    staged_s: float = 0.0
+    """Seconds the training loop was blocked."""
+    thread: Optional[threading.Thread] = None
+    outcome: Optional[Tuple[bool, Optional[str]]] = field(default=None)
+    """(ok, error message), set by the writer thread as its last action."""
+
+
 class MoCCheckpointer:
     """Saves and loads one engine's state in MoC's format. Create on every rank."""
 
@@ -97,6 +152,9 @@ class MoCCheckpointer:
         self._piece_cache: Optional[Tuple[tuple, list]] = None
         self._previous: Optional[Tuple[str, str]] = None
         """(save_dir, tag) of the checkpoint the current state descends from."""
+        self._pending: Optional[_PendingSave] = None
+        self._buffer: Optional[torch.Tensor] = None
+        """Host buffer holding this rank's share of the newest save (reused)."""
 
     def _num_local_experts(self) -> int:
         from deepspeed.moe.layer import MoE
@@ -155,12 +213,18 @@ class MoCCheckpointer:
              save_latest: bool = True) -> bool:
         """Save a checkpoint; all ranks call it. Returns True (DeepSpeed's contract).
 
+        Stages this rank's share into a reused host buffer and returns; the buffer is
+        written, fsynced and committed by a background thread (see the module
+        docstring). With ``MoCConfig.async_save`` off, waits for the commit. The
+        previous save is always waited for first (:meth:`wait`).
+
         Raises:
-            MoCCheckpointError: on every rank, when any rank failed; ``latest`` is then
-                unchanged.
+            MoCCheckpointError: on every rank, when any rank failed to stage this save or
+                to persist the previous one; ``latest`` then names the last committed
+                checkpoint.
         """
-        from deepspeed_ext import manifest as mf
         from deepspeed_ext.plan import build_write_plan
+        self.wait()
         start = time.perf_counter()
         engine, rank, world = self.engine, dist.get_rank(), dist.get_world_size()
         step = int(engine.global_steps)
@@ -173,98 +237,184 @@ class MoCCheckpointer:
         selected = self.policy.select() if self.policy is not None else None
         plan = build_write_plan(pieces, world, selected)
         # The saved policy state must already count this checkpoint's experts as saved;
-        # if the save fails, the previous state comes back so the next try saves them.
+        # if the save fails, that is undone so the next save includes them again.
         policy_before = self.policy.state_dict() if self.policy is not None else None
         if self.policy is not None:
             self.policy.mark_saved(selected, step)
         rng_states: List = [None] * world
         dist.all_gather_object(rng_states, get_rng_state())
+        pending = _PendingSave(
+            save_dir=save_dir, tag=tag, step=step, rank=rank, world=world,
+            zero_stage=int(engine.zero_optimization_stage()),
+            pec_k=self.policy.k if self.policy is not None else None, selected=selected,
+            policy_before=policy_before, save_latest=save_latest,
+            bytes_per_rank=list(plan.bytes_per_rank), max_over_mean=plan.max_over_mean(),
+            started=start, previous=self._previous)
         try:
-            _broadcast_outcome(lambda: mf.prepare_checkpoint_dir(save_dir, tag),
-                               f"MoC save to {tag_dir}")
+            _broadcast_outcome(lambda: prepare_checkpoint_dir(save_dir, tag), f"MoC save to {tag_dir}")
             ok, payload = True, None
             try:
-                payload = self._write_share(tag_dir, rank, fragments, plan, rng_states,
-                                            client_state)
+                staged = self._stage(rank, fragments, plan, rng_states, client_state)
             except Exception as e:  # reported to every rank below, never swallowed
                 ok, payload = False, f"{type(e).__name__}: {e}"
                 traceback.print_exc()
-            outcomes = _all_outcomes(ok, payload)
-            _raise_if_failed(outcomes, f"MoC save of {tag_dir}")
-            _broadcast_outcome(
-                lambda: self._commit(save_dir, tag, step, [p for _, p in outcomes],
-                                     selected, save_latest),
-                f"MoC commit of {tag_dir}")
+            _raise_if_failed(_all_outcomes(ok, payload), f"MoC save of {tag_dir}")
         except MoCCheckpointError:
-            if self.policy is not None:
-                self.policy.load_state_dict(policy_before)
+            self._undo_mark_saved(pending)
             raise
-        self._previous = (save_dir, tag)
-        busiest = max(plan.bytes_per_rank)
-        _log(f"saved {tag_dir} in {time.perf_counter() - start:.2f} s: "
-             f"{sum(plan.bytes_per_rank) / 2**20:.2f} MiB of tensors, busiest rank "
-             f"{busiest / 2**20:.2f} MiB (max/mean {plan.max_over_mean():.2f})"
-             + (f", {len(selected)} expert(s) saved" if selected is not None else ""))
+        pending.staged_s = time.perf_counter() - start
+        pending.thread = threading.Thread(target=self._persist, args=(pending, staged),
+                                          name=f"moc-persist-{tag}")
+        # Not a daemon: a script that ends without wait() still gets its files written.
+        pending.thread.start()
+        self._pending = pending
+        if not self.config.async_save:
+            self.wait()
         return True
 
-    def _write_share(self, tag_dir, rank, fragments, plan, rng_states, client_state) -> Dict:
-        """Write this rank's file (rank 0: also objects.json); returns its report."""
+    def _undo_mark_saved(self, pending: "_PendingSave") -> None:
+        """A failed save: its experts count as unsaved again, with every token routed to
+        them since the previous save (tokens observed after it are kept, not lost)."""
+        if self.policy is None:
+            return
+        state = self.policy.state_dict()
+        before = pending.policy_before
+        for layer, expert in pending.selected:
+            state["unsaved_tokens"][layer][expert] += before["unsaved_tokens"][layer][expert]
+        state["last_saved_step"] = before["last_saved_step"]
+        state["checkpoints"] = before["checkpoints"]
+        self.policy.load_state_dict(state)
+
+    def _stage(self, rank, fragments, plan, rng_states, client_state) -> "_Staged":
+        """Copy this rank's share (rank 0: also the non-tensor state) into the host buffer."""
         from deepspeed_ext import manifest as mf
         from deepspeed_ext import storage
-        from deepspeed_ext.objects import encode, write_objects_file
+        from deepspeed_ext.image import fill_image, layout_of
+        from deepspeed_ext.objects import encode
         mine = set(plan.keys_for(rank))
         tensors, specs = {}, []
         for frag in fragments:
             if frag.key in mine:
-                # No copy on CPU: the save is synchronous (training waits), and the
-                # fragments are non-overlapping contiguous views safetensors writes as is.
-                tensors[frag.key] = frag.tensor.detach().cpu().contiguous()
+                tensors[frag.key] = frag.tensor
                 specs.append(mf.FragmentSpec(frag.name, frag.kind, frag.offset, frag.length,
                                              frag.shape, storage.dtype_name(frag.tensor.dtype),
                                              frag.expert))
-        objects_record = None
+        tree = None
         if rank == 0:
             objects = self._objects(client_state)
             objects["rng_states"] = rng_states
             tree, object_tensors = encode(objects)
             tensors.update(object_tensors)
-        file_name = mf.rank_file_name(rank)
-        record = storage.write_fragment_file(os.path.join(tag_dir, file_name), tensors)
-        if rank == 0:
-            objects_record = write_objects_file(tag_dir, tree, file_name if object_tensors else None)
-        report = mf.RankReport(rank, file_name, record.nbytes, record.sha256, specs)
-        return {"report": report.to_json(),
-                "objects": objects_record.to_json() if objects_record is not None else None}
+        layout = layout_of(tensors)
+        if self._buffer is None or self._buffer.numel() < layout.nbytes:
+            # Allocated once and reused; grows only when a save's share is larger (PEC
+            # selections differ in size). A new tensor: never resize memory that a
+            # failed earlier writer might still be reading.
+            self._buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
+        with torch.no_grad():
+            fill_image(self._buffer, layout, tensors)
+        return _Staged(layout, mf.rank_file_name(rank), specs, tree,
+                       bool(tree is not None and object_tensors))
 
-    def _commit(self, save_dir, tag, step, shares, selected, save_latest) -> None:
+    def _persist(self, pending: "_PendingSave", staged: "_Staged") -> None:
+        """Background thread of every rank: write, fsync, report; rank 0 then commits."""
+        from deepspeed_ext import commit
+        from deepspeed_ext import manifest as mf
+        from deepspeed_ext import storage
+        from deepspeed_ext.image import image_view
+        from deepspeed_ext.objects import write_objects_file
+        tag_dir = os.path.join(pending.save_dir, pending.tag)
+        rank = pending.rank
+        try:
+            record = storage.write_image_file(os.path.join(tag_dir, staged.file_name),
+                                              image_view(self._buffer, staged.layout))
+            objects_record = None
+            if staged.objects_tree is not None:
+                objects_record = write_objects_file(
+                    tag_dir, staged.objects_tree, staged.file_name if staged.objects_in_file else None)
+            report = mf.RankReport(rank, staged.file_name, record.nbytes, record.sha256, staged.specs)
+            commit.write_report(tag_dir, rank, {
+                "report": report.to_json(),
+                "objects": objects_record.to_json() if objects_record is not None else None})
+        except Exception as e:
+            traceback.print_exc()
+            pending.outcome = (False, f"{type(e).__name__}: {e}")
+            try:  # lets the committer stop waiting at once
+                commit.write_report(tag_dir, rank, None, error=pending.outcome[1])
+            except Exception:
+                pass
+            return
+        if rank == 0:
+            try:
+                shares = commit.wait_for_reports(tag_dir, pending.world, self.config.commit_timeout_s)
+                self._commit(pending, shares)
+                commit.remove_reports(tag_dir, pending.world)
+            except Exception as e:
+                traceback.print_exc()
+                pending.outcome = (False, f"{type(e).__name__}: {e}")
+                return
+        pending.outcome = (True, None)
+
+    def wait(self) -> None:
+        """Finish the pending save, if any; all ranks call it.
+
+        Joins this rank's writer thread, then one ``all_gather_object`` of every rank's
+        outcome (rank 0's includes the commit). Called by :meth:`save` and :meth:`load`;
+        call it at the end of training so that the last save's failure is raised.
+
+        Raises:
+            MoCCheckpointError: on every rank, when any rank failed to persist or rank 0
+                failed to commit; the checkpoint then has no manifest.
+        """
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        pending.thread.join()
+        ok, message = pending.outcome or (False, "writer thread ended without an outcome")
+        try:
+            _raise_if_failed(_all_outcomes(ok, message),
+                             f"MoC save of {os.path.join(pending.save_dir, pending.tag)}")
+        except MoCCheckpointError:
+            self._undo_mark_saved(pending)
+            raise
+        self._previous = (pending.save_dir, pending.tag)
+        busiest = max(pending.bytes_per_rank)
+        _log(f"saved {os.path.join(pending.save_dir, pending.tag)}: training waited "
+             f"{pending.staged_s:.2f} s, committed {time.perf_counter() - pending.started:.2f} s "
+             f"after the save began; {sum(pending.bytes_per_rank) / 2**20:.2f} MiB of tensors, "
+             f"busiest rank {busiest / 2**20:.2f} MiB (max/mean {pending.max_over_mean:.2f})"
+             + (f", {len(pending.selected)} expert(s) saved" if pending.selected is not None else ""))
+
+    def _commit(self, pending: "_PendingSave", shares) -> None:
         """Rank 0: the manifest (the commit point), then ``latest``, then retention."""
         from deepspeed_ext import manifest as mf
         from deepspeed_ext.objects import OBJECTS_FILE
+        save_dir, tag = pending.save_dir, pending.tag
         reports = [mf.RankReport.from_json(s["report"]) for s in shares]
         objects = shares[0]["objects"]
         extra_files = {OBJECTS_FILE: mf.FileEntry(sha256=objects["sha256"],
                                                   nbytes=objects["nbytes"], rank=0)}
         index = {}
         if self.layout is not None:
-            previous = (mf.read_manifest(os.path.join(*self._previous))
-                        if self._previous is not None and self._previous[0] == save_dir else None)
-            index = mf.build_expert_index(previous, selected, step, tag,
+            previous = pending.previous
+            previous = (mf.read_manifest(os.path.join(*previous))
+                        if previous is not None and previous[0] == save_dir else None)
+            index = mf.build_expert_index(previous, pending.selected, pending.step, tag,
                                           self.layout.num_moe_layers, self.layout.num_experts)
-        layout = {"world_size": dist.get_world_size(),
+        layout = {"world_size": pending.world,
                   "ep_size": self.layout.ep_size if self.layout else 1,
-                  "zero_stage": int(self.engine.zero_optimization_stage()),
+                  "zero_stage": pending.zero_stage,
                   "num_moe_layers": self.layout.num_moe_layers if self.layout else 0,
                   "num_experts": self.layout.num_experts if self.layout else 0}
-        manifest = mf.assemble_manifest(tag, step, dist.get_world_size(), layout, reports, index,
+        manifest = mf.assemble_manifest(tag, pending.step, pending.world, layout, reports, index,
                                         extra_files=extra_files,
-                                        extra={"pec_k": self.policy.k if self.policy else None})
+                                        extra={"pec_k": pending.pec_k})
         mf.write_manifest(os.path.join(save_dir, tag), manifest)
-        if save_latest:
+        if pending.save_latest:
             mf.update_latest(save_dir, tag)
         if self.config.keep:
             for removed in mf.apply_retention(save_dir, self.config.keep):
                 _log(f"retention: removed {removed}")
-
 
     # -- load ---------------------------------------------------------------------
 
@@ -298,6 +448,7 @@ class MoCCheckpointer:
                 tensor this model does not have, ...).
         """
         from deepspeed_ext.reader import CheckpointReader
+        self.wait()  # a save still being written must be committed (or failed) first
         start = time.perf_counter()
         choice = [None]
         if dist.get_rank() == 0:

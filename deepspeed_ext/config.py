@@ -18,6 +18,11 @@ class MoCConfig:
     """Check every file's checksum before loading from it."""
     chunk_bytes: int = 64 << 20
     """Replicated tensors are cut into chunks of this size so their writes can be balanced."""
+    async_save: bool = True
+    """Return from a save once the state is copied to host memory; write and commit in the
+    background (``--moc-sync-save`` turns it off: the save returns once committed)."""
+    commit_timeout_s: float = 600.0
+    """Rank 0 gives up committing a checkpoint when a rank's file is not durable by then."""
 
     def __post_init__(self):
         if self.pec_k < 0:
@@ -27,5 +32,7 @@ class MoCConfig:
                              f"got {self.pec_policy!r}")
         if self.keep < 0:
             raise ValueError(f"--moc-keep must be >= 0 (0: keep all), got {self.keep}")
+        if not self.commit_timeout_s > 0:
+            raise ValueError(f"commit_timeout_s must be > 0, got {self.commit_timeout_s}")
         if self.chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be >= 1, got {self.chunk_bytes}")

@@ -315,6 +315,37 @@ def write_fragment_file(path: str, tensors: Mapping[str, torch.Tensor],
     return record
 
 
+def write_image_file(path: str, image: memoryview) -> FileRecord:
+    """Write a prepared file image (:mod:`deepspeed_ext.image`) atomically.
+
+    Called on a background thread (or by a keeper process) with a host buffer that
+    nobody modifies until this returns. The SHA-256 is computed from the buffer on a
+    second thread while ``fsync`` waits on the disk: both release the GIL, so the write
+    pays max(hash, fsync), not their sum.
+
+    Returns:
+        The published file's size and checksum.
+    """
+    ensure_dir(os.path.dirname(os.path.abspath(path)))
+    tmp = _tmp_path(path)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            digest = pool.submit(lambda: hashlib.sha256(image).hexdigest())
+            with open(tmp, "wb") as f:
+                f.write(image)
+                f.flush()
+                os.fsync(f.fileno())
+                size = f.tell()
+            record = FileRecord(nbytes=size, sha256=digest.result())
+        if size != len(image):  # a short write the OS did not report as an error
+            raise OSError(f"{tmp}: wrote {size} of {len(image)} bytes")
+        _publish(tmp, path)
+    except BaseException:
+        _remove_quietly(tmp)
+        raise
+    return record
+
+
 class FragmentReader:
     """Reads tensors, or element ranges of 1-D tensors, from one safetensors file.
 

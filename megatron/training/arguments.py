@@ -121,6 +121,10 @@ def _add_moc_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moc-keep", type=int, default=0,
                    help="Complete checkpoints to keep (still-referenced expert versions are "
                         "never deleted); 0: all.")
+    g.add_argument("--moc-sync-save", action="store_true",
+                   help="Wait until each checkpoint is written and committed; by default a "
+                        "save returns once the state is in host memory and is written in "
+                        "the background.")
 
 
 def _add_data_args(p: argparse.ArgumentParser) -> None:
@@ -337,7 +341,8 @@ def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
 def moc_config_from_args(args: argparse.Namespace):
     """The :class:`deepspeed_ext.config.MoCConfig` of ``--moc-*`` (or the ``moc:`` YAML section)."""
     from deepspeed_ext.config import MoCConfig
-    return MoCConfig(pec_k=args.moc_pec_k, pec_policy=args.moc_pec_policy, keep=args.moc_keep)
+    return MoCConfig(pec_k=args.moc_pec_k, pec_policy=args.moc_pec_policy, keep=args.moc_keep,
+                     async_save=not args.moc_sync_save)
 
 
 def model_config_from_args(args: argparse.Namespace):

@@ -72,8 +72,11 @@ def save_checkpoint(engine, args: argparse.Namespace, scheduler, state: ResumeSt
     if getattr(engine, "moc", None) is not None:
         # MoC's manifest already makes the save atomic and holds the arguments (in the
         # client state); an extra file would only be something for retention to trip on.
+        how = ("in host memory; writing in the background" if engine.moc.config.async_save
+               else "committed")
         print_rank_0(f"[{time.strftime('%H:%M:%S')}] saved checkpoint at iteration "
-                     f"{state.iteration:7d} to {args.save}/{tag} in {time.perf_counter() - start:.2f} s")
+                     f"{state.iteration:7d} to {args.save}/{tag} in {time.perf_counter() - start:.2f} s "
+                     f"({how})")
         return tag
     dist.barrier()
     if dist.get_rank() == 0:

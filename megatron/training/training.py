@@ -308,6 +308,8 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer) 
             break
     if args.save and last_saved != state.iteration:
         checkpointing.save_checkpoint(engine, args, scheduler, state)
+    if getattr(engine, "moc", None) is not None:
+        engine.moc.wait()  # the last save is committed, or its failure raised, before exit
     done = "done" if state.iteration >= args.train_iters else "stopped"
     print_rank_0(f"[{timestamp()}] training {done} at iteration {state.iteration} "
                  f"({state.consumed_train_samples} samples)")

@@ -77,14 +77,14 @@ def _inject_save_failure(engine):
     if os.environ.get("MOC_TEST_FAIL_RANK") != str(dist.get_rank()):
         return
     from deepspeed_ext import storage
-    real = storage.write_fragment_file
-    fail_step = int(os.environ["MOC_TEST_FAIL_STEP"])
+    real = storage.write_image_file
+    fail_tag = f"global_step{int(os.environ['MOC_TEST_FAIL_STEP'])}"
 
-    def failing(path, tensors, *a, **kw):
-        if engine.global_steps == fail_step:
+    def failing(path, image):
+        if os.path.basename(os.path.dirname(path)) == fail_tag:
             raise OSError(28, "No space left on device (injected)")
-        return real(path, tensors, *a, **kw)
-    storage.write_fragment_file = failing
+        return real(path, image)
+    storage.write_image_file = failing
 
 
 def main():
@@ -118,6 +118,7 @@ def main():
             engine.save_checkpoint(args.save, tag="resaved", client_state=client)
             args.train_iters = start
         result["losses"] = _train(engine, args, start, args.train_iters, args.save, states)
+        engine.moc.wait()
         result["final_state"] = _state(engine)
         result["saved_states"] = states if dist.get_rank() == 0 else None
     with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:

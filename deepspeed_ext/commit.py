@@ -1,0 +1,101 @@
+"""Committing a checkpoint without a collective: per-rank report files and one committer.
+
+A save whose files are written in the background cannot end in a collective: the
+training loop has moved on, and a collective there would either block it or hang on a
+slow writer. Instead, every writer publishes a small report next to its file when the
+file is durable (or when writing failed), and one committer (rank 0's writer thread)
+waits for all reports, with a deadline, before writing the manifest.
+
+Order, per checkpoint directory ``<save_dir>/<tag>``::
+
+    every writer:  rankNNNNN.safetensors (atomic)  ->  rankNNNNN.report.json (atomic)
+    committer:     wait_for_reports(...)  ->  manifest.json  ->  latest  ->  remove_reports
+
+A report that names an error, a missing report at the deadline, or any failure of the
+committer leaves the directory without a manifest: it is not a checkpoint, ``latest``
+still names the previous one, and retention deletes the leftovers later.
+"""
+
+import json
+import os
+import time
+from typing import Any, Dict, List, Mapping, Optional
+
+from deepspeed_ext.storage import atomic_write_json
+
+REPORT_SUFFIX = ".report.json"
+
+
+class CommitError(RuntimeError):
+    """A checkpoint could not be committed: a writer failed, or reports did not arrive."""
+
+
+def report_name(rank: int) -> str:
+    return f"rank{rank:05d}{REPORT_SUFFIX}"
+
+
+def write_report(tag_dir: str, rank: int, payload: Optional[Mapping[str, Any]],
+                 error: Optional[str] = None) -> None:
+    """Publish one writer's outcome (atomic). Exactly one of ``payload``/``error``."""
+    if (payload is None) == (error is None):
+        raise ValueError("a report carries either a payload or an error")
+    atomic_write_json(os.path.join(tag_dir, report_name(rank)),
+                      {"rank": rank, "ok": error is None, "payload": payload, "error": error})
+
+
+def _read_report(path: str, rank: int) -> Optional[Dict[str, Any]]:
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            report = json.load(f)
+    except (OSError, ValueError) as err:  # reports are atomic: this is damage, not a race
+        raise CommitError(f"{path}: unreadable report ({err})") from None
+    if not isinstance(report, dict) or report.get("rank") != rank or "ok" not in report:
+        raise CommitError(f"{path}: not a report of rank {rank}")
+    return report
+
+
+def wait_for_reports(tag_dir: str, world_size: int, timeout_s: float,
+                     poll_s: float = 0.01) -> List[Dict[str, Any]]:
+    """The committer: every rank's report payload, in rank order.
+
+    Polls the directory (no collective) until every rank's report exists, backing off
+    from ``poll_s`` to 0.2 s. Stops early at the first error report.
+
+    Raises:
+        CommitError: a rank reported an error (its message is included), or some
+            reports were still missing after ``timeout_s`` (the ranks are named: their
+            storage is slow or the process died).
+    """
+    deadline = time.monotonic() + timeout_s
+    reports: Dict[int, Dict[str, Any]] = {}
+    delay = poll_s
+    while True:
+        for rank in range(world_size):
+            if rank in reports:
+                continue
+            report = _read_report(os.path.join(tag_dir, report_name(rank)), rank)
+            if report is None:
+                continue
+            if not report["ok"]:
+                raise CommitError(f"rank {rank}: {report['error']}")
+            reports[rank] = report
+        if len(reports) == world_size:
+            return [reports[r]["payload"] for r in range(world_size)]
+        if time.monotonic() >= deadline:
+            missing = [r for r in range(world_size) if r not in reports]
+            shown = ", ".join(map(str, missing[:16])) + (" ..." if len(missing) > 16 else "")
+            raise CommitError(f"no report from rank(s) {shown} within {timeout_s:.0f} s "
+                              f"(slow storage or a dead process); {tag_dir} is not committed")
+        time.sleep(delay)
+        delay = min(0.2, delay * 2)
+
+
+def remove_reports(tag_dir: str, world_size: int) -> None:
+    """Delete the reports once the manifest holds their content (best effort)."""
+    for rank in range(world_size):
+        try:
+            os.remove(os.path.join(tag_dir, report_name(rank)))
+        except OSError:
+            pass
