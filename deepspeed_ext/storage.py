@@ -5,7 +5,7 @@ Nothing here knows about ranks, experts or DeepSpeed; :mod:`deepspeed_ext.manife
 describes what a checkpoint holds, :mod:`deepspeed_ext.reader` assembles it again.
 
 Every file of a checkpoint is written the same way (:func:`atomic_write_bytes`,
-:func:`write_fragment_file`): into ``<path>.tmp.<pid>``, flushed, fsynced, renamed over
+:func:`write_image_file`): into ``<path>.tmp.<pid>``, flushed, fsynced, renamed over
 ``<path>`` and the directory fsynced. A crash therefore leaves either the old file, the
 complete new one, or a stray ``*.tmp.<pid>`` file; never a half-written file under the
 real name.
@@ -13,8 +13,8 @@ real name.
 Call order on one rank (the orchestration sits on top of this)::
 
     ensure_dir(tag_dir)                                   # every rank, idempotent
-    record = write_fragment_file(path, tensors)           # FileRecord(nbytes, sha256)
-    ...                                                   # report record to rank 0
+    record = write_image_file(path, image)                # FileRecord(nbytes, sha256)
+    ...                                                   # publish a report (deepspeed_ext.commit)
     problem = check_file(path, record.nbytes, record.sha256)   # when verifying / loading
     with FragmentReader(path) as f:
         part = f.read(key, start, length)
@@ -23,16 +23,12 @@ Call order on one rank (the orchestration sits on top of this)::
 import concurrent.futures
 import hashlib
 import json
-import math
 import os
-import struct
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 _HASH_CHUNK = 8 << 20
 """Bytes hashed per read: large enough for throughput, small enough not to hold a
@@ -256,25 +252,33 @@ def verify_file(path: str, record: FileRecord) -> None:
 
 # --------------------------------------------------------------------- fragment files
 
+def _refuse_overlap(path: str, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Views of one buffer are fine; two keys covering the same bytes are a caller's bug
+    (the file would hold the same data twice under different names)."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), k)
+                   for k, t in tensors.items() if t.numel())
+    for (_, end, key), (start, _, other) in zip(spans, spans[1:]):
+        if start < end:
+            raise ValueError(f"{path}: tensors {key!r} and {other!r} overlap in memory")
+
+
 def write_fragment_file(path: str, tensors: Mapping[str, torch.Tensor],
                         metadata: Optional[Dict[str, str]] = None) -> FileRecord:
     """Write tensors into a safetensors file, atomically, and return its size/checksum.
 
-    Each rank calls this once per checkpoint for its ``rankNNNNN.safetensors`` (rank 0
-    also puts the tensors of :func:`deepspeed_ext.objects.encode` into its file).
+    For small files and tools (tests, ``objects``); the checkpointer itself stages its
+    rank file into a reused buffer and calls :func:`write_image_file`. This builds the
+    same image in a fresh buffer.
 
     Args:
         path: final file name; ``path.tmp.<pid>`` is written first.
         tensors: safetensors key -> CPU tensor. Tensors must be contiguous; views of one
-            buffer are fine as long as they do not overlap (a snapshot buffer sliced into
-            fragments is written without copies). Fragment keys come from
+            buffer are fine as long as they do not overlap. Fragment keys come from
             :func:`deepspeed_ext.manifest.fragment_key`.
         metadata: optional string->string header metadata (informative only).
 
     Returns:
-        :class:`FileRecord` of the published file. The checksum is computed by reading
-        the written temp file back before it is renamed (mostly from the page cache),
-        so it covers what reached the file, not what was meant to.
+        :class:`FileRecord` of the published file.
 
     Raises:
         ValueError: a tensor on an accelerator, non-contiguous, or of an unsupported dtype
@@ -294,25 +298,15 @@ def write_fragment_file(path: str, tensors: Mapping[str, torch.Tensor],
             dtype_name(tensor.dtype)
         except ValueError as err:
             raise ValueError(f"{path}: tensor {key!r}: {err}") from None
-    ensure_dir(os.path.dirname(os.path.abspath(path)))
-    tmp = _tmp_path(path)
+    from deepspeed_ext.image import fill_image, image_view, layout_of  # image imports storage
     try:
-        try:
-            save_file(dict(tensors), tmp, metadata=metadata)
-        except RuntimeError as err:  # safetensors: overlapping ("shared") tensors
-            raise ValueError(f"{path}: {err}") from err
-        # Hash (CPU, from the page cache) while fsync waits on the disk: both release
-        # the GIL, so the save pays max(hash, fsync) instead of their sum.
-        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-            digest = pool.submit(sha256_file, tmp)
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            record = FileRecord(nbytes=os.path.getsize(tmp), sha256=digest.result())
-        _publish(tmp, path)
-    except BaseException:
-        _remove_quietly(tmp)
-        raise
-    return record
+        layout = layout_of(tensors, metadata)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+    _refuse_overlap(path, tensors)
+    buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
+    fill_image(buffer, layout, tensors)
+    return write_image_file(path, image_view(buffer, layout))
 
 
 def write_image_file(path: str, image: memoryview) -> FileRecord:
@@ -485,42 +479,34 @@ def write_safetensors_streaming(path: str, layout: Sequence[Tuple[str, Sequence[
 
     Args:
         path: output file (``path.tmp.<pid>`` first).
-        layout: ``(key, shape, dtype)`` in file order.
-        produce: called once per key, in order; must return a tensor of that shape/dtype.
+        layout: ``(key, shape, dtype)`` of every tensor.
+        produce: called once per key, in the file's order (:func:`deepspeed_ext.image.layout_image`:
+            larger elements first, then by key); returns a tensor of that shape/dtype.
         metadata: optional string->string header metadata.
 
     Raises:
         ValueError: duplicate or reserved keys, an unsupported dtype, or a produced
             tensor that does not match its layout entry.
     """
-    if sys.byteorder != "little":  # safetensors stores little-endian bytes
-        raise ValueError("streaming safetensors writes need a little-endian machine")
-    header: Dict[str, Any] = {}
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    offset = 0
-    for key, shape, dtype in layout:
-        if key in header:
-            raise ValueError(f"{path}: key {key!r} is duplicate or reserved")
-        nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-        header[key] = {"dtype": _CODES_BY_NAME[dtype_name(dtype)], "shape": list(shape),
-                       "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    blob += b" " * ((-(8 + len(blob))) % 8)
+    from deepspeed_ext.image import layout_image  # image imports storage
+    try:
+        image = layout_image([(k, tuple(shape), dtype_name(dtype)) for k, shape, dtype in layout],
+                             metadata)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
     ensure_dir(os.path.dirname(os.path.abspath(path)))
     tmp = _tmp_path(path)
     digest = hashlib.sha256()
     try:
         with open(tmp, "wb") as f:
-            for chunk in (struct.pack("<Q", len(blob)), blob):
-                f.write(chunk)
-                digest.update(chunk)
-            for key, shape, dtype in layout:
-                tensor = produce(key)
-                if list(tensor.shape) != list(shape) or tensor.dtype != dtype:
-                    raise ValueError(f"{path}: {key!r} produced {tensor.dtype} "
-                                     f"{list(tensor.shape)}, layout says {dtype} {list(shape)}")
+            f.write(image.header)
+            digest.update(image.header)
+            for entry in image.entries:
+                tensor = produce(entry.key)
+                if tuple(tensor.shape) != entry.shape or dtype_name(tensor.dtype) != entry.dtype:
+                    raise ValueError(f"{path}: {entry.key!r} produced {tensor.dtype} "
+                                     f"{list(tensor.shape)}, layout says {entry.dtype} "
+                                     f"{list(entry.shape)}")
                 if tensor.numel() == 0:
                     continue
                 data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
