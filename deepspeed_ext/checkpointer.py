@@ -347,13 +347,25 @@ class MoCCheckpointer:
         if rank == 0:
             try:
                 shares = commit.wait_for_reports(tag_dir, pending.world, self.config.commit_timeout_s)
-                self._commit(pending, shares)
+                previous = pending.previous
+                commit.commit_checkpoint(
+                    pending.save_dir, pending.tag, pending.step, self._layout_record(pending),
+                    shares, previous[1] if previous and previous[0] == pending.save_dir else None,
+                    sorted(pending.selected) if pending.selected is not None else None,
+                    pending.pec_k, pending.save_latest, self.config.keep, log=_log)
                 commit.remove_reports(tag_dir, pending.world)
             except Exception as e:
                 traceback.print_exc()
                 pending.outcome = (False, f"{type(e).__name__}: {e}")
                 return
         pending.outcome = (True, None)
+
+    def _layout_record(self, pending: "_PendingSave") -> Dict[str, int]:
+        return {"world_size": pending.world,
+                "ep_size": self.layout.ep_size if self.layout else 1,
+                "zero_stage": pending.zero_stage,
+                "num_moe_layers": self.layout.num_moe_layers if self.layout else 0,
+                "num_experts": self.layout.num_experts if self.layout else 0}
 
     def wait(self) -> None:
         """Finish the pending save, if any; all ranks call it.
@@ -384,37 +396,6 @@ class MoCCheckpointer:
              f"after the save began; {sum(pending.bytes_per_rank) / 2**20:.2f} MiB of tensors, "
              f"busiest rank {busiest / 2**20:.2f} MiB (max/mean {pending.max_over_mean:.2f})"
              + (f", {len(pending.selected)} expert(s) saved" if pending.selected is not None else ""))
-
-    def _commit(self, pending: "_PendingSave", shares) -> None:
-        """Rank 0: the manifest (the commit point), then ``latest``, then retention."""
-        from deepspeed_ext import manifest as mf
-        from deepspeed_ext.objects import OBJECTS_FILE
-        save_dir, tag = pending.save_dir, pending.tag
-        reports = [mf.RankReport.from_json(s["report"]) for s in shares]
-        objects = shares[0]["objects"]
-        extra_files = {OBJECTS_FILE: mf.FileEntry(sha256=objects["sha256"],
-                                                  nbytes=objects["nbytes"], rank=0)}
-        index = {}
-        if self.layout is not None:
-            previous = pending.previous
-            previous = (mf.read_manifest(os.path.join(*previous))
-                        if previous is not None and previous[0] == save_dir else None)
-            index = mf.build_expert_index(previous, pending.selected, pending.step, tag,
-                                          self.layout.num_moe_layers, self.layout.num_experts)
-        layout = {"world_size": pending.world,
-                  "ep_size": self.layout.ep_size if self.layout else 1,
-                  "zero_stage": pending.zero_stage,
-                  "num_moe_layers": self.layout.num_moe_layers if self.layout else 0,
-                  "num_experts": self.layout.num_experts if self.layout else 0}
-        manifest = mf.assemble_manifest(tag, pending.step, pending.world, layout, reports, index,
-                                        extra_files=extra_files,
-                                        extra={"pec_k": pending.pec_k})
-        mf.write_manifest(os.path.join(save_dir, tag), manifest)
-        if pending.save_latest:
-            mf.update_latest(save_dir, tag)
-        if self.config.keep:
-            for removed in mf.apply_retention(save_dir, self.config.keep):
-                _log(f"retention: removed {removed}")
 
     # -- load ---------------------------------------------------------------------
 

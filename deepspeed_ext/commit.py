@@ -99,3 +99,44 @@ def remove_reports(tag_dir: str, world_size: int) -> None:
             os.remove(os.path.join(tag_dir, report_name(rank)))
         except OSError:
             pass
+
+
+def commit_checkpoint(save_dir: str, tag: str, step: int, layout: Mapping[str, Any],
+                      shares: List[Mapping[str, Any]], previous_tag: Optional[str],
+                      selected: Optional[List], pec_k: Optional[int], save_latest: bool,
+                      keep: int, log=print) -> None:
+    """The committer, after :func:`wait_for_reports`: manifest, then ``latest``, then retention.
+
+    Run by rank 0's writer thread, or by the keeper process that persists rank 0's
+    share. Everything it needs is plain data (no engine), so both can call it.
+
+    Args:
+        save_dir, tag, step: the checkpoint.
+        layout: the manifest's layout record (``world_size``, ``ep_size``, ``zero_stage``,
+            ``num_moe_layers``, ``num_experts``).
+        shares: every rank's report payload (``{"report": ..., "objects": ...}``); rank 0's
+            ``objects`` is the ``objects.json`` record.
+        previous_tag: the checkpoint in ``save_dir`` whose expert index this one extends.
+        selected: ``(layer, expert)`` pairs this checkpoint holds; None without MoE.
+        keep: retention (0: keep all).
+    """
+    from deepspeed_ext import manifest as mf
+    from deepspeed_ext.objects import OBJECTS_FILE
+    reports = [mf.RankReport.from_json(s["report"]) for s in shares]
+    objects = shares[0]["objects"]
+    extra_files = {OBJECTS_FILE: mf.FileEntry(sha256=objects["sha256"],
+                                              nbytes=objects["nbytes"], rank=0)}
+    index = {}
+    if layout["num_moe_layers"]:
+        previous = (mf.read_manifest(os.path.join(save_dir, previous_tag))
+                    if previous_tag is not None else None)
+        index = mf.build_expert_index(previous, [tuple(x) for x in selected], step, tag,
+                                      layout["num_moe_layers"], layout["num_experts"])
+    manifest = mf.assemble_manifest(tag, step, layout["world_size"], layout, reports, index,
+                                    extra_files=extra_files, extra={"pec_k": pec_k})
+    mf.write_manifest(os.path.join(save_dir, tag), manifest)
+    if save_latest:
+        mf.update_latest(save_dir, tag)
+    if keep:
+        for removed in mf.apply_retention(save_dir, keep):
+            log(f"retention: removed {removed}")
