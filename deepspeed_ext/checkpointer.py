@@ -155,6 +155,39 @@ class MoCCheckpointer:
         self._pending: Optional[_PendingSave] = None
         self._buffer: Optional[torch.Tensor] = None
         """Host buffer holding this rank's share of the newest save (reused)."""
+        self.expert_versions_loaded: Dict[Tuple[int, int], int] = {}
+        """Step of each expert's version the last storage load gave."""
+        self._last_load_source: Optional[str] = None
+        self.two_level = None
+        if self.config.two_level:
+            from deepspeed_ext.two_level import TwoLevel
+            self.two_level = TwoLevel(self)
+
+    @property
+    def last_load_source(self) -> Optional[str]:
+        """Where the last load came from: ``memory``, ``storage`` or ``storage+memory``."""
+        if self.two_level is not None:
+            return self.two_level.last_load_source
+        return self._last_load_source
+
+    @property
+    def stall_s(self) -> List[float]:
+        """Seconds ``engine.step`` waited for each snapshot copy (two-level only)."""
+        return self.two_level.stall_s if self.two_level is not None else []
+
+    def host_memory_bytes(self) -> int:
+        """Shared-memory bytes of this rank's snapshot slots (two-level), or its save buffer."""
+        if self.two_level is not None:
+            return self.two_level.host_memory_bytes()
+        return self._buffer.numel() if self._buffer is not None else 0
+
+    def shutdown(self) -> None:
+        """End of training, every rank: wait for the last save; stop the node's keeper and
+        free its shared memory (two-level)."""
+        if self.two_level is not None:
+            self.two_level.shutdown()
+        else:
+            self.wait()
 
     def _num_local_experts(self) -> int:
         from deepspeed.moe.layer import MoE
@@ -224,6 +257,8 @@ class MoCCheckpointer:
                 checkpoint.
         """
         from deepspeed_ext.plan import build_write_plan
+        if self.two_level is not None:
+            return self.two_level.save(save_dir, tag, client_state, save_latest)
         self.wait()
         start = time.perf_counter()
         engine, rank, world = self.engine, dist.get_rank(), dist.get_world_size()
@@ -260,7 +295,7 @@ class MoCCheckpointer:
                 traceback.print_exc()
             _raise_if_failed(_all_outcomes(ok, payload), f"MoC save of {tag_dir}")
         except MoCCheckpointError:
-            self._undo_mark_saved(pending)
+            self._undo_mark_saved(pending.policy_before, pending.selected)
             raise
         pending.staged_s = time.perf_counter() - start
         pending.thread = threading.Thread(target=self._persist, args=(pending, staged),
@@ -272,14 +307,13 @@ class MoCCheckpointer:
             self.wait()
         return True
 
-    def _undo_mark_saved(self, pending: "_PendingSave") -> None:
+    def _undo_mark_saved(self, before: Optional[Dict], selected) -> None:
         """A failed save: its experts count as unsaved again, with every token routed to
         them since the previous save (tokens observed after it are kept, not lost)."""
-        if self.policy is None:
+        if self.policy is None or before is None:
             return
         state = self.policy.state_dict()
-        before = pending.policy_before
-        for layer, expert in pending.selected:
+        for layer, expert in selected:
             state["unsaved_tokens"][layer][expert] += before["unsaved_tokens"][layer][expert]
         state["last_saved_step"] = before["last_saved_step"]
         state["checkpoints"] = before["checkpoints"]
@@ -349,7 +383,7 @@ class MoCCheckpointer:
                 shares = commit.wait_for_reports(tag_dir, pending.world, self.config.commit_timeout_s)
                 previous = pending.previous
                 commit.commit_checkpoint(
-                    pending.save_dir, pending.tag, pending.step, self._layout_record(pending),
+                    pending.save_dir, pending.tag, pending.step, self._layout_record(pending.world, pending.zero_stage),
                     shares, previous[1] if previous and previous[0] == pending.save_dir else None,
                     sorted(pending.selected) if pending.selected is not None else None,
                     pending.pec_k, pending.save_latest, self.config.keep, log=_log)
@@ -360,10 +394,11 @@ class MoCCheckpointer:
                 return
         pending.outcome = (True, None)
 
-    def _layout_record(self, pending: "_PendingSave") -> Dict[str, int]:
-        return {"world_size": pending.world,
+    def _layout_record(self, world: int, zero_stage: int) -> Dict[str, int]:
+        """The manifest's layout record."""
+        return {"world_size": world,
                 "ep_size": self.layout.ep_size if self.layout else 1,
-                "zero_stage": pending.zero_stage,
+                "zero_stage": zero_stage,
                 "num_moe_layers": self.layout.num_moe_layers if self.layout else 0,
                 "num_experts": self.layout.num_experts if self.layout else 0}
 
@@ -378,6 +413,8 @@ class MoCCheckpointer:
             MoCCheckpointError: on every rank, when any rank failed to persist or rank 0
                 failed to commit; the checkpoint then has no manifest.
         """
+        if self.two_level is not None:
+            return self.two_level.wait()
         pending, self._pending = self._pending, None
         if pending is None:
             return
@@ -387,7 +424,7 @@ class MoCCheckpointer:
             _raise_if_failed(_all_outcomes(ok, message),
                              f"MoC save of {os.path.join(pending.save_dir, pending.tag)}")
         except MoCCheckpointError:
-            self._undo_mark_saved(pending)
+            self._undo_mark_saved(pending.policy_before, pending.selected)
             raise
         self._previous = (pending.save_dir, pending.tag)
         busiest = max(pending.bytes_per_rank)
@@ -417,8 +454,24 @@ class MoCCheckpointer:
         return chosen
 
     def load(self, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
-             load_lr_scheduler_states: bool = True) -> Tuple[Optional[str], Optional[Dict]]:
-        """Load into this engine, whatever layout saved it; all ranks call it.
+             load_lr_scheduler_states: bool = True,
+             from_memory: bool = True) -> Tuple[Optional[str], Optional[Dict]]:
+        """Load into this engine; all ranks call it.
+
+        With two-level checkpointing, recovers from the keepers' memory when every rank
+        holds the same step there (``from_memory=False`` forces storage); see
+        :mod:`deepspeed_ext.two_level`. Otherwise, or then, from storage.
+        """
+        if self.two_level is not None:
+            return self.two_level.load(load_dir, tag, load_optimizer_states,
+                                       load_lr_scheduler_states, from_memory)
+        self._last_load_source = "storage"
+        return self._load_storage(load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
+
+    def _load_storage(self, load_dir: str, tag: Optional[str] = None,
+                      load_optimizer_states: bool = True,
+                      load_lr_scheduler_states: bool = True) -> Tuple[Optional[str], Optional[Dict]]:
+        """Load from storage into this engine, whatever layout saved it; all ranks call it.
 
         Returns:
             ``(path, client_state)``, or ``(None, None)`` when ``load_dir`` holds no
@@ -455,6 +508,7 @@ class MoCCheckpointer:
                     data = reader.read(frag.name, frag.kind, frag.offset, frag.length)
                     frag.tensor.copy_(data.to(device=frag.tensor.device, dtype=frag.tensor.dtype))
                 objects = reader.objects()
+                self.expert_versions_loaded = {k: v[0] for k, v in reader.expert_versions().items()}
         except Exception as e:  # reported to every rank below
             ok, payload = False, f"{type(e).__name__}: {e}"
             traceback.print_exc()

@@ -140,3 +140,52 @@ def commit_checkpoint(save_dir: str, tag: str, step: int, layout: Mapping[str, A
     if keep:
         for removed in mf.apply_retention(save_dir, keep):
             log(f"retention: removed {removed}")
+
+
+FAILURE_NAME = "commit.failed.json"
+
+
+def write_failure(tag_dir: str, message: str) -> None:
+    """The committer gave up: say why, so that every rank's wait can end and report it."""
+    atomic_write_json(os.path.join(tag_dir, FAILURE_NAME), {"error": message})
+
+
+def commit_outcome(tag_dir: str, world_size: int) -> Optional[tuple]:
+    """Non-blocking look at a checkpoint being committed in the background.
+
+    Returns:
+        ``(True, None)`` once ``manifest.json`` exists, ``(False, reason)`` once the
+        committer or a writer gave up, None while it is still in progress.
+    """
+    from deepspeed_ext.manifest import MANIFEST_FILE
+    if os.path.exists(os.path.join(tag_dir, MANIFEST_FILE)):
+        return True, None
+    failure = os.path.join(tag_dir, FAILURE_NAME)
+    if os.path.exists(failure):
+        try:
+            with open(failure, encoding="utf-8") as f:
+                return False, json.load(f)["error"]
+        except (OSError, ValueError, KeyError):
+            return False, f"{failure} (unreadable)"
+    for rank in range(world_size):
+        try:
+            report = _read_report(os.path.join(tag_dir, report_name(rank)), rank)
+        except CommitError as err:
+            return False, str(err)
+        if report is not None and not report["ok"]:
+            return False, f"rank {rank}: {report['error']}"
+    return None
+
+
+def wait_for_commit(tag_dir: str, world_size: int, timeout_s: float) -> tuple:
+    """Poll :func:`commit_outcome` until it is decided or ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.01
+    while True:
+        outcome = commit_outcome(tag_dir, world_size)
+        if outcome is not None:
+            return outcome
+        if time.monotonic() > deadline:
+            return False, f"{tag_dir} not committed within {timeout_s:.0f} s"
+        time.sleep(delay)
+        delay = min(0.2, delay * 2)

@@ -23,6 +23,23 @@ class MoCConfig:
     background (``--moc-sync-save`` turns it off: the save returns once committed)."""
     commit_timeout_s: float = 600.0
     """Rank 0 gives up committing a checkpoint when a rank's file is not durable by then."""
+    two_level: bool = False
+    """Saves are snapshots into a per-node keeper's shared memory, persisted to storage in
+    the background (``--moc-two-level``)."""
+    k_snapshot: int = 0
+    """Experts per MoE layer in each in-memory snapshot; 0: all (``--moc-k-snapshot``)."""
+    persist_interval: int = 1
+    """Persist every N-th snapshot to storage, with ``pec_k`` experts per MoE layer
+    (``--moc-persist-interval``)."""
+    shm_dir: str = ""
+    """The job's shared-memory directory (one ``nodeN/`` per node); required with two_level."""
+    ranks_per_node: int = 0
+    """Ranks per node for keeper placement; 0: ``LOCAL_WORLD_SIZE`` (``--moc-ranks-per-node``
+    simulates several nodes on one machine)."""
+    keeper_idle_timeout_s: float = 600.0
+    """A keeper exits when none of its training processes has been alive this long."""
+    host_memory_gb: float = 0.0
+    """Budget for one rank's snapshot slots; 0: unchecked (``--moc-host-memory-gb``)."""
 
     def __post_init__(self):
         if self.pec_k < 0:
@@ -34,5 +51,14 @@ class MoCConfig:
             raise ValueError(f"--moc-keep must be >= 0 (0: keep all), got {self.keep}")
         if not self.commit_timeout_s > 0:
             raise ValueError(f"commit_timeout_s must be > 0, got {self.commit_timeout_s}")
+        if self.k_snapshot < 0 or self.persist_interval < 1:
+            raise ValueError("--moc-k-snapshot must be >= 0 and --moc-persist-interval >= 1, got "
+                             f"{self.k_snapshot} and {self.persist_interval}")
+        if self.two_level and self.pec_k and self.k_snapshot and self.pec_k > self.k_snapshot:
+            raise ValueError(f"--moc-k-persist/--moc-pec-k ({self.pec_k}) must not exceed "
+                             f"--moc-k-snapshot ({self.k_snapshot})")
+        if self.two_level and not self.shm_dir:
+            raise ValueError("two-level checkpointing needs shm_dir (the trainer derives it "
+                             "from --save)")
         if self.chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be >= 1, got {self.chunk_bytes}")

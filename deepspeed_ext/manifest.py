@@ -67,7 +67,7 @@ TRASH_PREFIX = ".moc-trash."
 """Directories being deleted are renamed to this prefix first (see :func:`remove_checkpoint`)."""
 
 _TAG_DIR_ENTRY = re.compile(
-    r"^(rank\d{5,}\.safetensors|rank\d{5,}\.report\.json|objects\.json|manifest\.json)(\.tmp\.\d+)?$")
+    r"^(rank\d{5,}\.safetensors|rank\d{5,}\.report\.json|commit\.failed\.json|objects\.json|manifest\.json)(\.tmp\.\d+)?$")
 """Names MoC writes into a tag directory. A manifest-less directory is deleted by
 retention only if it holds nothing else, so a user's unrelated directory inside
 save_dir (tensorboard/, a copied dataset) is never removed."""

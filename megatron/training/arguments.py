@@ -121,6 +121,28 @@ def _add_moc_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moc-keep", type=int, default=0,
                    help="Complete checkpoints to keep (still-referenced expert versions are "
                         "never deleted); 0: all.")
+    g.add_argument("--moc-two-level", action="store_true",
+                   help="Two-level checkpointing: each save is an asynchronous snapshot into a "
+                        "per-node keeper's shared memory; every --moc-persist-interval-th "
+                        "snapshot is persisted to --save in the background; --load recovers "
+                        "from memory first.")
+    g.add_argument("--moc-k-snapshot", type=int, default=0,
+                   help="Experts per MoE layer in each in-memory snapshot; 0: all.")
+    g.add_argument("--moc-k-persist", type=int, default=None,
+                   help="Experts per MoE layer persisted to storage (same as --moc-pec-k; "
+                        "at most --moc-k-snapshot).")
+    g.add_argument("--moc-snapshot-interval", type=int, default=0,
+                   help="Iterations between snapshots with --moc-two-level; 0: --save-interval.")
+    g.add_argument("--moc-persist-interval", type=int, default=1,
+                   help="Persist every N-th snapshot to storage.")
+    g.add_argument("--moc-ranks-per-node", type=int, default=0,
+                   help="Ranks per node for the keepers; 0: the launcher's LOCAL_WORLD_SIZE. "
+                        "Smaller values simulate several nodes on one machine.")
+    g.add_argument("--moc-shm-dir", default=None,
+                   help="Shared-memory directory of the snapshots; default: derived from "
+                        "--save under /dev/shm (stable across restarts of one job).")
+    g.add_argument("--moc-host-memory-gb", type=float, default=0.0,
+                   help="Host memory one rank's snapshot slots may use; 0: unchecked.")
     g.add_argument("--moc-sync-save", action="store_true",
                    help="Wait until each checkpoint is written and committed; by default a "
                         "save returns once the state is in host memory and is written in "
@@ -316,6 +338,19 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         raise ConfigError(f"--deepspeed_config: file not found: {args.deepspeed_config}")
     if args.moc_pec_k > args.num_experts:
         raise ConfigError(f"--moc-pec-k ({args.moc_pec_k}) exceeds --num-experts ({args.num_experts})")
+    if args.moc_two_level and not args.moc_checkpoint:
+        raise ConfigError("--moc-two-level needs --moc-checkpoint")
+    if args.moc_two_level and not (args.save or args.load or args.moc_shm_dir):
+        raise ConfigError("--moc-two-level needs --save (or --moc-shm-dir) to name its memory")
+    if args.moc_k_snapshot > args.num_experts:
+        raise ConfigError(f"--moc-k-snapshot ({args.moc_k_snapshot}) exceeds --num-experts "
+                          f"({args.num_experts})")
+    k_persist = args.moc_k_persist if args.moc_k_persist is not None else args.moc_pec_k
+    if args.moc_k_snapshot and k_persist > args.moc_k_snapshot:
+        raise ConfigError(f"--moc-k-persist ({k_persist}) must not exceed --moc-k-snapshot "
+                          f"({args.moc_k_snapshot})")
+    if args.moc_persist_interval < 1 or args.moc_snapshot_interval < 0:
+        raise ConfigError("--moc-persist-interval must be >= 1 and --moc-snapshot-interval >= 0")
     if args.moc_pec_k < 0 or args.moc_keep < 0:
         raise ConfigError("--moc-pec-k and --moc-keep must be >= 0")
     if args.moc_checkpoint and args.zero_stage == 0 and (args.bf16 or args.fp16):
@@ -341,8 +376,16 @@ def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
 def moc_config_from_args(args: argparse.Namespace):
     """The :class:`deepspeed_ext.config.MoCConfig` of ``--moc-*`` (or the ``moc:`` YAML section)."""
     from deepspeed_ext.config import MoCConfig
-    return MoCConfig(pec_k=args.moc_pec_k, pec_policy=args.moc_pec_policy, keep=args.moc_keep,
-                     async_save=not args.moc_sync_save)
+    from deepspeed_ext.two_level import default_shm_dir
+    shm_dir = ""
+    if args.moc_two_level:
+        shm_dir = args.moc_shm_dir or default_shm_dir(args.save or args.load)
+    pec_k = args.moc_k_persist if args.moc_k_persist is not None else args.moc_pec_k
+    return MoCConfig(pec_k=pec_k, pec_policy=args.moc_pec_policy, keep=args.moc_keep,
+                     async_save=not args.moc_sync_save, two_level=args.moc_two_level,
+                     k_snapshot=args.moc_k_snapshot, persist_interval=args.moc_persist_interval,
+                     shm_dir=shm_dir, ranks_per_node=args.moc_ranks_per_node,
+                     host_memory_gb=args.moc_host_memory_gb)
 
 
 def model_config_from_args(args: argparse.Namespace):

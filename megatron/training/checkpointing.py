@@ -155,16 +155,22 @@ def load_checkpoint(engine, args: argparse.Namespace, scheduler) -> ResumeState:
     """
     load_dir = args.load
     tag = find_latest_tag(load_dir) if load_dir and os.path.isdir(load_dir) else None
-    if tag is None:
+    two_level = getattr(args, "moc_two_level", False)
+    if tag is None and not two_level:  # two-level: the keepers' memory may hold snapshots
         print_rank_0(f"> no checkpoint found at --load {load_dir}: starting from scratch")
         return ResumeState()
-    path = os.path.join(load_dir, tag)
-    check_compatible(_saved_meta(engine, load_dir, tag), args, path)
+    path = os.path.join(load_dir, tag or "")
+    if tag is not None:
+        check_compatible(_saved_meta(engine, load_dir, tag), args, path)
     start = time.perf_counter()
     load_path, client_state = engine.load_checkpoint(
         # MoC picks the newest *valid* checkpoint itself (falling back past a corrupt one).
         load_dir, tag=None if getattr(args, "moc_checkpoint", False) else tag,
         load_optimizer_states=not args.no_load_optim, load_lr_scheduler_states=False)
+    if load_path is None and tag is None:
+        print_rank_0(f"> no checkpoint found at --load {load_dir} nor in memory: starting "
+                     f"from scratch")
+        return ResumeState()
     if load_path is None:
         raise ConfigError(f"--load: could not load {path}")
     path = load_path

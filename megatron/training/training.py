@@ -262,6 +262,9 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer) 
     window_start = time.perf_counter()
     skipped_total = 0
     last_saved = state.iteration if args.load else -1
+    save_interval = args.save_interval
+    if getattr(args, "moc_two_level", False) and args.moc_snapshot_interval:
+        save_interval = args.moc_snapshot_interval
     print_rank_0(f"[{timestamp()}] training from iteration {state.iteration} to {args.train_iters}"
                  + ("" if args.save else " (no --save: no checkpoints will be written)"))
     while state.iteration < args.train_iters:
@@ -299,7 +302,7 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer) 
             print_rank_0(eval_log_line(f"validation loss at iteration {state.iteration}", loss))
             writer.write("valid", state.iteration, {"lm_loss": loss})
             window_start = time.perf_counter()
-        if args.save and args.save_interval and state.iteration % args.save_interval == 0:
+        if args.save and save_interval and state.iteration % save_interval == 0:
             checkpointing.save_checkpoint(engine, args, scheduler, state)
             last_saved = state.iteration
             window_start = time.perf_counter()
@@ -309,7 +312,9 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer) 
     if args.save and last_saved != state.iteration:
         checkpointing.save_checkpoint(engine, args, scheduler, state)
     if getattr(engine, "moc", None) is not None:
-        engine.moc.wait()  # the last save is committed, or its failure raised, before exit
+        # The last save is committed (or its failure raised) and, with two-level
+        # checkpointing, the node's keeper stopped and its shared memory freed.
+        engine.moc.shutdown()
     done = "done" if state.iteration >= args.train_iters else "stopped"
     print_rank_0(f"[{timestamp()}] training {done} at iteration {state.iteration} "
                  f"({state.consumed_train_samples} samples)")

@@ -118,12 +118,22 @@ def main():
             engine.save_checkpoint(args.save, tag="resaved", client_state=client)
             args.train_iters = start
         result["losses"] = _train(engine, args, start, args.train_iters, args.save, states)
-        engine.moc.wait()
+        if os.environ.get("MOC_TEST_CRASH") != "1":
+            engine.moc.wait()
         result["final_state"] = _state(engine)
         result["saved_states"] = states if dist.get_rank() == 0 else None
+    if engine.moc.two_level is not None:
+        result["load_source"] = engine.moc.last_load_source
+        result["stall_s"] = engine.moc.stall_s
+        result["host_memory_bytes"] = engine.moc.host_memory_bytes()
+    crash = os.environ.get("MOC_TEST_CRASH") == "1"
+    if not crash:
+        engine.moc.shutdown()
     with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()
+    if crash:  # a software failure: the process dies, the keeper and its memory stay
+        os.kill(os.getpid(), 9)
     dist.destroy_process_group()
 
 

@@ -1,0 +1,383 @@
+"""The per-node keeper: owns the snapshot memory of a node and persists it in the background.
+
+One keeper process runs per node (per ``--moc-ranks-per-node`` group when nodes are
+simulated on one machine). It is separate from the training processes, so a training
+process that crashes (a software failure) loses nothing: its snapshots stay in the
+keeper's directory in shared memory (``/dev/shm``), and the restarted process finds them
+there. The keeper also writes snapshots to storage, so training never waits for storage.
+
+Lifecycle:
+
+* :func:`ensure_keeper` is called by every rank of the node at start-up; the first one
+  to get the directory lock starts the keeper (``python -m deepspeed_ext.keeper``, in a
+  new session so the launcher's kill of the workers does not reach it); the others wait
+  until it answers.
+* Every rank registers its pid (``hello``). The keeper exits on its own when none of
+  its registered processes has been alive for ``idle_timeout_s`` (a crashed job
+  whose launcher gave up), after finishing its persist queue.
+* :func:`shutdown_keeper` (end of training) finishes the queue, deletes the whole
+  directory and stops the keeper: no shared memory is left behind.
+
+Protocol: JSON lines over the Unix socket ``<dir>/keeper.sock`` (never pickle). Requests:
+``{"op": "ping"}``, ``{"op": "hello", "pid": N}``, ``{"op": "persist", "job": {...}}``
+(see :func:`run_persist_job`), ``{"op": "shutdown"}``. Every reply is a JSON object with
+``"ok"``.
+"""
+
+import argparse
+import fcntl
+import json
+import mmap
+import os
+import queue
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Dict, List, Optional
+
+SOCKET_NAME = "keeper.sock"
+LOG_NAME = "keeper.log"
+LOCK_NAME = "keeper.lock"
+
+
+class KeeperError(RuntimeError):
+    """The keeper could not be started or reached."""
+
+
+def _log(directory: str, message: str) -> None:
+    print(f"[moc keeper {os.getpid()} {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+# ---------------------------------------------------------------------------- client side
+
+def request(directory: str, message: Dict[str, Any], timeout_s: float = 10.0) -> Dict[str, Any]:
+    """Send one request to the keeper of ``directory`` and return its reply.
+
+    Raises:
+        KeeperError: no keeper listens there (it died or was never started), or it
+            answered with an error.
+    """
+    path = os.path.join(directory, SOCKET_NAME)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout_s)
+            sock.connect(path)
+            sock.sendall(json.dumps(message).encode() + b"\n")
+            data = b""
+            while not data.endswith(b"\n"):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+    except OSError as err:
+        raise KeeperError(f"no keeper at {path}: {err}") from None
+    try:
+        reply = json.loads(data)
+    except ValueError:
+        raise KeeperError(f"keeper at {path} sent a malformed reply") from None
+    if not reply.get("ok"):
+        raise KeeperError(f"keeper at {path}: {reply.get('error')}")
+    return reply
+
+
+def alive(directory: str) -> bool:
+    try:
+        request(directory, {"op": "ping"}, timeout_s=2.0)
+        return True
+    except KeeperError:
+        return False
+
+
+def ensure_keeper(directory: str, idle_timeout_s: float = 600.0,
+                  start_timeout_s: float = 60.0) -> None:
+    """Make sure a keeper serves ``directory`` and register this process with it.
+
+    Every rank of the node calls it; a file lock makes exactly one of them start the
+    keeper when none answers (the others, and later restarts, attach to it).
+
+    Raises:
+        KeeperError: the keeper did not answer within ``start_timeout_s`` (its log is
+            named).
+    """
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, LOCK_NAME), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not alive(directory):
+                _spawn(directory, idle_timeout_s)
+                deadline = time.monotonic() + start_timeout_s
+                while not alive(directory):
+                    if time.monotonic() > deadline:
+                        raise KeeperError(f"the keeper for {directory} did not start within "
+                                          f"{start_timeout_s:.0f} s; see "
+                                          f"{os.path.join(directory, LOG_NAME)}")
+                    time.sleep(0.05)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    request(directory, {"op": "hello", "pid": os.getpid()})
+
+
+def _spawn(directory: str, idle_timeout_s: float) -> None:
+    log = open(os.path.join(directory, LOG_NAME), "a")
+    env = dict(os.environ)
+    # The keeper must import deepspeed_ext from wherever this process did.
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = package_root + os.pathsep + env.get("PYTHONPATH", "")
+    subprocess.Popen([sys.executable, "-m", "deepspeed_ext.keeper", "--dir", directory,
+                      "--idle-timeout", str(idle_timeout_s)],
+                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                     start_new_session=True, close_fds=True, env=env)
+    log.close()
+
+
+def shutdown_keeper(directory: str, timeout_s: float = 600.0) -> bool:
+    """Ask the keeper to finish its queue, delete ``directory`` and exit.
+
+    Returns:
+        True when a keeper answered; False when none was running (its directory, if
+        any, is then deleted here so no shared memory is left).
+    """
+    try:
+        request(directory, {"op": "shutdown"}, timeout_s=timeout_s)
+    except KeeperError:
+        shutil.rmtree(directory, ignore_errors=True)
+        return False
+    # The keeper deletes the directory right after answering; wait for it, so that a
+    # caller checking for leftovers (or starting the next job) sees it gone.
+    deadline = time.monotonic() + 30
+    while os.path.exists(directory) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return True
+
+
+# ------------------------------------------------------------------------- persist jobs
+
+def write_image_subset(path: str, image_path: str, entries: List[Dict[str, Any]],
+                       keys: Optional[List[str]]) -> Dict[str, Any]:
+    """Write the tensors ``keys`` of the image file ``image_path`` as a safetensors file.
+
+    ``entries`` is the image's layout (``key``, ``dtype``, ``shape``, ``start``,
+    ``nbytes``); ``keys`` None writes every tensor. The output is written atomically
+    (temp, fsync, rename) and its record returned.
+    """
+    from deepspeed_ext.image import layout_image
+    from deepspeed_ext.storage import write_image_file, FileRecord
+    import hashlib
+    chosen = [e for e in entries if keys is None or e["key"] in set(keys)]
+    layout = layout_image([(e["key"], tuple(e["shape"]), e["dtype"]) for e in chosen])
+    by_key = {e["key"]: e for e in chosen}
+    with open(image_path, "rb") as f:
+        with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapped:
+            view = memoryview(mapped)
+            try:
+                if keys is None:
+                    # The image itself is already this file: write it as is.
+                    total = max((e["start"] + e["nbytes"] for e in entries), default=0)
+                    return write_image_file(path, view[:max(total, len(layout.header))]).to_json()
+                out = bytearray(layout.nbytes)
+                out[:len(layout.header)] = layout.header
+                for entry in layout.entries:
+                    src = by_key[entry.key]
+                    out[entry.start:entry.start + entry.nbytes] = \
+                        view[src["start"]:src["start"] + src["nbytes"]]
+                record = write_image_file(path, memoryview(out))
+                return FileRecord(record.nbytes, record.sha256).to_json()
+            finally:
+                view.release()
+
+
+def run_persist_job(job: Dict[str, Any], log=print, background_commit: bool = False) -> None:
+    """Persist one rank's snapshot and, for the committing rank, commit the checkpoint.
+
+    ``job`` fields: ``image`` (slot file), ``entries`` (its layout), ``keys`` (the
+    tensors to persist, None: all), ``specs`` (their manifest fragment specs),
+    ``save_dir``, ``tag``, ``rank``, ``objects_tree`` (rank 0, else None),
+    ``objects_in_file``, ``done_marker`` (a file deleted once the slot has been read,
+    so the training side may reuse it), and for rank 0 ``commit`` (arguments of
+    :func:`deepspeed_ext.commit.commit_checkpoint` plus ``timeout_s``).
+
+    Args:
+        background_commit: wait for the other ranks' reports on a separate thread. The
+            keeper needs it: the reports of its other local ranks are written by jobs
+            queued behind this one, so waiting here would deadlock its queue.
+    """
+    from deepspeed_ext import commit
+    from deepspeed_ext import manifest as mf
+    from deepspeed_ext.objects import write_objects_file
+    tag_dir = os.path.join(job["save_dir"], job["tag"])
+    rank = job["rank"]
+    file_name = mf.rank_file_name(rank)
+    try:
+        record = write_image_subset(os.path.join(tag_dir, file_name), job["image"],
+                                    job["entries"], job["keys"])
+        _remove_quietly(job.get("done_marker"))
+        objects_record = None
+        if job.get("objects_tree") is not None:
+            objects_record = write_objects_file(
+                tag_dir, job["objects_tree"], file_name if job["objects_in_file"] else None)
+        specs = [mf.FragmentSpec.from_json(s) for s in job["specs"]]
+        report = mf.RankReport(rank, file_name, record["nbytes"], record["sha256"], specs)
+        commit.write_report(tag_dir, rank, {
+            "report": report.to_json(),
+            "objects": objects_record.to_json() if objects_record is not None else None})
+    except Exception as e:
+        traceback.print_exc()
+        _remove_quietly(job.get("done_marker"))
+        commit.write_report(tag_dir, rank, None, error=f"{type(e).__name__}: {e}")
+        return
+    if job.get("commit") is None:
+        return
+    if background_commit:
+        threading.Thread(target=_commit_job, args=(job, tag_dir, log), daemon=False,
+                         name=f"commit-{job['tag']}").start()
+    else:
+        _commit_job(job, tag_dir, log)
+
+
+def _commit_job(job: Dict[str, Any], tag_dir: str, log) -> None:
+    from deepspeed_ext import commit
+    info = job["commit"]
+    try:
+        shares = commit.wait_for_reports(tag_dir, info["layout"]["world_size"], info["timeout_s"])
+        commit.commit_checkpoint(job["save_dir"], job["tag"], info["step"], info["layout"],
+                                 shares, info["previous_tag"], info["selected"],
+                                 info["pec_k"], info["save_latest"], info["keep"], log=log)
+        commit.remove_reports(tag_dir, info["layout"]["world_size"])
+        log(f"committed {tag_dir}")
+    except Exception as e:
+        traceback.print_exc()
+        commit.write_failure(tag_dir, f"{type(e).__name__}: {e}")
+
+
+def _remove_quietly(path: Optional[str]) -> None:
+    if path:
+        try:
+            os.remove(path)
+        except OSError:
+            pass
+
+
+# ------------------------------------------------------------------------- keeper process
+
+class Keeper:
+    """The keeper's state: registered clients, the persist queue, the stop flag."""
+
+    def __init__(self, directory: str, idle_timeout_s: float):
+        self.directory = directory
+        self.idle_timeout_s = idle_timeout_s
+        self.clients: List[int] = []
+        self.jobs: "queue.Queue[Optional[Dict[str, Any]]]" = queue.Queue()
+        self.busy = threading.Event()
+        self.stop = threading.Event()
+        self.last_client_seen = time.monotonic()
+
+    def handle(self, message: Dict[str, Any]) -> Dict[str, Any]:
+        op = message.get("op")
+        if op == "ping":
+            return {"ok": True, "pid": os.getpid()}
+        if op == "hello":
+            self.clients.append(int(message["pid"]))
+            self.last_client_seen = time.monotonic()
+            return {"ok": True}
+        if op == "persist":
+            self.jobs.put(message["job"])
+            return {"ok": True, "queued": self.jobs.qsize()}
+        if op == "shutdown":
+            self.jobs.join()  # finish every persist already asked for
+            self.stop.set()
+            return {"ok": True}
+        return {"ok": False, "error": f"unknown op {op!r}"}
+
+    def persist_loop(self) -> None:
+        while True:
+            job = self.jobs.get()
+            try:
+                if job is None:
+                    return
+                run_persist_job(job, log=lambda m: _log(self.directory, m), background_commit=True)
+            except Exception:
+                traceback.print_exc()
+            finally:
+                self.jobs.task_done()
+
+    def any_client_alive(self) -> bool:
+        living = []
+        for pid in self.clients:
+            try:
+                os.kill(pid, 0)
+                living.append(pid)
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                living.append(pid)
+        self.clients = living
+        return bool(living)
+
+
+def _serve_connection(keeper: Keeper, conn: socket.socket) -> None:
+    with conn:
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = conn.recv(1 << 20)
+            if not chunk:
+                return
+            data += chunk
+        try:
+            reply = keeper.handle(json.loads(data))
+        except Exception as e:
+            traceback.print_exc()
+            reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        try:
+            conn.sendall(json.dumps(reply).encode() + b"\n")
+        except OSError:
+            pass
+
+
+def serve(directory: str, idle_timeout_s: float) -> int:
+    """The keeper's main loop; returns when shut down or idle."""
+    keeper = Keeper(directory, idle_timeout_s)
+    path = os.path.join(directory, SOCKET_NAME)
+    if os.path.exists(path):
+        os.remove(path)  # a dead keeper's socket: nobody answers on it
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(64)
+    server.settimeout(0.5)
+    worker = threading.Thread(target=keeper.persist_loop, name="persist", daemon=True)
+    worker.start()
+    _log(directory, f"serving {directory} (idle timeout {idle_timeout_s:.0f} s)")
+    reason = "shutdown requested"
+    while not keeper.stop.is_set():
+        try:
+            conn, _ = server.accept()
+        except socket.timeout:
+            if keeper.any_client_alive():
+                keeper.last_client_seen = time.monotonic()
+            elif (time.monotonic() - keeper.last_client_seen > idle_timeout_s
+                  and keeper.jobs.unfinished_tasks == 0):
+                reason = f"no training process alive for {idle_timeout_s:.0f} s"
+                break
+            continue
+        threading.Thread(target=_serve_connection, args=(keeper, conn), daemon=True).start()
+    keeper.jobs.join()
+    server.close()
+    _log(directory, f"exiting ({reason}); removing {directory}")
+    shutil.rmtree(directory, ignore_errors=True)
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description="MoC per-node snapshot keeper (started by MoC).")
+    parser.add_argument("--dir", required=True, help="the node's shared-memory directory")
+    parser.add_argument("--idle-timeout", type=float, default=600.0,
+                        help="exit when no registered training process is alive for this long")
+    opts = parser.parse_args(argv)
+    return serve(opts.dir, opts.idle_timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

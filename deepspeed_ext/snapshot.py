@@ -1,0 +1,146 @@
+"""Level 1: one rank's snapshot slots in its node's shared memory.
+
+Each rank owns ``SLOTS`` (three) slots under the keeper's directory
+``<node dir>/rankNNNNN/``: ``slotI.img`` (the snapshot's bytes, laid out by
+:mod:`deepspeed_ext.image`, mapped into the training process), ``slotI.json`` (what
+the image holds; its presence is the "complete" mark) and ``slotI.persisting`` (exists
+while the keeper writes the slot to storage). The three roles of triple buffering:
+the newest complete slot is kept for recovery, a slot being persisted is left alone,
+and the next snapshot goes into the remaining one.
+
+Order for one snapshot (the training process)::
+
+    i = slots.choose()                # neither the newest complete nor a persisting slot
+    slots.invalidate(i)               # remove slotI.json BEFORE touching the bytes
+    buf = slots.buffer(i, nbytes)     # the mapping, grown if needed (allocated once)
+    fill_image(buf, layout, tensors)  # background thread; overlaps forward/backward
+    slots.publish(i, meta)            # slotI.json, atomically: now complete
+
+A process killed anywhere in between leaves a slot without ``slotI.json``, which
+recovery ignores: a half-written snapshot is never taken for a complete one.
+"""
+
+import json
+import mmap
+import os
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from deepspeed_ext.storage import atomic_write_json, dtype_from_name
+
+SLOTS = 3
+
+
+class SnapshotSlots:
+    """The slots of one rank; created by that rank (and re-created after a restart)."""
+
+    def __init__(self, node_dir: str, rank: int, slots: int = SLOTS):
+        self.dir = os.path.join(node_dir, f"rank{rank:05d}")
+        self.slots = slots
+        os.makedirs(self.dir, exist_ok=True)
+        self._maps: Dict[int, torch.Tensor] = {}
+
+    def _path(self, i: int, suffix: str) -> str:
+        return os.path.join(self.dir, f"slot{i}.{suffix}")
+
+    def image_path(self, i: int) -> str:
+        return self._path(i, "img")
+
+    def meta(self, i: int) -> Optional[Dict[str, Any]]:
+        """The slot's metadata if it holds a complete snapshot, else None."""
+        try:
+            with open(self._path(i, "json"), encoding="utf-8") as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+    def complete(self) -> List[Tuple[int, Dict[str, Any]]]:
+        """``(slot, meta)`` of every complete snapshot, oldest step first."""
+        found = [(i, m) for i in range(self.slots) if (m := self.meta(i)) is not None]
+        return sorted(found, key=lambda im: im[1]["step"])
+
+    def persisting(self, i: int) -> bool:
+        return os.path.exists(self._path(i, "persisting"))
+
+    def persist_marker(self, i: int) -> str:
+        """Create and return the file the keeper deletes once slot ``i`` is persisted."""
+        path = self._path(i, "persisting")
+        with open(path, "w"):
+            pass
+        return path
+
+    def choose(self) -> int:
+        """The slot for the next snapshot: never the newest complete one (recovery needs
+        it) nor one being persisted; among the rest, an empty or the oldest one.
+
+        Raises:
+            RuntimeError: every other slot is still being persisted (storage is slower
+                than snapshots are taken: snapshot less often or persist less often).
+        """
+        complete = self.complete()
+        newest = complete[-1][0] if complete else None
+        steps = {i: m["step"] for i, m in complete}
+        free = [i for i in range(self.slots) if i != newest and not self.persisting(i)]
+        if not free:
+            raise RuntimeError(f"no free snapshot slot in {self.dir}: the other slots are "
+                               f"still being persisted")
+        return min(free, key=lambda i: steps.get(i, -1))
+
+    def invalidate(self, i: int) -> None:
+        """Unmark slot ``i`` as complete; must precede any write into its bytes."""
+        try:
+            os.remove(self._path(i, "json"))
+        except FileNotFoundError:
+            pass
+
+    def buffer(self, i: int, nbytes: int) -> torch.Tensor:
+        """A uint8 view of slot ``i``'s bytes in shared memory, at least ``nbytes`` long.
+
+        The file is created (or grown) once and stays mapped; later snapshots of the
+        same size reuse the same pages.
+        """
+        current = self._maps.get(i)
+        if current is not None and current.numel() >= nbytes:
+            return current[:nbytes]
+        path = self.image_path(i)
+        size = max(nbytes, os.path.getsize(path) if os.path.exists(path) else 0, 1)
+        with open(path, "ab") as f:
+            os.ftruncate(f.fileno(), size)
+        self._maps[i] = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        return self._maps[i][:nbytes]
+
+    def publish(self, i: int, meta: Dict[str, Any]) -> None:
+        """Mark slot ``i`` complete (atomic; after every byte is in place)."""
+        atomic_write_json(self._path(i, "json"), meta)
+
+    def host_bytes(self) -> int:
+        """Bytes of shared memory the slot images take."""
+        total = 0
+        for i in range(self.slots):
+            try:
+                total += os.path.getsize(self.image_path(i))
+            except OSError:
+                pass
+        return total
+
+
+def read_entry(image_path: str, entry: Dict[str, Any], start: int = 0,
+               length: Optional[int] = None) -> torch.Tensor:
+    """Elements ``[start, start + length)`` of one tensor of a slot image, as a copy.
+
+    ``entry`` is the tensor's layout record (``dtype``, ``shape``, ``start``, ``nbytes``).
+    """
+    dtype = dtype_from_name(entry["dtype"])
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    numel = entry["nbytes"] // itemsize
+    length = numel - start if length is None else length
+    if start < 0 or length < 0 or start + length > numel:
+        raise ValueError(f"{image_path}: range [{start}, {start + length}) outside "
+                         f"{entry.get('key')} of {numel} elements")
+    if length == 0:
+        return torch.empty(0, dtype=dtype)
+    with open(image_path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapped:
+        first = entry["start"] + start * itemsize
+        data = bytearray(mapped[first:first + length * itemsize])
+    return torch.frombuffer(data, dtype=dtype).clone()

@@ -1,0 +1,465 @@
+"""Two-level checkpointing: snapshots into the keeper's memory, persistence in the background.
+
+Switched on by ``MoCConfig.two_level``; :class:`deepspeed_ext.checkpointer.MoCCheckpointer`
+then routes ``save``/``load``/``wait`` here. Every rank calls them, in the same order.
+
+``save`` (a snapshot), per rank:
+
+1. joins the previous snapshot's copy (normally finished long before: the wrapped
+   ``engine.step`` waits for it before the optimizer touches the tensors);
+2. one ``all_gather_object`` of (copy error, rank 0's view of the previous persist):
+   a failed copy is raised on every rank; a persist still running defers this one
+   (training never waits for storage); a failed persist is logged and its experts
+   count as unsaved again;
+3. picks the experts: ``k_snapshot`` per MoE layer for memory (sequential rotation),
+   plus, every ``persist_interval``-th snapshot, the PEC policy's ``pec_k`` for storage
+   (always also in the snapshot);
+4. starts a thread that copies every fragment this rank needs to restore itself into a
+   free slot (:mod:`deepspeed_ext.snapshot`), marks it complete, and hands the slot to
+   the keeper for persistence (:func:`deepspeed_ext.keeper.run_persist_job`), which
+   commits through report files (:mod:`deepspeed_ext.commit`), no collective.
+
+``load``: ranks agree (one ``all_gather_object``) on the newest step every rank holds
+complete in memory with this layout, and restore from memory; experts not in that
+snapshot come from the newest version among older slots and storage. Otherwise they
+load from storage, and ranks whose memory survived then take their experts' newer
+snapshots from memory (two-level recovery). Every load logs where pieces came from.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import threading
+import time
+import traceback
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from deepspeed_ext import keeper
+from deepspeed_ext.snapshot import SnapshotSlots, read_entry
+
+
+def _log(message: str) -> None:
+    if dist.get_rank() == 0:
+        print(f"[moc] {message}", flush=True)
+
+
+def default_shm_dir(save_dir: str) -> str:
+    """A shared-memory directory that is the same for every restart of one job (keyed by
+    the absolute checkpoint directory) and different for other jobs."""
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+    digest = hashlib.sha256(os.path.abspath(save_dir).encode()).hexdigest()[:12]
+    return os.path.join(root, f"moc-{os.getuid()}-{digest}")
+
+
+class TwoLevel:
+    """Level 1 and level 2 state of one rank; created by the checkpointer."""
+
+    def __init__(self, ckpt):
+        from deepspeed_ext.pec import make_policy
+        cfg = ckpt.config
+        self.ckpt = ckpt
+        self.cfg = cfg
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        per_node = cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        self.node = self.rank // per_node
+        self.first_of_node = self.rank % per_node == 0
+        self.node_dir = os.path.join(cfg.shm_dir, f"node{self.node}")
+        keeper.ensure_keeper(self.node_dir, cfg.keeper_idle_timeout_s)
+        self.slots = SnapshotSlots(self.node_dir, self.rank)
+        self.snap_policy = None
+        if ckpt.layout is not None:
+            k = cfg.k_snapshot or ckpt.layout.num_experts
+            self.snap_policy = make_policy("sequential", ckpt.layout,
+                                           min(k, ckpt.layout.num_experts))
+        self.count = 0
+        self.copy_thread: Optional[threading.Thread] = None
+        self.copy_error: Optional[str] = None
+        self.stall_s: List[float] = []
+        self.keeper_gone = False
+        self.persist: Optional[Dict[str, Any]] = None
+        """The last persist requested and not yet seen committed."""
+        self.last_load_source: Optional[str] = None
+        self._wrap_step()
+
+    # -- the stall point ---------------------------------------------------------
+
+    def _wrap_step(self) -> None:
+        engine = self.ckpt.engine
+        original = engine.step
+
+        def step(*args, **kwargs):
+            # The optimizer is about to change the tensors being copied: the only wait
+            # two-level checkpointing allows (Eq. 10). Not at micro-steps that only
+            # accumulate gradients.
+            if self.copy_thread is not None and engine.is_gradient_accumulation_boundary():
+                start = time.perf_counter()
+                self.join_copy()
+                self.stall_s.append(time.perf_counter() - start)
+            return original(*args, **kwargs)
+        engine.step = step
+
+    def join_copy(self) -> None:
+        if self.copy_thread is not None:
+            self.copy_thread.join()
+            self.copy_thread = None
+
+    # -- snapshot ------------------------------------------------------------------
+
+    def save(self, save_dir: str, tag: Optional[str], client_state, save_latest: bool) -> bool:
+        from deepspeed_ext import manifest as mf
+        from deepspeed_ext.checkpointer import (MoCCheckpointError, _all_outcomes,
+                                                _broadcast_outcome, _raise_if_failed)
+        from deepspeed_ext.image import layout_of
+        from deepspeed_ext.objects import encode
+        from deepspeed_ext.plan import build_write_plan
+        from deepspeed_ext.state import describe_local_state
+        from megatron.training.rng import get_rng_state
+        ck, engine = self.ckpt, self.ckpt.engine
+        start = time.perf_counter()
+        self.join_copy()
+        step = int(engine.global_steps)
+        tag = tag or f"global_step{step}"
+        # Everything this rank needs to restore itself (its own partitions), so that
+        # recovery from memory never needs another node's memory.
+        fragments = describe_local_state(engine, ck.naming)
+        pieces = ck._gather_pieces(fragments)
+        view = self._persist_view() if self.rank == 0 else None
+        gathered = _all_outcomes(self.copy_error is None, {"copy_error": self.copy_error,
+                                                           "persist": view})
+        self.copy_error = None
+        _raise_if_failed([(ok, p["copy_error"]) for ok, p in gathered], "MoC snapshot copy")
+        persist_view = gathered[0][1]["persist"]
+        self._settle_persist(persist_view)
+        want = self.count % self.cfg.persist_interval == 0
+        self.count += 1
+        persist = want and self.persist is None
+        if want and not persist:
+            _log(f"snapshot at step {step}: the previous persist ({self.persist['tag']}) is "
+                 f"still running; this snapshot stays in memory only")
+        snap_sel = self.snap_policy.select() if self.snap_policy is not None else None
+        persist_sel = ck.policy.select() if (persist and ck.policy is not None) else frozenset()
+        union = (snap_sel | persist_sel) if snap_sel is not None else None
+        if self.snap_policy is not None:
+            self.snap_policy.mark_saved(union, step)
+        policy_before = ck.policy.state_dict() if ck.policy is not None else None
+        if persist and ck.policy is not None:
+            ck.policy.mark_saved(persist_sel, step)
+        rng_states: List = [None] * self.world
+        dist.all_gather_object(rng_states, get_rng_state())
+        if persist:
+            try:
+                _broadcast_outcome(lambda: mf.prepare_checkpoint_dir(save_dir, tag),
+                                   f"MoC persist to {os.path.join(save_dir, tag)}")
+            except MoCCheckpointError:
+                if ck.policy is not None:
+                    ck.policy.load_state_dict(policy_before)
+                raise
+        objects = ck._objects(client_state)
+        objects["rng_states"] = rng_states
+        objects["snapshot_policy"] = (self.snap_policy.state_dict()
+                                      if self.snap_policy is not None else None)
+        tree, object_tensors = encode(objects)
+        tensors, specs = {}, {}
+        for frag in fragments:
+            if frag.expert is None or union is None or tuple(frag.expert) in union:
+                tensors[frag.key] = frag.tensor
+                specs[frag.key] = mf.FragmentSpec(
+                    frag.name, frag.kind, frag.offset, frag.length, frag.shape,
+                    str(frag.tensor.dtype).rsplit(".", 1)[-1], frag.expert).to_json()
+        tensors.update(object_tensors)
+        layout = layout_of(tensors)
+        slot = self.slots.choose()
+        self.slots.invalidate(slot)
+        buffer = self.slots.buffer(slot, layout.nbytes)
+        meta = {"step": step, "tag": tag, "signature": self.signature(fragments),
+                "entries": [{"key": e.key, "dtype": e.dtype, "shape": list(e.shape),
+                             "start": e.start, "nbytes": e.nbytes} for e in layout.entries],
+                "specs": specs, "experts": sorted(union) if union is not None else None,
+                "objects_tree": tree}
+        job = None
+        if persist:
+            plan = build_write_plan(pieces, self.world, persist_sel if union is not None else None)
+            keys = list(plan.keys_for(self.rank)) + (list(object_tensors) if self.rank == 0 else [])
+            job = {"image": self.slots.image_path(slot), "entries": meta["entries"],
+                   "keys": keys, "specs": [specs[k] for k in keys if k in specs],
+                   "save_dir": save_dir, "tag": tag, "rank": self.rank,
+                   "objects_tree": tree if self.rank == 0 else None,
+                   "objects_in_file": bool(object_tensors)}
+            if self.rank == 0:
+                previous = ck._previous
+                job["commit"] = {
+                    "step": step,
+                    "layout": ck._layout_record(self.world, int(engine.zero_optimization_stage())),
+                    "previous_tag": previous[1] if previous and previous[0] == save_dir else None,
+                    "selected": sorted(persist_sel) if union is not None else None,
+                    "pec_k": ck.policy.k if ck.policy is not None else None,
+                    "save_latest": save_latest, "keep": self.cfg.keep,
+                    "timeout_s": self.cfg.commit_timeout_s}
+            self.persist = {"save_dir": save_dir, "tag": tag, "selected": persist_sel,
+                            "policy_before": policy_before}
+        self.copy_thread = threading.Thread(target=self._copy,
+                                            args=(slot, buffer, layout, tensors, meta, job),
+                                            name=f"moc-snapshot-{tag}")
+        self.copy_thread.start()
+        _log(f"snapshot {tag} (step {step}) into {self.node_dir}: "
+             f"{layout.nbytes / 2**20:.2f} MiB on rank 0, "
+             + (f"{len(union)} expert(s) of "
+                f"{ck.layout.num_moe_layers * ck.layout.num_experts}" if union is not None
+                else "no MoE")
+             + (", persisting" if persist else "")
+             + f"; the save call took {time.perf_counter() - start:.3f} s")
+        return True
+
+    def _copy(self, slot, buffer, layout, tensors, meta, job) -> None:
+        """Copy thread: fill the slot, mark it complete, hand it to the keeper."""
+        from deepspeed_ext.image import fill_image
+        try:
+            with torch.no_grad():
+                fill_image(buffer, layout, tensors)
+            self.slots.publish(slot, meta)
+            if job is not None:
+                job["done_marker"] = self.slots.persist_marker(slot)
+                self._send(job)
+        except Exception as e:
+            traceback.print_exc()
+            self.copy_error = f"{type(e).__name__}: {e}"
+
+    def _send(self, job) -> None:
+        if not self.keeper_gone:
+            try:
+                keeper.request(self.node_dir, {"op": "persist", "job": job})
+                return
+            except keeper.KeeperError as err:
+                self.keeper_gone = True
+                print(f"[moc] rank {self.rank}: WARNING: the keeper of node {self.node} is gone "
+                      f"({err}); snapshots stay in this process only and are persisted by it",
+                      flush=True)
+        threading.Thread(target=keeper.run_persist_job, args=(job,),
+                         name=f"moc-persist-{job['tag']}").start()
+
+    def signature(self, fragments) -> str:
+        """Identifies the layout a snapshot can be restored into (same fragments)."""
+        text = json.dumps([(f.key, f.length) for f in fragments] + [self.world])
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    # -- persistence bookkeeping ------------------------------------------------------
+
+    def _persist_view(self):
+        """Rank 0: the outcome of the last persist, None while it is running."""
+        from deepspeed_ext.commit import commit_outcome
+        if self.persist is None:
+            return "none"
+        outcome = commit_outcome(os.path.join(self.persist["save_dir"], self.persist["tag"]),
+                                 self.world)
+        return list(outcome) if outcome is not None else None
+
+    def _settle_persist(self, view) -> None:
+        """Every rank, with rank 0's view: forget a finished persist (undo a failed one)."""
+        if self.persist is None or view is None or view == "none":
+            return
+        ok, message = view
+        persist, self.persist = self.persist, None
+        if ok:
+            self.ckpt._previous = (persist["save_dir"], persist["tag"])
+            return
+        _log(f"WARNING: persisting {persist['tag']} failed ({message}); latest still names "
+             f"the previous checkpoint, and its experts will be saved again")
+        self.ckpt._undo_mark_saved(persist["policy_before"], persist["selected"])
+
+    def wait(self) -> None:
+        """Every rank: the copy finished and the last persist committed (or failed: raised)."""
+        from deepspeed_ext.checkpointer import _all_outcomes, _raise_if_failed
+        from deepspeed_ext.commit import wait_for_commit
+        self.join_copy()
+        ok, message = self.copy_error is None, self.copy_error
+        self.copy_error = None
+        if self.persist is not None and ok:
+            tag_dir = os.path.join(self.persist["save_dir"], self.persist["tag"])
+            ok, message = wait_for_commit(tag_dir, self.world, self.cfg.commit_timeout_s)
+        outcomes = _all_outcomes(ok, message)
+        persist = self.persist
+        if persist is not None:
+            self._settle_persist([all(o for o, _ in outcomes), "see the rank errors"])
+        _raise_if_failed(outcomes, "MoC two-level wait")
+
+    def shutdown(self) -> None:
+        """Every rank, at the end of training: persist finished, keeper stopped, memory freed."""
+        try:
+            self.wait()
+        finally:
+            dist.barrier()
+            if self.first_of_node:
+                keeper.shutdown_keeper(self.node_dir, self.cfg.commit_timeout_s)
+            dist.barrier()
+            if self.rank == 0:
+                try:
+                    os.rmdir(self.cfg.shm_dir)  # only when every node's directory is gone
+                except OSError:
+                    pass
+
+    def host_memory_bytes(self) -> int:
+        return self.slots.host_bytes()
+
+    # -- recovery ----------------------------------------------------------------------
+
+    def load(self, load_dir: str, tag: Optional[str], load_optimizer_states: bool,
+             load_lr_scheduler_states: bool, from_memory: bool = True):
+        from deepspeed_ext.state import describe_local_state, ensure_optimizer_state
+        ck, engine = self.ckpt, self.ckpt.engine
+        self.join_copy()
+        start = time.perf_counter()
+        if load_optimizer_states:
+            ensure_optimizer_state(engine)
+        fragments = describe_local_state(engine, ck.naming, with_moments=load_optimizer_states)
+        signature = self.signature(describe_local_state(engine, ck.naming))
+        mine = [m for _, m in self.slots.complete() if m["signature"] == signature]
+        steps: List = [None] * self.world
+        dist.all_gather_object(steps, sorted({m["step"] for m in mine}))
+        common = set(steps[0]).intersection(*map(set, steps[1:])) if from_memory and tag is None \
+            else set()
+        if common:
+            step = max(common)
+            result = self._load_memory(load_dir, step, mine, fragments, load_optimizer_states,
+                                       load_lr_scheduler_states, start)
+            if result is not None:
+                return result
+        if from_memory and tag is None:
+            held = sum(1 for s in steps if s)
+            _log(f"recovery: no step held in memory by every rank ({held} of {self.world} ranks "
+                 f"hold snapshots); loading from storage")
+        path, client = ck._load_storage(load_dir, tag, load_optimizer_states,
+                                        load_lr_scheduler_states)
+        self.last_load_source = "storage"
+        if path is not None:  # every rank: the overlay ends in a collective
+            self._overlay_newer_experts(mine, fragments)
+        return path, client
+
+    def _load_memory(self, load_dir, step, mine, fragments, load_optimizer_states,
+                     load_lr_scheduler_states, start):
+        from deepspeed_ext.checkpointer import _all_outcomes
+        from deepspeed_ext.objects import decode, tensor_keys
+        from deepspeed_ext.state import refresh_compute_weights
+        ck = self.ckpt
+        ok, error, objects, counts = True, None, None, {"memory": 0, "storage": 0}
+        try:
+            base = next(m for m in mine if m["step"] == step)
+            base_slot = self._slot_of(base)
+            storage_versions, reader = self._storage_expert_versions(load_dir, step)
+            with torch.no_grad():
+                for frag in fragments:
+                    data = self._newest(frag, base, step, mine, storage_versions, reader, counts)
+                    frag.tensor.copy_(data.to(device=frag.tensor.device, dtype=frag.tensor.dtype))
+            if reader is not None:
+                reader.close()
+            entries = {e["key"]: e for e in base["entries"]}
+            tree = base["objects_tree"]
+            objects = decode(tree, {k: read_entry(self.slots.image_path(base_slot), entries[k])
+                                    for k in tensor_keys(tree)})
+        except Exception as e:
+            traceback.print_exc()
+            ok, error = False, f"{type(e).__name__}: {e}"
+        outcomes = _all_outcomes(ok, error)
+        if not all(o for o, _ in outcomes):
+            bad = "; ".join(f"rank {r}: {m}" for r, (o, m) in enumerate(outcomes) if not o)
+            _log(f"recovery from memory at step {step} failed ({bad}); loading from storage")
+            return None
+        ck._restore_objects(objects, load_optimizer_states, load_lr_scheduler_states)
+        if self.snap_policy is not None and objects.get("snapshot_policy"):
+            self.snap_policy.load_state_dict(objects["snapshot_policy"])
+        refresh_compute_weights(ck.engine)
+        ck._piece_cache = None
+        try:
+            latest = _latest_committed(load_dir)
+        except Exception:
+            latest = None
+        ck._previous = (load_dir, latest) if latest else None
+        totals: List = [None] * self.world
+        dist.all_gather_object(totals, counts)
+        memory = sum(t["memory"] for t in totals)
+        stored = sum(t["storage"] for t in totals)
+        _log(f"recovered step {step} from memory in {time.perf_counter() - start:.2f} s: "
+             f"{memory} fragment(s) from memory, {stored} from storage")
+        self.last_load_source = "memory"
+        return f"memory:{self.node_dir}@{step}", objects["client_state"]
+
+    def _slot_of(self, meta) -> int:
+        for i, m in self.slots.complete():
+            if m["step"] == meta["step"] and m["tag"] == meta["tag"]:
+                return i
+        raise RuntimeError(f"snapshot of step {meta['step']} vanished from {self.slots.dir}")
+
+    def _storage_expert_versions(self, load_dir, step):
+        """Expert versions on storage at or before ``step`` (newest committed checkpoint)."""
+        from deepspeed_ext import manifest as mf
+        from deepspeed_ext.reader import CheckpointReader
+        if self.ckpt.layout is None or not os.path.isdir(load_dir):
+            return {}, None
+        candidates = [t for s, t in mf.scan_checkpoints(load_dir).complete if s <= step]
+        if not candidates:
+            return {}, None
+        reader = CheckpointReader(load_dir, candidates[-1], verify_checksums=True)
+        return {k: v[0] for k, v in reader.expert_versions().items()}, reader
+
+    def _newest(self, frag, base, step, mine, storage_versions, reader, counts):
+        """The newest version (<= step) of one fragment, from memory or storage."""
+        key = frag.key
+        if frag.expert is None:
+            if key not in base["specs"]:
+                raise RuntimeError(f"snapshot of step {step} lacks {key}")
+            counts["memory"] += 1
+            return self._read_slot(base, key)
+        holders = [m for m in mine if m["step"] <= step and key in m["specs"]]
+        newest_memory = max(holders, key=lambda m: m["step"]) if holders else None
+        stored = storage_versions.get(tuple(frag.expert))
+        if newest_memory is not None and (stored is None or newest_memory["step"] >= stored):
+            counts["memory"] += 1
+            return self._read_slot(newest_memory, key)
+        if stored is None:
+            raise RuntimeError(f"no version of expert {frag.expert} ({key}) in memory or storage")
+        counts["storage"] += 1
+        return reader.read(frag.name, frag.kind, frag.offset, frag.length)
+
+    def _read_slot(self, meta, key):
+        entry = next(e for e in meta["entries"] if e["key"] == key)
+        return read_entry(self.slots.image_path(self._slot_of(meta)), entry)
+
+    def _overlay_newer_experts(self, mine, fragments) -> None:
+        """Two-level recovery: after a storage load, take experts whose memory snapshot on
+        this rank is newer than what storage gave (every rank calls it)."""
+        from deepspeed_ext.state import refresh_compute_weights
+        versions = self.ckpt.expert_versions_loaded or {}
+        taken = 0
+        with torch.no_grad():
+            for frag in fragments:
+                if frag.expert is None:
+                    continue
+                loaded = versions.get(tuple(frag.expert), -1)
+                holders = [m for m in mine if frag.key in m["specs"] and m["step"] > loaded]
+                if holders:
+                    newest = max(holders, key=lambda m: m["step"])
+                    data = self._read_slot(newest, frag.key)
+                    frag.tensor.copy_(data.to(device=frag.tensor.device, dtype=frag.tensor.dtype))
+                    taken += 1
+        refresh_compute_weights(self.ckpt.engine)
+        if taken:
+            self.last_load_source = "storage+memory"
+        totals: List = [None] * self.world
+        dist.all_gather_object(totals, taken)
+        if sum(totals):
+            _log(f"two-level recovery: {sum(totals)} expert fragment(s) taken from the memory "
+                 f"of ranks {[r for r, t in enumerate(totals) if t]}, newer than storage")
+
+
+def _latest_committed(load_dir: str) -> Optional[str]:
+    from deepspeed_ext import manifest as mf
+    complete = mf.scan_checkpoints(load_dir).complete
+    return complete[-1][1] if complete else None
+
+
+def remove_shm(shm_dir: str) -> None:
+    """Delete a job's shared memory when no keeper will (its keepers are gone)."""
+    shutil.rmtree(shm_dir, ignore_errors=True)
