@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_ext import keeper
+from deepspeed_ext.snapshot import SLOTS as SLOTS_FOR_BUDGET
 from deepspeed_ext.snapshot import SnapshotSlots, read_entry
 
 
@@ -68,6 +69,7 @@ class TwoLevel:
         self.node = self.rank // per_node
         self.first_of_node = self.rank % per_node == 0
         self.node_dir = os.path.join(cfg.shm_dir, f"node{self.node}")
+        self._check_memory_budget(ckpt)
         keeper.ensure_keeper(self.node_dir, cfg.keeper_idle_timeout_s)
         self.slots = SnapshotSlots(self.node_dir, self.rank)
         self.snap_policy = None
@@ -84,6 +86,35 @@ class TwoLevel:
         """The last persist requested and not yet seen committed."""
         self.last_load_source: Optional[str] = None
         self._wrap_step()
+
+    def _check_memory_budget(self, ckpt) -> None:
+        """Before training: refuse a budget (or a shared-memory filesystem) too small for
+        the slots, on every rank (one ``all_gather_object``), naming the size needed."""
+        from deepspeed_ext.checkpointer import MoCCheckpointError
+        from deepspeed_ext.state import describe_local_state
+        frags = describe_local_state(ckpt.engine, ckpt.naming, with_moments=False)
+        # fp32 master weights plus Adam's two moments, for every slot.
+        needed = SLOTS_FOR_BUDGET * 3 * sum(f.length * 4 for f in frags)
+        problem = None
+        budget = self.cfg.host_memory_gb * 2**30
+        if budget and needed > budget:
+            problem = (f"rank {self.rank}: its {SLOTS_FOR_BUDGET} snapshot slots need "
+                       f"{needed / 2**30:.3f} GiB of host memory, --moc-host-memory-gb allows "
+                       f"{self.cfg.host_memory_gb:g}")
+        root = os.path.dirname(os.path.abspath(self.cfg.shm_dir)) or "/"
+        if problem is None and os.path.isdir(root):
+            stat = os.statvfs(root)
+            if stat.f_bavail * stat.f_frsize < needed:
+                problem = (f"rank {self.rank}: {root} has {stat.f_bavail * stat.f_frsize / 2**30:.3f} "
+                           f"GiB free, the snapshot slots need {needed / 2**30:.3f} GiB")
+        gathered: List = [None] * self.world
+        dist.all_gather_object(gathered, (problem, needed))
+        problems = [p for p, _ in gathered if p]
+        if problems:
+            raise MoCCheckpointError("; ".join(problems))
+        self.budget_bytes = needed
+        _log(f"two-level checkpointing: up to {max(n for _, n in gathered) / 2**20:.1f} MiB of "
+             f"snapshot memory per rank ({SLOTS_FOR_BUDGET} slots) under {self.cfg.shm_dir}")
 
     # -- the stall point ---------------------------------------------------------
 

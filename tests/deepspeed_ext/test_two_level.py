@@ -103,3 +103,20 @@ def test_node_memory_lost_two_level_recovery(tmp_path):
         assert node0_experts and newer  # the memory versions really were newer
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_memory_budget_too_small_fails_every_rank_before_training(tmp_path):
+    shm = _shm()
+    try:
+        out = tmp_path / "out"
+        out.mkdir()
+        results = run_ranks(2, ["train-save", str(out)] + _flags(shm, 2, 2, [
+            "--moc-host-memory-gb", "0.0001"]) + ["--train-iters", "1", "--save",
+                                                   str(tmp_path / "ckpt"), "--save-interval", "1"],
+            script=WORKER, timeout=300)
+        for r in results:
+            assert r.returncode != 0, describe(results)
+            assert "--moc-host-memory-gb allows 0.0001" in r.output, describe(results)
+        assert not (tmp_path / "ckpt").exists()
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
