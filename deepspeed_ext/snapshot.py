@@ -23,7 +23,7 @@ recovery ignores: a half-written snapshot is never taken for a complete one.
 import json
 import mmap
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -35,11 +35,19 @@ SLOTS = 3
 class SnapshotSlots:
     """The slots of one rank; created by that rank (and re-created after a restart)."""
 
-    def __init__(self, node_dir: str, rank: int, slots: int = SLOTS):
+    def __init__(self, node_dir: str, rank: int, slots: int = SLOTS,
+                 on_map: Optional[Callable[[torch.Tensor], None]] = None,
+                 on_unmap: Optional[Callable[[torch.Tensor], None]] = None):
+        """
+        Args:
+            on_map, on_unmap: called with a whole mapping when it is created and before
+                it is dropped (a grown slot): CUDA page-locks the mapping there.
+        """
         self.dir = os.path.join(node_dir, f"rank{rank:05d}")
         self.slots = slots
         os.makedirs(self.dir, exist_ok=True)
         self._maps: Dict[int, torch.Tensor] = {}
+        self._on_map, self._on_unmap = on_map, on_unmap
 
     def _path(self, i: int, suffix: str) -> str:
         return os.path.join(self.dir, f"slot{i}.{suffix}")
@@ -107,7 +115,11 @@ class SnapshotSlots:
         size = max(nbytes, os.path.getsize(path) if os.path.exists(path) else 0, 1)
         with open(path, "ab") as f:
             os.ftruncate(f.fileno(), size)
+        if current is not None and self._on_unmap is not None:
+            self._on_unmap(current)
         self._maps[i] = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+        if self._on_map is not None:
+            self._on_map(self._maps[i])
         return self._maps[i][:nbytes]
 
     def publish(self, i: int, meta: Dict[str, Any]) -> None:

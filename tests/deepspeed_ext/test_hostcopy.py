@@ -1,0 +1,64 @@
+"""Snapshot copies into a shared-memory slot: on CPU the background thread copies; on
+CUDA (run where a GPU is present) the copies are queued on a side stream into the
+slot's page-locked mapping and an event ends them."""
+
+import pytest
+import torch
+
+from deepspeed_ext.hostcopy import HostCopier
+from deepspeed_ext.image import layout_of
+from deepspeed_ext.snapshot import SnapshotSlots, read_entry
+
+
+def _tensors(device):
+    gen = torch.Generator().manual_seed(3)
+    return {"w": torch.randn(1000, 3, generator=gen).to(device),
+            "m": torch.randn(17, generator=gen).to(device),
+            "rng": torch.arange(5, dtype=torch.uint8)}  # objects stay on the host
+
+
+def _snapshot(tmp_path, device):
+    tensors = _tensors(device)
+    copier = HostCopier(HostCopier.device_of(tensors))
+    slots = SnapshotSlots(str(tmp_path), 0, on_map=copier.register, on_unmap=copier.unregister)
+    layout = layout_of(tensors)
+    buffer = slots.buffer(0, layout.nbytes)
+    event = copier.launch(buffer, layout, tensors)
+    copier.finish(event, buffer, layout, tensors)
+    entries = {e.key: {"dtype": e.dtype, "nbytes": e.nbytes, "start": e.start, "key": e.key}
+               for e in layout.entries}
+    return copier, tensors, {k: read_entry(slots.image_path(0), entries[k]) for k in tensors}
+
+
+def test_cpu_copy_runs_in_finish_and_registers_nothing(tmp_path):
+    copier, tensors, read = _snapshot(tmp_path, "cpu")
+    assert not copier.cuda and copier.registered_bytes == 0
+    for key, tensor in tensors.items():
+        assert torch.equal(read[key], tensor.reshape(-1)), key
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_side_stream_into_registered_shared_memory(tmp_path):
+    torch.cuda.synchronize()
+    copier, tensors, read = _snapshot(tmp_path, "cuda")
+    assert copier.cuda and copier.register_error is None and copier.registered_bytes > 0
+    for key, tensor in tensors.items():
+        assert torch.equal(read[key], tensor.cpu().reshape(-1)), key
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_snapshot_sees_the_step_queued_before_it(tmp_path):
+    """The side stream waits for the compute stream: a change queued just before the
+    launch (as the optimizer step is) is in the snapshot."""
+    tensors = {"w": torch.zeros(1 << 22, device="cuda")}
+    copier = HostCopier(torch.device("cuda"))
+    slots = SnapshotSlots(str(tmp_path), 0, on_map=copier.register)
+    layout = layout_of(tensors)
+    buffer = slots.buffer(0, layout.nbytes)
+    torch.cuda._sleep(50_000_000)  # keep the compute stream busy
+    tensors["w"].add_(1.0)
+    copier.finish(copier.launch(buffer, layout, tensors), buffer, layout, tensors)
+    entry = layout.entries[0]
+    got = read_entry(slots.image_path(0), {"dtype": entry.dtype, "nbytes": entry.nbytes,
+                                           "start": entry.start, "key": "w"})
+    assert torch.all(got == 1.0)
