@@ -175,17 +175,3 @@ def commit_outcome(tag_dir: str, world_size: int) -> Optional[tuple]:
         if report is not None and not report["ok"]:
             return False, f"rank {rank}: {report['error']}"
     return None
-
-
-def wait_for_commit(tag_dir: str, world_size: int, timeout_s: float) -> tuple:
-    """Poll :func:`commit_outcome` until it is decided or ``timeout_s`` passes."""
-    deadline = time.monotonic() + timeout_s
-    delay = 0.01
-    while True:
-        outcome = commit_outcome(tag_dir, world_size)
-        if outcome is not None:
-            return outcome
-        if time.monotonic() > deadline:
-            return False, f"{tag_dir} not committed within {timeout_s:.0f} s"
-        time.sleep(delay)
-        delay = min(0.2, delay * 2)

@@ -92,6 +92,24 @@ def alive(directory: str) -> bool:
         return False
 
 
+def is_dead(directory: str) -> bool:
+    """True only when nothing listens on the keeper's socket (refused or no socket file).
+
+    A keeper that is merely busy (a slow or timed-out answer) is not dead: declaring it
+    dead would abandon a persist it is still writing.
+    """
+    path = os.path.join(directory, SOCKET_NAME)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(5.0)
+        try:
+            sock.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return True
+        except OSError:
+            return False
+    return False
+
+
 def ensure_keeper(directory: str, idle_timeout_s: float = 600.0,
                   start_timeout_s: float = 60.0) -> None:
     """Make sure a keeper serves ``directory`` and register this process with it.
@@ -166,7 +184,6 @@ def write_image_subset(path: str, image_path: str, entries: List[Dict[str, Any]]
     """
     from deepspeed_ext.image import layout_image
     from deepspeed_ext.storage import write_image_file, FileRecord
-    import hashlib
     chosen = [e for e in entries if keys is None or e["key"] in set(keys)]
     layout = layout_image([(e["key"], tuple(e["shape"]), e["dtype"]) for e in chosen])
     by_key = {e["key"]: e for e in chosen}
@@ -195,7 +212,7 @@ def run_persist_job(job: Dict[str, Any], log=print, background_commit: bool = Fa
 
     ``job`` fields: ``image`` (slot file), ``entries`` (its layout), ``keys`` (the
     tensors to persist, None: all), ``specs`` (their manifest fragment specs),
-    ``save_dir``, ``tag``, ``rank``, ``objects_tree`` (rank 0, else None),
+    ``save_dir``, ``tag``, ``step``, ``rank``, ``objects_tree`` (rank 0, else None),
     ``objects_in_file``, ``done_marker`` (a file deleted once the slot has been read,
     so the training side may reuse it), and for rank 0 ``commit`` (arguments of
     :func:`deepspeed_ext.commit.commit_checkpoint` plus ``timeout_s``).
@@ -215,6 +232,8 @@ def run_persist_job(job: Dict[str, Any], log=print, background_commit: bool = Fa
         record = write_image_subset(os.path.join(tag_dir, file_name), job["image"],
                                     job["entries"], job["keys"])
         _remove_quietly(job.get("done_marker"))
+        if job["step"] >= int(os.environ.get(HANG_PERSIST_ENV, "-1")) >= 0:
+            _hang(f"{HANG_PERSIST_ENV}: hanging after writing rank {rank}'s file of {job['tag']}")
         objects_record = None
         if job.get("objects_tree") is not None:
             objects_record = write_objects_file(
@@ -236,6 +255,18 @@ def run_persist_job(job: Dict[str, Any], log=print, background_commit: bool = Fa
                          name=f"commit-{job['tag']}").start()
     else:
         _commit_job(job, tag_dir, log)
+
+
+HANG_PERSIST_ENV = "MOC_FAULT_HANG_PERSIST_STEP"
+"""Fault injection: a persist of this step or a later one stops after writing a rank's
+file and before its report, until the process is killed (tests SIGKILL a keeper in the
+middle of a persist this way). The keeper inherits it from the rank that starts it."""
+
+
+def _hang(message: str) -> None:
+    print(f"[moc keeper {os.getpid()}] {message}", flush=True)
+    while True:
+        time.sleep(3600)
 
 
 def _commit_job(job: Dict[str, Any], tag_dir: str, log) -> None:
@@ -293,6 +324,10 @@ class Keeper:
         return {"ok": False, "error": f"unknown op {op!r}"}
 
     def persist_loop(self) -> None:
+        # Import the writers now, while training starts up: the first persist would
+        # otherwise pay seconds of imports (torch) and fall behind the snapshots.
+        import deepspeed_ext.image  # noqa: F401
+        import deepspeed_ext.commit  # noqa: F401
         while True:
             job = self.jobs.get()
             try:

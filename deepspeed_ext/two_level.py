@@ -33,12 +33,13 @@ import shutil
 import threading
 import time
 import traceback
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext import keeper
+from deepspeed_ext import commit, keeper
+from deepspeed_ext.hostcopy import HostCopier
 from deepspeed_ext.snapshot import SLOTS as SLOTS_FOR_BUDGET
 from deepspeed_ext.snapshot import SnapshotSlots, read_entry
 
@@ -69,9 +70,13 @@ class TwoLevel:
         self.node = self.rank // per_node
         self.first_of_node = self.rank % per_node == 0
         self.node_dir = os.path.join(cfg.shm_dir, f"node{self.node}")
-        self._check_memory_budget(ckpt)
+        from deepspeed_ext.state import describe_local_state
+        frags = describe_local_state(ckpt.engine, ckpt.naming, with_moments=False)
+        self._check_memory_budget(frags)
+        self.copier = HostCopier(HostCopier.device_of({f.key: f.tensor for f in frags}))
         keeper.ensure_keeper(self.node_dir, cfg.keeper_idle_timeout_s)
-        self.slots = SnapshotSlots(self.node_dir, self.rank)
+        self.slots = SnapshotSlots(self.node_dir, self.rank, on_map=self.copier.register,
+                                   on_unmap=self.copier.unregister)
         self.snap_policy = None
         if ckpt.layout is not None:
             k = cfg.k_snapshot or ckpt.layout.num_experts
@@ -84,15 +89,19 @@ class TwoLevel:
         self.keeper_gone = False
         self.persist: Optional[Dict[str, Any]] = None
         """The last persist requested and not yet seen committed."""
+        self.last: Optional[Dict[str, Any]] = None
+        """The newest snapshot: its slot, metadata, write pieces, and whether it was persisted."""
         self.last_load_source: Optional[str] = None
         self._wrap_step()
 
-    def _check_memory_budget(self, ckpt) -> None:
+    def _check_memory_budget(self, frags) -> None:
         """Before training: refuse a budget (or a shared-memory filesystem) too small for
-        the slots, on every rank (one ``all_gather_object``), naming the size needed."""
+        the slots, on every rank (one ``all_gather_object``), naming the size needed.
+
+        Args:
+            frags: this rank's fragments (fp32 master weights; moments are as large).
+        """
         from deepspeed_ext.checkpointer import MoCCheckpointError
-        from deepspeed_ext.state import describe_local_state
-        frags = describe_local_state(ckpt.engine, ckpt.naming, with_moments=False)
         # fp32 master weights plus Adam's two moments, for every slot.
         needed = SLOTS_FOR_BUDGET * 3 * sum(f.length * 4 for f in frags)
         problem = None
@@ -142,11 +151,9 @@ class TwoLevel:
 
     def save(self, save_dir: str, tag: Optional[str], client_state, save_latest: bool) -> bool:
         from deepspeed_ext import manifest as mf
-        from deepspeed_ext.checkpointer import (MoCCheckpointError, _all_outcomes,
-                                                _broadcast_outcome, _raise_if_failed)
+        from deepspeed_ext.checkpointer import _all_outcomes, _raise_if_failed
         from deepspeed_ext.image import layout_of
         from deepspeed_ext.objects import encode
-        from deepspeed_ext.plan import build_write_plan
         from deepspeed_ext.state import describe_local_state
         from megatron.training.rng import get_rng_state
         ck, engine = self.ckpt, self.ckpt.engine
@@ -158,6 +165,7 @@ class TwoLevel:
         # recovery from memory never needs another node's memory.
         fragments = describe_local_state(engine, ck.naming)
         pieces = ck._gather_pieces(fragments)
+        self._abandon_persist_of_dead_keeper()
         view = self._persist_view() if self.rank == 0 else None
         gathered = _all_outcomes(self.copy_error is None, {"copy_error": self.copy_error,
                                                            "persist": view})
@@ -182,13 +190,7 @@ class TwoLevel:
         rng_states: List = [None] * self.world
         dist.all_gather_object(rng_states, get_rng_state())
         if persist:
-            try:
-                _broadcast_outcome(lambda: mf.prepare_checkpoint_dir(save_dir, tag),
-                                   f"MoC persist to {os.path.join(save_dir, tag)}")
-            except MoCCheckpointError:
-                if ck.policy is not None:
-                    ck.policy.load_state_dict(policy_before)
-                raise
+            self._prepare_dir(save_dir, tag, policy_before)
         objects = ck._objects(client_state)
         objects["rng_states"] = rng_states
         objects["snapshot_policy"] = (self.snap_policy.state_dict()
@@ -211,29 +213,16 @@ class TwoLevel:
                              "start": e.start, "nbytes": e.nbytes} for e in layout.entries],
                 "specs": specs, "experts": sorted(union) if union is not None else None,
                 "objects_tree": tree}
-        job = None
-        if persist:
-            plan = build_write_plan(pieces, self.world, persist_sel if union is not None else None)
-            keys = list(plan.keys_for(self.rank)) + (list(object_tensors) if self.rank == 0 else [])
-            job = {"image": self.slots.image_path(slot), "entries": meta["entries"],
-                   "keys": keys, "specs": [specs[k] for k in keys if k in specs],
-                   "save_dir": save_dir, "tag": tag, "rank": self.rank,
-                   "objects_tree": tree if self.rank == 0 else None,
-                   "objects_in_file": bool(object_tensors)}
-            if self.rank == 0:
-                previous = ck._previous
-                job["commit"] = {
-                    "step": step,
-                    "layout": ck._layout_record(self.world, int(engine.zero_optimization_stage())),
-                    "previous_tag": previous[1] if previous and previous[0] == save_dir else None,
-                    "selected": sorted(persist_sel) if union is not None else None,
-                    "pec_k": ck.policy.k if ck.policy is not None else None,
-                    "save_latest": save_latest, "keep": self.cfg.keep,
-                    "timeout_s": self.cfg.commit_timeout_s}
-            self.persist = {"save_dir": save_dir, "tag": tag, "selected": persist_sel,
-                            "policy_before": policy_before}
+        self.last = {"slot": slot, "meta": meta, "pieces": pieces, "save_dir": save_dir,
+                     "save_latest": save_latest, "object_keys": list(object_tensors),
+                     "persisted": persist}
+        job = self._persist_job(self.last, persist_sel if union is not None else None,
+                                policy_before) if persist else None
+        # CUDA: the copies are queued on a side stream now (microseconds); the thread
+        # only waits for them. CPU: the thread does the copy.
+        event = self.copier.launch(buffer, layout, tensors)
         self.copy_thread = threading.Thread(target=self._copy,
-                                            args=(slot, buffer, layout, tensors, meta, job),
+                                            args=(slot, event, buffer, layout, tensors, meta, job),
                                             name=f"moc-snapshot-{tag}")
         self.copy_thread.start()
         _log(f"snapshot {tag} (step {step}) into {self.node_dir}: "
@@ -245,12 +234,74 @@ class TwoLevel:
              + f"; the save call took {time.perf_counter() - start:.3f} s")
         return True
 
-    def _copy(self, slot, buffer, layout, tensors, meta, job) -> None:
-        """Copy thread: fill the slot, mark it complete, hand it to the keeper."""
-        from deepspeed_ext.image import fill_image
+    def _prepare_dir(self, save_dir: str, tag: str, policy_before) -> None:
+        """Every rank: create the persist's tag directory (one collective); a failure
+        there is raised on every rank and the PEC policy's marks are undone."""
+        from deepspeed_ext import manifest as mf
+        from deepspeed_ext.checkpointer import MoCCheckpointError, _broadcast_outcome
         try:
-            with torch.no_grad():
-                fill_image(buffer, layout, tensors)
+            _broadcast_outcome(lambda: mf.prepare_checkpoint_dir(save_dir, tag),
+                               f"MoC persist to {os.path.join(save_dir, tag)}")
+        except MoCCheckpointError:
+            if self.ckpt.policy is not None:
+                self.ckpt.policy.load_state_dict(policy_before)
+            raise
+
+    def _persist_job(self, snap: Dict[str, Any], selected, policy_before) -> Dict[str, Any]:
+        """This rank's persist job for the snapshot ``snap`` (a ``self.last`` record)
+        holding ``selected`` experts on storage (None: no MoE); records it as the
+        pending persist. Plain data: the keeper runs it (:func:`keeper.run_persist_job`)."""
+        from deepspeed_ext.plan import build_write_plan
+        ck, meta = self.ckpt, snap["meta"]
+        save_dir, tag, step = snap["save_dir"], meta["tag"], meta["step"]
+        plan = build_write_plan(snap["pieces"], self.world, selected)
+        keys = list(plan.keys_for(self.rank)) + (snap["object_keys"] if self.rank == 0 else [])
+        job = {"image": self.slots.image_path(snap["slot"]), "entries": meta["entries"],
+               "keys": keys, "specs": [meta["specs"][k] for k in keys if k in meta["specs"]],
+               "save_dir": save_dir, "tag": tag, "step": step, "rank": self.rank,
+               "objects_tree": meta["objects_tree"] if self.rank == 0 else None,
+               "objects_in_file": bool(snap["object_keys"])}
+        if self.rank == 0:
+            previous = ck._previous
+            job["commit"] = {
+                "step": step,
+                "layout": ck._layout_record(self.world, int(ck.engine.zero_optimization_stage())),
+                "previous_tag": previous[1] if previous and previous[0] == save_dir else None,
+                "selected": sorted(selected) if selected is not None else None,
+                "pec_k": ck.policy.k if ck.policy is not None else None,
+                "save_latest": snap["save_latest"], "keep": self.cfg.keep,
+                "timeout_s": self.cfg.commit_timeout_s}
+        self.persist = {"save_dir": save_dir, "tag": tag,
+                        "selected": selected if selected is not None else frozenset(),
+                        "policy_before": policy_before, "slot": snap["slot"],
+                        "in_process": self.keeper_gone}
+        return job
+
+    def _persist_newest(self) -> None:
+        """Every rank (from :meth:`wait`, nothing pending): persist the newest snapshot if
+        it was not, with every expert it holds, so that ending a job (which frees the
+        keepers' memory) never loses the last state."""
+        snap = self.last
+        if snap is None or snap["persisted"]:
+            return
+        ck, meta = self.ckpt, snap["meta"]
+        selected = frozenset(tuple(e) for e in meta["experts"]) \
+            if meta["experts"] is not None else None
+        policy_before = ck.policy.state_dict() if ck.policy is not None else None
+        if ck.policy is not None and selected is not None:
+            ck.policy.mark_saved(selected, meta["step"])
+        self._prepare_dir(snap["save_dir"], meta["tag"], policy_before)
+        snap["persisted"] = True
+        job = self._persist_job(snap, selected, policy_before)
+        job["done_marker"] = self.slots.persist_marker(snap["slot"])
+        _log(f"persisting the newest snapshot {meta['tag']} (step {meta['step']}) before "
+             f"returning from wait")
+        self._send(job)
+
+    def _copy(self, slot, event, buffer, layout, tensors, meta, job) -> None:
+        """Copy thread: fill the slot, mark it complete, hand it to the keeper."""
+        try:
+            self.copier.finish(event, buffer, layout, tensors)
             self.slots.publish(slot, meta)
             if job is not None:
                 job["done_marker"] = self.slots.persist_marker(slot)
@@ -265,12 +316,43 @@ class TwoLevel:
                 keeper.request(self.node_dir, {"op": "persist", "job": job})
                 return
             except keeper.KeeperError as err:
-                self.keeper_gone = True
-                print(f"[moc] rank {self.rank}: WARNING: the keeper of node {self.node} is gone "
-                      f"({err}); snapshots stay in this process only and are persisted by it",
-                      flush=True)
+                self._keeper_died(str(err))
         threading.Thread(target=keeper.run_persist_job, args=(job,),
                          name=f"moc-persist-{job['tag']}").start()
+
+    def _keeper_died(self, why: str) -> None:
+        """Switch to persisting in this process; say so once per rank."""
+        if self.keeper_gone:
+            return
+        self.keeper_gone = True
+        print(f"[moc] rank {self.rank}: WARNING: the keeper of node {self.node} is gone ({why}); "
+              f"training goes on, persisting from this process (snapshots still go to "
+              f"{self.node_dir}; a restart starts a new keeper)", flush=True)
+
+    def _abandon_persist_of_dead_keeper(self) -> None:
+        """Every rank, before the persist outcome is looked at: a keeper that died with this
+        rank's persist in its queue will never report it. Write the report (and, on rank
+        0, whose keeper commits, the commit failure) here, so that the persist ends as
+        failed; otherwise it would look "still running" forever and every later persist
+        would be deferred behind it."""
+        p = self.persist
+        # Once the keeper is known gone, every persist since runs in this process.
+        if p is None or p["in_process"] or self.keeper_gone:
+            return
+        if not keeper.is_dead(self.node_dir):  # a socket connect, only while a persist is pending
+            return
+        self._keeper_died("it stopped answering while persisting")
+        tag_dir = os.path.join(p["save_dir"], p["tag"])
+        why = f"the keeper of node {self.node} died while persisting {p['tag']}"
+        if not os.path.exists(os.path.join(tag_dir, commit.report_name(self.rank))):
+            commit.write_report(tag_dir, self.rank, None, error=why)
+        if self.rank == 0 and commit.commit_outcome(tag_dir, self.world) is None:
+            commit.write_failure(tag_dir, why)
+        # The keeper would have removed it once the slot was read: the slot is free again.
+        try:
+            os.remove(os.path.join(self.slots.dir, f"slot{p['slot']}.persisting"))
+        except OSError:
+            pass
 
     def signature(self, fragments) -> str:
         """Identifies the layout a snapshot can be restored into (same fragments)."""
@@ -302,20 +384,46 @@ class TwoLevel:
         self.ckpt._undo_mark_saved(persist["policy_before"], persist["selected"])
 
     def wait(self) -> None:
-        """Every rank: the copy finished and the last persist committed (or failed: raised)."""
-        from deepspeed_ext.checkpointer import _all_outcomes, _raise_if_failed
-        from deepspeed_ext.commit import wait_for_commit
+        """Every rank: returns once every snapshot taken so far is on storage. Joins the
+        copy, waits for the pending persist, then persists the newest snapshot if it was
+        not (see :meth:`_persist_newest`) and waits for that; any rank's failure is raised
+        on every rank."""
+        from deepspeed_ext.checkpointer import _raise_if_failed
         self.join_copy()
         ok, message = self.copy_error is None, self.copy_error
         self.copy_error = None
+        outcomes = self._wait_pending(ok, message)
+        _raise_if_failed(outcomes, "MoC two-level wait")
+        if self.last is not None and not self.last["persisted"]:
+            self._persist_newest()
+            _raise_if_failed(self._wait_pending(True, None), "MoC two-level wait")
+
+    def _wait_pending(self, ok: bool, message) -> list:
+        """Every rank: wait for the pending persist's commit (or failure); settle it;
+        return every rank's (ok, message)."""
+        from deepspeed_ext.checkpointer import _all_outcomes
         if self.persist is not None and ok:
             tag_dir = os.path.join(self.persist["save_dir"], self.persist["tag"])
-            ok, message = wait_for_commit(tag_dir, self.world, self.cfg.commit_timeout_s)
+            deadline = time.monotonic() + self.cfg.commit_timeout_s
+            delay = 0.01
+            while True:
+                # Checked on every poll: a keeper dying meanwhile ends the wait with its
+                # error instead of after the whole commit timeout.
+                self._abandon_persist_of_dead_keeper()
+                outcome = commit.commit_outcome(tag_dir, self.world)
+                if outcome is not None:
+                    ok, message = outcome
+                    break
+                if time.monotonic() >= deadline:
+                    ok, message = False, (f"{tag_dir} not committed within "
+                                          f"{self.cfg.commit_timeout_s:.0f} s")
+                    break
+                time.sleep(delay)
+                delay = min(0.2, delay * 2)
         outcomes = _all_outcomes(ok, message)
-        persist = self.persist
-        if persist is not None:
+        if self.persist is not None:
             self._settle_persist([all(o for o, _ in outcomes), "see the rank errors"])
-        _raise_if_failed(outcomes, "MoC two-level wait")
+        return outcomes
 
     def shutdown(self) -> None:
         """Every rank, at the end of training: persist finished, keeper stopped, memory freed."""

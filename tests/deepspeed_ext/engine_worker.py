@@ -54,6 +54,9 @@ def _train(engine, args, start, stop, save_dir, states=None):
             engine.save_checkpoint(save_dir, client_state={"step": step + 1})
             if states is not None:
                 states[step + 1] = _state(engine)
+            if os.environ.get("MOC_TEST_WAIT_AFTER_STEP") == str(step + 1):
+                engine.moc.wait()  # that step is committed: the next snapshot persists
+            _kill_keeper_at(engine, step + 1)
     return losses
 
 
@@ -70,6 +73,17 @@ def _state(engine):
             full.setdefault(f"{name}|{kind}", {})[offset] = values
     # Flatten each tensor's fragments in offset order (replicas give the same offset).
     return {key: [v for _, vals in sorted(parts.items()) for v in vals] for key, parts in full.items()}
+
+
+def _kill_keeper_at(engine, step):
+    """MOC_TEST_KILL_KEEPER_STEP: once that step's snapshot is copied (and its persist
+    handed to the keeper), the first rank of each node SIGKILLs its node's keeper."""
+    two_level = engine.moc.two_level
+    if os.environ.get("MOC_TEST_KILL_KEEPER_STEP") != str(step) or not two_level.first_of_node:
+        return
+    from deepspeed_ext.keeper import request
+    two_level.join_copy()
+    os.kill(request(two_level.node_dir, {"op": "ping"})["pid"], 9)
 
 
 def _inject_save_failure(engine):

@@ -60,6 +60,8 @@ def test_crash_then_recover_from_memory_bitwise(tmp_path):
         assert after.keys() == snapshot.keys()
         assert [k for k in after if after[k] != snapshot[k]] == []
         assert second[0]["host_memory_bytes"] > 0
+        # the last snapshot was not due for storage (interval 100): the end persists it
+        assert _latest(ckpt) == "global_step4" and _verify(ckpt, "global_step4") == []
         assert not os.path.exists(shm), os.listdir(shm)  # normal end: memory freed
     finally:
         shutil.rmtree(shm, ignore_errors=True)
@@ -118,5 +120,74 @@ def test_memory_budget_too_small_fails_every_rank_before_training(tmp_path):
             assert r.returncode != 0, describe(results)
             assert "--moc-host-memory-gb allows 0.0001" in r.output, describe(results)
         assert not (tmp_path / "ckpt").exists()
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def _latest(ckpt):
+    with open(os.path.join(ckpt, "latest")) as f:
+        return f.read().strip()
+
+
+def _verify(ckpt, tag):
+    from deepspeed_ext.manifest import verify_checkpoint
+    return verify_checkpoint(ckpt, tag)
+
+
+def test_sigkill_during_persist_keeps_previous_latest(tmp_path):
+    """The keeper is SIGKILLed in the middle of a persist (a rank file written, no report,
+    no manifest): storage still names the previous checkpoint as latest, intact, and a
+    restart without memory loads it and saves over the leftovers."""
+    shm, ckpt = _shm(), str(tmp_path / "ckpt")
+    try:
+        flags = _flags(shm, 2, 2, ["--moc-persist-interval", "1"])
+        _, results = _run(tmp_path, "first", 2, "train-save", flags + [
+            "--train-iters", "3", "--save", ckpt, "--save-interval", "1"],
+            env={"MOC_TEST_CRASH": "1", "MOC_FAULT_HANG_PERSIST_STEP": "2",
+                 "MOC_TEST_WAIT_AFTER_STEP": "1"}, ok=False)
+        assert all(r.returncode == -signal.SIGKILL for r in results), describe(results)
+        node = os.path.join(shm, "node0")
+        deadline = time.monotonic() + 60
+        while "hanging after writing rank" not in open(os.path.join(node, "keeper.log")).read():
+            assert time.monotonic() < deadline, "no persist reached the hang"
+            time.sleep(0.1)
+        log = open(os.path.join(node, "keeper.log")).read()
+        hung = log.split("hanging after writing rank ")[1].split(" of ")[1].split()[0]
+        assert hung == "global_step2"
+        assert "the previous persist (global_step2) is still running" in results[0].output
+        os.kill(_keeper_pid(node), signal.SIGKILL)  # mid-persist
+        assert _latest(ckpt) == "global_step1"
+        assert any(n.endswith(".safetensors") for n in os.listdir(os.path.join(ckpt, hung)))
+        assert not os.path.exists(os.path.join(ckpt, hung, "manifest.json"))
+        assert _verify(ckpt, "global_step1") == []
+        shutil.rmtree(shm)  # the node's memory is gone too: recovery must use storage
+        second, results = _run(tmp_path, "second", 2, "load-train-save", flags + [
+            "--train-iters", "3", "--load", ckpt, "--save", ckpt, "--save-interval", "1"])
+        assert second[0]["client_state"] == {"step": 1}
+        assert all(r["load_source"] == "storage" for r in second)
+        assert _latest(ckpt) == "global_step3"
+        assert _verify(ckpt, "global_step3") == []
+        assert not os.path.exists(shm)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_keeper_killed_training_goes_on_persisting_in_process(tmp_path):
+    """The keeper dies after step 2's snapshot: every rank says so once, the pending persist
+    ends as failed instead of blocking later ones, steps 3 and 4 are persisted by the
+    training processes, the run ends normally and leaves no shared memory."""
+    shm, ckpt = _shm(), str(tmp_path / "ckpt")
+    try:
+        flags = _flags(shm, 2, 2, ["--moc-persist-interval", "1"])
+        _, results = _run(tmp_path, "run", 2, "train-save", flags + [
+            "--train-iters", "4", "--save", ckpt, "--save-interval", "1"],
+            env={"MOC_TEST_KILL_KEEPER_STEP": "2", "MOC_TEST_WAIT_AFTER_STEP": "1"})
+        output = "".join(r.output for r in results)
+        for rank in range(2):
+            assert output.count(f"rank {rank}: WARNING: the keeper of node 0 is gone") == 1, output
+        assert "still running; this snapshot stays in memory only" not in output
+        assert _latest(ckpt) == "global_step4"
+        assert _verify(ckpt, "global_step4") == []
+        assert not os.path.exists(shm), os.listdir(shm)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
