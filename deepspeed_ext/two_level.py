@@ -39,9 +39,10 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_ext import commit, keeper
+from deepspeed_ext.exchange import Exchanger
 from deepspeed_ext.hostcopy import HostCopier
 from deepspeed_ext.snapshot import SLOTS as SLOTS_FOR_BUDGET
-from deepspeed_ext.snapshot import SnapshotSlots, read_entry
+from deepspeed_ext.snapshot import SlotImage, SnapshotSlots
 
 
 def _log(message: str) -> None:
@@ -74,6 +75,7 @@ class TwoLevel:
         frags = describe_local_state(ckpt.engine, ckpt.naming, with_moments=False)
         self._check_memory_budget(frags)
         self.copier = HostCopier(HostCopier.device_of({f.key: f.tensor for f in frags}))
+        self.exchanger = Exchanger()
         keeper.ensure_keeper(self.node_dir, cfg.keeper_idle_timeout_s)
         self.slots = SnapshotSlots(self.node_dir, self.rank, on_map=self.copier.register,
                                    on_unmap=self.copier.unregister)
@@ -92,6 +94,8 @@ class TwoLevel:
         self.last: Optional[Dict[str, Any]] = None
         """The newest snapshot: its slot, metadata, write pieces, and whether it was persisted."""
         self.last_load_source: Optional[str] = None
+        self._images: Dict[int, SlotImage] = {}
+        """Slot images mapped by the load in progress."""
         self._wrap_step()
 
     def _check_memory_budget(self, frags) -> None:
@@ -151,7 +155,7 @@ class TwoLevel:
 
     def save(self, save_dir: str, tag: Optional[str], client_state, save_latest: bool) -> bool:
         from deepspeed_ext import manifest as mf
-        from deepspeed_ext.checkpointer import _all_outcomes, _raise_if_failed
+        from deepspeed_ext.checkpointer import _raise_if_failed
         from deepspeed_ext.image import layout_of
         from deepspeed_ext.objects import encode
         from deepspeed_ext.state import describe_local_state
@@ -167,12 +171,13 @@ class TwoLevel:
         pieces = ck._gather_pieces(fragments)
         self._abandon_persist_of_dead_keeper()
         view = self._persist_view() if self.rank == 0 else None
-        gathered = _all_outcomes(self.copy_error is None, {"copy_error": self.copy_error,
-                                                           "persist": view})
+        # The only collective of a snapshot that is not persisted: errors, rank 0's view
+        # of the pending persist, and every rank's RNG state (for a persist's objects).
+        gathered = self.exchanger.exchange((self.copy_error, view, get_rng_state()))
         self.copy_error = None
-        _raise_if_failed([(ok, p["copy_error"]) for ok, p in gathered], "MoC snapshot copy")
-        persist_view = gathered[0][1]["persist"]
-        self._settle_persist(persist_view)
+        _raise_if_failed([(error is None, error) for error, _, _ in gathered], "MoC snapshot copy")
+        rng_states = [rng for _, _, rng in gathered]
+        self._settle_persist(gathered[0][1])
         want = self.count % self.cfg.persist_interval == 0
         self.count += 1
         persist = want and self.persist is None
@@ -187,8 +192,6 @@ class TwoLevel:
         policy_before = ck.policy.state_dict() if ck.policy is not None else None
         if persist and ck.policy is not None:
             ck.policy.mark_saved(persist_sel, step)
-        rng_states: List = [None] * self.world
-        dist.all_gather_object(rng_states, get_rng_state())
         if persist:
             self._prepare_dir(save_dir, tag, policy_before)
         objects = ck._objects(client_state)
@@ -225,13 +228,14 @@ class TwoLevel:
                                             args=(slot, event, buffer, layout, tensors, meta, job),
                                             name=f"moc-snapshot-{tag}")
         self.copy_thread.start()
-        _log(f"snapshot {tag} (step {step}) into {self.node_dir}: "
-             f"{layout.nbytes / 2**20:.2f} MiB on rank 0, "
-             + (f"{len(union)} expert(s) of "
-                f"{ck.layout.num_moe_layers * ck.layout.num_experts}" if union is not None
-                else "no MoE")
-             + (", persisting" if persist else "")
-             + f"; the save call took {time.perf_counter() - start:.3f} s")
+        if persist or self.count == 1:  # a line per snapshot would flood per-iteration runs
+            _log(f"snapshot {tag} (step {step}) into {self.node_dir}: "
+                 f"{layout.nbytes / 2**20:.2f} MiB on rank 0, "
+                 + (f"{len(union)} expert(s) of "
+                    f"{ck.layout.num_moe_layers * ck.layout.num_experts}" if union is not None
+                    else "no MoE")
+                 + (", persisting" if persist else ", in memory only")
+                 + f"; the save call took {time.perf_counter() - start:.3f} s")
         return True
 
     def _prepare_dir(self, save_dir: str, tag: str, policy_before) -> None:
@@ -455,7 +459,19 @@ class TwoLevel:
             ensure_optimizer_state(engine)
         fragments = describe_local_state(engine, ck.naming, with_moments=load_optimizer_states)
         signature = self.signature(describe_local_state(engine, ck.naming))
-        mine = [m for _, m in self.slots.complete() if m["signature"] == signature]
+        mine = [dict(m, _slot=i, _entries={e["key"]: e for e in m["entries"]})
+                for i, m in self.slots.complete() if m["signature"] == signature]
+        try:
+            return self._load(load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                              from_memory, mine, fragments, start)
+        finally:
+            for image in self._images.values():
+                image.close()
+            self._images = {}
+
+    def _load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+              from_memory, mine, fragments, start):
+        ck = self.ckpt
         steps: List = [None] * self.world
         dist.all_gather_object(steps, sorted({m["step"] for m in mine}))
         common = set(steps[0]).intersection(*map(set, steps[1:])) if from_memory and tag is None \
@@ -486,18 +502,18 @@ class TwoLevel:
         ok, error, objects, counts = True, None, None, {"memory": 0, "storage": 0}
         try:
             base = next(m for m in mine if m["step"] == step)
-            base_slot = self._slot_of(base)
-            storage_versions, reader = self._storage_expert_versions(load_dir, step)
-            with torch.no_grad():
-                for frag in fragments:
-                    data = self._newest(frag, base, step, mine, storage_versions, reader, counts)
-                    frag.tensor.copy_(data.to(device=frag.tensor.device, dtype=frag.tensor.dtype))
-            if reader is not None:
-                reader.close()
-            entries = {e["key"]: e for e in base["entries"]}
+            storage = _StorageVersions(load_dir, step) if ck.layout is not None else None
+            try:
+                with torch.no_grad():
+                    for frag in fragments:
+                        data = self._newest(frag, base, step, mine, storage, counts)
+                        frag.tensor.copy_(data.to(device=frag.tensor.device,
+                                                  dtype=frag.tensor.dtype))
+            finally:
+                if storage is not None:
+                    storage.close()
             tree = base["objects_tree"]
-            objects = decode(tree, {k: read_entry(self.slots.image_path(base_slot), entries[k])
-                                    for k in tensor_keys(tree)})
+            objects = decode(tree, {k: self._read_slot(base, k) for k in tensor_keys(tree)})
         except Exception as e:
             traceback.print_exc()
             ok, error = False, f"{type(e).__name__}: {e}"
@@ -525,25 +541,7 @@ class TwoLevel:
         self.last_load_source = "memory"
         return f"memory:{self.node_dir}@{step}", objects["client_state"]
 
-    def _slot_of(self, meta) -> int:
-        for i, m in self.slots.complete():
-            if m["step"] == meta["step"] and m["tag"] == meta["tag"]:
-                return i
-        raise RuntimeError(f"snapshot of step {meta['step']} vanished from {self.slots.dir}")
-
-    def _storage_expert_versions(self, load_dir, step):
-        """Expert versions on storage at or before ``step`` (newest committed checkpoint)."""
-        from deepspeed_ext import manifest as mf
-        from deepspeed_ext.reader import CheckpointReader
-        if self.ckpt.layout is None or not os.path.isdir(load_dir):
-            return {}, None
-        candidates = [t for s, t in mf.scan_checkpoints(load_dir).complete if s <= step]
-        if not candidates:
-            return {}, None
-        reader = CheckpointReader(load_dir, candidates[-1], verify_checksums=True)
-        return {k: v[0] for k, v in reader.expert_versions().items()}, reader
-
-    def _newest(self, frag, base, step, mine, storage_versions, reader, counts):
+    def _newest(self, frag, base, step, mine, storage, counts):
         """The newest version (<= step) of one fragment, from memory or storage."""
         key = frag.key
         if frag.expert is None:
@@ -553,18 +551,21 @@ class TwoLevel:
             return self._read_slot(base, key)
         holders = [m for m in mine if m["step"] <= step and key in m["specs"]]
         newest_memory = max(holders, key=lambda m: m["step"]) if holders else None
-        stored = storage_versions.get(tuple(frag.expert))
+        stored = storage.versions.get(tuple(frag.expert)) if storage is not None else None
         if newest_memory is not None and (stored is None or newest_memory["step"] >= stored):
             counts["memory"] += 1
             return self._read_slot(newest_memory, key)
         if stored is None:
             raise RuntimeError(f"no version of expert {frag.expert} ({key}) in memory or storage")
         counts["storage"] += 1
-        return reader.read(frag.name, frag.kind, frag.offset, frag.length)
+        return storage.reader().read(frag.name, frag.kind, frag.offset, frag.length)
 
     def _read_slot(self, meta, key):
-        entry = next(e for e in meta["entries"] if e["key"] == key)
-        return read_entry(self.slots.image_path(self._slot_of(meta)), entry)
+        """One tensor of a complete snapshot of this load's ``mine`` list."""
+        slot = meta["_slot"]
+        if slot not in self._images:
+            self._images[slot] = SlotImage(self.slots.image_path(slot))
+        return self._images[slot].read(meta["_entries"][key])
 
     def _overlay_newer_experts(self, mine, fragments) -> None:
         """Two-level recovery: after a storage load, take experts whose memory snapshot on
@@ -591,6 +592,33 @@ class TwoLevel:
         if sum(totals):
             _log(f"two-level recovery: {sum(totals)} expert fragment(s) taken from the memory "
                  f"of ranks {[r for r, t in enumerate(totals) if t]}, newer than storage")
+
+
+class _StorageVersions:
+    """Expert versions of the newest committed checkpoint at or before ``step``, from its
+    manifest; the checkpoint's files are opened (and verified) only if a fragment is
+    actually read from storage."""
+
+    def __init__(self, load_dir: str, step: int):
+        from deepspeed_ext import manifest as mf
+        self.load_dir, self.tag, self.versions = load_dir, None, {}
+        self._reader = None
+        if os.path.isdir(load_dir):
+            candidates = [t for s, t in mf.scan_checkpoints(load_dir).complete if s <= step]
+            if candidates:
+                self.tag = candidates[-1]
+                manifest = mf.read_manifest(os.path.join(load_dir, self.tag))
+                self.versions = {k: v.step for k, v in manifest.expert_versions().items()}
+
+    def reader(self):
+        from deepspeed_ext.reader import CheckpointReader
+        if self._reader is None:
+            self._reader = CheckpointReader(self.load_dir, self.tag, verify_checksums=True)
+        return self._reader
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
 
 
 def _latest_committed(load_dir: str) -> Optional[str]:
