@@ -227,25 +227,29 @@ def _manifest_elements(tag_dir: str):
         return None
 
 
-def worker_main(opts) -> None:
+def run_worker(opts, worker) -> None:
+    """A rank's entry: ``worker(opts, rank, world)``; a failure's traceback goes to
+    ``error.rank<R>.txt`` for the launcher to report."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     try:
-        _worker(opts, rank, world)
+        worker(opts, rank, world)
     except BaseException:
         with open(os.path.join(opts.out_dir, f"error.rank{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
         raise
 
 
-def _worker(opts, rank: int, world: int) -> None:
+def worker_main(opts) -> None:
+    run_worker(opts, _worker)
+
+
+def build_engine(opts, rank: int, world: int) -> tuple:
+    """Every rank: the benchmark's engine, trained ``--train-steps`` steps so Adam state
+    exists. Returns (engine, args, the results' config record)."""
     sys.path.insert(0, REPO)
-    import torch.distributed as dist
     from megatron.training.arguments import padded_vocab_size, parse_args, validate_args
     from megatron.training.rng import set_seed
     from megatron.training.training import initialize_distributed, setup_model_and_optimizer
-    from deepspeed_ext.checkpointer import MoCCheckpointer
-    from deepspeed_ext.config import MoCConfig
-
     args = parse_args(_trainer_argv(opts))
     validate_args(args, world)
     initialize_distributed(args)
@@ -253,9 +257,34 @@ def _worker(opts, rank: int, world: int) -> None:
     args.padded_vocab_size = padded_vocab_size(VOCAB, args.make_vocab_size_divisible_by)
     engine, _ = setup_model_and_optimizer(args)
     losses = _train(engine, args, opts.train_steps, rank)
-    counts = _param_counts(engine, world, opts.ep)
     num_moe_layers = len([l for l in range(1, args.num_layers + 1) if l % args.expert_interval == 0])
+    config = {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
+              "ffn_hidden_size": args.ffn_hidden_size or 4 * args.hidden_size,
+              "num_attention_heads": args.num_attention_heads, "seq_length": args.seq_length,
+              "num_experts": args.num_experts, "expert_interval": args.expert_interval,
+              "num_moe_layers": num_moe_layers, "topk": args.topk,
+              "padded_vocab_size": args.padded_vocab_size, "dtype": "fp32",
+              "world_size": world, "ep_size": opts.ep, "dp_size": world,
+              "zero_stage": opts.zero_stage, "micro_batch_size": args.micro_batch_size,
+              "train_steps": opts.train_steps, "train_losses": losses,
+              **_param_counts(engine, world, opts.ep)}
+    return engine, args, config
 
+
+def write_results(out_dir: str, results: dict) -> None:
+    """Rank 0: the results so far, atomically (the launcher reads them even after a crash)."""
+    tmp = os.path.join(out_dir, RESULTS_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(results, f)
+    os.replace(tmp, os.path.join(out_dir, RESULTS_FILE))
+
+
+def _worker(opts, rank: int, world: int) -> None:
+    import torch.distributed as dist
+    from deepspeed_ext.checkpointer import MoCCheckpointer
+    from deepspeed_ext.config import MoCConfig
+
+    engine, args, config = build_engine(opts, rank, world)
     recorder = _DeepSpeedWriteRecorder(engine)
     # Not patched by enable_moc_checkpointing, so this is DeepSpeed's own method; if some
     # other code patched it, the original is kept as deepspeed_save_checkpoint.
@@ -268,25 +297,13 @@ def _worker(opts, rank: int, world: int) -> None:
     save_dirs = {s: os.path.join(ckpt_root, s) for s in SYSTEMS}
 
     results = {
-        "config": {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
-                   "ffn_hidden_size": args.ffn_hidden_size or 4 * args.hidden_size,
-                   "num_attention_heads": args.num_attention_heads, "seq_length": args.seq_length,
-                   "num_experts": args.num_experts, "expert_interval": args.expert_interval,
-                   "num_moe_layers": num_moe_layers, "topk": args.topk,
-                   "padded_vocab_size": args.padded_vocab_size, "dtype": "fp32",
-                   "world_size": world, "ep_size": opts.ep, "dp_size": world,
-                   "zero_stage": opts.zero_stage, "micro_batch_size": args.micro_batch_size,
-                   "train_steps": opts.train_steps, "train_losses": losses,
-                   "moc_pec_policy": "sequential", **counts},
+        "config": {**config, "moc_pec_policy": "sequential"},
         "systems": {s: {"warmup": None, "saves": [], "error": None} for s in SYSTEMS},
     }
 
-    def write_results():
+    def publish():
         if rank == 0:
-            tmp = os.path.join(opts.out_dir, RESULTS_FILE + ".tmp")
-            with open(tmp, "w") as f:
-                json.dump(results, f)
-            os.replace(tmp, os.path.join(opts.out_dir, RESULTS_FILE))
+            write_results(opts.out_dir, results)
 
     def save_once(system: str, tag: str):
         client_state = {"benchmark_tag": tag}
@@ -349,7 +366,7 @@ def _worker(opts, rank: int, world: int) -> None:
 
     def run_save(system: str, tag: str) -> dict:
         results["current"] = {"system": system, "tag": tag}
-        write_results()
+        publish()
         entry = measure(system, tag)
         results["current"] = None
         return entry
@@ -359,7 +376,7 @@ def _worker(opts, rank: int, world: int) -> None:
         results["systems"][system]["warmup"] = entry
         if entry["error"]:
             results["systems"][system]["error"] = f"warm-up save: {entry['error']}"
-        write_results()
+        publish()
     for repeat in range(opts.repeats):
         for system in SYSTEMS:
             state = results["systems"][system]
@@ -370,10 +387,10 @@ def _worker(opts, rank: int, world: int) -> None:
             state["saves"].append(entry)
             if entry["error"]:
                 state["error"] = f"save {tag}: {entry['error']}"
-            write_results()
+            publish()
             drop_superseded(system, tag)
     results["complete"] = True
-    write_results()
+    publish()
     dist.barrier()
     dist.destroy_process_group()
 
@@ -422,28 +439,26 @@ def _versions() -> str:
     return ", ".join(parts)
 
 
-def _launch(opts, out_dir: str) -> tuple:
-    """Start the ranks; wait (with the timeout); returns (exit codes, timed out?)."""
+def run_rank_processes(argv: list, nproc: int, out_dir: str, timeout: float) -> tuple:
+    """Start ``nproc`` local ranks of ``argv`` (logs in ``out_dir/logs``); wait at most
+    ``timeout`` seconds, then kill what is left. Returns (exit codes, timed out?)."""
     logs = os.path.join(out_dir, "logs")
     os.makedirs(logs, exist_ok=True)
-    worker_argv = [sys.executable, os.path.abspath(__file__), "--worker", "--out-dir", out_dir]
-    for name in MODEL_FLAGS:
-        worker_argv += ["--" + name.replace("_", "-"), str(getattr(opts, name))]
-    if opts.keep:
-        worker_argv.append("--keep")
     port = str(_free_port())
     procs, handles = [], []
-    for rank in range(opts.nproc):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(opts.nproc), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(opts.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+    for rank in range(nproc):
+        # CROSS_RANK/CROSS_SIZE: what DeepSpeed's launcher sets on one node; its checkpoint
+        # writers read them.
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(nproc), CROSS_RANK="0", CROSS_SIZE="1",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
                    PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
                    PYTHONWARNINGS="ignore")
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // opts.nproc)))
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
         log = open(os.path.join(logs, f"rank{rank}.log"), "w")
         handles.append(log)
-        procs.append(subprocess.Popen(worker_argv, cwd=REPO, env=env, stdout=log,
-                                      stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + opts.timeout
+        procs.append(subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout
     timed_out = False
     try:
         for proc in procs:
@@ -452,12 +467,6 @@ def _launch(opts, out_dir: str) -> tuple:
             except subprocess.TimeoutExpired:
                 timed_out = True
                 break
-        # What ranks reported before the kill (after it, the survivors' collectives fail too).
-        save_errors = []
-        for rank in range(opts.nproc):
-            path = os.path.join(out_dir, f"save_errors.rank{rank}.txt")
-            if os.path.isfile(path):
-                save_errors += [(rank, line) for line in _tail(path, 1).splitlines() if line.strip()]
     finally:
         for proc in procs:  # only the processes started here
             if proc.poll() is None:
@@ -465,7 +474,24 @@ def _launch(opts, out_dir: str) -> tuple:
                 proc.wait()
         for log in handles:
             log.close()
-    return [p.returncode for p in procs], timed_out, save_errors
+    return [p.returncode for p in procs], timed_out
+
+
+def _launch(opts, out_dir: str) -> tuple:
+    """Start the ranks; wait (with the timeout); returns (exit codes, timed out?, save errors)."""
+    worker_argv = [sys.executable, os.path.abspath(__file__), "--worker", "--out-dir", out_dir]
+    for name in MODEL_FLAGS:
+        worker_argv += ["--" + name.replace("_", "-"), str(getattr(opts, name))]
+    if opts.keep:
+        worker_argv.append("--keep")
+    codes, timed_out = run_rank_processes(worker_argv, opts.nproc, out_dir, opts.timeout)
+    # What ranks reported before a kill (the survivors' collectives fail after it).
+    save_errors = []
+    for rank in range(opts.nproc):
+        path = os.path.join(out_dir, f"save_errors.rank{rank}.txt")
+        if os.path.isfile(path):
+            save_errors += [(rank, line) for line in _tail(path, 1).splitlines() if line.strip()]
+    return codes, timed_out, save_errors
 
 
 def _tail(path: str, lines: int = 25) -> str:
@@ -557,15 +583,20 @@ def _print_table(rows: list) -> None:
                       _fmt(r["save_s_median"], ".3f"), _fmt(r["save_s_min"], ".3f"),
                       _fmt(r["durable_s_median"], ".3f"), _fmt(r["bytes_vs_moc_full"], ".3f"), _fmt(r["time_vs_moc_full"], ".3f"),
                       _fmt(r["bytes_vs_deepspeed"], ".3f"), _fmt(r["time_vs_deepspeed"], ".3f")])
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    print_aligned(table)
+    for r in rows:
+        if r.get("error"):
+            print(f"{r['system']}: FAILED: {r['error']}")
+
+
+def print_aligned(table: list) -> None:
+    """Print rows of strings as columns; the first row is the header."""
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     for i, row in enumerate(table):
         print(" | ".join(cell.ljust(w) if j == 0 else cell.rjust(w)
                          for j, (cell, w) in enumerate(zip(row, widths))))
         if i == 0:
             print("-+-".join("-" * w for w in widths))
-    for r in rows:
-        if r.get("error"):
-            print(f"{r['system']}: FAILED: {r['error']}")
 
 
 def _print_coverage(rows, config: dict) -> None:
@@ -644,6 +675,82 @@ def _print_notes_and_checks(rows: list, config: dict) -> None:
               f"({sync['save_s_median']:.3f} s vs {ds['save_s_median']:.3f} s)")
 
 
+def prepare_out_dir(out_dir, prefix: str) -> tuple:
+    """The run's output directory: a new temporary one, or ``out_dir`` if it is empty or
+    absent. Returns (absolute path, created here?).
+
+    Raises:
+        ValueError: ``out_dir`` exists and is not an empty directory (naming the flag).
+    """
+    if out_dir is None:
+        return tempfile.mkdtemp(prefix=prefix), True
+    out_dir = os.path.abspath(out_dir)
+    created = not os.path.exists(out_dir)
+    if not created and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise ValueError(f"--out-dir {out_dir} must be an empty directory or absent")
+    os.makedirs(out_dir, exist_ok=True)
+    return out_dir, created
+
+
+def read_results(out_dir: str, codes: list, timed_out: bool, timeout: float) -> tuple:
+    """Rank 0's results file and, if the ranks did not all end well, why: (results, error)."""
+    results = {}
+    path = os.path.join(out_dir, RESULTS_FILE)
+    if os.path.isfile(path):
+        with open(path) as f:
+            results = json.load(f)
+    if timed_out:
+        return results, f"the ranks were killed after --timeout {timeout:g} s"
+    if not any(codes) and results.get("complete"):
+        return results, None
+    errors = []
+    for rank in range(len(codes)):
+        path = os.path.join(out_dir, f"error.rank{rank}.txt")
+        if os.path.isfile(path):
+            last = [l for l in _tail(path, 3).splitlines() if l.strip()]
+            errors.append((rank, last[-1] if last else "?"))
+    return results, f"rank exit codes {codes}" + (": " + _group_errors(errors) if errors else "")
+
+
+def print_model(config: dict, layout_extra: str = "") -> None:
+    """The model, parameter and layout lines of a results config (nothing if empty)."""
+    if not config:
+        return
+    print(f"model:   {config['num_layers']} layers, hidden {config['hidden_size']}, ffn "
+          f"{config['ffn_hidden_size']}, {config['num_attention_heads']} heads, seq "
+          f"{config['seq_length']}, vocab {config['padded_vocab_size']}, {config['num_experts']} "
+          f"experts per MoE layer, MoE every {config['expert_interval']} layers "
+          f"({config['num_moe_layers']} MoE layers), top-{config['topk']}, {config['dtype']}")
+    print(f"params:  {config['params_total'] / 1e6:.2f} M: expert {config['params_expert'] / 1e6:.2f} M "
+          f"({100 * config['expert_fraction']:.1f} %), non-expert {config['params_non_expert'] / 1e6:.2f} M")
+    print(f"layout:  {config['world_size']} ranks, EP {config['ep_size']}, DP {config['dp_size']}, "
+          f"ZeRO-{config['zero_stage']}{layout_extra}")
+
+
+def print_failed_rank_logs(out_dir: str, codes: list, launch_error) -> None:
+    """After a failed launch: the last lines of rank 0's log and the first failed rank's."""
+    if not launch_error:
+        return
+    print(f"\nranks failed ({launch_error}); last lines of the rank logs:")
+    failed = [r for r, code in enumerate(codes) if code]
+    for rank in sorted({0, *failed[:1]}):
+        tail = _tail(os.path.join(out_dir, "logs", f"rank{rank}.log"), 15)
+        if tail:
+            print(f"--- rank {rank} (exit {codes[rank]}) ---\n{tail.rstrip()}")
+
+
+def finish_out_dir(out_dir: str, created: bool, keep: bool) -> None:
+    """Keep the output directory, delete it (created here), or empty it (the user's)."""
+    if keep:
+        print(f"kept {out_dir} (checkpoints under ckpt/, results.json, rank logs under logs/)")
+    elif created:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    else:  # an empty directory the user named: remove only what this run put there
+        for name in os.listdir(out_dir):
+            path = os.path.join(out_dir, name)
+            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+
+
 def launcher_main(opts) -> int:
     if opts.nproc < 1 or opts.ep < 1 or opts.repeats < 1 or opts.train_steps < 1:
         print("error: --nproc, --ep, --repeats and --train-steps must be >= 1", file=sys.stderr)
@@ -652,15 +759,11 @@ def launcher_main(opts) -> int:
         print(f"error: --nproc ({opts.nproc}) and --num-experts ({opts.num_experts}) must be "
               f"divisible by --ep ({opts.ep})", file=sys.stderr)
         return 2
-    created = opts.out_dir is None or not os.path.exists(opts.out_dir)
-    if opts.out_dir is None:
-        out_dir = tempfile.mkdtemp(prefix="moc-ckpt-bench-")
-    else:
-        out_dir = os.path.abspath(opts.out_dir)
-        if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
-            print(f"error: --out-dir {out_dir} must be an empty directory or absent", file=sys.stderr)
-            return 2
-        os.makedirs(out_dir, exist_ok=True)
+    try:
+        out_dir, created = prepare_out_dir(opts.out_dir, "moc-ckpt-bench-")
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
 
     command = shlex.join(getattr(sys, "orig_argv", [sys.executable] + sys.argv))
     print("MoC checkpoint save benchmark")
@@ -673,36 +776,11 @@ def launcher_main(opts) -> int:
     started = time.perf_counter()
     codes, timed_out, save_errors = _launch(opts, out_dir)
     wall = time.perf_counter() - started
-    results = {}
-    results_path = os.path.join(out_dir, RESULTS_FILE)
-    if os.path.isfile(results_path):
-        with open(results_path) as f:
-            results = json.load(f)
-    launch_error = None
-    if timed_out:
-        launch_error = f"the ranks were killed after --timeout {opts.timeout:g} s"
-        if save_errors:
-            launch_error += " (save errors before that: " + _group_errors(save_errors) + ")"
-    elif any(codes) or not results.get("complete"):
-        errors = []
-        for rank in range(opts.nproc):
-            path = os.path.join(out_dir, f"error.rank{rank}.txt")
-            if os.path.isfile(path):
-                last = [l for l in _tail(path, 3).splitlines() if l.strip()]
-                errors.append((rank, last[-1] if last else "?"))
-        launch_error = f"rank exit codes {codes}" + (": " + _group_errors(errors) if errors else "")
-
+    results, launch_error = read_results(out_dir, codes, timed_out, opts.timeout)
+    if timed_out and save_errors:
+        launch_error += " (save errors before that: " + _group_errors(save_errors) + ")"
     config = dict(results.get("config", {}))
-    if config:
-        print(f"model:   {config['num_layers']} layers, hidden {config['hidden_size']}, ffn "
-              f"{config['ffn_hidden_size']}, {config['num_attention_heads']} heads, seq "
-              f"{config['seq_length']}, vocab {config['padded_vocab_size']}, {config['num_experts']} "
-              f"experts per MoE layer, MoE every {config['expert_interval']} layers "
-              f"({config['num_moe_layers']} MoE layers), top-{config['topk']}, {config['dtype']}")
-        print(f"params:  {config['params_total'] / 1e6:.2f} M: expert {config['params_expert'] / 1e6:.2f} M "
-              f"({100 * config['expert_fraction']:.1f} %), non-expert {config['params_non_expert'] / 1e6:.2f} M")
-        print(f"layout:  {config['world_size']} ranks, EP {config['ep_size']}, DP {config['dp_size']}, "
-              f"ZeRO-{config['zero_stage']}; MoC PEC policy {config['moc_pec_policy']}")
+    print_model(config, f"; MoC PEC policy {config.get('moc_pec_policy')}")
     print(f"protocol: {opts.train_steps} training steps on synthetic tokens; per system 1 warm-up "
           f"save, then {opts.repeats} timed saves (interleaved across systems), each into a fresh "
           f"tag; os.sync() and a barrier before every save. Ranks ran {wall:.1f} s.")
@@ -714,25 +792,12 @@ def launcher_main(opts) -> int:
     _print_table(rows)
     _print_notes_and_checks(rows, config)
 
-    if launch_error:
-        print(f"\nranks failed ({launch_error}); last lines of the rank logs:")
-        failed = [r for r, code in enumerate(codes) if code]
-        for rank in sorted({0, *failed[:1]}):  # rank 0 and the first failed rank
-            tail = _tail(os.path.join(out_dir, "logs", f"rank{rank}.log"), 15)
-            if tail:
-                print(f"--- rank {rank} (exit {codes[rank]}) ---\n{tail.rstrip()}")
+    print_failed_rank_logs(out_dir, codes, launch_error)
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump(rows, f, indent=2)
         print(f"\nwrote {opts.json}")
-    if opts.keep:
-        print(f"kept {out_dir} (checkpoints under ckpt/, rank logs under logs/)")
-    elif created:
-        shutil.rmtree(out_dir, ignore_errors=True)
-    else:  # an empty directory the user named: remove only what this run put there
-        for name in os.listdir(out_dir):
-            path = os.path.join(out_dir, name)
-            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+    finish_out_dir(out_dir, created, opts.keep)
     return 1 if launch_error or any(r.get("error") for r in rows) else 0
 
 

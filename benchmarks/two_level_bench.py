@@ -43,7 +43,6 @@ import re
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -56,7 +55,6 @@ REPO = cb.REPO
 SYSTEMS = ("deepspeed", "deepspeed-decoupled", "deepspeed-writer-sync", "dcp-async",
            "moc-full", "moc-pec")
 ASYNC_PEERS = ("deepspeed-decoupled", "dcp-async")
-RESULTS_FILE = "results.json"
 BASELINE = "no-checkpoint"
 
 # Flags forwarded from the launcher to every rank (the rest only concern the launcher).
@@ -536,17 +534,20 @@ def _make_peer(bench: _Bench, system: str, save_dir: str) -> _Peer:
 
 
 def _run_phase(bench: _Bench, system: str, interval: int, save_dir: str) -> dict:
-    """One system's turn (this rank's view). Iterations: a warm-up one with a save and a
-    settling one (neither timed), ``--iters`` timed ones saving after every
-    ``interval``-th, and an untimed tail one, whose step still carries the wait the last
-    save imposes. Errors end the turn and are reported, never raised."""
+    """One system's turn (this rank's view). Iterations: ``--iters`` without checkpoints
+    (the turn's own reference: the machine's speed drifts between turns), a warm-up one
+    with a save and a settling one (neither timed), ``--iters`` timed ones saving after
+    every ``interval``-th, and an untimed tail one, whose step still carries the wait the
+    last save imposes. Errors end the turn and are reported, never raised."""
     out = {"iter_s": [], "records": [], "errors": [], "warmup": None}
     peer = None
     if bench.rank == 0:
         os.sync()  # no turn pays for the writeback of an earlier one
     bench.barrier()
-    stage = "setup"
+    stage = "reference iterations"
     try:
+        out["ref_iter_s"] = [bench.iteration() for _ in range(bench.opts.iters)]
+        stage = "setup"
         peer = _make_peer(bench, system, save_dir)
         peer.setup()
         stage = "warm-up save"
@@ -617,57 +618,25 @@ def _persisted_bytes(save_dir: str, tags: list) -> dict:
 
 
 def worker_main(opts) -> None:
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    try:
-        _worker(opts, rank, world)
-    except BaseException:
-        with open(os.path.join(opts.out_dir, f"error.rank{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+    cb.run_worker(opts, _worker)
 
 
 def _worker(opts, rank: int, world: int) -> None:
-    sys.path.insert(0, REPO)
     import torch.distributed as dist
-    from megatron.training.arguments import padded_vocab_size, parse_args, validate_args
-    from megatron.training.rng import set_seed
-    from megatron.training.training import initialize_distributed, setup_model_and_optimizer
-
-    args = parse_args(cb._trainer_argv(opts))
-    validate_args(args, world)
-    initialize_distributed(args)
-    set_seed(args.seed)
-    args.padded_vocab_size = padded_vocab_size(cb.VOCAB, args.make_vocab_size_divisible_by)
-    engine, _ = setup_model_and_optimizer(args)
-    losses = cb._train(engine, args, opts.train_steps, rank)
-    counts = cb._param_counts(engine, world, opts.ep)
-    num_moe_layers = len([l for l in range(1, args.num_layers + 1) if l % args.expert_interval == 0])
+    engine, args, config = cb.build_engine(opts, rank, world)
     bench = _Bench(engine, args, opts, rank, world, opts.out_dir)
     bench.batch = opts.train_steps
 
     results = {
-        "config": {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
-                   "ffn_hidden_size": args.ffn_hidden_size or 4 * args.hidden_size,
-                   "num_attention_heads": args.num_attention_heads, "seq_length": args.seq_length,
-                   "num_experts": args.num_experts, "expert_interval": args.expert_interval,
-                   "num_moe_layers": num_moe_layers, "topk": args.topk,
-                   "padded_vocab_size": args.padded_vocab_size, "dtype": "fp32",
-                   "world_size": world, "ep_size": opts.ep, "dp_size": world,
-                   "zero_stage": opts.zero_stage, "micro_batch_size": args.micro_batch_size,
-                   "gradient_accumulation_steps": args.gradient_accumulation_steps,
-                   "train_steps": opts.train_steps, "train_losses": losses,
+        "config": {**config, "gradient_accumulation_steps": args.gradient_accumulation_steps,
                    "iters": opts.iters, "persist_interval": opts.persist_interval,
-                   "pec_k_snapshot": opts.pec_k_snapshot, "pec_k_persist": opts.pec_k_persist,
-                   **counts},
+                   "pec_k_snapshot": opts.pec_k_snapshot, "pec_k_persist": opts.pec_k_persist},
         "baseline": {}, "phases": [], "current": None,
     }
 
     def write_results():
         if rank == 0:
-            tmp = os.path.join(opts.out_dir, RESULTS_FILE + ".tmp")
-            with open(tmp, "w") as f:
-                json.dump(results, f)
-            os.replace(tmp, os.path.join(opts.out_dir, RESULTS_FILE))
+            cb.write_results(opts.out_dir, results)
 
     def gather(value):
         gathered = [None] * world
@@ -720,45 +689,13 @@ def _worker(opts, rank: int, world: int) -> None:
 
 def _launch(opts, out_dir: str, shm_root: str) -> tuple:
     """Start the ranks of this script; wait (with the timeout); (exit codes, timed out?)."""
-    logs = os.path.join(out_dir, "logs")
-    os.makedirs(logs, exist_ok=True)
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--out-dir", out_dir,
             "--shm-root", shm_root]
     for name in WORKER_FLAGS:
         argv += ["--" + name.replace("_", "-"), str(getattr(opts, name))]
     if opts.keep:
         argv.append("--keep")
-    port = str(cb._free_port())
-    procs, handles = [], []
-    for rank in range(opts.nproc):
-        # CROSS_RANK/CROSS_SIZE: what DeepSpeed's launcher sets on one node; its checkpoint
-        # writers read them.
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(opts.nproc), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(opts.nproc), CROSS_RANK="0", CROSS_SIZE="1",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                   PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   PYTHONWARNINGS="ignore")
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // opts.nproc)))
-        log = open(os.path.join(logs, f"rank{rank}.log"), "w")
-        handles.append(log)
-        procs.append(subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + opts.timeout
-    timed_out = False
-    try:
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                break
-    finally:
-        for proc in procs:  # only the processes started here
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        for log in handles:
-            log.close()
-    return [p.returncode for p in procs], timed_out
+    return cb.run_rank_processes(argv, opts.nproc, out_dir, opts.timeout)
 
 
 def _stop_leftover_keepers(shm_root: str) -> list:
@@ -837,11 +774,14 @@ def _rows(results: dict, launch_error: str, opts) -> list:
                            save_call_s_median=statistics.median(calls),
                            wait_s_median=statistics.median(waits), stall_s=stalls,
                            newest_step=records[0][n - 1]["step"])
+            ref_s = _max_per_index([out.get("ref_iter_s") or [] for out in per_rank])
+            if ref_s:
+                row["ref_iter_s_mean"] = statistics.mean(ref_s)
             if len(iter_s) == opts.iters:
                 row["iter_s_mean"] = statistics.mean(iter_s)
                 row["iter_s"] = iter_s
-                if base_mean:
-                    row["iter_overhead"] = row["iter_s_mean"] / base_mean - 1
+                if row.get("ref_iter_s_mean"):
+                    row["iter_overhead"] = row["iter_s_mean"] / row["ref_iter_s_mean"] - 1
             warm = [out["warmup"] for out in per_rank if out.get("warmup")]
             if warm:
                 row["warmup_stall_s"] = max(w["call_s"] + (w["wait_s"] or 0.0) for w in warm)
@@ -885,13 +825,13 @@ _fmt = cb._fmt
 def _print_table(rows: list) -> None:
     mib = float(2 ** 20)
     header = ["system", "every", "ckpts", "stall med (s)", "stall max (s)", "iter mean (s)",
-              "iter overhead", "persisted (MiB)", "persists", "host mem (MiB)",
+              "ref iter (s)", "iter overhead", "persisted (MiB)", "persists", "host mem (MiB)",
               "recovery (s)", "from memory (s)", "from storage (s)", "loaded step / newest"]
     table = [header]
     for r in rows:
         if r["system"] == BASELINE:
-            table.append([BASELINE, "-", "0", "-", "-", _fmt(r["iter_s_mean"], ".3f"), "(ref)"]
-                         + ["-"] * (len(header) - 7))
+            table.append([BASELINE, "-", "0", "-", "-", _fmt(r["iter_s_mean"], ".3f"), "-", "-"]
+                         + ["-"] * (len(header) - 8))
             continue
         if r["stall_s_median"] is None and r["iter_s_mean"] is None:
             table.append([r["system"], str(r["interval"]), "FAILED"] + ["-"] * (len(header) - 3))
@@ -905,17 +845,12 @@ def _print_table(rows: list) -> None:
         overhead = "-" if r["iter_overhead"] is None else f"{100 * r['iter_overhead']:+.1f} %"
         table.append([r["system"], str(r["interval"]), str(r["checkpoints"]),
                       _fmt(r["stall_s_median"], ".4f"), _fmt(r["stall_s_max"], ".4f"),
-                      _fmt(r["iter_s_mean"], ".3f"), overhead,
+                      _fmt(r["iter_s_mean"], ".3f"), _fmt(r.get("ref_iter_s_mean"), ".3f"), overhead,
                       _fmt(r["bytes_persisted"], ".1f", mib), "-" if r["persists"] is None else str(r["persists"]),
                       _fmt(r["host_mem_bytes"], ".1f", mib), _fmt(r["recovery_s"], ".3f"),
                       _fmt(r["recovery_memory_s"], ".3f"), _fmt(r["recovery_storage_s"], ".3f"),
                       steps])
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    for i, row in enumerate(table):
-        print(" | ".join(cell.ljust(w) if j == 0 else cell.rjust(w)
-                         for j, (cell, w) in enumerate(zip(row, widths))))
-        if i == 0:
-            print("-+-".join("-" * w for w in widths))
+    cb.print_aligned(table)
     for r in rows:
         label = r["system"] + (f" every {r['interval']}" if r.get("interval") else "")
         if r.get("error"):
@@ -942,8 +877,9 @@ def _print_notes_and_checks(rows: list, opts) -> None:
     print("       before the next step and for the previous upload before the next save; moc-*: "
           "+ moc.stall_s). The warm-up save of each turn is excluded.")
     print("iter:  mean over the timed iterations of the max over ranks (forward, backward, step, "
-          "save); overhead against the no-checkpoint reference")
-    print("       (mean of the iterations before the first turn and after the last).")
+          "save); overhead against the turn's own reference:")
+    print("       the same number of iterations without checkpoints right before the turn "
+          "(the no-checkpoint row: before the first turn and after the last).")
     print("bytes: files under the timed checkpoints' directories once everything is on storage "
           "(`latest`, warm-up and DeepSpeed's zero_to_*.py copies not counted).")
     print("recovery: max over ranks of loading the newest checkpoint into the engine; storage "
@@ -1039,14 +975,13 @@ def _plot(rows: list, path: str, title: str) -> None:
             ax.plot(xs, r["stall_s"], marker="o", markersize=3, label=r["system"])
         failed = [r["system"] for r in rows if r.get("interval") == interval
                   and r.get("error") and not r.get("stall_s")]
-        if failed:
-            ax.text(0.01, 0.01, "FAILED: " + ", ".join(failed), transform=ax.transAxes,
-                    fontsize=8, color="firebrick", va="bottom")
         ax.set_yscale("log")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel(f"checkpoint (one every {interval} iteration{'s' if interval > 1 else ''})")
         ax.set_ylabel("stall per checkpoint (s, max over ranks)")
-        ax.set_title(f"training-loop stall, checkpoint every {interval}")
+        ax.set_title(f"training-loop stall, checkpoint every {interval}"
+                     + (f"\nFAILED (not plotted): {', '.join(failed)}" if failed else ""),
+                     fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
@@ -1076,15 +1011,11 @@ def launcher_main(opts) -> int:
         print(f"error: --nproc ({opts.nproc}) and --num-experts ({opts.num_experts}) must be "
               f"divisible by --ep ({opts.ep})", file=sys.stderr)
         return 2
-    created = opts.out_dir is None or not os.path.exists(opts.out_dir)
-    if opts.out_dir is None:
-        out_dir = tempfile.mkdtemp(prefix="moc-two-level-bench-")
-    else:
-        out_dir = os.path.abspath(opts.out_dir)
-        if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
-            print(f"error: --out-dir {out_dir} must be an empty directory or absent", file=sys.stderr)
-            return 2
-        os.makedirs(out_dir, exist_ok=True)
+    try:
+        out_dir, created = cb.prepare_out_dir(opts.out_dir, "moc-two-level-bench-")
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     shm_base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     shm_root = tempfile.mkdtemp(prefix="moc-two-level-bench-", dir=shm_base)
 
@@ -1100,35 +1031,9 @@ def launcher_main(opts) -> int:
     codes, timed_out = _launch(opts, out_dir, shm_root)
     wall = time.perf_counter() - started
     leftover = _stop_leftover_keepers(shm_root)
-    results = {}
-    results_path = os.path.join(out_dir, RESULTS_FILE)
-    if os.path.isfile(results_path):
-        with open(results_path) as f:
-            results = json.load(f)
-    launch_error = None
-    if timed_out:
-        launch_error = f"the ranks were killed after --timeout {opts.timeout:g} s"
-    elif any(codes) or not results.get("complete"):
-        errors = []
-        for rank in range(opts.nproc):
-            path = os.path.join(out_dir, f"error.rank{rank}.txt")
-            if os.path.isfile(path):
-                last = [l for l in cb._tail(path, 3).splitlines() if l.strip()]
-                errors.append((rank, last[-1] if last else "?"))
-        launch_error = f"rank exit codes {codes}" + (": " + cb._group_errors(errors) if errors else "")
-
+    results, launch_error = cb.read_results(out_dir, codes, timed_out, opts.timeout)
     config = dict(results.get("config", {}))
-    if config:
-        print(f"model:   {config['num_layers']} layers, hidden {config['hidden_size']}, ffn "
-              f"{config['ffn_hidden_size']}, {config['num_attention_heads']} heads, seq "
-              f"{config['seq_length']}, vocab {config['padded_vocab_size']}, {config['num_experts']} "
-              f"experts per MoE layer, MoE every {config['expert_interval']} layers "
-              f"({config['num_moe_layers']} MoE layers), top-{config['topk']}, {config['dtype']}, "
-              f"micro batch {config['micro_batch_size']}")
-        print(f"params:  {config['params_total'] / 1e6:.2f} M: expert {config['params_expert'] / 1e6:.2f} M "
-              f"({100 * config['expert_fraction']:.1f} %), non-expert {config['params_non_expert'] / 1e6:.2f} M")
-        print(f"layout:  {config['world_size']} ranks, EP {config['ep_size']}, DP {config['dp_size']}, "
-              f"ZeRO-{config['zero_stage']}")
+    cb.print_model(config)
     print(f"systems: moc-full: K_snapshot = K_persist = {opts.num_experts} (all), moc-pec: "
           f"K_snapshot = {opts.pec_k_snapshot}, K_persist = {opts.pec_k_persist}, both persisting "
           f"every {opts.persist_interval}th snapshot; deepspeed-decoupled / -writer-sync: "
@@ -1148,13 +1053,7 @@ def launcher_main(opts) -> int:
         print(f"\nMoC keepers still held snapshots after the ranks ended ({', '.join(leftover)}); "
               "stopped and removed")
 
-    if launch_error:
-        print(f"\nranks failed ({launch_error}); last lines of the rank logs:")
-        failed = [r for r, code in enumerate(codes) if code]
-        for rank in sorted({0, *failed[:1]}):
-            tail = cb._tail(os.path.join(out_dir, "logs", f"rank{rank}.log"), 15)
-            if tail:
-                print(f"--- rank {rank} (exit {codes[rank]}) ---\n{tail.rstrip()}")
+    cb.print_failed_rank_logs(out_dir, codes, launch_error)
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump(rows, f, indent=2)
@@ -1165,14 +1064,7 @@ def launcher_main(opts) -> int:
                           f"{os.cpu_count()} CPU cores")
     else:
         print("\nplot: not written (give --plot FILE.png or --json FILE)")
-    if opts.keep:
-        print(f"kept {out_dir} (checkpoints under ckpt/, results.json, rank logs under logs/)")
-    elif created:
-        shutil.rmtree(out_dir, ignore_errors=True)
-    else:  # an empty directory the user named: remove only what this run put there
-        for name in os.listdir(out_dir):
-            path = os.path.join(out_dir, name)
-            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+    cb.finish_out_dir(out_dir, created, opts.keep)
     return 1 if launch_error or any(r.get("error") for r in rows) else 0
 
 

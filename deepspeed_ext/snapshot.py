@@ -48,6 +48,7 @@ class SnapshotSlots:
         os.makedirs(self.dir, exist_ok=True)
         self._maps: Dict[int, torch.Tensor] = {}
         self._on_map, self._on_unmap = on_map, on_unmap
+        self._metas: Dict[int, Optional[Dict[str, Any]]] = {}
 
     def _path(self, i: int, suffix: str) -> str:
         return os.path.join(self.dir, f"slot{i}.{suffix}")
@@ -56,12 +57,19 @@ class SnapshotSlots:
         return self._path(i, "img")
 
     def meta(self, i: int) -> Optional[Dict[str, Any]]:
-        """The slot's metadata if it holds a complete snapshot, else None."""
-        try:
-            with open(self._path(i, "json"), encoding="utf-8") as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return None
+        """The slot's metadata if it holds a complete snapshot, else None.
+
+        Read from disk once per process (a restarted process finds its predecessor's
+        snapshots there); after that this process's own publish/invalidate keep it,
+        because only the rank that owns a slot writes its metadata.
+        """
+        if i not in self._metas:
+            try:
+                with open(self._path(i, "json"), encoding="utf-8") as f:
+                    self._metas[i] = json.load(f)
+            except (OSError, ValueError):
+                self._metas[i] = None
+        return self._metas[i]
 
     def complete(self) -> List[Tuple[int, Dict[str, Any]]]:
         """``(slot, meta)`` of every complete snapshot, oldest step first."""
@@ -97,6 +105,7 @@ class SnapshotSlots:
 
     def invalidate(self, i: int) -> None:
         """Unmark slot ``i`` as complete; must precede any write into its bytes."""
+        self._metas[i] = None
         try:
             os.remove(self._path(i, "json"))
         except FileNotFoundError:
@@ -125,6 +134,7 @@ class SnapshotSlots:
     def publish(self, i: int, meta: Dict[str, Any]) -> None:
         """Mark slot ``i`` complete (atomic; after every byte is in place)."""
         atomic_write_json(self._path(i, "json"), meta)
+        self._metas[i] = meta
 
     def host_bytes(self) -> int:
         """Bytes of shared memory the slot images take."""

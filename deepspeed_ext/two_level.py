@@ -29,8 +29,8 @@ snapshots from memory (two-level recovery). Every load logs where pieces came fr
 import hashlib
 import json
 import os
-import shutil
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 import time
 import traceback
 from typing import Any, Dict, List, Optional
@@ -85,7 +85,10 @@ class TwoLevel:
             self.snap_policy = make_policy("sequential", ckpt.layout,
                                            min(k, ckpt.layout.num_experts))
         self.count = 0
-        self.copy_thread: Optional[threading.Thread] = None
+        # One long-lived copy thread: starting a thread per snapshot made the save call
+        # wait up to a GIL switch interval (5 ms) for the new thread to start.
+        self.copier_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moc-snapshot")
+        self.copy_thread: Optional[Future] = None
         self.copy_error: Optional[str] = None
         self.stall_s: List[float] = []
         self.keeper_gone = False
@@ -148,7 +151,7 @@ class TwoLevel:
 
     def join_copy(self) -> None:
         if self.copy_thread is not None:
-            self.copy_thread.join()
+            self.copy_thread.result()  # _copy records its errors; it does not raise
             self.copy_thread = None
 
     # -- snapshot ------------------------------------------------------------------
@@ -224,10 +227,8 @@ class TwoLevel:
         # CUDA: the copies are queued on a side stream now (microseconds); the thread
         # only waits for them. CPU: the thread does the copy.
         event = self.copier.launch(buffer, layout, tensors)
-        self.copy_thread = threading.Thread(target=self._copy,
-                                            args=(slot, event, buffer, layout, tensors, meta, job),
-                                            name=f"moc-snapshot-{tag}")
-        self.copy_thread.start()
+        self.copy_thread = self.copier_pool.submit(self._copy, slot, event, buffer, layout,
+                                                   tensors, meta, job)
         if persist or self.count == 1:  # a line per snapshot would flood per-iteration runs
             _log(f"snapshot {tag} (step {step}) into {self.node_dir}: "
                  f"{layout.nbytes / 2**20:.2f} MiB on rank 0, "
@@ -434,6 +435,7 @@ class TwoLevel:
         try:
             self.wait()
         finally:
+            self.copier_pool.shutdown(wait=True)
             dist.barrier()
             if self.first_of_node:
                 keeper.shutdown_keeper(self.node_dir, self.cfg.commit_timeout_s)
@@ -500,9 +502,10 @@ class TwoLevel:
         from deepspeed_ext.state import refresh_compute_weights
         ck = self.ckpt
         ok, error, objects, counts = True, None, None, {"memory": 0, "storage": 0}
+        storage = None
         try:
             base = next(m for m in mine if m["step"] == step)
-            storage = _StorageVersions(load_dir, step) if ck.layout is not None else None
+            storage = _StorageVersions(load_dir, step)
             try:
                 with torch.no_grad():
                     for frag in fragments:
@@ -510,14 +513,13 @@ class TwoLevel:
                         frag.tensor.copy_(data.to(device=frag.tensor.device,
                                                   dtype=frag.tensor.dtype))
             finally:
-                if storage is not None:
-                    storage.close()
+                storage.close()
             tree = base["objects_tree"]
             objects = decode(tree, {k: self._read_slot(base, k) for k in tensor_keys(tree)})
         except Exception as e:
             traceback.print_exc()
             ok, error = False, f"{type(e).__name__}: {e}"
-        outcomes = _all_outcomes(ok, error)
+        outcomes = _all_outcomes(ok, counts if ok else error)
         if not all(o for o, _ in outcomes):
             bad = "; ".join(f"rank {r}: {m}" for r, (o, m) in enumerate(outcomes) if not o)
             _log(f"recovery from memory at step {step} failed ({bad}); loading from storage")
@@ -527,15 +529,10 @@ class TwoLevel:
             self.snap_policy.load_state_dict(objects["snapshot_policy"])
         refresh_compute_weights(ck.engine)
         ck._piece_cache = None
-        try:
-            latest = _latest_committed(load_dir)
-        except Exception:
-            latest = None
-        ck._previous = (load_dir, latest) if latest else None
-        totals: List = [None] * self.world
-        dist.all_gather_object(totals, counts)
-        memory = sum(t["memory"] for t in totals)
-        stored = sum(t["storage"] for t in totals)
+        # The next persist's expert index extends the newest checkpoint on storage.
+        ck._previous = (load_dir, storage.latest) if storage.latest else None
+        memory = sum(c["memory"] for _, c in outcomes)
+        stored = sum(c["storage"] for _, c in outcomes)
         _log(f"recovered step {step} from memory in {time.perf_counter() - start:.2f} s: "
              f"{memory} fragment(s) from memory, {stored} from storage")
         self.last_load_source = "memory"
@@ -551,7 +548,7 @@ class TwoLevel:
             return self._read_slot(base, key)
         holders = [m for m in mine if m["step"] <= step and key in m["specs"]]
         newest_memory = max(holders, key=lambda m: m["step"]) if holders else None
-        stored = storage.versions.get(tuple(frag.expert)) if storage is not None else None
+        stored = storage.versions.get(tuple(frag.expert))
         if newest_memory is not None and (stored is None or newest_memory["step"] >= stored):
             counts["memory"] += 1
             return self._read_slot(newest_memory, key)
@@ -602,13 +599,30 @@ class _StorageVersions:
     def __init__(self, load_dir: str, step: int):
         from deepspeed_ext import manifest as mf
         self.load_dir, self.tag, self.versions = load_dir, None, {}
+        self.latest: Optional[str] = None
+        """The newest committed checkpoint (whatever its step)."""
         self._reader = None
-        if os.path.isdir(load_dir):
-            candidates = [t for s, t in mf.scan_checkpoints(load_dir).complete if s <= step]
-            if candidates:
-                self.tag = candidates[-1]
-                manifest = mf.read_manifest(os.path.join(load_dir, self.tag))
-                self.versions = {k: v.step for k, v in manifest.expert_versions().items()}
+        if not os.path.isdir(load_dir):
+            return
+        # Normally ``latest`` is it: one manifest read. Only when storage is ahead of the
+        # memory snapshot (or ``latest`` is damaged) are all manifests scanned.
+        found = None
+        try:
+            latest = mf.read_latest(load_dir)
+            if latest:
+                found = (latest, *mf.read_expert_versions(os.path.join(load_dir, latest)))
+        except mf.CheckpointError:
+            found = None
+        if found is not None:
+            self.latest = found[0]
+        if found is None or found[1] > step:
+            complete = mf.scan_checkpoints(load_dir).complete
+            self.latest = complete[-1][1] if complete else None
+            candidates = [t for s, t in complete if s <= step]
+            found = ((candidates[-1], *mf.read_expert_versions(
+                os.path.join(load_dir, candidates[-1]))) if candidates else None)
+        if found is not None:
+            self.tag, _, self.versions = found
 
     def reader(self):
         from deepspeed_ext.reader import CheckpointReader
@@ -619,14 +633,3 @@ class _StorageVersions:
     def close(self) -> None:
         if self._reader is not None:
             self._reader.close()
-
-
-def _latest_committed(load_dir: str) -> Optional[str]:
-    from deepspeed_ext import manifest as mf
-    complete = mf.scan_checkpoints(load_dir).complete
-    return complete[-1][1] if complete else None
-
-
-def remove_shm(shm_dir: str) -> None:
-    """Delete a job's shared memory when no keeper will (its keepers are gone)."""
-    shutil.rmtree(shm_dir, ignore_errors=True)
