@@ -34,6 +34,8 @@ setup(
         # when importable.
         "gpu": ["ninja>=1.11"],
         "tensorboard": ["tensorboard>=2.14"],
+        # the benchmarks' plots (benchmarks/two_level_bench.py --plot)
+        "bench": ["matplotlib>=3.5"],
         # GPT2BPETokenizer (megatron/data/tokenizer.py). 4.41 and older ignore
         # split_special_tokens in fast tokenizers; 4.42 pins numpy<2.
         "bpe": ["transformers>=4.43,<6"],
