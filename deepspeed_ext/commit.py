@@ -114,8 +114,9 @@ def commit_checkpoint(save_dir: str, tag: str, step: int, layout: Mapping[str, A
         save_dir, tag, step: the checkpoint.
         layout: the manifest's layout record (``world_size``, ``ep_size``, ``zero_stage``,
             ``num_moe_layers``, ``num_experts``).
-        shares: every rank's report payload (``{"report": ..., "objects": ...}``); rank 0's
-            ``objects`` is the ``objects.json`` record.
+        shares: every rank's report payload (``{"report": ..., "objects": ...,
+            "extra_files": ...}``); rank 0's ``objects`` is the ``objects.json`` record,
+            its ``extra_files`` other files it wrote (name -> record), if any.
         previous_tag: the checkpoint in ``save_dir`` whose expert index this one extends.
         selected: ``(layer, expert)`` pairs this checkpoint holds; None without MoE.
         keep: retention (0: keep all).
@@ -126,6 +127,8 @@ def commit_checkpoint(save_dir: str, tag: str, step: int, layout: Mapping[str, A
     objects = shares[0]["objects"]
     extra_files = {OBJECTS_FILE: mf.FileEntry(sha256=objects["sha256"],
                                               nbytes=objects["nbytes"], rank=0)}
+    for name, record in (shares[0].get("extra_files") or {}).items():  # objects' tensors
+        extra_files[name] = mf.FileEntry(sha256=record["sha256"], nbytes=record["nbytes"], rank=0)
     index = {}
     if layout["num_moe_layers"]:
         previous = (mf.read_manifest(os.path.join(save_dir, previous_tag))

@@ -17,6 +17,7 @@ an offset divisible by its element size and can be filled through a typed view o
 buffer (a misaligned view would fail, or force a copy).
 """
 
+import functools
 import json
 import math
 import struct
@@ -69,7 +70,9 @@ class ImageLayout:
         raise KeyError(key)
 
 
+@functools.lru_cache(maxsize=None)
 def _itemsize(dtype: str) -> int:
+    # Cached: a snapshot lays out hundreds of tensors every iteration.
     return torch.empty(0, dtype=dtype_from_name(dtype)).element_size()
 
 

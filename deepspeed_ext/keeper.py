@@ -213,7 +213,8 @@ def run_persist_job(job: Dict[str, Any], log=print, background_commit: bool = Fa
     ``job`` fields: ``image`` (slot file), ``entries`` (its layout), ``keys`` (the
     tensors to persist, None: all), ``specs`` (their manifest fragment specs),
     ``save_dir``, ``tag``, ``step``, ``rank``, ``objects_tree`` (rank 0, else None),
-    ``objects_in_file``, ``done_marker`` (a file deleted once the slot has been read,
+    ``objects_in_file``, ``objects_record`` and ``extra_files`` (rank 0, when it wrote the
+    objects itself: their records), ``done_marker`` (a file deleted once the slot has been read,
     so the training side may reuse it), and for rank 0 ``commit`` (arguments of
     :func:`deepspeed_ext.commit.commit_checkpoint` plus ``timeout_s``).
 
@@ -234,15 +235,15 @@ def run_persist_job(job: Dict[str, Any], log=print, background_commit: bool = Fa
         _remove_quietly(job.get("done_marker"))
         if job["step"] >= int(os.environ.get(HANG_PERSIST_ENV, "-1")) >= 0:
             _hang(f"{HANG_PERSIST_ENV}: hanging after writing rank {rank}'s file of {job['tag']}")
-        objects_record = None
+        objects_record = job.get("objects_record")  # rank 0 wrote the objects itself
         if job.get("objects_tree") is not None:
             objects_record = write_objects_file(
-                tag_dir, job["objects_tree"], file_name if job["objects_in_file"] else None)
+                tag_dir, job["objects_tree"],
+                file_name if job["objects_in_file"] else None).to_json()
         specs = [mf.FragmentSpec.from_json(s) for s in job["specs"]]
         report = mf.RankReport(rank, file_name, record["nbytes"], record["sha256"], specs)
-        commit.write_report(tag_dir, rank, {
-            "report": report.to_json(),
-            "objects": objects_record.to_json() if objects_record is not None else None})
+        commit.write_report(tag_dir, rank, {"report": report.to_json(), "objects": objects_record,
+                                            "extra_files": job.get("extra_files") or {}})
     except Exception as e:
         traceback.print_exc()
         _remove_quietly(job.get("done_marker"))

@@ -7,17 +7,25 @@ then routes ``save``/``load``/``wait`` here. Every rank calls them, in the same 
 
 1. joins the previous snapshot's copy (normally finished long before: the wrapped
    ``engine.step`` waits for it before the optimizer touches the tensors);
-2. one ``all_gather_object`` of (copy error, rank 0's view of the previous persist):
-   a failed copy is raised on every rank; a persist still running defers this one
-   (training never waits for storage); a failed persist is logged and its experts
-   count as unsaved again;
+2. only if this snapshot is due for storage (every ``persist_interval``-th): one small
+   collective (:class:`deepspeed_ext.exchange.Exchanger`) of (copy errors, rank 0's view
+   of the previous persist, every rank's RNG state). A failed copy is raised on every
+   rank; a persist still running defers this one (training never waits for storage); a
+   failed persist is logged and its experts count as unsaved again. Snapshots not due
+   for storage run no collective at all: they keep only their own rank's RNG state, and
+   a copy error surfaces at the next due snapshot or ``wait``;
 3. picks the experts: ``k_snapshot`` per MoE layer for memory (sequential rotation),
-   plus, every ``persist_interval``-th snapshot, the PEC policy's ``pec_k`` for storage
-   (always also in the snapshot);
-4. starts a thread that copies every fragment this rank needs to restore itself into a
-   free slot (:mod:`deepspeed_ext.snapshot`), marks it complete, and hands the slot to
-   the keeper for persistence (:func:`deepspeed_ext.keeper.run_persist_job`), which
+   plus, when persisting, the PEC policy's ``pec_k`` for storage (always also in the
+   snapshot);
+4. hands a long-lived thread the copy of every fragment this rank needs to restore itself
+   into a free slot (:mod:`deepspeed_ext.snapshot`; on CUDA the copy is queued on a side
+   stream, :mod:`deepspeed_ext.hostcopy`); the thread marks the slot complete and hands it
+   to the keeper for persistence (:func:`deepspeed_ext.keeper.run_persist_job`), which
    commits through report files (:mod:`deepspeed_ext.commit`), no collective.
+
+``wait`` (every rank): joins the copy, waits for the pending persist, and persists the
+newest snapshot if it was not (gathering the RNG states it lacks), so that the end of a
+job never frees state that storage does not have.
 
 ``load``: ranks agree (one ``all_gather_object``) on the newest step every rank holds
 complete in memory with this layout, and restore from memory; experts not in that
@@ -99,6 +107,7 @@ class TwoLevel:
         self.last_load_source: Optional[str] = None
         self._images: Dict[int, SlotImage] = {}
         """Slot images mapped by the load in progress."""
+        self._specs: Dict[tuple, Dict[str, Any]] = {}
         self._wrap_step()
 
     def _check_memory_budget(self, frags) -> None:
@@ -157,7 +166,6 @@ class TwoLevel:
     # -- snapshot ------------------------------------------------------------------
 
     def save(self, save_dir: str, tag: Optional[str], client_state, save_latest: bool) -> bool:
-        from deepspeed_ext import manifest as mf
         from deepspeed_ext.checkpointer import _raise_if_failed
         from deepspeed_ext.image import layout_of
         from deepspeed_ext.objects import encode
@@ -173,16 +181,25 @@ class TwoLevel:
         fragments = describe_local_state(engine, ck.naming)
         pieces = ck._gather_pieces(fragments)
         self._abandon_persist_of_dead_keeper()
-        view = self._persist_view() if self.rank == 0 else None
-        # The only collective of a snapshot that is not persisted: errors, rank 0's view
-        # of the pending persist, and every rank's RNG state (for a persist's objects).
-        gathered = self.exchanger.exchange((self.copy_error, view, get_rng_state()))
-        self.copy_error = None
-        _raise_if_failed([(error is None, error) for error, _, _ in gathered], "MoC snapshot copy")
-        rng_states = [rng for _, _, rng in gathered]
-        self._settle_persist(gathered[0][1])
         want = self.count % self.cfg.persist_interval == 0
         self.count += 1
+        rng_state = get_rng_state()
+        if want:
+            # The one collective of a snapshot due for storage: copy errors, rank 0's view
+            # of the pending persist, and every rank's RNG state (the persist's objects).
+            view = self._persist_view() if self.rank == 0 else None
+            gathered = self.exchanger.exchange((self.copy_error, view, rng_state))
+            self.copy_error = None
+            _raise_if_failed([(error is None, error) for error, _, _ in gathered],
+                             "MoC snapshot copy")
+            rng_states = [rng for _, _, rng in gathered]
+            self._settle_persist(gathered[0][1])
+        else:
+            # No collective at all: memory recovery needs only this rank's own RNG state
+            # (other ranks restore theirs from their own snapshots); a copy error is
+            # raised on every rank at the next persisted snapshot or wait().
+            rng_states = [None] * self.world
+            rng_states[self.rank] = rng_state
         persist = want and self.persist is None
         if want and not persist:
             _log(f"snapshot at step {step}: the previous persist ({self.persist['tag']}) is "
@@ -206,9 +223,7 @@ class TwoLevel:
         for frag in fragments:
             if frag.expert is None or union is None or tuple(frag.expert) in union:
                 tensors[frag.key] = frag.tensor
-                specs[frag.key] = mf.FragmentSpec(
-                    frag.name, frag.kind, frag.offset, frag.length, frag.shape,
-                    str(frag.tensor.dtype).rsplit(".", 1)[-1], frag.expert).to_json()
+                specs[frag.key] = self._spec(frag)
         tensors.update(object_tensors)
         layout = layout_of(tensors)
         slot = self.slots.choose()
@@ -221,7 +236,7 @@ class TwoLevel:
                 "objects_tree": tree}
         self.last = {"slot": slot, "meta": meta, "pieces": pieces, "save_dir": save_dir,
                      "save_latest": save_latest, "object_keys": list(object_tensors),
-                     "persisted": persist}
+                     "persisted": persist, "rng_state": rng_state, "rng_gathered": want}
         job = self._persist_job(self.last, persist_sel if union is not None else None,
                                 policy_before) if persist else None
         # CUDA: the copies are queued on a side stream now (microseconds); the thread
@@ -238,6 +253,18 @@ class TwoLevel:
                  + (", persisting" if persist else ", in memory only")
                  + f"; the save call took {time.perf_counter() - start:.3f} s")
         return True
+
+    def _spec(self, frag) -> Dict[str, Any]:
+        """The manifest spec of a fragment, built once per fragment (every snapshot needs
+        hundreds of them, and they change only with the layout)."""
+        from deepspeed_ext import manifest as mf
+        cache_key = (frag.key, frag.length, tuple(frag.shape), frag.tensor.dtype, frag.expert)
+        spec = self._specs.get(cache_key)
+        if spec is None:
+            spec = self._specs[cache_key] = mf.FragmentSpec(
+                frag.name, frag.kind, frag.offset, frag.length, frag.shape,
+                str(frag.tensor.dtype).rsplit(".", 1)[-1], frag.expert).to_json()
+        return spec
 
     def _prepare_dir(self, save_dir: str, tag: str, policy_before) -> None:
         """Every rank: create the persist's tag directory (one collective); a failure
@@ -297,11 +324,48 @@ class TwoLevel:
             ck.policy.mark_saved(selected, meta["step"])
         self._prepare_dir(snap["save_dir"], meta["tag"], policy_before)
         snap["persisted"] = True
+        rng_states: List = [None] * self.world
+        dist.all_gather_object(rng_states, snap["rng_state"])
+        extra = {}
+        if not snap["rng_gathered"]:
+            # The snapshot holds only this rank's RNG state; rank 0 writes the objects
+            # with every rank's (from the gather) itself, into objects.safetensors.
+            snap = dict(snap, object_keys=[])
+            if self.rank == 0:
+                extra = self._write_objects_with(snap, rng_states)
         job = self._persist_job(snap, selected, policy_before)
+        job.update(extra)
         job["done_marker"] = self.slots.persist_marker(snap["slot"])
         _log(f"persisting the newest snapshot {meta['tag']} (step {meta['step']}) before "
              f"returning from wait")
         self._send(job)
+
+    def _write_objects_with(self, snap: Dict[str, Any], rng_states: List) -> Dict[str, Any]:
+        """Rank 0: write the snapshot's objects, with ``rng_states`` of every rank, as
+        ``objects.json`` plus ``objects.safetensors`` into the persist's tag directory.
+
+        Returns:
+            Job fields that make the keeper use these files instead of writing objects.
+        """
+        from deepspeed_ext.objects import decode, encode, tensor_keys, write_objects_file
+        from deepspeed_ext.storage import write_fragment_file
+        meta = snap["meta"]
+        tag_dir = os.path.join(snap["save_dir"], meta["tag"])
+        tree = meta["objects_tree"]
+        image = SlotImage(self.slots.image_path(snap["slot"]))
+        try:
+            entries = {e["key"]: e for e in meta["entries"]}
+            objects = decode(tree, {k: image.read(entries[k]) for k in tensor_keys(tree)})
+        finally:
+            image.close()
+        objects["rng_states"] = rng_states
+        tree, tensors = encode(objects)
+        files = {}
+        if tensors:
+            files[OBJECTS_TENSOR_FILE] = write_fragment_file(
+                os.path.join(tag_dir, OBJECTS_TENSOR_FILE), tensors).to_json()
+        record = write_objects_file(tag_dir, tree, OBJECTS_TENSOR_FILE if tensors else None)
+        return {"objects_tree": None, "objects_record": record.to_json(), "extra_files": files}
 
     def _copy(self, slot, event, buffer, layout, tensors, meta, job) -> None:
         """Copy thread: fill the slot, mark it complete, hand it to the keeper."""
@@ -313,7 +377,8 @@ class TwoLevel:
                 self._send(job)
         except Exception as e:
             traceback.print_exc()
-            self.copy_error = f"{type(e).__name__}: {e}"
+            # Keep the first error: it may be reported only at a later persist or wait.
+            self.copy_error = self.copy_error or f"{type(e).__name__}: {e}"
 
     def _send(self, job) -> None:
         if not self.keeper_gone:
@@ -589,6 +654,11 @@ class TwoLevel:
         if sum(totals):
             _log(f"two-level recovery: {sum(totals)} expert fragment(s) taken from the memory "
                  f"of ranks {[r for r, t in enumerate(totals) if t]}, newer than storage")
+
+
+OBJECTS_TENSOR_FILE = "objects.safetensors"
+"""Tensors of ``objects.json`` when rank 0 writes the objects itself (see
+:meth:`TwoLevel._write_objects_with`) rather than into its rank file."""
 
 
 class _StorageVersions:

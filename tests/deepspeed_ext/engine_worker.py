@@ -81,9 +81,14 @@ def _kill_keeper_at(engine, step):
     two_level = engine.moc.two_level
     if os.environ.get("MOC_TEST_KILL_KEEPER_STEP") != str(step) or not two_level.first_of_node:
         return
-    from deepspeed_ext.keeper import request
+    import time
+    from deepspeed_ext.keeper import is_dead, request
     two_level.join_copy()
     os.kill(request(two_level.node_dir, {"op": "ping"})["pid"], 9)
+    deadline = time.monotonic() + 30
+    while not is_dead(two_level.node_dir):  # until the kernel has closed its socket
+        assert time.monotonic() < deadline, "the killed keeper still accepts connections"
+        time.sleep(0.01)
 
 
 def _inject_save_failure(engine):

@@ -191,3 +191,29 @@ def test_keeper_killed_training_goes_on_persisting_in_process(tmp_path):
         assert not os.path.exists(shm), os.listdir(shm)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_end_of_job_persists_a_snapshot_that_was_not_due(tmp_path):
+    """Steps 2 and 3 are snapshots not due for storage (interval 100), taken without any
+    collective. The normal end persists step 3 with every rank's RNG state, and a new job
+    whose memory is gone loads exactly that state from storage."""
+    from deepspeed_ext.objects import read_objects_file
+    shm, ckpt = _shm(), str(tmp_path / "ckpt")
+    try:
+        flags = _flags(shm, 2, 2, ["--moc-persist-interval", "100"])
+        first, _ = _run(tmp_path, "first", 2, "train-save", flags + [
+            "--train-iters", "3", "--save", ckpt, "--save-interval", "1"])
+        assert _latest(ckpt) == "global_step3" and _verify(ckpt, "global_step3") == []
+        assert sorted(os.listdir(ckpt)) == ["global_step1", "global_step3", "latest"]
+        rng = read_objects_file(os.path.join(ckpt, "global_step3")).tree["rng_states"]
+        assert len(rng) == 2 and all(state is not None for state in rng)
+        assert not os.path.exists(shm)  # the end freed the memory: the next load is storage
+        second, _ = _run(tmp_path, "second", 2, "load-train-save", flags + [
+            "--train-iters", "3", "--load", ckpt])
+        assert second[0]["client_state"] == {"step": 3}
+        assert all(r["load_source"] == "storage" for r in second)
+        after, saved = second[0]["state_after_load"], first[0]["saved_states"]["3"]
+        assert after.keys() == saved.keys()
+        assert [k for k in after if after[k] != saved[k]] == []
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
