@@ -51,6 +51,7 @@ from deepspeed_ext.exchange import Exchanger
 from deepspeed_ext.hostcopy import HostCopier
 from deepspeed_ext.snapshot import SLOTS as SLOTS_FOR_BUDGET
 from deepspeed_ext.snapshot import SlotImage, SnapshotSlots
+from deepspeed_ext.state import FP32
 
 
 def _log(message: str) -> None:
@@ -425,8 +426,10 @@ class TwoLevel:
             pass
 
     def signature(self, fragments) -> str:
-        """Identifies the layout a snapshot can be restored into (same fragments)."""
-        text = json.dumps([(f.key, f.length) for f in fragments] + [self.world])
+        """Identifies the layout a snapshot can be restored into (same master-weight
+        fragments, so the same with or without the optimizer's moments described)."""
+        text = json.dumps([(f.key, f.length) for f in fragments if f.kind == FP32]
+                          + [self.world])
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     # -- persistence bookkeeping ------------------------------------------------------
@@ -522,12 +525,18 @@ class TwoLevel:
         ck, engine = self.ckpt, self.ckpt.engine
         self.join_copy()
         start = time.perf_counter()
-        if load_optimizer_states:
-            ensure_optimizer_state(engine)
-        fragments = describe_local_state(engine, ck.naming, with_moments=load_optimizer_states)
-        signature = self.signature(describe_local_state(engine, ck.naming))
+        # The signature needs only the master weights: a fresh engine has no moments yet,
+        # and creating them (ensure_optimizer_state) advances Adam's step counters, which
+        # must happen only once something is actually loaded into them.
+        signature = self.signature(describe_local_state(engine, ck.naming, with_moments=False))
         mine = [dict(m, _slot=i, _entries={e["key"]: e for e in m["entries"]})
                 for i, m in self.slots.complete() if m["signature"] == signature]
+
+        def fragments():
+            if load_optimizer_states:
+                ensure_optimizer_state(engine)
+            return describe_local_state(engine, ck.naming, with_moments=load_optimizer_states)
+
         try:
             return self._load(load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
                               from_memory, mine, fragments, start)
@@ -545,7 +554,7 @@ class TwoLevel:
             else set()
         if common:
             step = max(common)
-            result = self._load_memory(load_dir, step, mine, fragments, load_optimizer_states,
+            result = self._load_memory(load_dir, step, mine, fragments(), load_optimizer_states,
                                        load_lr_scheduler_states, start)
             if result is not None:
                 return result
@@ -557,7 +566,7 @@ class TwoLevel:
                                         load_lr_scheduler_states)
         self.last_load_source = "storage"
         if path is not None:  # every rank: the overlay ends in a collective
-            self._overlay_newer_experts(mine, fragments)
+            self._overlay_newer_experts(mine, fragments())
         return path, client
 
     def _load_memory(self, load_dir, step, mine, fragments, load_optimizer_states,

@@ -197,3 +197,27 @@ def test_moc_checkpoint_resumes_on_another_layout(corpus, tmp_path):
     # The resumed run's arguments differ in layout only; a model change is still refused.
     bad = run_ranks(2, common + ["--hidden-size", "64", "--load", str(ckpt)], timeout=120)
     assert all(r.returncode == 2 and "--hidden-size" in r.output for r in bad), describe(bad)
+
+
+def test_two_level_run_and_resume_match_an_uninterrupted_run(corpus, tmp_path, uninterrupted):
+    """--moc-two-level with a snapshot every iteration changes nothing in training (a
+    fresh start included), and stopping after 4 (the end persists step 4, which was not
+    due for storage) then resuming gives the uninterrupted run's metrics to the bit."""
+    import uuid
+    shm = f"/dev/shm/moc-test-{uuid.uuid4().hex[:10]}"
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    common = TINY + ["--data-path", corpus, "--save", str(ckpt), "--load", str(ckpt),
+                     "--metrics-file", str(metrics), "--moc-checkpoint", "--moc-two-level",
+                     "--moc-snapshot-interval", "1", "--moc-persist-interval", "5",
+                     "--moc-shm-dir", shm]
+    try:
+        first = run_ranks(2, common + ["--exit-interval", "4"])
+        _assert_ok(first)
+        assert "persisting the newest snapshot global_step4" in first[0].output
+        second = run_ranks(2, common)
+        _assert_ok(second)
+        assert "loaded" in second[0].output and "global_step4" in second[0].output
+        assert _metrics(metrics) == _metrics(uninterrupted / "m.jsonl")
+        assert not os.path.exists(shm)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
