@@ -39,7 +39,7 @@ from deepspeed_ext.config import MoCConfig
 from deepspeed_ext.image import ImageLayout
 from deepspeed_ext.manifest import FragmentSpec, prepare_checkpoint_dir
 from megatron.training.rng import get_rng_state, set_rng_state
-from deepspeed_ext.state import (FP32, ExpertNaming, LocalFragment, describe_local_state,
+from deepspeed_ext.state import (ExpertNaming, LocalFragment, describe_local_state,
                                  ensure_optimizer_state, expert_naming, optimizer_scalars,
                                  refresh_compute_weights, set_optimizer_scalars)
 
@@ -158,6 +158,8 @@ class MoCCheckpointer:
         self.expert_versions_loaded: Dict[Tuple[int, int], int] = {}
         """Step of each expert's version the last storage load gave."""
         self._last_load_source: Optional[str] = None
+        self.rng_restored = False
+        """Whether the last load set this rank's RNG state from the checkpoint."""
         self.two_level = None
         if self.config.two_level:
             from deepspeed_ext.two_level import TwoLevel
@@ -545,7 +547,8 @@ class MoCCheckpointer:
             self.policy.load_state_dict(saved)
             self.policy.k = k  # the flag of this run wins over the saved K
         rng_states = objects.get("rng_states") or []
-        if len(rng_states) == dist.get_world_size():
+        self.rng_restored = len(rng_states) == dist.get_world_size()
+        if self.rng_restored:
             set_rng_state(rng_states[dist.get_rank()])
         else:
             _log(f"RNG states saved by {len(rng_states)} ranks, loading on "

@@ -248,10 +248,10 @@ class TwoLevel:
         if persist or self.count == 1:  # a line per snapshot would flood per-iteration runs
             _log(f"snapshot {tag} (step {step}) into {self.node_dir}: "
                  f"{layout.nbytes / 2**20:.2f} MiB on rank 0, "
-                 + (f"{len(union)} expert(s) of "
-                    f"{ck.layout.num_moe_layers * ck.layout.num_experts}" if union is not None
-                    else "no MoE")
-                 + (", persisting" if persist else ", in memory only")
+                 + (f"{len(union)} of {ck.layout.num_moe_layers * ck.layout.num_experts} "
+                    f"experts" if union is not None else "no MoE")
+                 + ((f", persisting {len(persist_sel)} of them" if union is not None
+                     else ", persisting") if persist else ", in memory only")
                  + f"; the save call took {time.perf_counter() - start:.3f} s")
         return True
 

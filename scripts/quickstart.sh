@@ -4,8 +4,11 @@
 #   2. turn a real corpus every machine with Python has -- the standard library's own
 #      source files -- into an indexed dataset (byte-level tokens);
 #   3. train configs/small.yaml on 2 CPU ranks (ZeRO-2, 8 experts, expert-parallel 2)
-#      with the deepspeed launcher, saving a checkpoint and exiting half way
-#      (--exit-interval: the LR schedule still spans all iterations);
+#      with the deepspeed launcher and MoC two-level checkpointing: a snapshot of every
+#      iteration into the node keeper's shared memory, every 10th persisted to storage
+#      with 2 of the 8 experts per MoE layer (partial experts checkpointing); exit half
+#      way (--exit-interval: the LR schedule still spans all iterations), persisting the
+#      last snapshot whole; keep 2 checkpoints (and the expert versions they need);
 #   4. start a fresh job that resumes from the checkpoint and finishes.
 # Environment: QUICKSTART_ITERS (default 200), QUICKSTART_RANKS (default 2),
 # QUICKSTART_DIR (default runs/quickstart).
@@ -33,7 +36,9 @@ mkdir -p "$RUN_DIR"
 common=(--config configs/small.yaml --data-path "${DATA_PREFIX}_text_document"
         --save "$RUN_DIR/checkpoints" --load "$RUN_DIR/checkpoints"
         --save-interval "$HALF" --eval-interval "$HALF" --log-interval 10
-        --metrics-file "$RUN_DIR/metrics.jsonl")
+        --metrics-file "$RUN_DIR/metrics.jsonl"
+        --moc-checkpoint --moc-two-level --moc-snapshot-interval 1
+        --moc-persist-interval 10 --moc-k-persist 2 --moc-keep 2)
 
 echo "[quickstart] training iterations 0-$HALF of $ITERS on $RANKS CPU ranks, then stopping"
 deepspeed --num_gpus "$RANKS" --master_port "${MASTER_PORT:-29561}" pretrain_gpt_moe.py \

@@ -53,16 +53,21 @@ def args_to_dict(args: argparse.Namespace) -> Dict:
             if isinstance(v, (int, float, str, bool, list, type(None)))}
 
 
-def save_checkpoint(engine, args: argparse.Namespace, scheduler, state: ResumeState) -> str:
+def save_checkpoint(engine, args: argparse.Namespace, scheduler, state: ResumeState,
+                    log: bool = True) -> str:
     """Save through ``engine.save_checkpoint``; all ranks call it. Returns the tag.
 
     Every rank contributes its RNG state (one ``all_gather_object``), DeepSpeed
-    writes its files, then rank 0 writes ``megatron_meta.json`` after a barrier.
+    writes its files, then rank 0 writes ``megatron_meta.json`` after a barrier. With
+    MoC the save runs no collective here: MoC keeps every rank's RNG state itself (a
+    snapshot per iteration must not pay a gather for it). ``log`` False: no log line.
     """
     start = time.perf_counter()
     tag = tag_for(state.iteration)
-    rng_states = [None] * dist.get_world_size()
-    dist.all_gather_object(rng_states, get_rng_state())
+    rng_states = None
+    if getattr(engine, "moc", None) is None:
+        rng_states = [None] * dist.get_world_size()
+        dist.all_gather_object(rng_states, get_rng_state())
     client_state = {"iteration": state.iteration,
                     "consumed_train_samples": state.consumed_train_samples,
                     "opt_param_scheduler": scheduler.state_dict(),
@@ -74,9 +79,12 @@ def save_checkpoint(engine, args: argparse.Namespace, scheduler, state: ResumeSt
         # client state); an extra file would only be something for retention to trip on.
         how = ("in host memory; writing in the background" if engine.moc.config.async_save
                else "committed")
-        print_rank_0(f"[{time.strftime('%H:%M:%S')}] saved checkpoint at iteration "
-                     f"{state.iteration:7d} to {args.save}/{tag} in {time.perf_counter() - start:.2f} s "
-                     f"({how})")
+        if engine.moc.two_level is not None:
+            how = "snapshot in the node keeper's memory"
+        if log:
+            print_rank_0(f"[{time.strftime('%H:%M:%S')}] saved checkpoint at iteration "
+                         f"{state.iteration:7d} to {args.save}/{tag} in "
+                         f"{time.perf_counter() - start:.2f} s ({how})")
         return tag
     dist.barrier()
     if dist.get_rank() == 0:
@@ -177,7 +185,10 @@ def load_checkpoint(engine, args: argparse.Namespace, scheduler) -> ResumeState:
     scheduler.load_state_dict(client_state["opt_param_scheduler"])
     rng_states = client_state.get("rng_states") or []
     rng_state = None
-    if not args.no_load_rng:
+    if not args.no_load_rng and client_state.get("rng_states") is None \
+            and getattr(engine, "moc", None) is not None and engine.moc.rng_restored:
+        rng_state = get_rng_state()  # MoC has just restored this rank's saved state
+    elif not args.no_load_rng:
         if len(rng_states) == dist.get_world_size():
             rng_state = rng_states[dist.get_rank()]
         else:

@@ -11,7 +11,7 @@ import argparse
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional
+from typing import Dict, Iterator, List
 
 import torch
 import torch.distributed as dist
@@ -303,7 +303,13 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer) 
             writer.write("valid", state.iteration, {"lm_loss": loss})
             window_start = time.perf_counter()
         if args.save and save_interval and state.iteration % save_interval == 0:
-            checkpointing.save_checkpoint(engine, args, scheduler, state)
+            # Snapshots every iteration would print a line each: log them with the
+            # training lines, and the last one.
+            quiet = (save_interval != args.save_interval
+                     and state.iteration % args.log_interval != 0
+                     and state.iteration != args.train_iters
+                     and not (args.exit_interval and state.iteration % args.exit_interval == 0))
+            checkpointing.save_checkpoint(engine, args, scheduler, state, log=not quiet)
             last_saved = state.iteration
             window_start = time.perf_counter()
         if args.exit_interval and state.iteration % args.exit_interval == 0:
