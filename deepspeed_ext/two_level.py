@@ -314,6 +314,7 @@ class TwoLevel:
         """Every rank (from :meth:`wait`, nothing pending): persist the newest snapshot if
         it was not, with every expert it holds, so that ending a job (which frees the
         keepers' memory) never loses the last state."""
+        from deepspeed_ext.checkpointer import _broadcast_outcome
         snap = self.last
         if snap is None or snap["persisted"]:
             return
@@ -325,15 +326,24 @@ class TwoLevel:
             ck.policy.mark_saved(selected, meta["step"])
         self._prepare_dir(snap["save_dir"], meta["tag"], policy_before)
         snap["persisted"] = True
-        rng_states: List = [None] * self.world
-        dist.all_gather_object(rng_states, snap["rng_state"])
         extra = {}
-        if not snap["rng_gathered"]:
+        if not snap["rng_gathered"]:  # the same on every rank: a collective is safe here
             # The snapshot holds only this rank's RNG state; rank 0 writes the objects
-            # with every rank's (from the gather) itself, into objects.safetensors.
-            snap = dict(snap, object_keys=[])
-            if self.rank == 0:
-                extra = self._write_objects_with(snap, rng_states)
+            # with every rank's (gathered now) itself, into objects.safetensors, and a
+            # failure there is raised on every rank.
+            rng_states: List = [None] * self.world
+            dist.all_gather_object(rng_states, snap["rng_state"])
+            written = dict(snap, object_keys=[])
+            try:
+                _broadcast_outcome(
+                    lambda: extra.update(self._write_objects_with(written, rng_states)),
+                    f"MoC objects of {meta['tag']}")
+            except Exception:
+                if ck.policy is not None:
+                    ck.policy.load_state_dict(policy_before)
+                snap["persisted"] = False
+                raise
+            snap = written
         job = self._persist_job(snap, selected, policy_before)
         job.update(extra)
         job["done_marker"] = self.slots.persist_marker(snap["slot"])
