@@ -181,11 +181,11 @@ class TwoLevel:
         # recovery from memory never needs another node's memory.
         fragments = describe_local_state(engine, ck.naming)
         pieces = ck._gather_pieces(fragments)
-        self._abandon_persist_of_dead_keeper()
         want = self.count % self.cfg.persist_interval == 0
         self.count += 1
         rng_state = get_rng_state()
         if want:
+            self._abandon_persist_of_dead_keeper()  # before the view the decision rests on
             # The one collective of a snapshot due for storage: copy errors, rank 0's view
             # of the pending persist, and every rank's RNG state (the persist's objects).
             view = self._persist_view() if self.rank == 0 else None
