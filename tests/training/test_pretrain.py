@@ -81,12 +81,16 @@ def test_torchrun_launch(corpus, tmp_path):
 def uninterrupted(corpus, tmp_path_factory):
     """8 iterations in one go, through the `deepspeed` launcher, saved at the end."""
     out = tmp_path_factory.mktemp("uninterrupted")
+    port = free_port()
     cmd = [shutil.which("deepspeed") or "deepspeed", "--num_gpus", "2", "--master_port",
-           str(free_port()), "pretrain_gpt_moe.py", *TINY, "--data-path", corpus,
+           str(port), "pretrain_gpt_moe.py", *TINY, "--data-path", corpus,
            "--save", str(out / "ckpt"), "--metrics-file", str(out / "m.jsonl")]
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    # DeepSpeed's CPU all-reduce buffers of this run are unlinked at the end
+    import glob
+    assert glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*") == []
     return out
 
 
