@@ -15,26 +15,6 @@ def _quiet_known_warnings() -> None:
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*is deprecated")
 
 
-def _remove_deepspeed_shm_buffers() -> None:
-    """Every rank, after training ended normally: DeepSpeed's CPU communication op maps a
-    shared-memory all-reduce buffer per rank (``/dev/shm/deepspeed_allreduce_buffer_<uid>_
-    <addr>_<port>_<rank>``, 66 MiB each) and never unlinks it, so every CPU run leaked
-    them until /dev/shm filled up. Once every rank is past its last collective, each
-    unlinks its own (the mappings stay valid until the processes exit)."""
-    import os
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() != "gloo":
-        return
-    dist.barrier()
-    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_"
-            f"{os.environ.get('MASTER_ADDR', '')}_{os.environ.get('MASTER_PORT', '')}_"
-            f"{dist.get_rank()}")
-    try:
-        os.remove(name)
-    except OSError:
-        pass
-
-
 def main(argv=None) -> int:
     """Parse, train, and turn bad input into exit code 2 on every rank."""
     _quiet_known_warnings()
@@ -42,9 +22,9 @@ def main(argv=None) -> int:
     from megatron.training.log import fatal
     try:
         from megatron.training.arguments import parse_args
-        from megatron.training.training import pretrain
+        from megatron.training.training import pretrain, remove_deepspeed_shm_buffers
         pretrain(parse_args(argv))
-        _remove_deepspeed_shm_buffers()
+        remove_deepspeed_shm_buffers()
     except ConfigError as e:
         fatal(str(e))
         return ConfigError.exit_code

@@ -392,6 +392,8 @@ def _worker(opts, rank: int, world: int) -> None:
     results["complete"] = True
     publish()
     dist.barrier()
+    from megatron.training.training import remove_deepspeed_shm_buffers
+    remove_deepspeed_shm_buffers()
     dist.destroy_process_group()
 
 

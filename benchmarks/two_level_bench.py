@@ -682,6 +682,8 @@ def _worker(opts, rank: int, world: int) -> None:
     results["complete"] = True
     write_results()
     dist.barrier()
+    from megatron.training.training import remove_deepspeed_shm_buffers
+    remove_deepspeed_shm_buffers()
     dist.destroy_process_group()
 
 

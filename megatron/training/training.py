@@ -54,6 +54,25 @@ class TrainResult:
     valid_losses: List[float] = field(default_factory=list)
 
 
+def remove_deepspeed_shm_buffers() -> None:
+    """Every rank, after training ended normally: DeepSpeed's CPU communication op maps a
+    shared-memory all-reduce buffer per rank (``/dev/shm/deepspeed_allreduce_buffer_<uid>_
+    <addr>_<port>_<rank>``, 66 MiB each) and never unlinks it, so every CPU run left
+    them in /dev/shm. Once every rank is past its last collective, each unlinks its own
+    (the mappings stay valid until the processes exit). Called by pretrain_gpt_moe.py
+    and the benchmarks' workers."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() != "gloo":
+        return
+    dist.barrier()
+    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_"
+            f"{os.environ.get('MASTER_ADDR', '')}_{os.environ.get('MASTER_PORT', '')}_"
+            f"{dist.get_rank()}")
+    try:
+        os.remove(name)
+    except OSError:
+        pass
+
+
 def initialize_distributed(args: argparse.Namespace) -> None:
     """Create the process group through DeepSpeed's accelerator (NCCL on CUDA, gloo on CPU).
 
