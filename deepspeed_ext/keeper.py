@@ -25,6 +25,7 @@ Protocol: JSON lines over the Unix socket ``<dir>/keeper.sock`` (never pickle). 
 """
 
 import argparse
+import importlib
 import fcntl
 import json
 import mmap
@@ -327,8 +328,8 @@ class Keeper:
     def persist_loop(self) -> None:
         # Import the writers now, while training starts up: the first persist would
         # otherwise pay seconds of imports (torch) and fall behind the snapshots.
-        import deepspeed_ext.image  # noqa: F401
-        import deepspeed_ext.commit  # noqa: F401
+        for module in ("deepspeed_ext.image", "deepspeed_ext.commit", "deepspeed_ext.manifest"):
+            importlib.import_module(module)
         while True:
             job = self.jobs.get()
             try:

@@ -159,34 +159,15 @@ class SlotImage:
         with open(image_path, "rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
 
-    def read(self, entry: Dict[str, Any], start: int = 0,
-             length: Optional[int] = None) -> torch.Tensor:
-        """Elements ``[start, start + length)`` of one tensor, as a new tensor.
-
-        ``entry`` is the tensor's layout record (``dtype``, ``start``, ``nbytes``).
-        """
+    def read(self, entry: Dict[str, Any]) -> torch.Tensor:
+        """One tensor, as a new tensor (flat). ``entry`` is its layout record (``dtype``,
+        ``start``, ``nbytes``)."""
         dtype = dtype_from_name(entry["dtype"])
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        numel = entry["nbytes"] // itemsize
-        length = numel - start if length is None else length
-        if start < 0 or length < 0 or start + length > numel:
-            raise ValueError(f"{self.path}: range [{start}, {start + length}) outside "
-                             f"{entry.get('key')} of {numel} elements")
-        if length == 0:
+        if entry["nbytes"] == 0:
             return torch.empty(0, dtype=dtype)
-        first = entry["start"] + start * itemsize
-        data = bytearray(self._map[first:first + length * itemsize])  # the one copy
+        first = entry["start"]
+        data = bytearray(self._map[first:first + entry["nbytes"]])  # the one copy
         return torch.frombuffer(data, dtype=dtype)
 
     def close(self) -> None:
         self._map.close()
-
-
-def read_entry(image_path: str, entry: Dict[str, Any], start: int = 0,
-               length: Optional[int] = None) -> torch.Tensor:
-    """One tensor (or an element range of it) of a slot image, as a new tensor."""
-    image = SlotImage(image_path)
-    try:
-        return image.read(entry, start, length)
-    finally:
-        image.close()

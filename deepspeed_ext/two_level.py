@@ -97,7 +97,8 @@ class TwoLevel:
         # One long-lived copy thread: starting a thread per snapshot made the save call
         # wait up to a GIL switch interval (5 ms) for the new thread to start.
         self.copier_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moc-snapshot")
-        self.copy_thread: Optional[Future] = None
+        self.copy_job: Optional[Future] = None
+        """The running snapshot copy (on ``copier_pool``), joined before the next step."""
         self.copy_error: Optional[str] = None
         self.stall_s: List[float] = []
         self.keeper_gone = False
@@ -152,7 +153,7 @@ class TwoLevel:
             # The optimizer is about to change the tensors being copied: the only wait
             # two-level checkpointing allows (Eq. 10). Not at micro-steps that only
             # accumulate gradients.
-            if self.copy_thread is not None and engine.is_gradient_accumulation_boundary():
+            if self.copy_job is not None and engine.is_gradient_accumulation_boundary():
                 start = time.perf_counter()
                 self.join_copy()
                 self.stall_s.append(time.perf_counter() - start)
@@ -160,9 +161,9 @@ class TwoLevel:
         engine.step = step
 
     def join_copy(self) -> None:
-        if self.copy_thread is not None:
-            self.copy_thread.result()  # _copy records its errors; it does not raise
-            self.copy_thread = None
+        if self.copy_job is not None:
+            self.copy_job.result()  # _copy records its errors; it does not raise
+            self.copy_job = None
 
     # -- snapshot ------------------------------------------------------------------
 
@@ -243,7 +244,7 @@ class TwoLevel:
         # CUDA: the copies are queued on a side stream now (microseconds); the thread
         # only waits for them. CPU: the thread does the copy.
         event = self.copier.launch(buffer, layout, tensors)
-        self.copy_thread = self.copier_pool.submit(self._copy, slot, event, buffer, layout,
+        self.copy_job = self.copier_pool.submit(self._copy, slot, event, buffer, layout,
                                                    tensors, meta, job)
         if persist or self.count == 1:  # a line per snapshot would flood per-iteration runs
             _log(f"snapshot {tag} (step {step}) into {self.node_dir}: "

@@ -7,7 +7,7 @@ import torch
 
 from deepspeed_ext.hostcopy import HostCopier
 from deepspeed_ext.image import layout_of
-from deepspeed_ext.snapshot import SnapshotSlots, read_entry
+from deepspeed_ext.snapshot import SlotImage, SnapshotSlots
 
 
 def _tensors(device):
@@ -27,7 +27,11 @@ def _snapshot(tmp_path, device):
     copier.finish(event, buffer, layout, tensors)
     entries = {e.key: {"dtype": e.dtype, "nbytes": e.nbytes, "start": e.start, "key": e.key}
                for e in layout.entries}
-    return copier, tensors, {k: read_entry(slots.image_path(0), entries[k]) for k in tensors}
+    image = SlotImage(slots.image_path(0))
+    try:
+        return copier, tensors, {k: image.read(entries[k]) for k in tensors}
+    finally:
+        image.close()
 
 
 def test_cpu_copy_runs_in_finish_and_registers_nothing(tmp_path):
@@ -59,6 +63,7 @@ def test_cuda_snapshot_sees_the_step_queued_before_it(tmp_path):
     tensors["w"].add_(1.0)
     copier.finish(copier.launch(buffer, layout, tensors), buffer, layout, tensors)
     entry = layout.entries[0]
-    got = read_entry(slots.image_path(0), {"dtype": entry.dtype, "nbytes": entry.nbytes,
-                                           "start": entry.start, "key": "w"})
+    image = SlotImage(slots.image_path(0))
+    got = image.read({"dtype": entry.dtype, "nbytes": entry.nbytes, "start": entry.start})
+    image.close()
     assert torch.all(got == 1.0)
