@@ -35,6 +35,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from deepspeed_ext import fs
 from deepspeed_ext.config import MoCConfig
 from deepspeed_ext.image import ImageLayout
 from deepspeed_ext.manifest import FragmentSpec, prepare_checkpoint_dir
@@ -448,7 +449,7 @@ class MoCCheckpointer:
                 raise MoCCheckpointError(f"checkpoint {tag} in {load_dir} cannot be loaded: "
                                          + "; ".join(problems))
             return tag
-        if not os.path.isdir(load_dir):
+        if not fs.isdir(load_dir):
             return None
         chosen, skipped = find_loadable(load_dir, checksums=self.config.verify_on_load)
         for line in skipped:

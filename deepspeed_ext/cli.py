@@ -15,6 +15,7 @@ import os
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from deepspeed_ext import fs
 from deepspeed_ext.manifest import (MANIFEST_FILE, Manifest, read_latest,
                                     read_manifest, scan_checkpoints, verify_checkpoint)
 from deepspeed_ext.reader import CheckpointReader, find_loadable
@@ -41,12 +42,16 @@ def _size(nbytes: float) -> str:
 
 
 def _check_dir(path: str) -> None:
-    if not os.path.isdir(path):
+    try:
+        found = fs.isdir(path)
+    except ValueError as err:  # a URL fsspec cannot open
+        raise UsageError(str(err)) from None
+    if not found:
         raise UsageError(f"{path} is not a directory (pass the checkpoint save directory)")
 
 
 def _check_tag_dir(save_dir: str, tag: Optional[str]) -> None:
-    if tag is not None and not os.path.isdir(os.path.join(save_dir, tag)):
+    if tag is not None and not fs.isdir(os.path.join(save_dir, tag)):
         raise UsageError(f"no checkpoint {tag!r} in {save_dir} (--tag)")
 
 
@@ -175,6 +180,9 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
     _check_tag_dir(args.dir, args.tag)
     if not args.out.endswith(".safetensors"):
         raise UsageError(f"--out {args.out}: the output must be a .safetensors file")
+    if fs.is_url(args.out):
+        raise UsageError(f"--out {args.out}: write the consolidated file to a local path "
+                         f"(it is streamed tensor by tensor), then copy it to the store")
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         raise UsageError(f"--out {args.out}: directory {out_dir} does not exist")

@@ -21,6 +21,7 @@ import os
 import time
 from typing import Any, Dict, List, Mapping, Optional
 
+from deepspeed_ext import fs
 from deepspeed_ext.storage import atomic_write_json
 
 REPORT_SUFFIX = ".report.json"
@@ -44,11 +45,10 @@ def write_report(tag_dir: str, rank: int, payload: Optional[Mapping[str, Any]],
 
 
 def _read_report(path: str, rank: int) -> Optional[Dict[str, Any]]:
-    if not os.path.exists(path):
-        return None
     try:
-        with open(path, encoding="utf-8") as f:
-            report = json.load(f)
+        report = json.loads(fs.read_text(path))
+    except FileNotFoundError:
+        return None
     except (OSError, ValueError) as err:  # reports are atomic: this is damage, not a race
         raise CommitError(f"{path}: unreadable report ({err})") from None
     if not isinstance(report, dict) or report.get("rank") != rank or "ok" not in report:
@@ -96,7 +96,7 @@ def remove_reports(tag_dir: str, world_size: int) -> None:
     """Delete the reports once the manifest holds their content (best effort)."""
     for rank in range(world_size):
         try:
-            os.remove(os.path.join(tag_dir, report_name(rank)))
+            fs.remove(os.path.join(tag_dir, report_name(rank)))
         except OSError:
             pass
 
@@ -161,15 +161,15 @@ def commit_outcome(tag_dir: str, world_size: int) -> Optional[tuple]:
         committer or a writer gave up, None while it is still in progress.
     """
     from deepspeed_ext.manifest import MANIFEST_FILE
-    if os.path.exists(os.path.join(tag_dir, MANIFEST_FILE)):
+    if fs.exists(os.path.join(tag_dir, MANIFEST_FILE)):
         return True, None
     failure = os.path.join(tag_dir, FAILURE_NAME)
-    if os.path.exists(failure):
-        try:
-            with open(failure, encoding="utf-8") as f:
-                return False, json.load(f)["error"]
-        except (OSError, ValueError, KeyError):
-            return False, f"{failure} (unreadable)"
+    try:
+        return False, json.loads(fs.read_text(failure))["error"]
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, TypeError):
+        return False, f"{failure} (unreadable)"
     for rank in range(world_size):
         try:
             report = _read_report(os.path.join(tag_dir, report_name(rank)), rank)

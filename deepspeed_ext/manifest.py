@@ -49,11 +49,11 @@ import json
 import math
 import os
 import re
-import shutil
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
+from deepspeed_ext import fs
 from deepspeed_ext.objects import OBJECTS_FILE, read_objects_file, tensor_keys
 from deepspeed_ext.storage import (CheckpointError, FileRecord, FragmentReader, atomic_write_json,
                                    atomic_write_text, check_file, dtype_from_name,
@@ -633,7 +633,7 @@ def write_manifest(ckpt_dir: str, manifest: Manifest) -> None:
         ValueError: the manifest is inconsistent (:meth:`Manifest.validate`) or its tag
             is not the directory's name (expert indexes find checkpoints by tag).
     """
-    if os.path.basename(os.path.normpath(ckpt_dir)) != manifest.tag:
+    if fs.basename(ckpt_dir) != manifest.tag:
         raise ValueError(f"manifest tag {manifest.tag!r} does not match directory {ckpt_dir}")
     problems = manifest.validate()
     if problems:
@@ -651,8 +651,7 @@ def read_manifest(ckpt_dir: str) -> Manifest:
     """
     path = os.path.join(ckpt_dir, MANIFEST_FILE)
     try:
-        with open(path, "r", encoding="utf-8") as f:
-            data = json.load(f)
+        data = json.loads(fs.read_text(path))
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing (incomplete or deleted checkpoint)") from None
     except (OSError, ValueError) as err:
@@ -661,7 +660,7 @@ def read_manifest(ckpt_dir: str) -> Manifest:
         manifest = Manifest.from_json(data, path)
     except ValueError as err:
         raise CheckpointError(str(err)) from None
-    dirname = os.path.basename(os.path.normpath(ckpt_dir))
+    dirname = fs.basename(ckpt_dir)
     if manifest.tag != dirname:
         raise CheckpointError(f"{path}: records tag {manifest.tag!r} but lies in {dirname!r} "
                               f"(renamed checkpoint directories break expert indexes)")
@@ -679,8 +678,7 @@ def read_expert_versions(ckpt_dir: str) -> Tuple[int, Dict[Tuple[int, int], int]
     """
     path = os.path.join(ckpt_dir, MANIFEST_FILE)
     try:
-        with open(path, "r", encoding="utf-8") as f:
-            data = json.load(f)
+        data = json.loads(fs.read_text(path))
         return int(data["step"]), {parse_expert_key(k): int(v["step"])
                                    for k, v in data.get("expert_index", {}).items()}
     except FileNotFoundError:
@@ -697,7 +695,7 @@ def update_latest(save_dir: str, tag: str) -> None:
             checkpoints, or a crash right after would resume from a partial save.
     """
     check_tag(tag)
-    if not os.path.isfile(os.path.join(save_dir, tag, MANIFEST_FILE)):
+    if not fs.isfile(os.path.join(save_dir, tag, MANIFEST_FILE)):
         raise ValueError(f"{os.path.join(save_dir, tag)} has no {MANIFEST_FILE}; write it "
                          f"before pointing {LATEST_FILE} at it")
     atomic_write_text(os.path.join(save_dir, LATEST_FILE), tag)
@@ -711,8 +709,7 @@ def read_latest(save_dir: str) -> Optional[str]:
     """
     path = os.path.join(save_dir, LATEST_FILE)
     try:
-        with open(path, "r", encoding="utf-8") as f:
-            text = f.read().strip()
+        text = fs.read_text(path).strip()
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError) as err:
@@ -740,24 +737,21 @@ class Scan:
 def scan_checkpoints(save_dir: str) -> Scan:
     """Classify every directory in ``save_dir`` (hidden ones, e.g. trash, excluded)."""
     complete, corrupt, incomplete = [], [], []
-    try:
-        entries = sorted(os.scandir(save_dir), key=lambda e: e.name)
-    except FileNotFoundError:
-        return Scan([], [], [])
-    for entry in entries:
-        if not entry.is_dir(follow_symlinks=False) or entry.name.startswith("."):
+    for name in fs.subdirs(save_dir):
+        if name.startswith("."):
             continue
         try:
-            check_tag(entry.name)
+            check_tag(name)
         except ValueError:
             continue
-        if not os.path.exists(os.path.join(entry.path, MANIFEST_FILE)):
-            incomplete.append(entry.name)
+        tag_dir = os.path.join(save_dir, name)
+        if not fs.exists(os.path.join(tag_dir, MANIFEST_FILE)):
+            incomplete.append(name)
             continue
         try:
-            complete.append((read_manifest(entry.path).step, entry.name))
+            complete.append((read_manifest(tag_dir).step, name))
         except CheckpointError as err:
-            corrupt.append((entry.name, str(err)))
+            corrupt.append((name, str(err)))
     complete.sort()
     return Scan(complete, corrupt, incomplete)
 
@@ -976,12 +970,13 @@ def remove_checkpoint(save_dir: str, tag: str) -> None:
     as incomplete and is never loaded; then rename the directory to a hidden
     ``.moc-trash.<tag>.<pid>`` name (fsynced), then delete it. A crash leaves an
     incomplete tag directory or a trash directory, both of which
-    :func:`apply_retention` removes later.
+    :func:`apply_retention` removes later. (A URL has no rename: its objects are deleted
+    in place once the manifest is gone.)
     """
     check_tag(tag)
     tag_dir = os.path.join(save_dir, tag)
     try:
-        os.remove(os.path.join(tag_dir, MANIFEST_FILE))
+        fs.remove(os.path.join(tag_dir, MANIFEST_FILE))
         fsync_dir(tag_dir)
     except FileNotFoundError:
         pass
@@ -991,33 +986,42 @@ def remove_checkpoint(save_dir: str, tag: str) -> None:
 def _trash(save_dir: str, tag: str) -> None:
     # pid and time make the name unique: a rename onto a leftover trash directory of
     # the same tag (an earlier rmtree that failed) would fail.
+    if fs.is_url(save_dir):  # no rename; the tag counts as incomplete until all is gone
+        fs.rmtree(os.path.join(save_dir, tag))
+        return
     trash = os.path.join(save_dir, f"{TRASH_PREFIX}{tag}.{os.getpid()}.{time.time_ns()}")
     os.rename(os.path.join(save_dir, tag), trash)
     fsync_dir(save_dir)
-    shutil.rmtree(trash, ignore_errors=True)
+    fs.rmtree(trash)
 
 
 def _looks_like_ours(tag_dir: str) -> bool:
     try:
-        names = os.listdir(tag_dir)
+        names = fs.listdir(tag_dir)
     except OSError:
         return False
     return all(_TAG_DIR_ENTRY.match(n) for n in names)
 
 
-def _last_write(tag_dir: str) -> float:
-    """Newest mtime among the directory's files; the directory's own when empty.
+def _last_write(tag_dir: str) -> Optional[float]:
+    """Newest mtime among the directory's files; the directory's own when empty; None
+    when the store does not tell (then the directory is left alone).
 
     Files, not the directory, because removing a manifest (an interrupted deletion)
     touches the directory's mtime but not the files'.
     """
     times = []
-    for name in os.listdir(tag_dir):
+    for name in fs.listdir(tag_dir):
         try:
-            times.append(os.stat(os.path.join(tag_dir, name)).st_mtime)
+            times.append(fs.mtime(os.path.join(tag_dir, name)))
         except OSError:
             pass
-    return max(times) if times else os.stat(tag_dir).st_mtime
+    if times:
+        return None if None in times else max(times)
+    try:
+        return fs.mtime(tag_dir)
+    except OSError:
+        return None
 
 
 def apply_retention(save_dir: str, keep: int) -> List[str]:
@@ -1047,9 +1051,9 @@ def apply_retention(save_dir: str, keep: int) -> List[str]:
         raise ValueError(f"keep must be >= 1, got {keep}")
     scan = scan_checkpoints(save_dir)
     deleted: List[str] = []
-    for name in os.listdir(save_dir) if os.path.isdir(save_dir) else []:
+    for name in fs.listdir(save_dir) if fs.isdir(save_dir) else []:
         if name.startswith(TRASH_PREFIX):
-            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+            fs.rmtree(os.path.join(save_dir, name))
     if not scan.complete:
         return deleted
     tags = [t for _, t in scan.complete]
@@ -1063,15 +1067,16 @@ def apply_retention(save_dir: str, keep: int) -> List[str]:
     protected = set()
     for tag in kept:
         protected |= referenced_tags(save_dir, tag)
-    newest_commit = max(os.stat(os.path.join(save_dir, t, MANIFEST_FILE)).st_mtime
-                        for t in tags)
+    commits = [fs.mtime(os.path.join(save_dir, t, MANIFEST_FILE)) for t in tags]
+    newest_commit = None if None in commits else max(commits)
     for tag in tags:
         if tag not in protected:
             remove_checkpoint(save_dir, tag)
             deleted.append(tag)
     for tag in scan.incomplete:
         tag_dir = os.path.join(save_dir, tag)
-        if _looks_like_ours(tag_dir) and _last_write(tag_dir) < newest_commit:
+        last = _last_write(tag_dir) if newest_commit is not None else None
+        if _looks_like_ours(tag_dir) and last is not None and last < newest_commit:
             _trash(save_dir, tag)
             deleted.append(tag)
     return deleted
@@ -1122,12 +1127,12 @@ def prepare_checkpoint_dir(save_dir: str, tag: str, overwrite: bool = False) -> 
     """
     check_tag(tag)
     tag_dir = os.path.join(save_dir, tag)
-    if os.path.exists(os.path.join(tag_dir, MANIFEST_FILE)):
+    if fs.exists(os.path.join(tag_dir, MANIFEST_FILE)):
         if not overwrite:
             raise FileExistsError(f"{tag_dir} is a complete checkpoint; refusing to overwrite "
                                   f"it (other checkpoints may reference its experts)")
         remove_checkpoint(save_dir, tag)
-    elif os.path.isdir(tag_dir):
+    elif fs.isdir(tag_dir):
         if not _looks_like_ours(tag_dir):
             raise FileExistsError(f"{tag_dir} exists and holds files MoC did not write; "
                                   f"refusing to delete it")

@@ -38,6 +38,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import numpy as np
 import torch
 
+from deepspeed_ext import fs
 from deepspeed_ext.storage import (CheckpointError, FileRecord, atomic_write_json,
                                    dtype_from_name, dtype_name)
 
@@ -356,8 +357,7 @@ def read_objects_file(ckpt_dir: str) -> ObjectsFile:
     """
     path = os.path.join(ckpt_dir, OBJECTS_FILE)
     try:
-        with open(path, "r", encoding="utf-8") as f:
-            doc = json.load(f)
+        doc = json.loads(fs.read_text(path))
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file missing") from None
     except (OSError, ValueError) as err:

@@ -8,7 +8,8 @@ Every file of a checkpoint is written the same way (:func:`atomic_write_bytes`,
 :func:`write_image_file`): into ``<path>.tmp.<pid>``, flushed, fsynced, renamed over
 ``<path>`` and the directory fsynced. A crash therefore leaves either the old file, the
 complete new one, or a stray ``*.tmp.<pid>`` file; never a half-written file under the
-real name.
+real name. A URL (``s3://...``, see :mod:`deepspeed_ext.fs`) has no rename: each file
+is written as one object, which the store publishes only when it is complete.
 
 Call order on one rank (the orchestration sits on top of this)::
 
@@ -29,6 +30,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from safetensors import safe_open
+
+from deepspeed_ext import fs
 
 _HASH_CHUNK = 8 << 20
 """Bytes hashed per read: large enough for throughput, small enough not to hold a
@@ -112,6 +115,8 @@ def fsync_dir(path: str) -> None:
     Without it a crash right after ``os.replace`` can bring back the old directory
     entry (or none), even though the file's data itself was fsynced.
     """
+    if fs.is_url(path):  # object stores have no directory entries to sync
+        return
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:  # e.g. a platform that cannot open directories: nothing to sync
@@ -129,6 +134,9 @@ def ensure_dir(path: str) -> None:
 
     Safe to call from every rank at once.
     """
+    if fs.is_url(path):
+        fs.makedirs(path)
+        return
     if os.path.isdir(path):
         return
     os.makedirs(path, exist_ok=True)
@@ -156,7 +164,10 @@ def atomic_write_bytes(path: str, data: bytes) -> FileRecord:
     Returns:
         The written file's size and SHA-256 (computed from ``data``, no re-read).
     """
-    ensure_dir(os.path.dirname(os.path.abspath(path)))
+    ensure_dir(fs.parent(path))
+    if fs.is_url(path):
+        fs.write_bytes(path, data)
+        return FileRecord(nbytes=len(data), sha256=hashlib.sha256(data).hexdigest())
     tmp = _tmp_path(path)
     try:
         with open(tmp, "wb") as f:
@@ -195,7 +206,7 @@ def _remove_quietly(path: str) -> None:
 def sha256_file(path: str) -> str:
     """Hex SHA-256 of a file, read in chunks (constant memory for any file size)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with fs.open_read(path) as f:
         while True:
             chunk = f.read(_HASH_CHUNK)
             if not chunk:
@@ -220,7 +231,7 @@ def check_file(path: str, nbytes: int, sha256: Optional[str] = None) -> Optional
         None when the file matches, else one line naming the file and the problem.
     """
     try:
-        size = os.path.getsize(path)
+        size = fs.getsize(path)
     except FileNotFoundError:
         return f"{path}: file missing"
     except OSError as err:
@@ -320,7 +331,12 @@ def write_image_file(path: str, image: memoryview) -> FileRecord:
     Returns:
         The published file's size and checksum.
     """
-    ensure_dir(os.path.dirname(os.path.abspath(path)))
+    ensure_dir(fs.parent(path))
+    if fs.is_url(path):
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            digest = pool.submit(lambda: hashlib.sha256(image).hexdigest())
+            fs.write_bytes(path, image)
+            return FileRecord(nbytes=len(image), sha256=digest.result())
     tmp = _tmp_path(path)
     try:
         with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
@@ -354,6 +370,10 @@ class FragmentReader:
     break (SIGBUS) if the file were later truncated in place, and would keep the mapping
     alive after :meth:`close`.
 
+    A URL (:mod:`deepspeed_ext.fs`) is read without safetensors' mmap: the header with
+    two ranged requests at open, then one ranged request per :meth:`read`, so a small
+    range still costs only its own bytes.
+
     Not thread-safe; one reader per thread.
 
     Raises:
@@ -362,6 +382,13 @@ class FragmentReader:
 
     def __init__(self, path: str):
         self.path = path
+        self._url: Optional[_UrlSafetensors] = None
+        self._slices: Dict[str, Any] = {}
+        if fs.is_url(path):
+            self._url = _UrlSafetensors(path)
+            self._file = self._url
+            self._keys = set(self._url.entries)
+            return
         try:
             self._file = safe_open(path, framework="pt", device="cpu")
         except FileNotFoundError:
@@ -369,7 +396,6 @@ class FragmentReader:
         except Exception as err:  # safetensors raises its own SafetensorError
             raise CheckpointError(f"{path}: not a readable safetensors file ({err})") from err
         self._keys = set(self._file.keys())
-        self._slices: Dict[str, Any] = {}
 
     def __enter__(self) -> "FragmentReader":
         return self
@@ -391,7 +417,7 @@ class FragmentReader:
 
     def metadata(self) -> Dict[str, str]:
         """The file's header metadata (empty when none was written)."""
-        return dict(self._handle().metadata() or {})
+        return dict(self._handle().metadata() or {})  # _UrlSafetensors has metadata() too
 
     def _handle(self):
         if self._file is None:
@@ -409,11 +435,14 @@ class FragmentReader:
 
     def shape(self, key: str) -> List[int]:
         """Shape of ``key`` as stored (from the header; no data is read)."""
+        if self._url is not None:
+            return list(self._url.entry(key)["shape"])
         return list(self._slice(key).get_shape())
 
     def dtype(self, key: str) -> torch.dtype:
         """dtype of ``key`` as stored (from the header; no data is read)."""
-        code = self._slice(key).get_dtype()
+        code = (self._url.entry(key)["dtype"] if self._url is not None
+                else self._slice(key).get_dtype())
         name = _SAFETENSORS_CODES.get(code)
         if name is None or name not in _DTYPES:
             raise CheckpointError(f"{self.path}: tensor {key!r} has unsupported dtype {code}")
@@ -452,6 +481,12 @@ class FragmentReader:
                              f"got {tuple(out.shape)} {out.dtype}")
         if length == 0:
             return out if out is not None else torch.empty(0, dtype=dtype)
+        if self._url is not None:
+            view = self._url.read(key, start, length, dtype)
+            if out is None:
+                return view
+            out.copy_(view)
+            return out
         view = self._slice(key)[start:start + length]
         if out is None:
             return view.clone()
@@ -463,7 +498,65 @@ class FragmentReader:
         self._handle()
         if key not in self._keys:
             raise CheckpointError(f"{self.path}: no tensor {key!r} in the file")
+        if self._url is not None:
+            shape = self.shape(key)
+            numel = 1
+            for n in shape:
+                numel *= n
+            return self._url.read(key, 0, numel, self.dtype(key)).reshape(shape)
         return self._file.get_tensor(key).clone()
+
+
+_MAX_HEADER = 256 << 20
+"""Largest safetensors header accepted from a URL: a bigger length field means the file
+is not safetensors (safetensors itself refuses headers over 100 MB)."""
+
+
+class _UrlSafetensors:
+    """The safetensors header of a file behind a URL, and ranged reads of its tensors
+    (the format: 8-byte little-endian header length, the JSON header, then the data)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            head = fs.read_range(path, 0, 8)
+            length = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 0 < length <= _MAX_HEADER:
+                raise ValueError(f"header length field {length}")
+            header = json.loads(fs.read_range(path, 8, 8 + length).decode("utf-8"))
+            if not isinstance(header, dict):
+                raise ValueError("header is not a JSON object")
+        except FileNotFoundError:
+            raise CheckpointError(f"{path}: file missing") from None
+        except (ValueError, UnicodeDecodeError) as err:
+            raise CheckpointError(f"{path}: not a readable safetensors file ({err})") from None
+        self._metadata = header.pop("__metadata__", None) or {}
+        self.entries: Dict[str, Dict[str, Any]] = header
+        self.data_start = 8 + length
+
+    def metadata(self) -> Dict[str, str]:
+        return self._metadata
+
+    def entry(self, key: str) -> Dict[str, Any]:
+        try:
+            return self.entries[key]
+        except KeyError:
+            raise CheckpointError(f"{self.path}: no tensor {key!r} in the file") from None
+
+    def read(self, key: str, start: int, length: int, dtype: torch.dtype) -> torch.Tensor:
+        """Elements ``[start, start + length)`` of ``key`` (flat), as a new tensor."""
+        first, end = self.entry(key)["data_offsets"]
+        size = torch.empty(0, dtype=dtype).element_size()
+        lo = self.data_start + first + start * size
+        hi = lo + length * size
+        if hi > self.data_start + end:
+            raise CheckpointError(f"{self.path}: tensor {key!r} ends before element "
+                                  f"{start + length}")
+        data = fs.read_range(self.path, lo, hi)
+        if len(data) != hi - lo:
+            raise CheckpointError(f"{self.path}: truncated: tensor {key!r} needs bytes "
+                                  f"[{lo}, {hi}), the file gave {len(data)}")
+        return torch.frombuffer(bytearray(data), dtype=dtype)
 
 
 def write_safetensors_streaming(path: str, layout: Sequence[Tuple[str, Sequence[int], torch.dtype]],
@@ -494,6 +587,9 @@ def write_safetensors_streaming(path: str, layout: Sequence[Tuple[str, Sequence[
                              metadata)
     except ValueError as err:
         raise ValueError(f"{path}: {err}") from None
+    if fs.is_url(path):
+        raise ValueError(f"{path}: streamed outputs are written to a local path; copy the "
+                         f"file to the store afterwards")
     ensure_dir(os.path.dirname(os.path.abspath(path)))
     tmp = _tmp_path(path)
     digest = hashlib.sha256()

@@ -46,7 +46,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext import commit, keeper
+from deepspeed_ext import commit, fs, keeper
 from deepspeed_ext.exchange import Exchanger
 from deepspeed_ext.hostcopy import HostCopier
 from deepspeed_ext.snapshot import SLOTS as SLOTS_FOR_BUDGET
@@ -61,9 +61,9 @@ def _log(message: str) -> None:
 
 def default_shm_dir(save_dir: str) -> str:
     """A shared-memory directory that is the same for every restart of one job (keyed by
-    the absolute checkpoint directory) and different for other jobs."""
+    the absolute checkpoint directory, or its URL) and different for other jobs."""
     root = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
-    digest = hashlib.sha256(os.path.abspath(save_dir).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(fs.identity(save_dir).encode()).hexdigest()[:12]
     return os.path.join(root, f"moc-{os.getuid()}-{digest}")
 
 
@@ -426,7 +426,7 @@ class TwoLevel:
         self._keeper_died("it stopped answering while persisting")
         tag_dir = os.path.join(p["save_dir"], p["tag"])
         why = f"the keeper of node {self.node} died while persisting {p['tag']}"
-        if not os.path.exists(os.path.join(tag_dir, commit.report_name(self.rank))):
+        if not fs.exists(os.path.join(tag_dir, commit.report_name(self.rank))):
             commit.write_report(tag_dir, self.rank, None, error=why)
         if self.rank == 0 and commit.commit_outcome(tag_dir, self.world) is None:
             commit.write_failure(tag_dir, why)
@@ -692,7 +692,7 @@ class _StorageVersions:
         self.latest: Optional[str] = None
         """The newest committed checkpoint (whatever its step)."""
         self._reader = None
-        if not os.path.isdir(load_dir):
+        if not fs.isdir(load_dir):
             return
         # Normally ``latest`` is it: one manifest read. Only when storage is ahead of the
         # memory snapshot (or ``latest`` is damaged) are all manifests scanned.

@@ -278,6 +278,24 @@ def _check_positive(args: argparse.Namespace, names: Sequence[str]) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
 
 
+def _check_storage_urls(args: argparse.Namespace) -> None:
+    """``--save``/``--load`` may be fsspec URLs (``s3://...``) with --moc-checkpoint only,
+    and the URL's filesystem package must be importable: fail here, not at the first save
+    hours into the run."""
+    from deepspeed_ext import fs
+    for flag in ("save", "load"):
+        value = getattr(args, flag)
+        if not value or not fs.is_url(value):
+            continue
+        if not args.moc_checkpoint:
+            raise ConfigError(f"--{flag} {value}: storage URLs need --moc-checkpoint (DeepSpeed's "
+                              f"own checkpoints are written to local paths only)")
+        try:
+            fs.check_location(value)
+        except ValueError as err:
+            raise ConfigError(f"--{flag}: {err}") from None
+
+
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Check the arguments against each other and the world size; fill derived values.
 
@@ -340,6 +358,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         raise ConfigError(f"--moc-pec-k ({args.moc_pec_k}) exceeds --num-experts ({args.num_experts})")
     if args.moc_two_level and not args.moc_checkpoint:
         raise ConfigError("--moc-two-level needs --moc-checkpoint")
+    _check_storage_urls(args)
     if args.moc_two_level and not (args.save or args.load or args.moc_shm_dir):
         raise ConfigError("--moc-two-level needs --save (or --moc-shm-dir) to name its memory")
     if args.moc_k_snapshot > args.num_experts:

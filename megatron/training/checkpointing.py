@@ -18,6 +18,7 @@ from typing import Dict, Optional
 
 import torch.distributed as dist
 
+from deepspeed_ext import fs
 from deepspeed_ext.storage import atomic_write_json
 from megatron.training.arguments import MODEL_SHAPE_ARGS
 from megatron.training.errors import ConfigError
@@ -99,11 +100,11 @@ def save_checkpoint(engine, args: argparse.Namespace, scheduler, state: ResumeSt
 
 def find_latest_tag(load_dir: str) -> Optional[str]:
     """The tag DeepSpeed's ``latest`` file names, or None when there is no checkpoint."""
-    latest = os.path.join(load_dir, LATEST_FILE)
-    if not os.path.isfile(latest):
+    latest = fs.join(load_dir, LATEST_FILE)
+    try:
+        tag = fs.read_text(latest).strip()
+    except (FileNotFoundError, IsADirectoryError):
         return None
-    with open(latest) as f:
-        tag = f.read().strip()
     return tag or None
 
 
@@ -162,7 +163,7 @@ def load_checkpoint(engine, args: argparse.Namespace, scheduler) -> ResumeState:
             metadata is missing.
     """
     load_dir = args.load
-    tag = find_latest_tag(load_dir) if load_dir and os.path.isdir(load_dir) else None
+    tag = find_latest_tag(load_dir) if load_dir and fs.isdir(load_dir) else None
     two_level = getattr(args, "moc_two_level", False)
     if tag is None and not two_level:  # two-level: the keepers' memory may hold snapshots
         print_rank_0(f"> no checkpoint found at --load {load_dir}: starting from scratch")

@@ -217,3 +217,30 @@ def test_end_of_job_persists_a_snapshot_that_was_not_due(tmp_path):
         assert [k for k in after if after[k] != saved[k]] == []
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_keeper_persists_to_an_fsspec_url(tmp_path):
+    """The keeper writes through fsspec (``file://`` here, ``s3://`` in production); after
+    the memory is gone, the next job loads the persisted state from the URL exactly."""
+    shm, local = _shm(), tmp_path / "ckpt"
+    url = "file://" + str(local)
+    try:
+        flags = _flags(shm, 2, 2, ["--moc-persist-interval", "2"])
+        first, _ = _run(tmp_path, "first", 2, "train-save", flags + [
+            "--train-iters", "4", "--save", url, "--save-interval", "1"])
+        # step 1 persisted in the background, step 3 too unless step 1 was still being
+        # written when its turn came (training never waits), step 4 at the end of the job
+        names = set(os.listdir(local))
+        assert {"global_step1", "global_step4", "latest"} <= names
+        assert names <= {"global_step1", "global_step3", "global_step4", "latest"}
+        assert _latest(str(local)) == "global_step4"
+        assert _verify(url, "global_step1") == [] and _verify(url, "global_step4") == []
+        assert not os.path.exists(shm)
+        second, _ = _run(tmp_path, "second", 2, "load-train-save", flags + [
+            "--train-iters", "4", "--load", url])
+        assert all(r["load_source"] == "storage" for r in second)
+        after, saved = second[0]["state_after_load"], first[0]["saved_states"]["4"]
+        assert after.keys() == saved.keys()
+        assert [k for k in after if after[k] != saved[k]] == []
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)

@@ -1,0 +1,270 @@
+"""Where checkpoints live: a local (or mounted shared) directory, or an fsspec URL.
+
+Every module that touches checkpoint storage goes through these functions, so that a
+``--save``/``--load`` of ``s3://bucket/run1`` (or any other fsspec protocol) works the
+same as ``/data/run1``. A path without ``scheme://`` is local and uses the operating
+system directly (fsync and rename for atomic writes, see :mod:`deepspeed_ext.storage`);
+a URL is handed to `fsspec <https://filesystem-spec.readthedocs.io>`_, which must be
+installed together with the protocol's own package (``s3fs`` for ``s3://``, ``gcsfs``
+for ``gs://``). ``file://`` URLs also go through fsspec, which is how the tests exercise
+this path across processes.
+
+What the URL path assumes of the store, and nothing more (so object stores qualify):
+
+- a whole-object write (:func:`write_bytes`) is atomic: readers see the old object or
+  the whole new one (true of S3, GCS and Azure puts; :mod:`deepspeed_ext.commit` also
+  checks sizes and checksums, so a torn write on a weaker store is caught at load);
+- ranged reads (:func:`read_range`) and listings of a "directory" prefix.
+
+No renames: on a URL a checkpoint is committed by writing its manifest last, and
+deleted by removing its manifest first (then the rest), exactly as on a local disk.
+
+All functions are called by whichever rank (or keeper) does the I/O; none is collective.
+"""
+
+import datetime
+import os
+import posixpath
+import re
+from typing import Any, List, Optional, Tuple
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
+
+
+def is_url(path: str) -> bool:
+    """True for ``scheme://...`` (handled by fsspec), False for a local path."""
+    return bool(_URL.match(str(path)))
+
+
+def _filesystem(url: str) -> Tuple[Any, str]:
+    """``(fsspec filesystem, path inside it)`` for a URL.
+
+    Raises:
+        ValueError: fsspec, or the package of the URL's protocol, is not installed, or
+            the protocol is unknown; the message names the URL and what to install.
+    """
+    try:
+        import fsspec.core
+    except ImportError:
+        raise ValueError(f"{url}: storage URLs need fsspec (pip install fsspec, plus the "
+                         f"protocol's package, e.g. s3fs for s3://)") from None
+    try:
+        return fsspec.core.url_to_fs(url)
+    except ImportError as err:
+        raise ValueError(f"{url}: the package for this protocol is missing ({err})") from None
+    except ValueError as err:
+        raise ValueError(f"{url}: not a storage URL fsspec knows ({err})") from None
+
+
+def check_location(path: str) -> None:
+    """Fail early (before training) when ``path`` is a URL fsspec cannot open.
+
+    Raises:
+        ValueError: naming the URL and the package to install.
+    """
+    if is_url(path):
+        _filesystem(path)
+
+
+def join(base: str, *parts: str) -> str:
+    """``base/part/...`` for a local path or a URL (URLs always use ``/``)."""
+    return posixpath.join(base, *parts) if is_url(base) else os.path.join(base, *parts)
+
+
+def basename(path: str) -> str:
+    """The last component, ignoring a trailing separator (``s3://b/run/`` -> ``run``)."""
+    if is_url(path):
+        return posixpath.basename(path.rstrip("/"))
+    return os.path.basename(os.path.normpath(path))
+
+
+def parent(path: str) -> str:
+    """The directory holding ``path`` (absolute for local paths)."""
+    if is_url(path):
+        return posixpath.dirname(path.rstrip("/"))
+    return os.path.dirname(os.path.abspath(path))
+
+
+def identity(path: str) -> str:
+    """A string naming the same location for every process of a job (the absolute
+    local path, or the URL itself): what per-location names are derived from."""
+    return path.rstrip("/") if is_url(path) else os.path.abspath(path)
+
+
+# ------------------------------------------------------------------------- queries
+
+def exists(path: str) -> bool:
+    if not is_url(path):
+        return os.path.exists(path)
+    fs, p = _filesystem(path)
+    return fs.exists(p)
+
+
+def isdir(path: str) -> bool:
+    """A directory (local), or a prefix holding at least one object (URL)."""
+    if not is_url(path):
+        return os.path.isdir(path)
+    fs, p = _filesystem(path)
+    return fs.isdir(p)
+
+
+def isfile(path: str) -> bool:
+    if not is_url(path):
+        return os.path.isfile(path)
+    fs, p = _filesystem(path)
+    return fs.isfile(p)
+
+
+def getsize(path: str) -> int:
+    """Size in bytes; FileNotFoundError when missing."""
+    if not is_url(path):
+        return os.path.getsize(path)
+    fs, p = _filesystem(path)
+    return int(fs.size(p))
+
+
+def mtime(path: str) -> Optional[float]:
+    """Last modification as a POSIX time, or None when the store does not say."""
+    if not is_url(path):
+        return os.stat(path).st_mtime
+    fs, p = _filesystem(path)
+    try:
+        when = fs.modified(p)
+    except (NotImplementedError, OSError, KeyError):
+        return None
+    if when.tzinfo is None:  # fsspec's local and memory stores give naive UTC or local times
+        return when.timestamp()
+    return when.astimezone(datetime.timezone.utc).timestamp()
+
+
+def listdir(path: str) -> List[str]:
+    """Names (not paths) directly under ``path``; FileNotFoundError when it is missing."""
+    if not is_url(path):
+        return os.listdir(path)
+    return [name for name, _ in _entries(path)]
+
+
+def subdirs(path: str) -> List[str]:
+    """Names of the directories directly under ``path``, sorted ([] when it is missing);
+    symbolic links to directories are not followed on a local disk."""
+    if not is_url(path):
+        try:
+            entries = list(os.scandir(path))
+        except FileNotFoundError:
+            return []
+        return sorted(e.name for e in entries if e.is_dir(follow_symlinks=False))
+    try:
+        return sorted(name for name, kind in _entries(path) if kind == "directory")
+    except FileNotFoundError:
+        return []
+
+
+def _entries(url: str) -> List[Tuple[str, str]]:
+    fs, p = _filesystem(url)
+    if not fs.isdir(p):
+        raise FileNotFoundError(f"{url}: no such directory")
+    out = []
+    for info in fs.ls(p, detail=True):
+        name = posixpath.basename(str(info["name"]).rstrip("/"))
+        if name:
+            out.append((name, info.get("type", "file")))
+    return out
+
+
+# ------------------------------------------------------------------------ reading
+
+def read_bytes(path: str) -> bytes:
+    """The whole file; FileNotFoundError when missing."""
+    if not is_url(path):
+        with open(path, "rb") as f:
+            return f.read()
+    fs, p = _filesystem(path)
+    return fs.cat_file(p)
+
+
+def read_text(path: str) -> str:
+    """The whole file as UTF-8; FileNotFoundError when missing, UnicodeDecodeError."""
+    return read_bytes(path).decode("utf-8")
+
+
+def read_range(path: str, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of a file (one ranged request on an object store)."""
+    if end <= start:
+        return b""
+    if not is_url(path):
+        with open(path, "rb") as f:
+            f.seek(start)
+            return f.read(end - start)
+    fs, p = _filesystem(path)
+    return fs.cat_file(p, start=start, end=end)
+
+
+def open_read(path: str):
+    """A binary file object (context manager) for chunked reads, e.g. checksums."""
+    if not is_url(path):
+        return open(path, "rb")
+    fs, p = _filesystem(path)
+    return fs.open(p, "rb")
+
+
+# ------------------------------------------------------------------------ writing
+# Local writes stay in deepspeed_ext.storage (temp file, fsync, rename, directory fsync);
+# these are the URL side.
+
+def makedirs(url: str) -> None:
+    """Create a "directory" (a no-op on object stores, where prefixes need none)."""
+    fs, p = _filesystem(url)
+    fs.makedirs(p, exist_ok=True)
+
+
+_WRITE_CHUNK = 64 << 20
+"""Bytes handed to the store's file object per write: it uploads in blocks (multipart on
+object stores), so a multi-GiB rank image is never copied whole."""
+
+
+def write_bytes(url: str, data) -> None:
+    """Write a whole object; it becomes visible when complete (object stores publish a
+    multipart upload only at its end). On an error the partial upload is discarded and
+    whatever reached the store is removed, so no torn file stays under the name."""
+    fs, p = _filesystem(url)
+    view = memoryview(data).cast("B")
+    f = fs.open(p, "wb")
+    try:
+        for start in range(0, len(view), _WRITE_CHUNK):
+            f.write(view[start:start + _WRITE_CHUNK])
+    except BaseException:
+        try:
+            f.discard()  # aborts a multipart upload; absent or a no-op on some stores
+        except Exception:
+            pass
+        try:
+            fs.rm_file(p)
+        except Exception:
+            pass
+        raise
+    f.close()
+
+
+def remove(path: str) -> None:
+    """Delete one file; FileNotFoundError when missing."""
+    if not is_url(path):
+        os.remove(path)
+        return
+    fs, p = _filesystem(path)
+    if not fs.exists(p):
+        raise FileNotFoundError(f"{path}: no such file")
+    fs.rm_file(p)
+
+
+def rmtree(path: str) -> None:
+    """Delete a directory and everything under it; errors are ignored (a leftover is
+    found again by the next retention pass)."""
+    if not is_url(path):
+        import shutil
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    fs, p = _filesystem(path)
+    try:
+        fs.rm(p, recursive=True)
+    except (FileNotFoundError, OSError):
+        pass
