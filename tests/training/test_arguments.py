@@ -86,6 +86,8 @@ def test_derived_values():
     (["--seq-length", "64", "--max-position-embeddings", "32"], 1, "--seq-length (64) exceeds"),
     (["--min-lr", "1"], 1, "--min-lr"),
     (["--deepspeed_config", "missing.json"], 1, "--deepspeed_config: file not found"),
+    (["--save", "s3://bucket/run"], 1, "--save s3://bucket/run: storage URLs need --moc-checkpoint"),
+    (["--moc-checkpoint", "--load", "nosuchproto://bucket/run"], 1, "--load: nosuchproto://bucket/run"),
 ])
 def test_validation_names_the_flag(extra, world, needle):
     with pytest.raises(ConfigError) as err:
