@@ -137,11 +137,17 @@ class MoCCheckpointer:
 
     def __init__(self, engine, config: Optional[MoCConfig] = None):
         from deepspeed_ext.pec import ExpertLayout, make_policy
+        from deepspeed_ext.plt import TokenLedger
         self.engine = engine
         self.config = config or MoCConfig()
         self.naming: ExpertNaming = expert_naming(engine.module)
         self.layout = None
         self.policy = None
+        self.ledger = None
+        """Token assignments per expert and at its saved versions (lost-token accounting)."""
+        self.last_recovery = None
+        """:class:`deepspeed_ext.plt.RecoveryLoss` of the last load (None: none, or a
+        checkpoint written before the ledger existed)."""
         if self.naming.moe_prefixes:
             num_experts = self.naming.num_experts[0]
             if any(n != num_experts for n in self.naming.num_experts):
@@ -150,6 +156,7 @@ class MoCCheckpointer:
             self.layout = ExpertLayout(len(self.naming.moe_prefixes), num_experts, ep_size)
             k = self.config.pec_k or num_experts
             self.policy = make_policy(self.config.pec_policy, self.layout, min(k, num_experts))
+            self.ledger = TokenLedger(self.layout.num_moe_layers, num_experts)
         self._piece_cache: Optional[Tuple[tuple, list]] = None
         self._previous: Optional[Tuple[str, str]] = None
         """(save_dir, tag) of the checkpoint the current state descends from."""
@@ -208,6 +215,8 @@ class MoCCheckpointer:
         """
         if self.policy is not None:
             self.policy.observe_tokens(counts)
+        if self.ledger is not None:
+            self.ledger.observe(counts)
 
     # -- save ---------------------------------------------------------------------
 
@@ -243,7 +252,8 @@ class MoCCheckpointer:
                 "lr_scheduler": (engine.lr_scheduler.state_dict()
                                  if getattr(engine, "lr_scheduler", None) is not None else None),
                 "loss_scaler": scaler_state,
-                "pec_policy": self.policy.state_dict() if self.policy is not None else None}
+                "pec_policy": self.policy.state_dict() if self.policy is not None else None,
+                "token_ledger": self.ledger.state_dict() if self.ledger is not None else None}
 
     def save(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[Dict] = None,
              save_latest: bool = True) -> bool:
@@ -279,6 +289,7 @@ class MoCCheckpointer:
         policy_before = self.policy.state_dict() if self.policy is not None else None
         if self.policy is not None:
             self.policy.mark_saved(selected, step)
+            self.ledger.mark_saved(selected, step)
         rng_states: List = [None] * world
         dist.all_gather_object(rng_states, get_rng_state())
         pending = _PendingSave(
@@ -517,12 +528,33 @@ class MoCCheckpointer:
             traceback.print_exc()
         _raise_if_failed(_all_outcomes(ok, payload), f"MoC load of {load_dir}/{chosen}")
         self._restore_objects(objects, load_optimizer_states, load_lr_scheduler_states)
+        self.account_recovery(objects, self.expert_versions_loaded)
         refresh_compute_weights(self.engine)
         self._previous = (load_dir, chosen)
         self._piece_cache = None
         _log(f"loaded {os.path.join(load_dir, chosen)} (step {self.engine.global_steps}) "
              f"in {time.perf_counter() - start:.2f} s")
         return os.path.join(load_dir, chosen), objects["client_state"]
+
+    def account_recovery(self, objects: Dict, versions: Dict[Tuple[int, int], int]) -> None:
+        """After a load: restore the token ledger saved with it and record what the load
+        lost (:attr:`last_recovery`), given the step of each expert version it took."""
+        self.last_recovery = None
+        if self.ledger is None:
+            return
+        saved = objects.get("token_ledger")
+        if not saved:
+            _log("the loaded checkpoint has no token ledger (saved by an older MoC): lost "
+                 "tokens of this recovery are not known")
+            return
+        self.ledger.load_state_dict(saved)
+        self.last_recovery = self.ledger.loss(int(objects["engine"]["global_steps"]), versions)
+
+    def set_k(self, k: int) -> None:
+        """Experts per MoE layer in each checkpoint from now on (dynamic K); every rank
+        calls it with the same value."""
+        if self.policy is not None:
+            self.policy.k = k
 
     def _restore_objects(self, objects: Dict, load_optimizer_states: bool,
                          load_lr_scheduler_states: bool = True) -> None:

@@ -211,6 +211,7 @@ class TwoLevel:
         union = (snap_sel | persist_sel) if snap_sel is not None else None
         if self.snap_policy is not None:
             self.snap_policy.mark_saved(union, step)
+            ck.ledger.mark_saved(union, step)  # every persisted expert is in the union
         policy_before = ck.policy.state_dict() if ck.policy is not None else None
         if persist and ck.policy is not None:
             ck.policy.mark_saved(persist_sel, step)
@@ -588,19 +589,21 @@ class TwoLevel:
         ck = self.ckpt
         ok, error, objects, counts = True, None, None, {"memory": 0, "storage": 0}
         storage = None
+        versions: Dict = {}  # expert -> step of the version taken (lost-token accounting)
         try:
             base = next(m for m in mine if m["step"] == step)
             storage = _StorageVersions(load_dir, step)
             try:
                 with torch.no_grad():
                     for frag in fragments:
-                        data = self._newest(frag, base, step, mine, storage, counts)
+                        data = self._newest(frag, base, step, mine, storage, counts, versions)
                         frag.tensor.copy_(data.to(device=frag.tensor.device,
                                                   dtype=frag.tensor.dtype))
             finally:
                 storage.close()
             tree = base["objects_tree"]
             objects = decode(tree, {k: self._read_slot(base, k) for k in tensor_keys(tree)})
+            counts["versions"] = sorted(versions.items())
         except Exception as e:
             traceback.print_exc()
             ok, error = False, f"{type(e).__name__}: {e}"
@@ -610,6 +613,9 @@ class TwoLevel:
             _log(f"recovery from memory at step {step} failed ({bad}); loading from storage")
             return None
         ck._restore_objects(objects, load_optimizer_states, load_lr_scheduler_states)
+        # Each rank knows the versions of its own experts; the ledger needs them all
+        # (they came with the outcomes: no extra collective).
+        ck.account_recovery(objects, {tuple(k): v for _, c in outcomes for k, v in c["versions"]})
         if self.snap_policy is not None and objects.get("snapshot_policy"):
             self.snap_policy.load_state_dict(objects["snapshot_policy"])
         refresh_compute_weights(ck.engine)
@@ -623,8 +629,9 @@ class TwoLevel:
         self.last_load_source = "memory"
         return f"memory:{self.node_dir}@{step}", objects["client_state"]
 
-    def _newest(self, frag, base, step, mine, storage, counts):
-        """The newest version (<= step) of one fragment, from memory or storage."""
+    def _newest(self, frag, base, step, mine, storage, counts, versions):
+        """The newest version (<= step) of one fragment, from memory or storage; records
+        its step in ``versions`` for experts."""
         key = frag.key
         if frag.expert is None:
             if key not in base["specs"]:
@@ -636,10 +643,12 @@ class TwoLevel:
         stored = storage.versions.get(tuple(frag.expert))
         if newest_memory is not None and (stored is None or newest_memory["step"] >= stored):
             counts["memory"] += 1
+            versions[tuple(frag.expert)] = newest_memory["step"]
             return self._read_slot(newest_memory, key)
         if stored is None:
             raise RuntimeError(f"no version of expert {frag.expert} ({key}) in memory or storage")
         counts["storage"] += 1
+        versions[tuple(frag.expert)] = stored
         return storage.reader().read(frag.name, frag.kind, frag.offset, frag.length)
 
     def _read_slot(self, meta, key):
@@ -654,6 +663,7 @@ class TwoLevel:
         this rank is newer than what storage gave (every rank calls it)."""
         from deepspeed_ext.state import refresh_compute_weights
         versions = self.ckpt.expert_versions_loaded or {}
+        newer: Dict = {}
         taken = 0
         with torch.no_grad():
             for frag in fragments:
@@ -665,12 +675,19 @@ class TwoLevel:
                     newest = max(holders, key=lambda m: m["step"])
                     data = self._read_slot(newest, frag.key)
                     frag.tensor.copy_(data.to(device=frag.tensor.device, dtype=frag.tensor.dtype))
+                    newer[tuple(frag.expert)] = newest["step"]
                     taken += 1
         refresh_compute_weights(self.ckpt.engine)
         if taken:
             self.last_load_source = "storage+memory"
         totals: List = [None] * self.world
-        dist.all_gather_object(totals, taken)
+        dist.all_gather_object(totals, (taken, sorted(newer.items())))
+        for _, part in totals:
+            versions = {**versions, **{tuple(k): v for k, v in part}}
+        ck = self.ckpt
+        if ck.last_recovery is not None:  # the ledger holds the storage checkpoint's state
+            ck.last_recovery = ck.ledger.loss(ck.last_recovery.step, versions)
+        totals = [t for t, _ in totals]
         if sum(totals):
             _log(f"two-level recovery: {sum(totals)} expert fragment(s) taken from the memory "
                  f"of ranks {[r for r, t in enumerate(totals) if t]}, newer than storage")

@@ -143,6 +143,15 @@ def _add_moc_args(p: argparse.ArgumentParser) -> None:
                         "--save under /dev/shm (stable across restarts of one job).")
     g.add_argument("--moc-host-memory-gb", type=float, default=0.0,
                    help="Host memory one rank's snapshot slots may use; 0: unchecked.")
+    g.add_argument("--moc-dynamic-k", action="store_true",
+                   help="After each recovery, double the experts per checkpoint (up to all) "
+                        "while the accumulated proportion of lost tokens exceeds "
+                        "--moc-plt-threshold (the MoC paper's dynamic K).")
+    g.add_argument("--moc-plt-threshold", type=float, default=0.0375,
+                   help="Accumulated PLT above which --moc-dynamic-k doubles K; in (0, 1).")
+    g.add_argument("--moc-event-file", default=None,
+                   help="JSON-lines file of failures, detections and recoveries (PLT, K, "
+                        "iterations lost); default: <save>/moc-events.jsonl for a local --save.")
     g.add_argument("--moc-sync-save", action="store_true",
                    help="Wait until each checkpoint is written and committed; by default a "
                         "save returns once the state is in host memory and is written in "
@@ -359,6 +368,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.moc_two_level and not args.moc_checkpoint:
         raise ConfigError("--moc-two-level needs --moc-checkpoint")
     _check_storage_urls(args)
+    if args.moc_dynamic_k and not args.moc_checkpoint:
+        raise ConfigError("--moc-dynamic-k needs --moc-checkpoint")
+    if not 0.0 < args.moc_plt_threshold < 1.0:
+        raise ConfigError(f"--moc-plt-threshold must be in (0, 1), got {args.moc_plt_threshold}")
+    if args.moc_event_file is None:
+        from megatron.training.events import default_event_file
+        args.moc_event_file = default_event_file(args.save) if args.moc_checkpoint else None
     if args.moc_two_level and not (args.save or args.load or args.moc_shm_dir):
         raise ConfigError("--moc-two-level needs --save (or --moc-shm-dir) to name its memory")
     if args.moc_k_snapshot > args.num_experts:

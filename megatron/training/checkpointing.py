@@ -41,6 +41,8 @@ class ResumeState:
     """This rank's saved RNG state. Applied by the caller right before the first
     iteration: building data loaders draws from the global generator, so applying it
     any earlier would shift every later random draw."""
+    recovery: Optional[object] = None
+    """What loading a MoC checkpoint cost (:class:`megatron.training.recovery.RecoveryReport`)."""
 
 
 def tag_for(iteration: int) -> str:
@@ -198,7 +200,10 @@ def load_checkpoint(engine, args: argparse.Namespace, scheduler) -> ResumeState:
     state = ResumeState(iteration=int(client_state["iteration"]),
                         consumed_train_samples=int(client_state["consumed_train_samples"]),
                         rng_state=rng_state)
+    load_s = time.perf_counter() - start
     print_rank_0(f"> loaded checkpoint {path} at iteration {state.iteration} "
-                 f"({state.consumed_train_samples} consumed samples) in "
-                 f"{time.perf_counter() - start:.2f} s")
+                 f"({state.consumed_train_samples} consumed samples) in {load_s:.2f} s")
+    if getattr(engine, "moc", None) is not None:
+        from megatron.training.recovery import account_recovery
+        state.recovery = account_recovery(engine, args, state.iteration, load_s)
     return state

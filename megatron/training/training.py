@@ -274,6 +274,19 @@ def _print_banner(args: argparse.Namespace) -> None:
                  f"{'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}")
 
 
+def _progress_recorder(args: argparse.Namespace):
+    """Rank 0's per-iteration progress record beside ``--moc-event-file`` (the next start
+    reports the iterations a failure lost from it); None where there is none."""
+    if not getattr(args, "moc_event_file", None) or dist.get_rank() != 0:
+        return None
+    import socket
+    from megatron.training.events import Progress
+    from megatron.training.recovery import progress_path
+    recorder = Progress(progress_path(args.moc_event_file))
+    run_id = f"{socket.gethostname()}:{os.getpid()}:{int(time.time())}"
+    return lambda iteration: recorder.record(iteration, run_id)
+
+
 def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer) -> TrainResult:
     result = TrainResult(iteration=state.iteration, consumed_train_samples=state.consumed_train_samples)
     tokens_per_iter = args.global_batch_size * args.seq_length
@@ -286,6 +299,9 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer) 
         save_interval = args.moc_snapshot_interval
     print_rank_0(f"[{timestamp()}] training from iteration {state.iteration} to {args.train_iters}"
                  + ("" if args.save else " (no --save: no checkpoints will be written)"))
+    if state.recovery is not None:
+        writer.write("moc", state.iteration, state.recovery.metrics())
+    progress = _progress_recorder(args)
     while state.iteration < args.train_iters:
         stats = train_step(engine, train_iter, args)
         scheduler.step(1)
@@ -296,6 +312,8 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer) 
             moc.observe_tokens(counts.tolist())
         state.iteration += 1
         state.consumed_train_samples += args.global_batch_size
+        if progress is not None:
+            progress(state.iteration)
         skipped_total += int(stats.skipped)
         window.append(stats)
         result.losses.append(stats.lm_loss)

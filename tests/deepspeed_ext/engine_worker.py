@@ -132,6 +132,8 @@ def main():
             result["client_state"] = client
             start = client["step"]
             result["state_after_load"] = _state(engine)  # a collective: every rank calls it
+            recovery = engine.moc.last_recovery
+            result["recovery"] = recovery.to_json() if recovery is not None else None
         states = {}
         if action == "load-resave":
             engine.save_checkpoint(args.save, tag="resaved", client_state=client)

@@ -54,6 +54,10 @@ def test_crash_then_recover_from_memory_bitwise(tmp_path):
             "--train-iters", "4", "--load", ckpt, "--save", ckpt, "--save-interval", "1"])
         assert second[0]["client_state"] == {"step": 3}
         assert all(r["load_source"] == "memory" for r in second)
+        # every expert came from the step-3 snapshot: the token ledger counts no loss
+        recovery = second[0]["recovery"]
+        assert recovery["step"] == 3 and recovery["exact"] and recovery["plt"] == 0.0
+        assert sum(map(sum, recovery["lost"])) == 0 and min(recovery["assigned"]) > 0
         assert "recovered step 3 from memory" in results[0].output
         assert "0 from storage" in results[0].output
         after = second[0]["state_after_load"]
@@ -90,6 +94,8 @@ def test_node_memory_lost_two_level_recovery(tmp_path):
         assert [r["load_source"] for r in second] == ["storage+memory"] * 2 + ["storage"] * 2
         assert second[0]["client_state"] == {"step": 1}
         assert "two-level recovery" in results[0].output
+        assert all(r["recovery"] == second[0]["recovery"] for r in second)
+        assert second[0]["recovery"]["step"] == 1 and second[0]["recovery"]["plt"] == 0.0
         after = second[0]["state_after_load"]
         node0_experts = newer = 0
         for key, values in after.items():

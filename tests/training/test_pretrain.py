@@ -221,7 +221,44 @@ def test_two_level_run_and_resume_match_an_uninterrupted_run(corpus, tmp_path, u
         second = run_ranks(2, common)
         _assert_ok(second)
         assert "loaded" in second[0].output and "global_step4" in second[0].output
-        assert _metrics(metrics) == _metrics(uninterrupted / "m.jsonl")
+        records = _metrics(metrics)
+        # the resume's recovery record: K = all experts, so nothing was lost
+        recovery = [r for r in records if r["kind"] == "moc"]
+        assert len(recovery) == 1 and recovery[0]["plt"] == 0.0, recovery
+        assert recovery[0]["iterations_lost"] == 0
+        assert [r for r in records if r["kind"] != "moc"] == _metrics(uninterrupted / "m.jsonl")
         assert not os.path.exists(shm)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_recovery_reports_plt_and_dynamic_k_doubles(corpus, tmp_path):
+    """PEC K=1: stop at 4, resume; the recovery's lost tokens (the token ledger) equal the
+    PEC policy's unsaved tokens saved in that checkpoint (two independent bookkeepers),
+    and with a tiny --moc-plt-threshold dynamic K doubles K for the next checkpoints."""
+    from deepspeed_ext.objects import read_objects_file
+    ckpt = tmp_path / "ckpt"
+    common = TINY + ["--data-path", corpus, "--moc-checkpoint", "--moc-pec-k", "1",
+                     "--save", str(ckpt), "--save-interval", "2"]
+    _assert_ok(run_ranks(2, common + ["--exit-interval", "4"]))
+    second = run_ranks(2, common + ["--load", str(ckpt), "--moc-dynamic-k",
+                                    "--moc-plt-threshold", "0.001"])
+    _assert_ok(second)
+    events = [json.loads(line) for line in open(ckpt / "moc-events.jsonl")]
+    assert [e["kind"] for e in events] == ["recovery"]
+    event = events[0]
+    assert event["iteration"] == 4 and event["source"] == "storage"
+    assert event["iterations_lost"] == 0 and event["loss"]["exact"]
+    unsaved = read_objects_file(str(ckpt / "global_step4")).tree["pec_policy"]["unsaved_tokens"]
+    assert event["loss"]["lost"] == unsaved and sum(map(sum, unsaved)) > 0
+    assigned = event["loss"]["assigned"]
+    expected = sum(sum(lost) / total for lost, total in zip(unsaved, assigned)) / len(assigned)
+    assert event["plt"] == event["cumulative_plt"] == expected > 0.001
+    assert event["k"] == 2
+    log = second[0].output
+    assert "recovered iteration 4 from storage" in log and "PLT" in log
+    assert "dynamic K: accumulated PLT" in log and "K 1 -> 2 experts per MoE layer" in log
+    manifest = json.load(open(ckpt / "global_step8" / "manifest.json"))
+    assert manifest["extra"]["pec_k"] == 2
+    saved_at_8 = [k for k, v in manifest["expert_index"].items() if v["step"] == 8]
+    assert len(saved_at_8) == 2 * manifest["layout"]["num_moe_layers"], saved_at_8

@@ -1,0 +1,146 @@
+"""What a recovery cost, reported when a job (re)starts from a MoC checkpoint: the level
+it came from, the iterations the failure lost, the seconds from the last progress to
+training again, the Proportion of Lost Tokens (PLT) of this recovery and of all
+recoveries of the job so far, and dynamic K.
+
+Every load of a MoC checkpoint counts as a recovery, planned restarts included: with
+partial experts checkpointing even a planned restart resumes some experts from older
+versions (their updates since then are lost), so the accounting must see it.
+
+Called by every rank, in order, right after ``engine.load_checkpoint`` (see
+:func:`megatron.training.checkpointing.load_checkpoint`)::
+
+    report = account_recovery(engine, args, iteration, load_s)   # rank 0 reads/appends the event file
+    # report.k is set on every rank's checkpointer already (dynamic K)
+"""
+
+import argparse
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch.distributed as dist
+
+from megatron.training.events import PROGRESS_FILE, EventLog, Progress
+from megatron.training.log import print_rank_0
+
+
+@dataclass
+class RecoveryReport:
+    """The outcome of :func:`account_recovery`, identical on every rank."""
+
+    iteration: int
+    """Iteration training resumes from."""
+    source: Optional[str]
+    """``memory``, ``storage`` or ``storage+memory``."""
+    plt: Optional[float] = None
+    """This recovery's PLT (None: the checkpoint predates the token ledger)."""
+    cumulative_plt: Optional[float] = None
+    """Accumulated PLT of every recovery of the job so far."""
+    k: Optional[int] = None
+    """Experts per MoE layer per checkpoint from now on."""
+    iterations_lost: Optional[int] = None
+    """Iterations the previous run had finished beyond ``iteration`` (None: unknown)."""
+    seconds_since_progress: Optional[float] = None
+    """From the previous run's last finished iteration to now."""
+    events: List[Dict] = field(default_factory=list)
+    """Event dicts written (rank 0)."""
+
+    def metrics(self) -> Dict:
+        """Numeric fields for the metrics file / TensorBoard (``moc/...``)."""
+        out = {"plt": self.plt, "cumulative_plt": self.cumulative_plt, "k": self.k,
+               "iterations_lost": self.iterations_lost}
+        return {k: v for k, v in out.items() if v is not None}
+
+
+def progress_path(event_file: str) -> str:
+    """The progress record beside the event file."""
+    import os
+    return os.path.join(os.path.dirname(os.path.abspath(event_file)), PROGRESS_FILE)
+
+
+def account_recovery(engine, args: argparse.Namespace, iteration: int,
+                     load_s: float) -> Optional[RecoveryReport]:
+    """Report a MoC load; every rank calls it after ``engine.load_checkpoint``.
+
+    Rank 0 reads the job's earlier recoveries and the failed run's progress from
+    ``--moc-event-file``, computes the accumulated PLT and (with ``--moc-dynamic-k``)
+    the new K, appends a ``recovery`` event and logs; the result is broadcast so every
+    rank sets the same K (the selection of experts must agree across ranks).
+
+    Returns:
+        The report, or None when MoC is off or nothing was loaded.
+    """
+    moc = getattr(engine, "moc", None)
+    if moc is None:
+        return None
+    payload = [None]
+    if dist.get_rank() == 0:
+        try:
+            payload[0] = (True, _rank0_report(moc, args, iteration, load_s))
+        except Exception as e:  # every rank must learn it, or they would wait forever
+            payload[0] = (False, f"{type(e).__name__}: {e}")
+    dist.broadcast_object_list(payload, src=0)
+    ok, report = payload[0]
+    if not ok:
+        raise RuntimeError(f"recovery accounting failed on rank 0: {report}")
+    if report.k is not None:
+        moc.set_k(report.k)
+    return report
+
+
+def _rank0_report(moc, args, iteration: int, load_s: float) -> RecoveryReport:
+    from deepspeed_ext.plt import RecoveryLoss, cumulative_plt, dynamic_k
+    loss = moc.last_recovery
+    log = EventLog(args.moc_event_file) if args.moc_event_file else None
+    earlier = log.read("recovery") if log is not None else []
+    report = RecoveryReport(iteration=iteration, source=moc.last_load_source)
+    progress = Progress(progress_path(args.moc_event_file)).read() if log is not None else None
+    if progress is not None:
+        report.iterations_lost = max(0, int(progress["iteration"]) - iteration)
+        report.seconds_since_progress = time.time() - float(progress["time"])
+    flag_k = args.moc_k_persist if args.moc_k_persist is not None else args.moc_pec_k
+    k = flag_k or args.num_experts
+    if loss is not None:
+        losses = [RecoveryLoss.from_json(e["loss"]) for e in earlier if e.get("loss")]
+        report.plt = loss.plt
+        report.cumulative_plt = cumulative_plt(losses + [loss])
+        if args.moc_dynamic_k:
+            # K follows from the job's whole history, replayed in order: a restart
+            # continues with the K the previous run had reached.
+            for event in earlier:
+                if event.get("cumulative_plt") is not None:
+                    k = dynamic_k(k, args.num_experts, event["cumulative_plt"],
+                                  args.moc_plt_threshold)
+            before = k
+            k = dynamic_k(k, args.num_experts, report.cumulative_plt, args.moc_plt_threshold)
+            report.k = k
+            if k != before:
+                print_rank_0(f"[moc] dynamic K: accumulated PLT {100 * report.cumulative_plt:.2f} % "
+                             f"> {100 * args.moc_plt_threshold:.2f} % (--moc-plt-threshold): "
+                             f"K {before} -> {k} experts per MoE layer")
+    _log_recovery(report, load_s, loss)
+    if log is not None:
+        event = {"kind": "recovery", "iteration": iteration, "source": report.source,
+                 "load_s": load_s, "plt": report.plt, "cumulative_plt": report.cumulative_plt,
+                 "k": report.k if report.k is not None else k,
+                 "iterations_lost": report.iterations_lost,
+                 "seconds_since_progress": report.seconds_since_progress,
+                 "failed_run": progress.get("run") if progress else None,
+                 "loss": loss.to_json() if loss is not None else None}
+        report.events.append(log.append(event))
+    return report
+
+
+def _log_recovery(report: RecoveryReport, load_s: float, loss) -> None:
+    parts = [f"[moc] recovered iteration {report.iteration} from {report.source} in {load_s:.2f} s"]
+    if report.iterations_lost is not None:
+        parts.append(f"{report.iterations_lost} iteration(s) lost, "
+                     f"{report.seconds_since_progress:.1f} s since the last finished iteration")
+    if report.plt is not None:
+        exact = "" if loss.exact else " (at least)"
+        parts.append(f"PLT {100 * report.plt:.3f} %{exact}, accumulated "
+                     f"{100 * report.cumulative_plt:.3f} %")
+    else:
+        parts.append("PLT unknown (checkpoint without a token ledger)")
+    print_rank_0("; ".join(parts))
