@@ -1,0 +1,50 @@
+"""The job's event file and progress record (megatron.training.events)."""
+
+import json
+import os
+
+import pytest
+
+from megatron.training.arguments import parse_args, validate_args
+from megatron.training.errors import ConfigError
+from megatron.training.events import EventLog, Progress, default_event_file
+from tests.training.test_arguments import BASE
+
+
+def test_events_append_read_and_skip_a_torn_line(tmp_path):
+    log = EventLog(str(tmp_path / "run" / "moc-events.jsonl"))
+    assert log.read() == []
+    first = log.append({"kind": "recovery", "iteration": 4})
+    log.append({"kind": "hang", "rank": 1, "time": 5.0})
+    with open(log.path, "a") as f:
+        f.write('{"kind": "recovery", "iter')  # a crash in the middle of a write
+    assert [e["kind"] for e in log.read()] == ["recovery", "hang"]
+    assert log.read("hang") == [{"kind": "hang", "rank": 1, "time": 5.0}]
+    assert first["time"] > 0 and log.read("recovery")[0] == first
+    with pytest.raises(ValueError):
+        log.append({"kind": "x", "plt": float("nan")})  # strict JSON only
+
+
+def test_progress_record_round_trip(tmp_path):
+    progress = Progress(str(tmp_path / "new" / "moc-progress.json"))
+    assert progress.read() is None
+    progress.record(7, "host:1:2")
+    progress.record(8, "host:1:2")
+    assert progress.read()["iteration"] == 8 and progress.read()["run"] == "host:1:2"
+    assert os.listdir(tmp_path / "new") == ["moc-progress.json"]  # no temp file left
+    (tmp_path / "new" / "moc-progress.json").write_text("{")
+    assert progress.read() is None
+
+
+def test_event_file_default_and_threshold_checks(tmp_path):
+    args = validate_args(parse_args(BASE + ["--moc-checkpoint", "--save", str(tmp_path)]), 1)
+    assert args.moc_event_file == os.path.join(str(tmp_path), "moc-events.jsonl")
+    args = validate_args(parse_args(BASE + ["--save", str(tmp_path)]), 1)
+    assert args.moc_event_file is None  # DeepSpeed's own checkpoints: no MoC accounting
+    assert default_event_file("s3://bucket/run") is None
+    for bad in ("0", "1", "-0.5"):
+        with pytest.raises(ConfigError, match="--moc-plt-threshold must be in"):
+            validate_args(parse_args(BASE + ["--moc-checkpoint", "--moc-plt-threshold", bad]), 1)
+    with pytest.raises(ConfigError, match="--moc-dynamic-k needs --moc-checkpoint"):
+        validate_args(parse_args(BASE + ["--moc-dynamic-k"]), 1)
+    assert json.dumps(vars(args), default=str)  # the arguments stay serialisable
