@@ -234,6 +234,11 @@ def run_persist_job(job: Dict[str, Any], log=print, background_commit: bool = Fa
         record = write_image_subset(os.path.join(tag_dir, file_name), job["image"],
                                     job["entries"], job["keys"])
         _remove_quietly(job.get("done_marker"))
+        if os.environ.get(CRASH_PERSIST_ENV):
+            # The trainer's --moc-fault persist-crash armed this keeper (never in normal
+            # runs, so the keeper does not depend on the trainer's package otherwise).
+            from megatron.training.faults import crash_in_persist_if_due
+            crash_in_persist_if_due(job["step"])
         if job["step"] >= int(os.environ.get(HANG_PERSIST_ENV, "-1")) >= 0:
             _hang(f"{HANG_PERSIST_ENV}: hanging after writing rank {rank}'s file of {job['tag']}")
         objects_record = job.get("objects_record")  # rank 0 wrote the objects itself
@@ -258,6 +263,11 @@ def run_persist_job(job: Dict[str, Any], log=print, background_commit: bool = Fa
     else:
         _commit_job(job, tag_dir, log)
 
+
+CRASH_PERSIST_ENV = "MOC_FAULT_CRASH_PERSIST_STEP"
+"""Fault injection (``--moc-fault persist-crash@N``, armed by
+:meth:`megatron.training.faults.FaultInjector.persist_env`): the keeper SIGKILLs itself
+while persisting the snapshot of step N or later, once per job."""
 
 HANG_PERSIST_ENV = "MOC_FAULT_HANG_PERSIST_STEP"
 """Fault injection: a persist of this step or a later one stops after writing a rank's

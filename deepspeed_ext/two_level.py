@@ -41,7 +41,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 import time
 import traceback
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -94,6 +94,8 @@ class TwoLevel:
             self.snap_policy = make_policy("sequential", ckpt.layout,
                                            min(k, ckpt.layout.num_experts))
         self.count = 0
+        self.fault_hook: Optional[Callable[[int], None]] = None
+        """Called with the step right after a snapshot's copy started (fault injection)."""
         # One long-lived copy thread: starting a thread per snapshot made the save call
         # wait up to a GIL switch interval (5 ms) for the new thread to start.
         self.copier_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moc-snapshot")
@@ -247,6 +249,8 @@ class TwoLevel:
         event = self.copier.launch(buffer, layout, tensors)
         self.copy_job = self.copier_pool.submit(self._copy, slot, event, buffer, layout,
                                                    tensors, meta, job)
+        if self.fault_hook is not None:  # fault injection: die while the copy is in flight
+            self.fault_hook(step)
         if persist or self.count == 1:  # a line per snapshot would flood per-iteration runs
             _log(f"snapshot {tag} (step {step}) into {self.node_dir}: "
                  f"{layout.nbytes / 2**20:.2f} MiB on rank 0, "
@@ -528,6 +532,18 @@ class TwoLevel:
 
     def host_memory_bytes(self) -> int:
         return self.slots.host_bytes()
+
+    def drop_node_memory(self) -> None:
+        """Fault injection: this node loses its snapshots, as when the machine dies. Kills
+        the node's keeper and deletes its shared memory; any rank of the node may call it,
+        the other ranks of the node are expected to die with it."""
+        import shutil
+        import signal
+        try:
+            os.kill(keeper.request(self.node_dir, {"op": "ping"})["pid"], signal.SIGKILL)
+        except Exception as e:  # already gone: its memory is what matters
+            _log(f"node {self.node}: keeper not reachable ({e})")
+        shutil.rmtree(self.node_dir, ignore_errors=True)
 
     # -- recovery ----------------------------------------------------------------------
 

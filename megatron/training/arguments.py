@@ -196,8 +196,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", action="append",
                    help="YAML file whose keys are flag names; repeatable (later files win); "
                         "flags win over all of them.")
+    from megatron.training.faults import add_fault_args
+    from megatron.training.monitor import add_monitor_args
     for add in (_add_model_args, _add_moe_args, _add_training_args, _add_checkpoint_args,
-                _add_moc_args, _add_data_args, _add_logging_args, _add_deepspeed_args):
+                _add_moc_args, add_monitor_args, add_fault_args, _add_data_args,
+                _add_logging_args, _add_deepspeed_args):
         add(p)
     return p
 
@@ -285,6 +288,19 @@ def _check_positive(args: argparse.Namespace, names: Sequence[str]) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+
+
+def _check_failure_flags(args: argparse.Namespace, world_size: int) -> None:
+    """Fault injection and hang/straggler detection: bad values stop the job here."""
+    from megatron.training.faults import faults_from_args
+    from megatron.training.monitor import MonitorConfig
+    faults_from_args(args, world_size)
+    if (args.moc_fault or args.moc_fault_mtbf is not None) and \
+            (not args.save or "://" in args.save):
+        raise ConfigError("--moc-fault/--moc-fault-mtbf need a local --save: the record of "
+                          "fired faults lives there, so a restarted job does not fire them again")
+    if args.moc_monitor:
+        MonitorConfig.from_args(args)
 
 
 def _check_storage_urls(args: argparse.Namespace) -> None:
@@ -375,6 +391,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.moc_event_file is None:
         from megatron.training.events import default_event_file
         args.moc_event_file = default_event_file(args.save) if args.moc_checkpoint else None
+    _check_failure_flags(args, world_size)
     if args.moc_two_level and not (args.save or args.load or args.moc_shm_dir):
         raise ConfigError("--moc-two-level needs --save (or --moc-shm-dir) to name its memory")
     if args.moc_k_snapshot > args.num_experts:

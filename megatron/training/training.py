@@ -64,6 +64,14 @@ def remove_deepspeed_shm_buffers() -> None:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() != "gloo":
         return
     dist.barrier()
+    unlink_deepspeed_shm_buffer()
+
+
+def unlink_deepspeed_shm_buffer() -> None:
+    """This rank's part of :func:`remove_deepspeed_shm_buffers`, without the barrier: for a
+    rank about to exit because of a hang, when a collective would never return."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() != "gloo":
+        return
     name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_"
             f"{os.environ.get('MASTER_ADDR', '')}_{os.environ.get('MASTER_PORT', '')}_"
             f"{dist.get_rank()}")
@@ -92,8 +100,24 @@ def initialize_distributed(args: argparse.Namespace) -> None:
     accel = get_accelerator()
     if accel.device_name() != "cpu":
         accel.set_device(int(os.environ["LOCAL_RANK"]))
-    deepspeed.init_distributed(dist_backend=accel.communication_backend_name(),
-                               timeout=timedelta(minutes=args.distributed_timeout_minutes))
+    timeout = timedelta(minutes=args.distributed_timeout_minutes)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        _init_from_agent_store(accel.communication_backend_name(), timeout)
+    deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), timeout=timeout)
+
+
+def _init_from_agent_store(backend: str, timeout) -> None:
+    """Under torchrun's elastic agent, create the process group on the agent's store with
+    a prefix per restart. The agent keeps one store for the whole job, and without the
+    prefix a restarted rank read its peers' addresses of the failed attempt and could not
+    connect ("Gloo connectFullMesh failed ... Connection refused"); DeepSpeed's
+    ``init_distributed`` then finds the group already made and keeps it."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"moc/attempt_{attempt}", store),
+                            rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
 
 
 def _set_threads(args: argparse.Namespace) -> None:
@@ -241,9 +265,14 @@ def pretrain(args: argparse.Namespace, extra_setup=None) -> TrainResult:
     datasets = build_train_valid_test_datasets(args, tokenizer)
     _print_banner(args)
     engine, scheduler = setup_model_and_optimizer(args)
+    injector = _fault_injector(args, engine)
     if args.moc_checkpoint:
         from deepspeed_ext import enable_moc_checkpointing
+        if injector is not None:
+            os.environ.update(injector.persist_env())  # the node keeper inherits it
         enable_moc_checkpointing(engine, moc_config_from_args(args))
+        if injector is not None and engine.moc.two_level is not None:
+            engine.moc.two_level.fault_hook = injector.in_snapshot
         print_rank_0(f"> MoC checkpointing on: K = {args.moc_pec_k or args.num_experts} of "
                      f"{args.num_experts} experts per MoE layer per checkpoint, "
                      f"policy {args.moc_pec_policy}")
@@ -256,9 +285,12 @@ def pretrain(args: argparse.Namespace, extra_setup=None) -> TrainResult:
     if state.rng_state is not None:
         set_rng_state(state.rng_state)
     writer = MetricsWriter(args.metrics_file, args.tensorboard_dir)
+    watch = _Watch(args)
     try:
-        return _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer)
+        return _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
+                           injector, watch)
     finally:
+        watch.stop()
         writer.close()
 
 
@@ -287,7 +319,74 @@ def _progress_recorder(args: argparse.Namespace):
     return lambda iteration: recorder.record(iteration, run_id)
 
 
-def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer) -> TrainResult:
+def _fault_injector(args: argparse.Namespace, engine):
+    """Every rank: the ``--moc-fault``/``--moc-fault-mtbf`` injector, or None. Its record
+    of fired faults lives beside the checkpoints, so restarts do not fire them again."""
+    if not (getattr(args, "moc_fault", None) or getattr(args, "moc_fault_mtbf", None)):
+        return None
+    from megatron.training.events import EventLog
+    from megatron.training.faults import FaultInjector, faults_from_args
+    lose_memory = None
+    if getattr(args, "moc_two_level", False):
+        lose_memory = lambda: engine.moc.two_level.drop_node_memory()  # noqa: E731
+    emit = EventLog(args.moc_event_file).append if args.moc_event_file else None
+    return FaultInjector(faults_from_args(args, dist.get_world_size()), dist.get_rank(),
+                         dist.get_world_size(), os.path.join(args.save, "moc-faults.json"),
+                         mtbf_s=args.moc_fault_mtbf, seed=args.moc_fault_seed,
+                         lose_memory=lose_memory, emit=emit)
+
+
+class _Watch:
+    """``--moc-monitor``: this rank's heartbeat and hang/straggler watchdog (every rank
+    creates one before the loop; a no-op without the flag)."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.heartbeat = self.watchdog = None
+        self._last_top = self._free_since = None
+        if not getattr(args, "moc_monitor", False):
+            return
+        from megatron.training import monitor
+        from megatron.training.events import EventLog
+        cfg = monitor.MonitorConfig.from_args(args)
+        store = monitor.default_store()
+        emit = EventLog(args.moc_event_file).append if args.moc_event_file else None
+        self.heartbeat = monitor.Heartbeat(store, dist.get_rank(), cfg.straggler_window)
+        self.watchdog = monitor.Watchdog(store, dist.get_rank(), dist.get_world_size(), cfg,
+                                         emit=emit, on_hang=self._on_hang)
+        self.watchdog.start()
+
+    def _on_hang(self, event) -> None:
+        # os._exit skips the normal end: free DeepSpeed's /dev/shm buffer first (no
+        # barrier: the other ranks may be the ones that hang).
+        unlink_deepspeed_shm_buffer()
+        self.watchdog.stop_job(event)
+
+    def beat(self, iteration: int) -> None:
+        """Top of each iteration: its number, the last iteration's wall time and the part
+        of it this rank spent outside collectives (what tells a straggler apart)."""
+        if self.heartbeat is None:
+            return
+        top = time.perf_counter()
+        self.heartbeat.beat(iteration,
+                            iter_s=top - self._last_top if self._last_top else None,
+                            own_s=top - self._free_since if self._free_since else None)
+        self._last_top = top
+
+    def collectives_done(self) -> None:
+        """After an iteration's last collective (and after a save or an evaluation)."""
+        if self.heartbeat is not None:
+            self._free_since = time.perf_counter()
+
+    def stop(self) -> None:
+        """After the loop, before the final save (a long save must not look like a hang)."""
+        if self.heartbeat is not None:
+            self.heartbeat.finish()
+            self.watchdog.stop()
+            self.heartbeat = None
+
+
+def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
+                injector=None, watch=None) -> TrainResult:
     result = TrainResult(iteration=state.iteration, consumed_train_samples=state.consumed_train_samples)
     tokens_per_iter = args.global_batch_size * args.seq_length
     window: List[StepStats] = []
@@ -302,7 +401,11 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer) 
     if state.recovery is not None:
         writer.write("moc", state.iteration, state.recovery.metrics())
     progress = _progress_recorder(args)
+    watch = watch or _Watch(args)
     while state.iteration < args.train_iters:
+        if injector is not None:
+            injector.before_iteration(state.iteration + 1)
+        watch.beat(state.iteration + 1)
         stats = train_step(engine, train_iter, args)
         scheduler.step(1)
         moc = getattr(engine, "moc", None)
@@ -310,6 +413,7 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer) 
             counts = stats.expert_counts.clone()
             dist.all_reduce(counts)  # the policy state must be identical on every rank
             moc.observe_tokens(counts.tolist())
+        watch.collectives_done()
         state.iteration += 1
         state.consumed_train_samples += args.global_batch_size
         if progress is not None:
@@ -339,6 +443,7 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer) 
             print_rank_0(eval_log_line(f"validation loss at iteration {state.iteration}", loss))
             writer.write("valid", state.iteration, {"lm_loss": loss})
             window_start = time.perf_counter()
+            watch.collectives_done()
         if args.save and save_interval and state.iteration % save_interval == 0:
             # Snapshots every iteration would print a line each: log them with the
             # training lines, and the last one.
@@ -349,9 +454,11 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer) 
             checkpointing.save_checkpoint(engine, args, scheduler, state, log=not quiet)
             last_saved = state.iteration
             window_start = time.perf_counter()
+            watch.collectives_done()
         if args.exit_interval and state.iteration % args.exit_interval == 0:
             print_rank_0(f"> exiting at iteration {state.iteration} (--exit-interval {args.exit_interval})")
             break
+    watch.stop()
     if args.save and last_saved != state.iteration:
         checkpointing.save_checkpoint(engine, args, scheduler, state)
     if getattr(engine, "moc", None) is not None:

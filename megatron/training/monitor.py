@@ -1,0 +1,555 @@
+"""Hang and straggler detection through per-rank heartbeats in the rendezvous store.
+
+Every rank publishes one heartbeat per iteration under ``moc/hb/<rank>`` of a
+``torch.distributed`` Store (the job's rendezvous store): a JSON object ``{"t",
+"iteration", "iter_s", "own_s", "median_iter_s", "median_own_s", "host", "pid",
+"done"}``. A :class:`Watchdog` thread on *every* rank reads all heartbeats every
+``poll_s`` seconds, so a hang is found even when the hung rank is rank 0, and a rank
+blocked in a collective still finds it: gloo's collectives release the GIL while they
+wait (``tests/training/test_monitor.py`` checks that with ranks blocked in
+``all_reduce`` and ``all_to_all_single``).
+
+**Hang.** Once every rank has beaten at least once, the job hangs when no rank that is
+not finished has made progress (a new heartbeat) for ``hang_timeout_s`` seconds. In
+synchronous training a rank cannot run more than one iteration ahead of the others, so
+the hung rank is the one whose heartbeat lags: it last beat at the start of iteration
+``i`` and never started ``i + 1``, while the others beat ``i + 1`` and then blocked in
+its first collective. When all ranks stalled in the same iteration (a hang inside an
+iteration) the culprit is unknown; the event names the rank silent the longest and
+lists every suspect. Each watchdog then
+calls ``on_hang`` (default: :meth:`Watchdog.stop_job`, ending with ``os._exit(EXIT_HANG)``
+once every rank detected it, so the launcher's restart machinery -- torchrun
+``--max-restarts`` -- restarts the job); the hung rank's own watchdog finds itself the
+same way and exits too (its main thread sleeps or waits without the GIL). A rank stuck
+holding the GIL cannot run its watchdog: the others exit and the launcher kills it.
+
+**Straggler.** In synchronous training every rank's *wall-clock* iteration time is the
+same: the fast ranks wait inside the collectives for the slow one. So a heartbeat
+carries two times: ``iter_s``, the wall time of the last iteration, and ``own_s``, the
+part of it this rank spent on its own, not waiting for other ranks (None: all of it).
+Each rank keeps the median of each over its last ``straggler_window`` beats. The
+straggler rule (:func:`find_stragglers`) for rank ``r``::
+
+    excess_r   = median_own_r - median(median_own_s for every other rank s)
+    slowdown_r = median_iter_r / (median_iter_r - excess_r)
+    straggler when slowdown_r > straggler_factor
+
+``slowdown`` is how much faster the job would iterate without ``r``'s extra time; with
+``own_s == iter_s`` it is simply ``median_iter_r / median of the others' medians``. The
+baseline excludes ``r`` itself: with two ranks a median including the straggler would
+halve its apparent slowdown. Because it compares medians of ``window`` beats, a rank is
+flagged only after more than half of its last ``window`` iterations were slow; one (or
+up to ``(window - 1) // 2``) slow iterations never flag it. Each straggler is reported
+once per process; ``straggler_action="stop"`` exits like a hang (``EXIT_STRAGGLER``).
+
+Each event is emitted once per job attempt: the first rank to ``store.add`` the key
+``moc/event/<kind>/<rank>`` emits it; every detecting rank still logs and acts on it.
+
+Call order on every rank (the training loop wires it)::
+
+    store = default_store()                           # after init_process_group
+    heartbeat = Heartbeat(store, rank, window=config.straggler_window)
+    watchdog = Watchdog(store, rank, world_size, config, emit=...).start()
+    last_top = free_since = None
+    while state.iteration < train_iters:
+        injector.before_iteration(state.iteration + 1)   # a hang or slow fault acts here
+        top = time.perf_counter()
+        heartbeat.beat(state.iteration + 1,               # before the iteration's collectives
+                       iter_s=top - last_top if last_top else None,
+                       own_s=top - free_since if free_since else None)
+        last_top = top
+        ...                                           # the iteration and its collectives
+        free_since = time.perf_counter()              # after the iteration's last collective
+        ...                                           # logging, metrics: this rank alone
+        ...                                           # after an evaluation or a save (they
+                                                      # hold collectives): reset free_since
+    heartbeat.finish()                                # this rank will beat no more
+    watchdog.stop()
+
+What ``own_s`` can measure without hooks into every collective is the time a rank
+spends alone *between* iterations (an injected ``slow`` fault, host-side logging and
+metrics, a slow save of its own files); slowness inside an iteration, between
+DeepSpeed's collectives, is waited for there by the other ranks and shows in no rank's
+``own_s``: finding it needs per-collective arrival times (as C4 records them).
+
+Cost: a beat is one ``store.set``; a poll reads ``world_size`` keys, on every rank, so
+the store serves ``world_size**2`` reads per ``poll_s``: fine for tens of ranks; for
+thousands use a larger ``poll_s``.
+"""
+
+import argparse
+import atexit
+import json
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Mapping, Optional
+
+from megatron.training.errors import ConfigError
+
+EXIT_HANG = 75
+"""Exit status of a rank stopped by a detected hang (``EX_TEMPFAIL``: try again)."""
+EXIT_STRAGGLER = 76
+"""Exit status of a rank stopped by a detected straggler (``--moc-straggler-action stop``)."""
+
+STRAGGLER_ACTIONS = ("report", "stop")
+
+
+def heartbeat_key(rank: int) -> str:
+    """Store key of ``rank``'s heartbeat."""
+    return f"moc/hb/{rank}"
+
+
+def event_key(kind: str, rank: int) -> str:
+    """Store counter electing the one rank that emits the ``kind`` event about ``rank``."""
+    return f"moc/event/{kind}/{rank}"
+
+
+@dataclass
+class MonitorConfig:
+    """Thresholds of the hang and straggler detection (same on every rank).
+
+    Raises:
+        ConfigError: (a ValueError) a value out of range; the message names the flag.
+    """
+
+    hang_timeout_s: float = 300.0
+    """The job hangs once no rank made progress for this long (``--moc-hang-timeout``);
+    must exceed the longest legitimate iteration, evaluation or synchronous save."""
+    straggler_factor: float = 2.0
+    """A rank slowing iterations down more than this is a straggler (``--moc-straggler-factor``)."""
+    straggler_window: int = 5
+    """Beats whose median is compared (``--moc-straggler-window``)."""
+    straggler_action: str = "report"
+    """``report``: emit an event only; ``stop``: exit like a hang (``--moc-straggler-action``)."""
+    poll_s: float = 5.0
+    """Seconds between two reads of all heartbeats (``--moc-monitor-poll``)."""
+
+    def __post_init__(self):
+        if not self.hang_timeout_s > 0:
+            raise ConfigError(f"--moc-hang-timeout {self.hang_timeout_s}: must be > 0 seconds")
+        if not self.straggler_factor > 1:
+            raise ConfigError(f"--moc-straggler-factor {self.straggler_factor}: must be > 1")
+        if self.straggler_window < 3:
+            raise ConfigError(f"--moc-straggler-window {self.straggler_window}: must be >= 3 "
+                              "(the median of fewer beats follows a single slow iteration)")
+        if self.straggler_action not in STRAGGLER_ACTIONS:
+            raise ConfigError(f"--moc-straggler-action {self.straggler_action!r}: must be one "
+                              f"of {', '.join(STRAGGLER_ACTIONS)}")
+        if not 0 < self.poll_s < self.hang_timeout_s:
+            raise ConfigError(f"--moc-monitor-poll {self.poll_s}: must be > 0 and below "
+                              f"--moc-hang-timeout {self.hang_timeout_s}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "MonitorConfig":
+        """From the flags :func:`add_monitor_args` adds."""
+        return cls(hang_timeout_s=args.moc_hang_timeout, straggler_factor=args.moc_straggler_factor,
+                   straggler_window=args.moc_straggler_window,
+                   straggler_action=args.moc_straggler_action, poll_s=args.moc_monitor_poll)
+
+
+# ------------------------------------------------------------------------- heartbeat
+
+@dataclass(frozen=True)
+class Beat:
+    """One rank's last heartbeat as a watchdog reads it."""
+
+    rank: int
+    """The beating rank."""
+    t: float
+    """``time.time()`` of the beat on the beating rank."""
+    iteration: int
+    """The iteration (1-based) this rank was starting when it beat."""
+    iter_s: Optional[float]
+    """Wall seconds of its last iteration (None on its first beat)."""
+    own_s: Optional[float]
+    """Seconds of that iteration the rank spent on its own, not waiting for others."""
+    median_iter_s: Optional[float]
+    """Median ``iter_s`` of the last ``window`` beats; None until ``window`` beats had one."""
+    median_own_s: Optional[float]
+    """Median ``own_s`` of the same beats."""
+    host: str
+    """``socket.gethostname()`` of the rank: where to look."""
+    pid: int
+    """Process id of the rank: what to inspect (py-spy) or kill."""
+    done: bool
+    """The rank finished training and beats no more (it must not count as hung)."""
+
+    @classmethod
+    def from_json(cls, rank: int, data) -> "Beat":
+        d = json.loads(data)
+        return cls(rank=rank, t=d["t"], iteration=d["iteration"], iter_s=d.get("iter_s"),
+                   own_s=d.get("own_s"), median_iter_s=d.get("median_iter_s"),
+                   median_own_s=d.get("median_own_s"), host=d.get("host", "?"),
+                   pid=d.get("pid", -1), done=bool(d.get("done", False)))
+
+
+class WindowMedian:
+    """Median of the last ``window`` values pushed; None until there are ``window``."""
+
+    def __init__(self, window: int):
+        self._values = deque(maxlen=window)
+
+    def push(self, value: float) -> None:
+        self._values.append(value)
+
+    @property
+    def value(self) -> Optional[float]:
+        if len(self._values) < self._values.maxlen:
+            return None
+        return statistics.median(self._values)
+
+
+class Heartbeat:
+    """This rank's heartbeat publisher: one ``store.set`` per iteration.
+
+    Every rank creates one after ``init_process_group``, calls :meth:`beat` at the top of
+    every loop iteration and :meth:`finish` once after the loop.
+
+    Args:
+        store: any ``torch.distributed.Store`` all ranks share (see :func:`default_store`).
+        rank: this process's global rank.
+        window: beats per median (``MonitorConfig.straggler_window``).
+    """
+
+    def __init__(self, store, rank: int, window: int = 5):
+        self._store, self.rank = store, rank
+        self._iter, self._own = WindowMedian(window), WindowMedian(window)
+        self._host, self._pid = socket.gethostname(), os.getpid()
+        self._last = {"iteration": 0, "iter_s": None, "own_s": None}
+
+    def beat(self, iteration: int, iter_s: Optional[float] = None,
+             own_s: Optional[float] = None) -> None:
+        """Every rank, once per iteration, at the top of the loop after the fault injector
+        and before the iteration's first collective.
+
+        Args:
+            iteration: the iteration about to run, 1-based (``state.iteration + 1``,
+                the same number the fault injector's ``before_iteration`` gets).
+            iter_s: wall seconds of the last iteration (None on the first beat).
+            own_s: seconds of it this rank spent on its own, not waiting for other ranks
+                (see the module doc); None: all of ``iter_s``.
+        """
+        if own_s is None:
+            own_s = iter_s
+        if iter_s is not None:
+            self._iter.push(iter_s)
+            self._own.push(own_s)
+        self._last = {"iteration": iteration, "iter_s": iter_s, "own_s": own_s}
+        self._publish(done=False)
+
+    def finish(self) -> None:
+        """Every rank, once it left the training loop: a finished rank is not a hung one."""
+        self._publish(done=True)
+
+    def _publish(self, done: bool) -> None:
+        payload = dict(self._last, t=time.time(), median_iter_s=self._iter.value,
+                       median_own_s=self._own.value, host=self._host, pid=self._pid, done=done)
+        self._store.set(heartbeat_key(self.rank), json.dumps(payload))
+
+
+# ----------------------------------------------------------------------------- rules
+
+@dataclass(frozen=True)
+class HangFinding:
+    """What :func:`find_hang` concluded."""
+
+    rank: int
+    """The rank blamed: the lagging rank, or (no rank lags) the one silent longest."""
+    seconds: float
+    """How long the blamed rank's heartbeat has not advanced."""
+    iteration: int
+    """The iteration the blamed rank was starting at its last beat."""
+    suspects: List[int]
+    """Every stalled rank at the lowest iteration (one rank when the culprit is known)."""
+    waiting: List[int]
+    """Ranks that started a later iteration: they wait for the suspects in a collective."""
+
+
+def find_hang(beats: Mapping[int, Beat], ages: Mapping[int, float], world_size: int,
+              timeout_s: float) -> Optional[HangFinding]:
+    """The hang rule (see the module doc); pure.
+
+    Args:
+        beats: each rank's last beat (ranks that never beat are missing).
+        ages: seconds since each rank's heartbeat last advanced, as the caller observed.
+        world_size: ranks in the job; no hang is found before all of them beat once.
+        timeout_s: ``hang_timeout_s``.
+    """
+    if len(beats) < world_size:
+        return None  # not every rank is training yet: start-up is not watched
+    active = {r: b for r, b in beats.items() if not b.done}
+    # A per-rank timeout would add nothing but false alarms: no rank can progress more
+    # than one iteration without the others, so while any rank progresses, all do.
+    if not active or min(ages[r] for r in active) <= timeout_s:
+        return None
+    low = min(b.iteration for b in active.values())
+    suspects = sorted(r for r, b in active.items() if b.iteration == low)
+    culprit = max(suspects, key=lambda r: (ages[r], -r))
+    waiting = sorted(r for r, b in active.items() if b.iteration > low)
+    return HangFinding(rank=culprit, seconds=ages[culprit], iteration=low,
+                       suspects=suspects, waiting=waiting)
+
+
+def find_stragglers(beats: Mapping[int, Beat], factor: float) -> Dict[int, float]:
+    """The straggler rule (see the module doc); pure.
+
+    Returns:
+        ``{rank: slowdown}`` of every rank whose slowdown exceeds ``factor``; ranks
+        without a full window, and finished ranks, are neither judged nor compared.
+    """
+    medians = {r: (b.median_iter_s, b.median_own_s) for r, b in beats.items()
+               if not b.done and b.median_iter_s is not None and b.median_own_s is not None}
+    out = {}
+    for r, (m_iter, m_own) in medians.items():
+        others = [own for s, (_, own) in medians.items() if s != r]
+        if not others:
+            continue
+        excess = m_own - statistics.median(others)
+        if excess <= 0:
+            continue
+        slowdown = m_iter / max(m_iter - excess, 1e-9)
+        if slowdown > factor:
+            out[r] = slowdown
+    return out
+
+
+# -------------------------------------------------------------------------- watchdog
+
+def _print_flush(message: str) -> None:
+    print(message, flush=True)  # flushed: os._exit follows and would drop a buffered line
+
+
+def _print_event(event: Dict) -> None:
+    print(json.dumps(event), flush=True)
+
+
+def _report_only(event: Dict) -> None:
+    pass
+
+
+def _exit_now(status: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def default_store():
+    """The rendezvous store of the default process group (after ``init_process_group``).
+    Launchers create a new one for every restart, so no heartbeat of an earlier attempt
+    is ever read."""
+    import torch.distributed as dist
+    return dist.distributed_c10d._get_default_store()
+
+
+class Watchdog:
+    """Detects hangs and stragglers from every rank's heartbeat; one per rank.
+
+    Every rank creates one after the process group exists, calls :meth:`start` before
+    the training loop and :meth:`stop` after :meth:`Heartbeat.finish`. It polls in a
+    daemon thread; :meth:`poll_once` runs one poll in the caller's thread (tests).
+
+    Args:
+        store: the store the ranks' :class:`Heartbeat` objects write to.
+        rank: this process's global rank (``detected_by`` of its events).
+        world_size: ranks in the job.
+        config: thresholds.
+        emit: receives each event once per job attempt (default: print it as JSON).
+        on_hang: called on every detecting rank after a hang was found (default:
+            :meth:`stop_job`, which ends the process with :data:`EXIT_HANG`).
+        on_straggler: called on every detecting rank per straggler (default: by
+            ``config.straggler_action``: nothing, or :meth:`stop_job`).
+        log: prints the detection lines (default: print, flushed).
+        clock: monotonic seconds (tests pass a fake clock).
+    """
+
+    def __init__(self, store, rank: int, world_size: int, config: MonitorConfig,
+                 emit: Optional[Callable[[Dict], None]] = None,
+                 on_hang: Optional[Callable[[Dict], None]] = None,
+                 on_straggler: Optional[Callable[[Dict], None]] = None,
+                 log: Optional[Callable[[str], None]] = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self._store, self.rank, self.world_size, self.config = store, rank, world_size, config
+        self._emit = emit or _print_event
+        self._on_hang = on_hang or self.stop_job
+        if on_straggler is None:
+            on_straggler = self.stop_job if config.straggler_action == "stop" else _report_only
+        self._on_straggler = on_straggler
+        self._log = log or _print_flush
+        self._clock = clock
+        self._seen: Dict[int, tuple] = {}
+        """rank -> (the beat's identity, when this watchdog first saw it)."""
+        self._hang_reported = False
+        self._stragglers_reported = set()
+        self._store_failing_since: Optional[float] = None
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> "Watchdog":
+        """Start polling in a daemon thread (a daemon: it must never keep a process alive)."""
+        self._thread = threading.Thread(target=self._run, name=f"moc-watchdog-{self.rank}",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop polling; waits for a poll in progress (bounded: a dead store may block)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.config.poll_s + 5.0)
+
+    def stop_job(self, event: Dict) -> None:
+        """Default ``on_hang`` (and ``on_straggler`` with ``straggler_action="stop"``): end
+        this process with :data:`EXIT_HANG` (:data:`EXIT_STRAGGLER`), together with the
+        other ranks, so the launcher (torchrun ``--max-restarts``) restarts the job.
+
+        ``os._exit``, not ``sys.exit``: the main thread is blocked in a collective and
+        would never see an exception raised here. Before exiting, the rank waits until
+        every rank has detected the same event (each adds 1 to ``moc/ack/<kind>``; at
+        most ``2 * poll_s + 1`` seconds): a rank that exited at once would break the
+        collective the slower detectors' main threads wait in, and they would die of
+        that error instead, without logging what happened. If the main thread dies
+        first anyway, an atexit handler still sets the exit status.
+        """
+        status = EXIT_HANG if event["kind"] == "hang" else EXIT_STRAGGLER
+        atexit.register(_exit_now, status)
+        self._log(f"[monitor] rank {self.rank}: stopping with exit status {status} "
+                  "for the launcher to restart the job")
+        deadline = time.monotonic() + 2 * self.config.poll_s + 1.0  # real time, even in tests
+        try:
+            key = f"moc/ack/{event['kind']}"
+            count = self._store.add(key, 1)
+            while count < self.world_size and time.monotonic() < deadline:
+                time.sleep(0.02)
+                count = self._store.add(key, 0)
+        except Exception:
+            pass  # the store's host exited: the others are going down already
+        _exit_now(status)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.config.poll_s):
+            try:
+                self.poll_once()
+                self._store_failing_since = None
+            except Exception as e:  # the thread must outlive a store hiccup
+                self._store_failed(e)
+
+    def _store_failed(self, error: Exception) -> None:
+        """A store that stays unreachable means its host died (rank 0 or the launcher's
+        agent): treat it as a hang so this rank does not wait for the collective timeout."""
+        now = self._clock()
+        if self._store_failing_since is None:
+            self._store_failing_since = now
+            self._log(f"[monitor] rank {self.rank}: poll failed: {error!r}")
+        elif now - self._store_failing_since > self.config.hang_timeout_s and not self._hang_reported:
+            self._hang_reported = True
+            event = {"kind": "hang", "rank": -1, "host": None, "pid": None,
+                     "seconds_since_progress": now - self._store_failing_since,
+                     "iteration": None, "time": time.time(), "detected_by": self.rank,
+                     "reason": f"rendezvous store unreachable: {error}"}
+            self._log(f"[monitor] rank {self.rank}: HANG: the rendezvous store has been "
+                      f"unreachable for {event['seconds_since_progress']:.1f} s; stopping")
+            self._emit(event)  # no election without the store: every rank emits
+            self._on_hang(event)
+
+    def poll_once(self) -> List[Dict]:
+        """Read every heartbeat once and act on what it shows; returns the events found
+        (also the ones another rank emitted)."""
+        beats = self._read_beats()
+        now = self._clock()
+        for r, b in beats.items():
+            identity = (b.t, b.iteration, b.done)
+            if r not in self._seen or self._seen[r][0] != identity:
+                self._seen[r] = (identity, now)
+        ages = {r: now - self._seen[r][1] for r in beats}
+        events = []
+        hang = None if self._hang_reported else find_hang(
+            beats, ages, self.world_size, self.config.hang_timeout_s)
+        if hang is not None:
+            events.append(self._hang_event(hang, beats))
+        for r, slowdown in sorted(find_stragglers(beats, self.config.straggler_factor).items()):
+            if r not in self._stragglers_reported:
+                events.append(self._straggler_event(r, slowdown, beats[r]))
+        for event in events:
+            self._act(event)
+        return events
+
+    def _read_beats(self) -> Dict[int, Beat]:
+        keys = [heartbeat_key(r) for r in range(self.world_size)]
+        if len(self._seen) == self.world_size:  # every key exists: one round trip
+            return {r: Beat.from_json(r, v) for r, v in enumerate(self._store.multi_get(keys))}
+        # ``get`` of a missing key blocks until the store's timeout: check first.
+        return {r: Beat.from_json(r, self._store.get(k))
+                for r, k in enumerate(keys) if self._store.check([k])}
+
+    def _hang_event(self, hang: HangFinding, beats: Mapping[int, Beat]) -> Dict:
+        self._hang_reported = True
+        b = beats[hang.rank]
+        event = {"kind": "hang", "rank": hang.rank, "host": b.host, "pid": b.pid,
+                 "seconds_since_progress": round(hang.seconds, 3), "iteration": hang.iteration,
+                 "time": time.time(), "detected_by": self.rank, "last_beat_time": b.t,
+                 "suspects": hang.suspects, "waiting": hang.waiting}
+        if hang.waiting:
+            what = (f"rank {hang.rank} (host {b.host}, pid {b.pid}) made no progress for "
+                    f"{hang.seconds:.2f} s: it never started iteration {hang.iteration + 1}, "
+                    f"ranks {_ranks(hang.waiting)} did and wait for it")
+        else:
+            what = (f"all ranks stalled in iteration {hang.iteration} for "
+                    f"{hang.seconds:.2f} s; culprit unknown (suspects {_ranks(hang.suspects)}); "
+                    f"silent longest: rank {hang.rank} (host {b.host}, pid {b.pid})")
+        self._log(f"[monitor] rank {self.rank}: HANG: {what}")
+        return event
+
+    def _straggler_event(self, r: int, slowdown: float, b: Beat) -> Dict:
+        self._stragglers_reported.add(r)
+        event = {"kind": "straggler", "rank": r, "host": b.host, "pid": b.pid,
+                 "slowdown": round(slowdown, 3), "iteration": b.iteration, "time": time.time(),
+                 "detected_by": self.rank, "median_iter_s": b.median_iter_s,
+                 "median_own_s": b.median_own_s}
+        self._log(f"[monitor] rank {self.rank}: STRAGGLER: rank {r} (host {b.host}, pid "
+                  f"{b.pid}) slows iterations down {slowdown:.2f}x (median own time "
+                  f"{b.median_own_s:.3f} s of {b.median_iter_s:.3f} s per iteration) at "
+                  f"iteration {b.iteration}; action: {self.config.straggler_action}")
+        return event
+
+    def _act(self, event: Dict) -> None:
+        try:
+            first = self._store.add(event_key(event["kind"], event["rank"]), 1) == 1
+        except Exception:
+            first = True  # better twice in the event file than never
+        if first:
+            self._emit(event)
+        if event["kind"] == "hang":
+            self._on_hang(event)
+        else:
+            self._on_straggler(event)
+
+
+def _ranks(ranks: List[int]) -> str:
+    return ",".join(str(r) for r in ranks)
+
+
+# ------------------------------------------------------------------------------ flags
+
+def add_monitor_args(parser: argparse.ArgumentParser) -> None:
+    """Add ``--moc-monitor`` and its thresholds to ``parser``."""
+    d = MonitorConfig()
+    g = parser.add_argument_group("hang and straggler detection")
+    g.add_argument("--moc-monitor", action="store_true",
+                   help="Publish a heartbeat per iteration and watch all ranks' heartbeats.")
+    g.add_argument("--moc-hang-timeout", type=float, default=d.hang_timeout_s,
+                   help="Seconds without progress of any rank after which every rank exits "
+                        f"with status {EXIT_HANG} (for the launcher to restart the job).")
+    g.add_argument("--moc-straggler-factor", type=float, default=d.straggler_factor,
+                   help="Report a rank that slows iterations down by more than this factor.")
+    g.add_argument("--moc-straggler-window", type=int, default=d.straggler_window,
+                   help="Iterations whose median time is compared (>= 3).")
+    g.add_argument("--moc-straggler-action", default=d.straggler_action, choices=STRAGGLER_ACTIONS,
+                   help=f"On a straggler: report it, or stop the job (exit {EXIT_STRAGGLER}).")
+    g.add_argument("--moc-monitor-poll", type=float, default=d.poll_s,
+                   help="Seconds between two checks of the heartbeats.")

@@ -1,0 +1,347 @@
+"""Hang and straggler detection: the pure rules on scripted heartbeats, the watchdog on
+an in-process store with a fake clock, and real gloo jobs in which one rank hangs
+before a collective (the others blocked in it must still detect it) or straggles."""
+
+import json
+import os
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from megatron.training import monitor
+from megatron.training.errors import ConfigError
+from megatron.training.monitor import (Beat, Heartbeat, MonitorConfig, Watchdog, find_hang,
+                                       find_stragglers)
+from tests.launch import describe, run_ranks
+
+WORKER = "tests/training/monitor_worker.py"
+
+
+# ------------------------------------------------------------------------ config
+
+@pytest.mark.parametrize("kwargs, flag", [
+    (dict(hang_timeout_s=0), "--moc-hang-timeout"),
+    (dict(hang_timeout_s=-1), "--moc-hang-timeout"),
+    (dict(straggler_factor=1.0), "--moc-straggler-factor"),
+    (dict(straggler_factor=0.5), "--moc-straggler-factor"),
+    (dict(straggler_window=2), "--moc-straggler-window"),
+    (dict(straggler_action="kill"), "--moc-straggler-action"),
+    (dict(poll_s=0), "--moc-monitor-poll"),
+    (dict(hang_timeout_s=2, poll_s=3), "--moc-monitor-poll"),
+])
+def test_config_names_the_flag_of_a_bad_value(kwargs, flag):
+    with pytest.raises(ValueError) as e:
+        MonitorConfig(**kwargs)
+    assert isinstance(e.value, ConfigError) and str(e.value).startswith(flag), str(e.value)
+
+
+def test_config_from_flags():
+    import argparse
+    parser = argparse.ArgumentParser()
+    monitor.add_monitor_args(parser)
+    args = parser.parse_args(["--moc-monitor", "--moc-hang-timeout", "30",
+                              "--moc-straggler-action", "stop"])
+    config = MonitorConfig.from_args(args)
+    assert args.moc_monitor and config.hang_timeout_s == 30 and config.straggler_action == "stop"
+    assert config.straggler_window == MonitorConfig().straggler_window
+
+
+# ------------------------------------------------------------------ pure rules
+
+def test_window_median_waits_for_a_full_window():
+    m = monitor.WindowMedian(3)
+    m.push(1.0)
+    m.push(9.0)
+    assert m.value is None
+    m.push(2.0)
+    assert m.value == 2.0
+    m.push(8.0)  # window now 9, 2, 8
+    assert m.value == 8.0
+
+
+def _beats_from(store, world):
+    return {r: Beat.from_json(r, store.get(monitor.heartbeat_key(r))) for r in range(world)}
+
+
+def _first_flagged(iter_times, own_times=None, window=5, factor=2.0):
+    """Beat scripted per-rank times through real Heartbeats; return
+    ``[(iteration, {rank: slowdown})]`` for every iteration at which the rule fires."""
+    store = dist.HashStore()
+    world = len(iter_times)
+    hbs = [Heartbeat(store, r, window=window) for r in range(world)]
+    fired = []
+    for it in range(len(iter_times[0])):
+        for r in range(world):
+            own = None if own_times is None else own_times[r][it]
+            hbs[r].beat(it + 1, iter_s=iter_times[r][it], own_s=own)
+        found = find_stragglers(_beats_from(store, world), factor)
+        if found:
+            fired.append((it + 1, found))
+    return fired
+
+
+def test_straggler_rule_ignores_isolated_slow_iterations_and_fires_on_a_persistent_one():
+    fast, slow = 0.1, 0.5
+    straggler = [fast] * 30
+    straggler[5] = slow                 # one outlier
+    straggler[10] = straggler[12] = slow  # two in one window of 5: still a minority
+    for it in range(20, 30):            # slow from iteration 21 on
+        straggler[it] = slow
+    fired = _first_flagged([[fast] * 30, [fast] * 30, straggler])
+    assert fired, "the persistent straggler was never flagged"
+    first_iteration, found = fired[0]
+    # Iteration 23 is the 3rd slow beat of 21.., the first window of 5 with a slow majority.
+    assert first_iteration == 23
+    assert list(found) == [2] and found[2] == pytest.approx(slow / fast)
+    assert all(list(f) == [2] for _, f in fired)
+
+
+def test_straggler_rule_on_synchronous_iterations_uses_own_time():
+    # Synchronous training: every rank's wall time per iteration is the same 0.5 s;
+    # rank 1 spends 0.45 s of it on its own, the others 0.05 s (then wait for rank 1).
+    n = 8
+    iters = [[0.5] * n for _ in range(3)]
+    own = [[0.05] * n, [0.45] * n, [0.05] * n]
+    fired = _first_flagged(iters, own, window=3)
+    assert fired and list(fired[0][1]) == [1]
+    assert fired[0][1][1] == pytest.approx(0.5 / 0.1)  # the job would run 5x faster
+    # Wall times alone cannot tell: every rank looks the same.
+    assert _first_flagged(iters, window=3) == []
+
+
+def test_straggler_rule_ignores_small_absolute_differences():
+    # Rank 0 writes logs and metrics: 2 ms of own time versus 0.1 ms elsewhere is a
+    # 20x ratio of own times, but slows 100 ms iterations by 2% only.
+    n = 6
+    iters = [[0.1] * n for _ in range(3)]
+    own = [[0.002] * n, [0.0001] * n, [0.0001] * n]
+    assert _first_flagged(iters, own, window=3) == []
+
+
+def test_straggler_baseline_excludes_the_rank_itself():
+    # Two ranks: a median including the straggler itself would be 0.2 and its
+    # slowdown 1.5 < 2; against the other rank it is 3.
+    fired = _first_flagged([[0.1] * 5, [0.3] * 5], window=3)
+    assert fired and fired[0][1] == {1: pytest.approx(3.0)}
+
+
+def _beat(rank, iteration, done=False):
+    return Beat(rank=rank, t=0.0, iteration=iteration, iter_s=None, own_s=None,
+                median_iter_s=None, median_own_s=None, host="h", pid=100 + rank, done=done)
+
+
+def test_hang_rule():
+    beats = {0: _beat(0, 5), 1: _beat(1, 5), 2: _beat(2, 4)}
+    stale = {0: 9.0, 1: 9.0, 2: 10.0}
+    # not every rank beat yet: start-up is not judged
+    assert find_hang({0: beats[0], 1: beats[1]}, stale, 3, 5.0) is None
+    # some rank progressed recently: no hang
+    assert find_hang(beats, {0: 1.0, 1: 9.0, 2: 10.0}, 3, 5.0) is None
+    hang = find_hang(beats, stale, 3, 5.0)
+    assert (hang.rank, hang.iteration, hang.suspects, hang.waiting) == (2, 4, [2], [0, 1])
+    assert hang.seconds == 10.0
+    # every rank stalled in the same iteration: suspects all, blame the longest silent
+    same = {0: _beat(0, 5), 1: _beat(1, 5), 2: _beat(2, 5)}
+    hang = find_hang(same, {0: 7.0, 1: 8.0, 2: 6.0}, 3, 5.0)
+    assert (hang.rank, hang.suspects, hang.waiting) == (1, [0, 1, 2], [])
+    # a finished rank is not hung, and neither are ranks that only outlived it
+    done = {0: _beat(0, 9, done=True), 1: _beat(1, 9, done=True), 2: _beat(2, 9)}
+    assert find_hang(done, {0: 60.0, 1: 60.0, 2: 1.0}, 3, 5.0) is None
+    assert find_hang({r: _beat(r, 9, done=True) for r in range(3)}, stale, 3, 5.0) is None
+
+
+# --------------------------------------------------- watchdog, in-process store
+
+class _Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def _watchdogs(store, world, config, clock, **kwargs):
+    calls = {"emit": [], "hang": [], "straggler": [], "log": []}
+    dogs = [Watchdog(store, r, world, config, clock=clock,
+                     emit=calls["emit"].append, on_hang=calls["hang"].append,
+                     on_straggler=calls["straggler"].append, log=calls["log"].append, **kwargs)
+            for r in range(world)]
+    return dogs, calls
+
+
+def test_watchdog_finds_the_lagging_rank_and_one_rank_emits():
+    store, clock = dist.HashStore(), _Clock()
+    config = MonitorConfig(hang_timeout_s=5.0, poll_s=1.0)
+    hbs = [Heartbeat(store, r) for r in range(3)]
+    dogs, calls = _watchdogs(store, 3, config, clock)
+    for hb in hbs[:2]:
+        hb.beat(1)
+    assert [d.poll_once() for d in dogs] == [[], [], []]
+    clock.now += 60  # rank 2 never beat: start-up is not watched
+    assert [d.poll_once() for d in dogs] == [[], [], []]
+    for it in (1, 2, 3):
+        for hb in hbs:
+            hb.beat(it)
+        clock.now += 1
+        assert [d.poll_once() for d in dogs] == [[], [], []]
+    hbs[0].beat(4)
+    hbs[1].beat(4)  # rank 2 hangs before starting iteration 4
+    for d in dogs:
+        d.poll_once()
+    clock.now += 5.0
+    assert [d.poll_once() for d in dogs] == [[], [], []]  # not longer than the timeout
+    clock.now += 0.5
+    for d in dogs:
+        d.poll_once()
+    assert [e["rank"] for e in calls["hang"]] == [2, 2, 2]
+    assert [e["detected_by"] for e in calls["hang"]] == [0, 1, 2]
+    assert len(calls["emit"]) == 1 and calls["emit"][0]["kind"] == "hang"
+    event = calls["emit"][0]
+    assert event["iteration"] == 3 and event["pid"] == os.getpid()
+    assert event["waiting"] == [0, 1] and event["seconds_since_progress"] == pytest.approx(5.5)
+    assert "HANG: rank 2" in calls["log"][0] and "never started iteration 4" in calls["log"][0]
+    clock.now += 10
+    for d in dogs:
+        d.poll_once()
+    assert len(calls["hang"]) == 3  # reported once per watchdog
+
+
+def test_watchdog_ignores_finished_ranks():
+    store, clock = dist.HashStore(), _Clock()
+    hbs = [Heartbeat(store, r) for r in range(2)]
+    dogs, calls = _watchdogs(store, 2, MonitorConfig(hang_timeout_s=5.0, poll_s=1.0), clock)
+    for hb in hbs:
+        hb.beat(1)
+    dogs[0].poll_once()
+    for hb in hbs:
+        hb.finish()
+    clock.now += 100
+    assert dogs[0].poll_once() == [] and calls["hang"] == []
+
+
+def _straggle(store, world, slow_rank, iterations, window=3):
+    hbs = [Heartbeat(store, r, window=window) for r in range(world)]
+    for it in range(iterations):
+        for r, hb in enumerate(hbs):
+            hb.beat(it + 1, iter_s=0.5 if r == slow_rank else 0.1)
+
+
+def test_watchdog_reports_a_straggler_once_and_goes_on():
+    store, clock = dist.HashStore(), _Clock()
+    _straggle(store, 3, slow_rank=1, iterations=4)
+    dogs, calls = _watchdogs(store, 3, MonitorConfig(straggler_window=3, poll_s=1.0), clock)
+    for d in dogs:
+        d.poll_once()
+    for d in dogs:
+        assert d.poll_once() == []  # already reported
+    assert [e["rank"] for e in calls["straggler"]] == [1, 1, 1]
+    assert len(calls["emit"]) == 1 and calls["emit"][0]["slowdown"] == pytest.approx(5.0)
+    assert calls["hang"] == [] and "STRAGGLER: rank 1" in calls["log"][0]
+
+
+def test_straggler_action_stop_exits_after_every_rank_acknowledged(monkeypatch):
+    store, clock = dist.HashStore(), _Clock()
+    _straggle(store, 3, slow_rank=2, iterations=4)
+    exits, registered = [], []
+
+    class Exited(Exception):
+        pass
+
+    def exit_now(status):
+        exits.append(status)
+        raise Exited
+
+    monkeypatch.setattr(monitor, "_exit_now", exit_now)
+    monkeypatch.setattr(monitor.atexit, "register", lambda f, *a: registered.append(a))
+    store.add("moc/ack/straggler", 2)  # the two other ranks detected it already
+    dog = Watchdog(store, 0, 3, MonitorConfig(straggler_window=3, straggler_action="stop",
+                                              poll_s=1.0), emit=lambda e: None, log=lambda m: None,
+                   clock=clock)
+    start = time.monotonic()
+    with pytest.raises(Exited):
+        dog.poll_once()
+    assert exits == [monitor.EXIT_STRAGGLER] and registered == [(monitor.EXIT_STRAGGLER,)]
+    assert time.monotonic() - start < 1.0  # did not wait out the grace period
+
+
+class _DeadStore:
+    def __getattr__(self, name):
+        def fail(*args, **kwargs):
+            raise RuntimeError("Connection reset by peer")
+        return fail
+
+
+def test_an_unreachable_store_counts_as_a_hang():
+    hung = threading.Event()
+    events = []
+    dog = Watchdog(_DeadStore(), 1, 2, MonitorConfig(hang_timeout_s=0.3, poll_s=0.05),
+                   emit=events.append, on_hang=lambda e: hung.set(), log=lambda m: None)
+    dog.start()
+    try:
+        assert hung.wait(5.0), "the watchdog thread never gave up on the dead store"
+    finally:
+        dog.stop()
+    assert events[0]["rank"] == -1 and "unreachable" in events[0]["reason"]
+
+
+# --------------------------------------------------------- real gloo ranks
+
+def _read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def _events(out):
+    path = os.path.join(out, "events.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("hung, collective", [(0, "all_reduce"), (2, "all_to_all")])
+def test_ranks_blocked_in_a_collective_detect_the_hung_rank(tmp_path, hung, collective):
+    """The watchdog thread runs while the main thread waits inside a gloo collective
+    (gloo releases the GIL), and finds the hung rank, even when it is rank 0 (which
+    also hosts the store), within the timeout plus a poll."""
+    timeout, poll = 2.0, 0.2
+    out = str(tmp_path)
+    results = run_ranks(3, ["--out", out, "--fault", f"hang@4:rank={hung}", "--iters", "50",
+                            "--collective", collective, "--hang-timeout", str(timeout),
+                            "--poll", str(poll)], script=WORKER, timeout=30)
+    assert [r.returncode for r in results] == [monitor.EXIT_HANG] * 3, describe(results)
+    latencies = []
+    for rank in range(3):
+        found = _read_json(os.path.join(out, f"detect-rank{rank}.json"))
+        event = found["event"]
+        assert event["rank"] == hung and event["suspects"] == [hung], describe(results)
+        assert event["waiting"] == sorted({0, 1, 2} - {hung})
+        # The hung rank last beat at the start of iteration 3 and never started iteration 4.
+        assert event["iteration"] == 3 and event["detected_by"] == rank
+        latency = found["detected_at"] - event["last_beat_time"]
+        latencies.append(latency)
+        assert timeout <= latency <= timeout + 2 * poll + 1.0, describe(results)
+        assert f"HANG: rank {hung}" in results[rank].output
+    print(f"hang detection latency after the hung rank's last heartbeat "
+          f"(timeout {timeout} s, poll {poll} s): " + ", ".join(f"{x:.2f} s" for x in latencies))
+    emitted = _events(out)
+    assert len(emitted) == 1 and emitted[0]["rank"] == hung, emitted
+    assert not any(os.path.exists(os.path.join(out, f"done-rank{r}.json")) for r in range(3))
+
+
+def test_a_straggler_is_reported_and_the_job_goes_on(tmp_path):
+    out = str(tmp_path)
+    results = run_ranks(3, ["--out", out, "--fault", "slow@4:rank=1:slow=0.15", "--iters", "24",
+                            "--compute-s", "0.03", "--window", "3", "--factor", "2",
+                            "--poll", "0.1", "--hang-timeout", "5"], script=WORKER, timeout=30)
+    assert [r.returncode for r in results] == [0, 0, 0], describe(results)
+    assert all(_read_json(os.path.join(out, f"done-rank{r}.json"))["iterations"] == 24
+               for r in range(3))
+    emitted = _events(out)
+    assert [(e["kind"], e["rank"]) for e in emitted] == [("straggler", 1)], emitted
+    # (0.03 + 0.15) / 0.03 = 6 in theory; scheduling noise on a loaded machine lowers it
+    assert emitted[0]["slowdown"] > 2.5, emitted
+    assert all("STRAGGLER: rank 1" in r.output for r in results), describe(results)
+    assert "[fault] rank 1: injected slow at iteration 4" in results[1].output

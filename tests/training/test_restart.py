@@ -1,0 +1,124 @@
+"""Living with failures end to end: injected faults under ``scripts/run_elastic.sh``
+(torchrun's elastic agent restarts the job), recovery from storage and from memory,
+hang detection with a restart, a straggler reported without stopping the job, and the
+job's event file telling all of it."""
+
+import json
+import os
+import shutil
+import subprocess
+import uuid
+
+import pytest
+
+from tests.launch import REPO, run_ranks
+
+TINY = ["--config", "configs/tiny.yaml", "--split", "90,10,0", "--eval-iters", "0"]
+
+
+def _elastic(tmp_path, corpus, extra, nproc=2, restarts=2, timeout=400):
+    """Run the job under scripts/run_elastic.sh; returns (process, metrics, events)."""
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    cmd = ["bash", "scripts/run_elastic.sh", str(nproc), str(restarts), *TINY,
+           "--data-path", corpus, "--save", str(ckpt), "--load", str(ckpt),
+           "--metrics-file", str(metrics), "--moc-checkpoint", *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    events = []
+    if (ckpt / "moc-events.jsonl").exists():
+        events = [json.loads(line) for line in open(ckpt / "moc-events.jsonl")]
+    records = [json.loads(line) for line in open(metrics)] if metrics.exists() else []
+    return proc, records, events
+
+
+def _ok(proc):
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+
+
+def _final_loss(records):
+    train = [r for r in records if r["kind"] == "train"]
+    return train[-1]["iteration"], train[-1]["lm_loss"]
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory):
+    """The same 8 iterations with MoC checkpoints and no fault."""
+    out = tmp_path_factory.mktemp("reference")
+    results = run_ranks(2, TINY + ["--data-path", corpus, "--moc-checkpoint",
+                                   "--save", str(out / "ckpt"), "--save-interval", "4",
+                                   "--metrics-file", str(out / "m.jsonl")])
+    assert all(r.returncode == 0 for r in results)
+    return [json.loads(line) for line in open(out / "m.jsonl")]
+
+
+def test_crash_restarts_and_finishes_exactly(corpus, tmp_path, reference):
+    """Rank 1 is SIGKILLed at the top of iteration 6 (iteration 5 done, checkpoint at 4):
+    torchrun restarts the job, it resumes from storage at 4, loses one iteration, and
+    ends with the uninterrupted run's loss to the bit (K = all experts)."""
+    proc, records, events = _elastic(tmp_path, corpus, ["--save-interval", "4",
+                                                       "--moc-fault", "crash@6:rank=1"])
+    _ok(proc)
+    assert "[fault] rank 1: injected crash at iteration 6" in proc.stdout
+    assert _final_loss(records) == _final_loss(reference) == (8, _final_loss(reference)[1])
+    kinds = [(e["kind"], e.get("fault")) for e in events]
+    assert kinds == [("fault", "crash"), ("recovery", None)], events
+    fault, recovery = events
+    assert fault["rank"] == 1 and fault["iteration"] == 6
+    assert recovery["iteration"] == 4 and recovery["source"] == "storage"
+    assert recovery["iterations_lost"] == 1 and recovery["plt"] == 0.0
+    assert 0 < recovery["seconds_since_progress"] < 120
+    assert "1 iteration(s) lost" in proc.stdout
+
+
+def test_two_level_crash_recovers_from_memory(corpus, tmp_path, reference):
+    """Snapshots every iteration, persisted every 4th: the crash at 6 resumes from the
+    keeper's memory at 5 (nothing lost), and the run still ends exactly."""
+    shm = f"/dev/shm/moc-test-{uuid.uuid4().hex[:10]}"
+    try:
+        proc, records, events = _elastic(tmp_path, corpus, [
+            "--save-interval", "4", "--moc-two-level", "--moc-snapshot-interval", "1",
+            "--moc-persist-interval", "4", "--moc-shm-dir", shm,
+            "--moc-fault", "crash@6:rank=0"])
+        _ok(proc)
+        recovery = [e for e in events if e["kind"] == "recovery"]
+        assert len(recovery) == 1, events
+        assert recovery[0]["source"] == "memory" and recovery[0]["iteration"] == 5
+        assert recovery[0]["iterations_lost"] == 0
+        assert _final_loss(records) == _final_loss(reference)
+        assert not os.path.exists(shm)  # the normal end freed the keepers' memory
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_hang_is_detected_named_and_the_job_restarts(corpus, tmp_path, reference):
+    """Rank 1 stops answering before iteration 5; every rank's watchdog sees no progress
+    for --moc-hang-timeout seconds, names rank 1, and exits so torchrun restarts the job,
+    which then finishes."""
+    timeout_s = 3.0
+    proc, records, events = _elastic(tmp_path, corpus, [
+        "--save-interval", "2", "--moc-monitor", "--moc-hang-timeout", str(timeout_s),
+        "--moc-monitor-poll", "0.2", "--moc-fault", "hang@5:rank=1"])
+    _ok(proc)
+    hangs = [e for e in events if e["kind"] == "hang"]
+    assert len(hangs) == 1, events
+    fault = next(e for e in events if e["kind"] == "fault")
+    assert hangs[0]["rank"] == 1 and fault["rank"] == 1 and fault["fault"] == "hang"
+    latency = hangs[0]["time"] - fault["time"]
+    assert timeout_s <= latency < timeout_s + 3.0, latency  # timeout plus a small margin
+    recovery = next(e for e in events if e["kind"] == "recovery")
+    assert recovery["iteration"] == 4
+    assert _final_loss(records) == _final_loss(reference)
+
+
+def test_straggler_is_reported_without_stopping_the_job(corpus, tmp_path):
+    """Rank 1 sleeps 0.4 s per iteration from iteration 3: reported, job not stopped."""
+    proc, records, events = _elastic(tmp_path, corpus, [
+        "--train-iters", "14", "--lr-decay-iters", "14", "--moc-monitor",
+        "--moc-straggler-window", "3", "--moc-straggler-factor", "1.5",
+        "--moc-monitor-poll", "0.2", "--moc-fault", "slow@3:rank=1:slow=0.4"], restarts=0)
+    _ok(proc)
+    stragglers = [e for e in events if e["kind"] == "straggler"]
+    assert stragglers and {e["rank"] for e in stragglers} == {1}, events
+    assert not [e for e in events if e["kind"] in ("hang", "recovery")]
+    assert _final_loss(records)[0] == 14
