@@ -15,6 +15,7 @@ Called by every rank, in order, right after ``engine.load_checkpoint`` (see
 """
 
 import argparse
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -43,6 +44,9 @@ class RecoveryReport:
     """Iterations the previous run had finished beyond ``iteration`` (None: unknown)."""
     seconds_since_progress: Optional[float] = None
     """From the previous run's last finished iteration to now."""
+    failure: Optional[str] = None
+    """What ended the previous run, from the event file (an injected fault, a detected hang
+    or straggler), or "unknown" after a launcher restart that left no event."""
     events: List[Dict] = field(default_factory=list)
     """Event dicts written (rank 0)."""
 
@@ -55,7 +59,6 @@ class RecoveryReport:
 
 def progress_path(event_file: str) -> str:
     """The progress record beside the event file."""
-    import os
     return os.path.join(os.path.dirname(os.path.abspath(event_file)), PROGRESS_FILE)
 
 
@@ -93,8 +96,10 @@ def _rank0_report(moc, args, iteration: int, load_s: float) -> RecoveryReport:
     from deepspeed_ext.plt import RecoveryLoss, cumulative_plt, dynamic_k
     loss = moc.last_recovery
     log = EventLog(args.moc_event_file) if args.moc_event_file else None
-    earlier = log.read("recovery") if log is not None else []
-    report = RecoveryReport(iteration=iteration, source=moc.last_load_source)
+    everything = log.read() if log is not None else []
+    earlier = [e for e in everything if e.get("kind") == "recovery"]
+    report = RecoveryReport(iteration=iteration, source=moc.last_load_source,
+                            failure=_failure(everything))
     progress = Progress(progress_path(args.moc_event_file)).read() if log is not None else None
     if progress is not None:
         report.iterations_lost = max(0, int(progress["iteration"]) - iteration)
@@ -127,13 +132,37 @@ def _rank0_report(moc, args, iteration: int, load_s: float) -> RecoveryReport:
                  "iterations_lost": report.iterations_lost,
                  "seconds_since_progress": report.seconds_since_progress,
                  "failed_run": progress.get("run") if progress else None,
+                 "failure": report.failure,
+                 "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
                  "loss": loss.to_json() if loss is not None else None}
         report.events.append(log.append(event))
     return report
 
 
+def _failure(events: List[Dict]) -> Optional[str]:
+    """The newest failure event since the last recovery, in words."""
+    since = [e for e in events[max((i for i, e in enumerate(events)
+                                     if e.get("kind") == "recovery"), default=-1) + 1:]
+             if e.get("kind") in ("fault", "hang", "straggler")]
+    if since:
+        e = since[-1]
+        if e["kind"] == "hang":  # a heartbeat says which iteration a rank *started*
+            return (f"hang detected on rank {e.get('rank')} (host {e.get('host')}; its last "
+                    f"heartbeat: iteration {e.get('iteration')})")
+        what = "injected " + str(e.get("fault")) if e["kind"] == "fault" else \
+            "straggler stopped the job"
+        return f"{what} on rank {e.get('rank')} at iteration {e.get('iteration')}"
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return "unknown (no event recorded: see the launcher's log)"
+    return None
+
+
 def _log_recovery(report: RecoveryReport, load_s: float, loss) -> None:
     parts = [f"[moc] recovered iteration {report.iteration} from {report.source} in {load_s:.2f} s"]
+    if report.failure is not None:
+        parts.insert(0, f"[moc] restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '')} after "
+                        f"failure: {report.failure}")
+        parts[1] = parts[1][len("[moc] "):]
     if report.iterations_lost is not None:
         parts.append(f"{report.iterations_lost} iteration(s) lost, "
                      f"{report.seconds_since_progress:.1f} s since the last finished iteration")

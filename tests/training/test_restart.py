@@ -68,6 +68,10 @@ def test_crash_restarts_and_finishes_exactly(corpus, tmp_path, reference):
     assert recovery["iteration"] == 4 and recovery["source"] == "storage"
     assert recovery["iterations_lost"] == 1 and recovery["plt"] == 0.0
     assert 0 < recovery["seconds_since_progress"] < 120
+    assert recovery["failure"] == "injected crash on rank 1 at iteration 6"
+    assert recovery["restart"] == 1
+    assert "[moc] restart 1 after failure: injected crash on rank 1 at iteration 6; " \
+        "recovered iteration 4 from storage" in proc.stdout
     assert "1 iteration(s) lost" in proc.stdout
 
 
@@ -108,6 +112,8 @@ def test_hang_is_detected_named_and_the_job_restarts(corpus, tmp_path, reference
     assert timeout_s <= latency < timeout_s + 3.0, latency  # timeout plus a small margin
     recovery = next(e for e in events if e["kind"] == "recovery")
     assert recovery["iteration"] == 4
+    assert recovery["failure"].startswith("hang detected on rank 1 (host ")
+    assert recovery["failure"].endswith("its last heartbeat: iteration 4)")  # started 4, hung at 5
     assert _final_loss(records) == _final_loss(reference)
 
 
