@@ -656,6 +656,11 @@ class TwoLevel:
             return self._read_slot(base, key)
         holders = [m for m in mine if m["step"] <= step and key in m["specs"]]
         newest_memory = max(holders, key=lambda m: m["step"]) if holders else None
+        if newest_memory is not None and newest_memory["step"] == step:
+            # Nothing on storage is newer than the recovered step itself.
+            counts["memory"] += 1
+            versions[tuple(frag.expert)] = step
+            return self._read_slot(newest_memory, key)
         stored = storage.versions.get(tuple(frag.expert))
         if newest_memory is not None and (stored is None or newest_memory["step"] >= stored):
             counts["memory"] += 1
@@ -716,36 +721,57 @@ OBJECTS_TENSOR_FILE = "objects.safetensors"
 
 class _StorageVersions:
     """Expert versions of the newest committed checkpoint at or before ``step``, from its
-    manifest; the checkpoint's files are opened (and verified) only if a fragment is
-    actually read from storage."""
+    manifest, read only when a load asks for them (a snapshot holding every expert at
+    ``step`` never does: storage cannot be newer); the checkpoint's files are opened (and
+    verified) only if a fragment is actually read from storage."""
 
     def __init__(self, load_dir: str, step: int):
         from deepspeed_ext import manifest as mf
-        self.load_dir, self.tag, self.versions = load_dir, None, {}
+        self.load_dir, self.step, self.tag = load_dir, step, None
+        self._versions: Optional[Dict] = None
+        self._reader = None
         self.latest: Optional[str] = None
         """The newest committed checkpoint (whatever its step)."""
-        self._reader = None
         if not fs.isdir(load_dir):
+            self._versions = {}
             return
+        try:
+            latest = mf.read_latest(load_dir)
+        except mf.CheckpointError:
+            latest = None
+        if latest and fs.exists(os.path.join(load_dir, latest, mf.MANIFEST_FILE)):
+            self.latest = latest
+        else:  # no or a dangling ``latest``: the newest complete checkpoint is it
+            complete = mf.scan_checkpoints(load_dir).complete
+            self.latest = complete[-1][1] if complete else None
+
+    @property
+    def versions(self) -> Dict:
+        """``{(layer, expert): step}`` of the chosen checkpoint's expert index."""
+        if self._versions is None:
+            self._versions = self._resolve()
+        return self._versions
+
+    def _resolve(self) -> Dict:
+        from deepspeed_ext import manifest as mf
         # Normally ``latest`` is it: one manifest read. Only when storage is ahead of the
         # memory snapshot (or ``latest`` is damaged) are all manifests scanned.
         found = None
         try:
-            latest = mf.read_latest(load_dir)
-            if latest:
-                found = (latest, *mf.read_expert_versions(os.path.join(load_dir, latest)))
+            if self.latest:
+                found = (self.latest, *mf.read_expert_versions(
+                    os.path.join(self.load_dir, self.latest)))
         except mf.CheckpointError:
             found = None
-        if found is not None:
-            self.latest = found[0]
-        if found is None or found[1] > step:
-            complete = mf.scan_checkpoints(load_dir).complete
-            self.latest = complete[-1][1] if complete else None
-            candidates = [t for s, t in complete if s <= step]
+        if found is None or found[1] > self.step:
+            complete = mf.scan_checkpoints(self.load_dir).complete
+            candidates = [t for s, t in complete if s <= self.step]
             found = ((candidates[-1], *mf.read_expert_versions(
-                os.path.join(load_dir, candidates[-1]))) if candidates else None)
-        if found is not None:
-            self.tag, _, self.versions = found
+                os.path.join(self.load_dir, candidates[-1]))) if candidates else None)
+        if found is None:
+            return {}
+        self.tag = found[0]
+        return found[2]
 
     def reader(self):
         from deepspeed_ext.reader import CheckpointReader
