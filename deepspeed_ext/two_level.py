@@ -95,7 +95,8 @@ class TwoLevel:
                                            min(k, ckpt.layout.num_experts))
         self.count = 0
         self.fault_hook: Optional[Callable[[int], None]] = None
-        """Called with the step right after a snapshot's copy started (fault injection)."""
+        """Fault injection: called by the copy thread with the step once a snapshot's bytes
+        are copied, before the slot is published as complete."""
         # One long-lived copy thread: starting a thread per snapshot made the save call
         # wait up to a GIL switch interval (5 ms) for the new thread to start.
         self.copier_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moc-snapshot")
@@ -249,8 +250,6 @@ class TwoLevel:
         event = self.copier.launch(buffer, layout, tensors)
         self.copy_job = self.copier_pool.submit(self._copy, slot, event, buffer, layout,
                                                    tensors, meta, job)
-        if self.fault_hook is not None:  # fault injection: die while the copy is in flight
-            self.fault_hook(step)
         if persist or self.count == 1:  # a line per snapshot would flood per-iteration runs
             _log(f"snapshot {tag} (step {step}) into {self.node_dir}: "
                  f"{layout.nbytes / 2**20:.2f} MiB on rank 0, "
@@ -388,6 +387,8 @@ class TwoLevel:
         """Copy thread: fill the slot, mark it complete, hand it to the keeper."""
         try:
             self.copier.finish(event, buffer, layout, tensors)
+            if self.fault_hook is not None:  # fault injection: die with the slot filled
+                self.fault_hook(meta["step"])  # but not yet published as complete
             self.slots.publish(slot, meta)
             if job is not None:
                 job["done_marker"] = self.slots.persist_marker(slot)

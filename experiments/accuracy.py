@@ -17,6 +17,8 @@ Policies (faults at ``--faults``, the same for every policy but ``no-faults``):
 - ``full``: MoC checkpoints of every expert every ``--save-interval`` iterations;
 - ``pec-k1`` / ``pec-k2``: partial experts checkpointing, K = 1 / 2 of 8 experts per MoE
   layer per checkpoint (weights and optimizer state of the saved experts);
+- ``pec-k1-dynamic``: K = 1 with dynamic K (doubled after a recovery while the
+  accumulated PLT is over 3.75 %);
 - ``two-level``: a snapshot every iteration into the node keeper's memory with 4 experts
   per MoE layer, every 10th persisted with 1 expert per MoE layer; recovery from memory.
 
@@ -43,6 +45,7 @@ POLICIES = {
     "full": [],
     "pec-k1": ["--moc-pec-k", "1"],
     "pec-k2": ["--moc-pec-k", "2"],
+    "pec-k1-dynamic": ["--moc-pec-k", "1", "--moc-dynamic-k"],
     "two-level": ["--moc-two-level", "--moc-snapshot-interval", "1", "--moc-persist-interval",
                   "10", "--moc-k-snapshot", "4", "--moc-k-persist", "1"],
 }
@@ -139,12 +142,16 @@ def measure(run_dir: str, ckpt: str) -> dict:
         "checkpoint_mib_mean": statistics.mean(sizes) / 2**20 if sizes else None,
         "checkpoints": len(sizes),
         "stall_s_median": statistics.median(stalls) if stalls else None,
+        "k_after": [e.get("k") for e in recoveries],
     }
 
 
 def table(rows) -> str:
-    head = ["policy", "final valid loss", "recoveries", "iterations lost", "accumulated PLT",
-            "recovered from", "restart (s)", "ckpt MiB (mean)", "stall (s, median)", "wall (s)"]
+    head = ["policy", "final valid loss", "vs no-faults", "recoveries", "iterations lost",
+            "accumulated PLT", "K after recoveries", "recovered from", "load (s)",
+            "restart (s)", "ckpt MiB (mean)", "stall (s, median)", "wall (s)"]
+    ref = next((r["final_valid_loss"] for r in rows if r["policy"] == "no-faults" and r["ok"]),
+               None)
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if not r["ok"]:
@@ -152,9 +159,12 @@ def table(rows) -> str:
             continue
         fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
         lines.append("| " + " | ".join([
-            r["policy"], fmt(r["final_valid_loss"], ".4f"), str(r["recoveries"]),
+            r["policy"], fmt(r["final_valid_loss"], ".4f"),
+            "-" if ref is None else f"{r['final_valid_loss'] - ref:+.4f}", str(r["recoveries"]),
             str(r["iterations_lost"]), f"{100 * r['cumulative_plt']:.2f} %",
+            ",".join(str(k) for k in r["k_after"]) or "-",
             ",".join(r["recovery_sources"]) or "-",
+            ",".join(f"{s:.2f}" for s in r["load_s"]) or "-",
             ",".join(str(s) for s in r["restart_s"]) or "-",
             fmt(r["checkpoint_mib_mean"], ".2f"), fmt(r["stall_s_median"], ".3f"),
             f"{r['wall_s']:.0f}"]) + " |")
@@ -168,19 +178,35 @@ def plot(rows, path: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r in rows:
-        if not r["ok"]:
-            continue
-        its, losses = zip(*r["train_curve"])
-        ax_t.plot(its, losses, label=r["policy"], linewidth=1)
+    ok = [r for r in rows if r["ok"]]
+    ref = next((r for r in ok if r["policy"] == "no-faults"), None)
+    fig, (ax_v, ax_d, ax_t) = plt.subplots(1, 3, figsize=(16, 4.5))
+    colors = {name: f"C{i}" for i, name in enumerate(POLICIES)}  # one colour per policy
+    for r in ok:
+        color = colors[r["policy"]]
         if r["valid_curve"]:
-            its, losses = zip(*r["valid_curve"])
-            ax_v.plot(its, losses, marker="o", label=r["policy"])
-    ax_t.set(title="training loss (redone iterations replace lost ones)", xlabel="iteration",
-             ylabel="lm loss")
+            its, losses = zip(*sorted(dict(r["valid_curve"]).items()))
+            ax_v.plot(its, losses, marker="o", label=r["policy"], color=color)
+        if ref is None or r is ref:
+            continue
+        # The curves nearly coincide: differences from the fault-free run say more.
+        base = dict(ref["valid_curve"])
+        its = [i for i, _ in r["valid_curve"] if i in base]
+        ax_d.plot(its, [dict(r["valid_curve"])[i] - base[i] for i in its], marker="o",
+                  label=r["policy"], color=color)
+        base_t, mine = dict(ref["train_curve"]), dict(r["train_curve"])
+        its = [i for i in sorted(mine) if i in base_t]
+        diff = [mine[i] - base_t[i] for i in its]
+        smooth = [sum(diff[max(0, j - 9):j + 1]) / len(diff[max(0, j - 9):j + 1])
+                  for j in range(len(diff))]
+        ax_t.plot(its, smooth, label=r["policy"], linewidth=1, color=color)
     ax_v.set(title="validation loss", xlabel="iteration", ylabel="lm loss")
-    ax_v.legend()
+    ax_d.set(title="validation loss - no-faults run", xlabel="iteration")
+    ax_t.set(title="training loss - no-faults run (10-iteration mean)", xlabel="iteration")
+    for ax in (ax_d, ax_t):
+        ax.axhline(0, color="grey", linewidth=0.5)
+    for ax in (ax_v, ax_d, ax_t):
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return True

@@ -12,8 +12,9 @@ Kinds (what the chosen rank does when the fault fires):
 - ``hang``: sleeps forever right before the iteration's first collective.
 - ``slow``: sleeps ``slow`` seconds at the top of every iteration from then on, in this
   process; a restarted job is not slowed again (the straggling node counts as replaced).
-- ``snapshot-crash``: SIGKILLs itself while a two-level snapshot copy is in flight
-  (the checkpoint code calls :meth:`FaultInjector.in_snapshot`).
+- ``snapshot-crash``: SIGKILLs itself in the middle of a two-level snapshot: its bytes
+  are in the slot but it is not yet published as complete (the copy thread calls
+  :meth:`FaultInjector.in_snapshot`).
 - ``persist-crash``: the node's keeper SIGKILLs itself while persisting a snapshot
   (armed through :meth:`FaultInjector.persist_env`).
 - ``lose-memory``: calls ``lose_memory()`` (the node's in-memory snapshots are gone),
@@ -95,7 +96,7 @@ class FaultSpec:
     kind: str
     """One of :data:`KINDS`."""
     rank: int
-    """Global rank that fires it (for ``persist-crash``: the rank that starts its node's keeper)."""
+    """Global rank that fires it (for ``persist-crash``: any rank of the node whose keeper dies)."""
     iteration: int
     """Fires when the loop is about to run this iteration (1-based; see the module doc)."""
     slow_s: float = 0.5
@@ -310,6 +311,8 @@ class FaultInjector:
         clock: seconds since the epoch (tests pass a fake clock).
         emit: called with a ``{"kind": "fault", ...}`` event before a fault fires (the
             trainer appends it to the job's event file, so the restart can name it).
+        node_ranks: the global ranks of this rank's node (default: only this rank); a
+            ``persist-crash`` naming any of them arms this node's keeper.
 
     Raises:
         ConfigError: this rank has a ``lose-memory`` fault but no ``lose_memory`` callback.
@@ -321,12 +324,17 @@ class FaultInjector:
                  lose_memory: Optional[Callable[[], None]] = None,
                  log: Callable[[str], None] = _print_flush,
                  clock: Callable[[], float] = time.time,
-                 emit: Optional[Callable[[Dict], object]] = None):
+                 emit: Optional[Callable[[Dict], object]] = None,
+                 node_ranks: Optional[Sequence[int]] = None):
         self.rank, self.world_size, self.state_path = rank, world_size, state_path
         self._emit = emit
         self._lose_memory, self._log, self._clock = lose_memory, log, clock
         self._fired = set(read_state(state_path)["fired"])
         self._pending = [s for s in specs if s.rank == rank and s.text not in self._fired]
+        # Any rank of a node may be the one that starts its keeper: all of them arm it.
+        self._node_persist = [s for s in specs if s.kind == "persist-crash"
+                              and s.rank in set(node_ranks or (rank,))
+                              and s.text not in self._fired]
         if lose_memory is None and any(s.kind == "lose-memory" for s in self._pending):
             raise ConfigError("--moc-fault lose-memory needs in-memory snapshots "
                               "(--moc-two-level): there is nothing to lose")
@@ -361,8 +369,9 @@ class FaultInjector:
             time.sleep(self._slow_s)
 
     def in_snapshot(self, iteration: int) -> None:
-        """The rank taking a two-level snapshot of ``iteration`` (``state.iteration``), while
-        the copy is in flight: SIGKILLs this rank if a ``snapshot-crash`` fault is due."""
+        """The copy thread of the rank taking a two-level snapshot of ``iteration``
+        (``state.iteration``), once the bytes are copied and before the snapshot is
+        published as complete: SIGKILLs this rank if a ``snapshot-crash`` fault is due."""
         for spec in self._due("snapshot-crash", iteration):
             self._fire(spec, iteration)
 
@@ -370,7 +379,7 @@ class FaultInjector:
         """Environment for the node keeper this rank starts: arms its ``persist-crash``
         fault (empty when there is none, or it fired earlier in the job). The keeper
         calls :func:`crash_in_persist_if_due`, which records the firing."""
-        for spec in self._pending:
+        for spec in self._node_persist:
             if spec.kind == "persist-crash":
                 return {PERSIST_CRASH_ENV: str(spec.iteration), FAULT_KEY_ENV: spec.text,
                         FAULT_STATE_ENV: os.path.abspath(self.state_path)}

@@ -133,10 +133,19 @@ def _rank0_report(moc, args, iteration: int, load_s: float) -> RecoveryReport:
                  "seconds_since_progress": report.seconds_since_progress,
                  "failed_run": progress.get("run") if progress else None,
                  "failure": report.failure,
-                 "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                 "restart": restart_count(),
                  "loss": loss.to_json() if loss is not None else None}
         report.events.append(log.append(event))
     return report
+
+
+def restart_count() -> int:
+    """Which attempt of the job this is: torchrun's elastic agent says it in
+    ``TORCHELASTIC_RESTART_COUNT``, scripts/launch_cluster.sh in ``MOC_RESTART_COUNT``."""
+    for key in ("TORCHELASTIC_RESTART_COUNT", "MOC_RESTART_COUNT"):
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return 0
 
 
 def _failure(events: List[Dict]) -> Optional[str]:
@@ -152,7 +161,7 @@ def _failure(events: List[Dict]) -> Optional[str]:
         what = "injected " + str(e.get("fault")) if e["kind"] == "fault" else \
             "straggler stopped the job"
         return f"{what} on rank {e.get('rank')} at iteration {e.get('iteration')}"
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+    if restart_count() > 0:
         return "unknown (no event recorded: see the launcher's log)"
     return None
 
@@ -160,7 +169,7 @@ def _failure(events: List[Dict]) -> Optional[str]:
 def _log_recovery(report: RecoveryReport, load_s: float, loss) -> None:
     parts = [f"[moc] recovered iteration {report.iteration} from {report.source} in {load_s:.2f} s"]
     if report.failure is not None:
-        parts.insert(0, f"[moc] restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '')} after "
+        parts.insert(0, f"[moc] restart {restart_count()} after "
                         f"failure: {report.failure}")
         parts[1] = parts[1][len("[moc] "):]
     if report.iterations_lost is not None:

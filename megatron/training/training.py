@@ -268,9 +268,13 @@ def pretrain(args: argparse.Namespace, extra_setup=None) -> TrainResult:
     injector = _fault_injector(args, engine)
     if args.moc_checkpoint:
         from deepspeed_ext import enable_moc_checkpointing
-        if injector is not None:
-            os.environ.update(injector.persist_env())  # the node keeper inherits it
-        enable_moc_checkpointing(engine, moc_config_from_args(args))
+        armed = injector.persist_env() if injector is not None else {}
+        os.environ.update(armed)  # the node keeper, started now, inherits it ...
+        try:
+            enable_moc_checkpointing(engine, moc_config_from_args(args))
+        finally:
+            for key in armed:  # ... but not this process, which persists in-process
+                os.environ.pop(key, None)  # when the keeper is gone
         if injector is not None and engine.moc.two_level is not None:
             engine.moc.two_level.fault_hook = injector.in_snapshot
         print_rank_0(f"> MoC checkpointing on: K = {args.moc_pec_k or args.num_experts} of "
@@ -330,10 +334,15 @@ def _fault_injector(args: argparse.Namespace, engine):
     if getattr(args, "moc_two_level", False):
         lose_memory = lambda: engine.moc.two_level.drop_node_memory()  # noqa: E731
     emit = EventLog(args.moc_event_file).append if args.moc_event_file else None
-    return FaultInjector(faults_from_args(args, dist.get_world_size()), dist.get_rank(),
-                         dist.get_world_size(), os.path.join(args.save, "moc-faults.json"),
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_node = (getattr(args, "moc_ranks_per_node", 0)
+                or int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    node = rank // per_node
+    return FaultInjector(faults_from_args(args, world), rank, world,
+                         os.path.join(args.save, "moc-faults.json"),
                          mtbf_s=args.moc_fault_mtbf, seed=args.moc_fault_seed,
-                         lose_memory=lose_memory, emit=emit)
+                         lose_memory=lose_memory, emit=emit,
+                         node_ranks=range(node * per_node, min(world, (node + 1) * per_node)))
 
 
 class _Watch:

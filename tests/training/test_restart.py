@@ -128,3 +128,32 @@ def test_straggler_is_reported_without_stopping_the_job(corpus, tmp_path):
     assert stragglers and {e["rank"] for e in stragglers} == {1}, events
     assert not [e for e in events if e["kind"] in ("hang", "recovery")]
     assert _final_loss(records)[0] == 14
+
+
+def test_two_level_faults_in_snapshot_persist_and_node_memory(corpus, tmp_path):
+    """Rank 0 dies while the snapshot of iteration 3 is being copied (the half-written
+    snapshot must not count: the restart recovers iteration 2 from memory); the keeper
+    dies while persisting (training goes on, persisting in process); rank 1's node loses
+    its memory at iteration 11 (the restart recovers from storage)."""
+    shm = f"/dev/shm/moc-test-{uuid.uuid4().hex[:10]}"
+    try:
+        proc, records, events = _elastic(tmp_path, corpus, [
+            "--train-iters", "14", "--lr-decay-iters", "14", "--moc-two-level",
+            "--moc-snapshot-interval", "1", "--moc-persist-interval", "3", "--moc-shm-dir", shm,
+            "--moc-fault", "snapshot-crash@3:rank=0", "persist-crash@5:rank=1",
+            "lose-memory@11:rank=1"], restarts=3)
+        _ok(proc)
+        faults = [(e["fault"], e["rank"]) for e in events if e["kind"] == "fault"]
+        assert faults == [("snapshot-crash", 0), ("lose-memory", 1)], events
+        recoveries = [e for e in events if e["kind"] == "recovery"]
+        assert [(e["source"], e["iteration"]) for e in recoveries][0] == ("memory", 2)
+        assert recoveries[1]["source"] == "storage" and recoveries[1]["iteration"] <= 10
+        # the keeper's own line went to its log in the node's (since deleted) memory
+        # directory; the ranks say it is gone and persist from their own processes
+        assert "WARNING: the keeper of node 0 is gone" in proc.stdout
+        assert _final_loss(records)[0] == 14
+        fired = json.load(open(tmp_path / "ckpt" / "moc-faults.json"))["fired"]
+        assert sorted(fired) == ["lose-memory@11:rank=1", "persist-crash@5:rank=1",
+                                 "snapshot-crash@3:rank=0"]
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
