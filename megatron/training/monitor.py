@@ -497,7 +497,8 @@ class Watchdog:
         if hang.waiting:
             what = (f"rank {hang.rank} (host {b.host}, pid {b.pid}) made no progress for "
                     f"{hang.seconds:.2f} s: it never started iteration {hang.iteration + 1}, "
-                    f"ranks {_ranks(hang.waiting)} did and wait for it")
+                    f"{'rank' if len(hang.waiting) == 1 else 'ranks'} {_ranks(hang.waiting)} "
+                    f"did and {'waits' if len(hang.waiting) == 1 else 'wait'} for it")
         else:
             what = (f"all ranks stalled in iteration {hang.iteration} for "
                     f"{hang.seconds:.2f} s; culprit unknown (suspects {_ranks(hang.suspects)}); "
