@@ -66,8 +66,13 @@ class SnapshotSlots:
         if i not in self._metas:
             try:
                 with open(self._path(i, "json"), encoding="utf-8") as f:
-                    self._metas[i] = json.load(f)
-            except (OSError, ValueError):
+                    meta = json.load(f)
+                # A metadata file whose image is missing or shorter than its layout (the
+                # node's memory was lost under a running rank) is no snapshot: reading it
+                # would fail, or SIGBUS on the missing pages.
+                end = max((e["start"] + e["nbytes"] for e in meta.get("entries", [])), default=0)
+                self._metas[i] = meta if os.path.getsize(self.image_path(i)) >= end else None
+            except (OSError, ValueError, KeyError, TypeError):
                 self._metas[i] = None
         return self._metas[i]
 
@@ -132,7 +137,16 @@ class SnapshotSlots:
         return self._maps[i][:nbytes]
 
     def publish(self, i: int, meta: Dict[str, Any]) -> None:
-        """Mark slot ``i`` complete (atomic; after every byte is in place)."""
+        """Mark slot ``i`` complete (atomic; after every byte is in place).
+
+        Raises:
+            RuntimeError: the slot directory is gone (the node's shared memory was wiped
+                while this rank ran): the bytes went to deleted files, and recreating the
+                directory for the metadata alone would publish a snapshot without them.
+        """
+        if not os.path.isdir(self.dir):
+            raise RuntimeError(f"{self.dir} vanished (the node's shared memory was lost); "
+                               f"the snapshot of step {meta.get('step')} is not kept")
         atomic_write_json(self._path(i, "json"), meta)
         self._metas[i] = meta
 

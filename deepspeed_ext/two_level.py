@@ -686,8 +686,8 @@ class TwoLevel:
         from deepspeed_ext.state import refresh_compute_weights
         versions = self.ckpt.expert_versions_loaded or {}
         newer: Dict = {}
-        taken = 0
-        with torch.no_grad():
+        staged = []
+        try:  # read everything first: a failure then leaves the storage state whole
             for frag in fragments:
                 if frag.expert is None:
                     continue
@@ -695,10 +695,16 @@ class TwoLevel:
                 holders = [m for m in mine if frag.key in m["specs"] and m["step"] > loaded]
                 if holders:
                     newest = max(holders, key=lambda m: m["step"])
-                    data = self._read_slot(newest, frag.key)
-                    frag.tensor.copy_(data.to(device=frag.tensor.device, dtype=frag.tensor.dtype))
-                    newer[tuple(frag.expert)] = newest["step"]
-                    taken += 1
+                    staged.append((frag, self._read_slot(newest, frag.key), newest["step"]))
+        except Exception as e:  # this rank keeps storage's versions; the others go on
+            print(f"[moc] rank {self.rank}: WARNING: cannot read its memory snapshots "
+                  f"({type(e).__name__}: {e}); keeping the versions from storage", flush=True)
+            staged = []
+        with torch.no_grad():
+            for frag, data, step in staged:
+                frag.tensor.copy_(data.to(device=frag.tensor.device, dtype=frag.tensor.dtype))
+                newer[tuple(frag.expert)] = step
+        taken = len(staged)
         refresh_compute_weights(self.ckpt.engine)
         if taken:
             self.last_load_source = "storage+memory"
