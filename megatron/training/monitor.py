@@ -511,7 +511,7 @@ class Watchdog:
         event = {"kind": "straggler", "rank": r, "host": b.host, "pid": b.pid,
                  "slowdown": round(slowdown, 3), "iteration": b.iteration, "time": time.time(),
                  "detected_by": self.rank, "median_iter_s": b.median_iter_s,
-                 "median_own_s": b.median_own_s}
+                 "median_own_s": b.median_own_s, "action": self.config.straggler_action}
         self._log(f"[monitor] rank {self.rank}: STRAGGLER: rank {r} (host {b.host}, pid "
                   f"{b.pid}) slows iterations down {slowdown:.2f}x (median own time "
                   f"{b.median_own_s:.3f} s of {b.median_iter_s:.3f} s per iteration) at "

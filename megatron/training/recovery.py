@@ -17,7 +17,7 @@ Called by every rank, in order, right after ``engine.load_checkpoint`` (see
 import argparse
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch.distributed as dist
@@ -47,8 +47,6 @@ class RecoveryReport:
     failure: Optional[str] = None
     """What ended the previous run, from the event file (an injected fault, a detected hang
     or straggler), or "unknown" after a launcher restart that left no event."""
-    events: List[Dict] = field(default_factory=list)
-    """Event dicts written (rank 0)."""
 
     def metrics(self) -> Dict:
         """Numeric fields for the metrics file / TensorBoard (``moc/...``)."""
@@ -135,7 +133,7 @@ def _rank0_report(moc, args, iteration: int, load_s: float) -> RecoveryReport:
                  "failure": report.failure,
                  "restart": restart_count(),
                  "loss": loss.to_json() if loss is not None else None}
-        report.events.append(log.append(event))
+        log.append(event)
     return report
 
 
@@ -148,13 +146,23 @@ def restart_count() -> int:
     return 0
 
 
+def _ended_the_run(event: Dict) -> bool:
+    """Whether an event stops a run: a fault, a hang, or a straggler with action stop (a
+    reported straggler trains on)."""
+    kind = event.get("kind")
+    return kind in ("fault", "hang") or (kind == "straggler" and event.get("action") == "stop")
+
+
 def _failure(events: List[Dict]) -> Optional[str]:
     """The newest failure event since the last recovery, in words."""
-    since = [e for e in events[max((i for i, e in enumerate(events)
-                                     if e.get("kind") == "recovery"), default=-1) + 1:]
-             if e.get("kind") in ("fault", "hang", "straggler")]
-    if since:
-        e = since[-1]
+    failures = []
+    for event in events:
+        if event.get("kind") == "recovery":
+            failures = []  # recovered from those already
+        elif _ended_the_run(event):
+            failures.append(event)
+    if failures:
+        e = failures[-1]
         if e["kind"] == "hang":  # a heartbeat says which iteration a rank *started*
             return (f"hang detected on rank {e.get('rank')} (host {e.get('host')}; its last "
                     f"heartbeat: iteration {e.get('iteration')})")
@@ -167,11 +175,9 @@ def _failure(events: List[Dict]) -> Optional[str]:
 
 
 def _log_recovery(report: RecoveryReport, load_s: float, loss) -> None:
-    parts = [f"[moc] recovered iteration {report.iteration} from {report.source} in {load_s:.2f} s"]
+    parts = [f"recovered iteration {report.iteration} from {report.source} in {load_s:.2f} s"]
     if report.failure is not None:
-        parts.insert(0, f"[moc] restart {restart_count()} after "
-                        f"failure: {report.failure}")
-        parts[1] = parts[1][len("[moc] "):]
+        parts.insert(0, f"restart {restart_count()} after failure: {report.failure}")
     if report.iterations_lost is not None:
         parts.append(f"{report.iterations_lost} iteration(s) lost, "
                      f"{report.seconds_since_progress:.1f} s since the last finished iteration")
@@ -181,4 +187,4 @@ def _log_recovery(report: RecoveryReport, load_s: float, loss) -> None:
                      f"{100 * report.cumulative_plt:.3f} %")
     else:
         parts.append("PLT unknown (checkpoint without a token ledger)")
-    print_rank_0("; ".join(parts))
+    print_rank_0("[moc] " + "; ".join(parts))

@@ -48,3 +48,18 @@ def test_event_file_default_and_threshold_checks(tmp_path):
     with pytest.raises(ConfigError, match="--moc-dynamic-k needs --moc-checkpoint"):
         validate_args(parse_args(BASE + ["--moc-dynamic-k"]), 1)
     assert json.dumps(vars(args), default=str)  # the arguments stay serialisable
+
+
+def test_failure_named_at_a_restart_is_the_newest_since_the_last_recovery(monkeypatch):
+    from megatron.training.recovery import _failure
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    crash = {"kind": "fault", "fault": "crash", "rank": 1, "iteration": 6}
+    reported = {"kind": "straggler", "rank": 0, "iteration": 9, "action": "report"}
+    stopped = dict(reported, action="stop")
+    assert _failure([crash]) == "injected crash on rank 1 at iteration 6"
+    # recovered from the crash; a straggler that was only reported stopped nothing
+    assert _failure([crash, {"kind": "recovery"}, reported]).startswith("unknown")
+    assert _failure([crash, {"kind": "recovery"}, stopped]) == \
+        "straggler stopped the job on rank 0 at iteration 9"
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    assert _failure([crash, {"kind": "recovery"}]) is None  # a planned restart
