@@ -222,18 +222,21 @@ class MoCCheckpointer:
 
     def _gather_pieces(self, fragments: List[LocalFragment]):
         """The write-plan pieces of the whole world (cached while the layout holds)."""
+        from deepspeed_ext.pec import part_of_kind
         from deepspeed_ext.plan import Piece
         signature = tuple((f.key, f.length) for f in fragments)
         if self._piece_cache is not None and self._piece_cache[0] == signature:
             return self._piece_cache[1]
-        local = [(f.key, f.length * f.tensor.element_size(), f.holders, f.expert) for f in fragments]
+        local = [(f.key, f.length * f.tensor.element_size(), f.holders, f.expert, f.kind)
+                 for f in fragments]
         gathered: List = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, local)
         pieces: Dict[str, Piece] = {}
         for rank_pieces in gathered:
-            for key, nbytes, holders, expert in rank_pieces:
+            for key, nbytes, holders, expert, kind in rank_pieces:
                 pieces.setdefault(key, Piece(key, nbytes, tuple(holders),
-                                             tuple(expert) if expert is not None else None))
+                                             tuple(expert) if expert is not None else None,
+                                             part_of_kind(kind)))
         result = sorted(pieces.values(), key=lambda p: p.key)
         self._piece_cache = (signature, result)
         return result
@@ -283,7 +286,7 @@ class MoCCheckpointer:
         pieces = self._gather_pieces(fragments)
         # Identical on every rank (same policy state); None: no MoE layer.
         selected = self.policy.select() if self.policy is not None else None
-        plan = build_write_plan(pieces, world, selected)
+        plan = build_write_plan(pieces, world, selected, self.config.pec_scope)
         # The saved policy state must already count this checkpoint's experts as saved;
         # if the save fails, that is undone so the next save includes them again.
         policy_before = self.policy.state_dict() if self.policy is not None else None
@@ -400,7 +403,8 @@ class MoCCheckpointer:
                     pending.save_dir, pending.tag, pending.step, self._layout_record(pending.world, pending.zero_stage),
                     shares, previous[1] if previous and previous[0] == pending.save_dir else None,
                     sorted(pending.selected) if pending.selected is not None else None,
-                    pending.pec_k, pending.save_latest, self.config.keep, log=_log)
+                    pending.pec_k, pending.save_latest, self.config.keep, log=_log,
+                    pec_scope=self.config.pec_scope)
                 commit.remove_reports(tag_dir, pending.world)
             except Exception as e:
                 traceback.print_exc()

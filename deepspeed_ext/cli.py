@@ -79,8 +79,15 @@ def _describe(manifest: Manifest) -> List[str]:
         lines.append(f"  bytes per rank: max {_size(per_rank[busiest])} (rank {busiest}), "
                      f"mean {_size(total / len(per_rank))}, total {_size(total)} in "
                      f"{len(manifest.files)} files")
-    lines.append(f"  experts saved here (step {manifest.step}): "
-                 f"{_experts_text(manifest.held_experts())}")
+    versions = manifest.expert_versions()
+    whole = {e for e in manifest.held_experts()
+             if e not in versions or versions[e].tags() == {manifest.tag}}
+    lines.append(f"  experts saved here (step {manifest.step}): {_experts_text(whole)}")
+    for part, name in (("w", "weights"), ("o", "optimizer state")):
+        only = {e for e, v in versions.items()
+                if e not in whole and v.part(part)[1] == manifest.tag}
+        if only:  # a one-part PEC variant (--moc-pec-scope w or o)
+            lines.append(f"  {name} only, of {len(only)} more expert(s)")
     return lines
 
 
@@ -90,10 +97,10 @@ def _ages(manifest: Manifest) -> List[str]:
         return [f"expert ages at {manifest.tag}: no MoE experts"]
     layers = sorted({l for l, _ in versions})
     experts = sorted({e for _, e in versions})
-    ages = {k: manifest.step - v.step for k, v in versions.items()}
+    ages = {k: manifest.step - v.oldest_step for k, v in versions.items()}
     width = max(4, len(str(max(ages.values()))) + 1)
     lines = [f"expert ages at {manifest.tag} (step {manifest.step}): steps since each "
-             f"expert's newest saved version",
+             f"expert's newest whole saved version (weights and optimizer state)",
              "  layer\\expert" + "".join(f"{e:>{width}}" for e in experts)]
     for layer in layers:
         row = "".join(f"{ages[(layer, e)]:>{width}}" if (layer, e) in ages else " " * (width - 1)

@@ -104,7 +104,7 @@ def remove_reports(tag_dir: str, world_size: int) -> None:
 def commit_checkpoint(save_dir: str, tag: str, step: int, layout: Mapping[str, Any],
                       shares: List[Mapping[str, Any]], previous_tag: Optional[str],
                       selected: Optional[List], pec_k: Optional[int], save_latest: bool,
-                      keep: int, log=print) -> None:
+                      keep: int, log=print, pec_scope: str = "wo") -> None:
     """The committer, after :func:`wait_for_reports`: manifest, then ``latest``, then retention.
 
     Run by rank 0's writer thread, or by the keeper process that persists rank 0's
@@ -120,6 +120,7 @@ def commit_checkpoint(save_dir: str, tag: str, step: int, layout: Mapping[str, A
         previous_tag: the checkpoint in ``save_dir`` whose expert index this one extends.
         selected: ``(layer, expert)`` pairs this checkpoint holds; None without MoE.
         keep: retention (0: keep all).
+        pec_scope: the PEC variant the save plan used (``--moc-pec-scope``).
     """
     from deepspeed_ext import manifest as mf
     from deepspeed_ext.objects import OBJECTS_FILE
@@ -134,9 +135,11 @@ def commit_checkpoint(save_dir: str, tag: str, step: int, layout: Mapping[str, A
         previous = (mf.read_manifest(os.path.join(save_dir, previous_tag))
                     if previous_tag is not None else None)
         index = mf.build_expert_index(previous, [tuple(x) for x in selected], step, tag,
-                                      layout["num_moe_layers"], layout["num_experts"])
+                                      layout["num_moe_layers"], layout["num_experts"],
+                                      scope=pec_scope)
     manifest = mf.assemble_manifest(tag, step, layout["world_size"], layout, reports, index,
-                                    extra_files=extra_files, extra={"pec_k": pec_k})
+                                    extra_files=extra_files,
+                                    extra={"pec_k": pec_k, "pec_scope": pec_scope})
     mf.write_manifest(os.path.join(save_dir, tag), manifest)
     if save_latest:
         mf.update_latest(save_dir, tag)

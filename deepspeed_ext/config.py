@@ -11,6 +11,9 @@ class MoCConfig:
     """Experts saved per MoE layer per checkpoint; 0 means all (``--moc-pec-k``)."""
     pec_policy: str = "sequential"
     """Which experts: ``sequential`` rotation or ``load-aware`` (``--moc-pec-policy``)."""
+    pec_scope: str = "wo"
+    """What PEC leaves out of unselected experts: ``wo`` weights and optimizer state,
+    ``w`` weights only, ``o`` optimizer state only (``--moc-pec-scope``)."""
     keep: int = 0
     """Complete checkpoints to retain; 0 keeps all (``--moc-keep``). Versions still
     referenced by a kept checkpoint's expert index are never deleted."""
@@ -47,6 +50,13 @@ class MoCConfig:
         if self.pec_policy not in ("sequential", "load-aware"):
             raise ValueError("--moc-pec-policy must be sequential or load-aware, "
                              f"got {self.pec_policy!r}")
+        if self.pec_scope not in ("wo", "w", "o"):
+            raise ValueError(f"--moc-pec-scope must be wo, w or o, got {self.pec_scope!r}")
+        # Snapshots and the two-level overlay keep one version per expert; a one-part
+        # variant's split versions would be overwritten by an older memory copy.
+        if self.two_level and self.pec_scope != "wo":
+            raise ValueError(f"--moc-pec-scope {self.pec_scope} is not supported with "
+                             "--moc-two-level (use wo)")
         if self.keep < 0:
             raise ValueError(f"--moc-keep must be >= 0 (0: keep all), got {self.keep}")
         if not self.commit_timeout_s > 0:

@@ -13,7 +13,9 @@ A fragment is elements ``[offset, offset + length)`` of the *flattened* global t
 A checkpoint holds every non-expert tensor and the tensors of the experts it saved
 (Partial Experts Checkpointing); its ``expert_index`` says, for every expert of every
 MoE layer, which checkpoint holds that expert's newest version, so loading a tag needs
-that tag plus the older tags its index names (:func:`referenced_tags`).
+that tag plus the older tags its index names (:func:`referenced_tags`). With the paper's
+one-part PEC variants (``--moc-pec-scope w`` or ``o``) an expert's weights and its
+optimizer state can have different newest versions; the index then names both.
 
 "layer" in an expert index is the MoE layer's ordinal (0 .. num_moe_layers-1), not the
 transformer layer number; "expert" is the global expert index within that layer.
@@ -60,7 +62,9 @@ from deepspeed_ext.storage import (CheckpointError, FileRecord, FragmentReader, 
                                    ensure_dir, fsync_dir)
 
 FORMAT = "moc-ckpt"
-VERSION = 1
+VERSION = 2
+"""Version 2 added per-part expert versions (``expert_index[...].optim``)."""
+READABLE_VERSIONS = (1, 2)
 MANIFEST_FILE = "manifest.json"
 LATEST_FILE = "latest"
 TRASH_PREFIX = ".moc-trash."
@@ -203,15 +207,49 @@ class TensorEntry:
 
 @dataclass
 class ExpertVersion:
-    """Where the newest saved version of one expert lives."""
+    """Where the newest saved version of one expert lives.
+
+    ``step``/``tag`` locate its weights and, unless ``optim_tag`` is set, its optimizer
+    state too; the one-part PEC variants give the optimizer state its own version.
+    """
 
     step: int
-    """Training step of that checkpoint."""
+    """Training step of the checkpoint holding the expert's weights."""
     tag: str
     """Its tag (directory name)."""
+    optim_step: Optional[int] = None
+    """Step of the checkpoint holding its optimizer state, if not ``step``."""
+    optim_tag: Optional[str] = None
+    """Tag of that checkpoint, if not ``tag``."""
+
+    @classmethod
+    def of_parts(cls, weights: Tuple[int, str], optim: Tuple[int, str]) -> "ExpertVersion":
+        """The version whose weights live at ``weights`` and optimizer state at ``optim``
+        (each ``(step, tag)``); one location when both are the same."""
+        if tuple(weights) == tuple(optim):
+            return cls(weights[0], weights[1])
+        return cls(weights[0], weights[1], optim[0], optim[1])
+
+    def part(self, part: str) -> Tuple[int, str]:
+        """``(step, tag)`` of the part ``"w"`` (weights) or ``"o"`` (optimizer state)."""
+        if part == "o" and self.optim_tag is not None:
+            return self.optim_step, self.optim_tag
+        return self.step, self.tag
+
+    @property
+    def oldest_step(self) -> int:
+        """Step of the older part: the step up to which the whole expert is saved."""
+        return min(self.step, self.part("o")[0])
+
+    def tags(self) -> Set[str]:
+        """The checkpoints holding this expert's parts."""
+        return {self.tag, self.part("o")[1]}
 
     def to_json(self) -> Dict[str, Any]:
-        return {"step": self.step, "tag": self.tag}
+        out: Dict[str, Any] = {"step": self.step, "tag": self.tag}
+        if self.optim_tag is not None:
+            out["optim"] = {"step": self.optim_step, "tag": self.optim_tag}
+        return out
 
 
 @dataclass
@@ -243,6 +281,12 @@ class Manifest:
         """Experts whose tensors this checkpoint holds."""
         return {e.expert for e in self.tensors.values() if e.expert is not None}
 
+    def held_parts(self) -> Set[Tuple[Tuple[int, int], str]]:
+        """``((layer, expert), part)`` for every expert part (``"w"``/``"o"``) held here."""
+        from deepspeed_ext.pec import part_of_kind
+        return {(e.expert, part_of_kind(_split_or_raw(k)[1]))
+                for k, e in self.tensors.items() if e.expert is not None}
+
     def expert_versions(self) -> Dict[Tuple[int, int], ExpertVersion]:
         """The expert index keyed by ``(layer, expert)``."""
         return {parse_expert_key(k): v for k, v in self.expert_index.items()}
@@ -270,7 +314,7 @@ class Manifest:
         once, and an expert index inconsistent with the held experts."""
         where = self.tag
         problems = []
-        if self.format != FORMAT or self.version != VERSION:
+        if self.format != FORMAT or self.version not in READABLE_VERSIONS:
             problems.append(f"{where}: format {self.format!r} version {self.version!r}, "
                             f"expected {FORMAT!r} {VERSION}")
         try:
@@ -287,23 +331,35 @@ class Manifest:
         for ekey, version in self.expert_index.items():
             try:
                 parse_expert_key(ekey)
-                check_tag(version.tag)
+                for t in version.tags():
+                    check_tag(t)
             except ValueError as err:
                 problems.append(f"{where}: expert_index[{ekey!r}]: {err}")
                 continue
-            if version.step > self.step:
-                problems.append(f"{where}: expert_index[{ekey!r}] names step {version.step}, "
-                                f"newer than this checkpoint's step {self.step}")
+            if max(version.step, version.part("o")[0]) > self.step:
+                problems.append(f"{where}: expert_index[{ekey!r}] names a step newer than "
+                                f"this checkpoint's step {self.step}: {version.to_json()}")
         held = self.held_experts()
-        for layer, expert in sorted(held):
+        for (layer, expert), part in sorted(self.held_parts()):
             version = self.expert_index.get(expert_key(layer, expert))
-            if version is None or version.tag != self.tag or version.step != self.step:
-                problems.append(f"{where}: holds expert {expert_key(layer, expert)} but its "
-                                f"expert_index entry is {version and version.to_json()}")
+            # A held part the index sends elsewhere would be loaded from an older version.
+            if version is None or version.part(part) != (self.step, self.tag):
+                problems.append(f"{where}: holds expert {expert_key(layer, expert)} "
+                                f"({_PART_NAMES[part]}) but its expert_index entry is "
+                                f"{version and version.to_json()}")
+        held_parts = self.held_parts()
+        # A checkpoint saved before the first optimizer step holds no moments at all.
+        has_optim = any(part == "o" for _, part in held_parts)
         for ekey, version in self.expert_index.items():
-            if version.tag == self.tag and _safe_expert(ekey) not in held:
+            if self.tag in version.tags() and _safe_expert(ekey) not in held:
                 problems.append(f"{where}: expert_index[{ekey!r}] points to this checkpoint, "
                                 f"which holds no tensor of that expert")
+                continue
+            for part in ("w", "o") if has_optim else ("w",):
+                if (version.part(part)[1] == self.tag
+                        and (_safe_expert(ekey), part) not in held_parts):
+                    problems.append(f"{where}: expert_index[{ekey!r}] puts its "
+                                    f"{_PART_NAMES[part]} in this checkpoint, which holds none")
         layers, experts = self.layout.get("num_moe_layers"), self.layout.get("num_experts")
         if isinstance(layers, int) and isinstance(experts, int):
             missing = [expert_key(l, e) for l in range(layers) for e in range(experts)
@@ -312,6 +368,9 @@ class Manifest:
                 problems.append(f"{where}: expert_index lacks {len(missing)} of "
                                 f"{layers * experts} experts (first: {', '.join(missing[:5])})")
         return problems
+
+
+_PART_NAMES = {"w": "weights", "o": "optimizer state"}
 
 
 def _safe_expert(ekey: str) -> Optional[Tuple[int, int]]:
@@ -396,9 +455,9 @@ def _parse_manifest(data: Any, source: str) -> Manifest:
         raise ValueError(f"{source}: format is {fmt!r}, not {FORMAT!r} (not a MoC checkpoint "
                          f"manifest)")
     version = data.get("version")
-    if version != VERSION:
+    if version not in READABLE_VERSIONS:
         raise ValueError(f"{source}: version {version!r} is not supported (this code reads "
-                         f"version {VERSION})")
+                         f"versions {', '.join(map(str, READABLE_VERSIONS))})")
     files = {}
     for name, f in _get(data, "files", dict, source).items():
         w = f"{source}: files[{name!r}]"
@@ -426,7 +485,13 @@ def _parse_manifest(data: Any, source: str) -> Manifest:
     index = {}
     for ekey, v in _get(data, "expert_index", dict, source).items():
         w = f"{source}: expert_index[{ekey!r}]"
-        index[ekey] = ExpertVersion(step=_get(v, "step", int, w), tag=_get(v, "tag", str, w))
+        optim = v.get("optim") if isinstance(v, dict) else None
+        if optim is not None and not isinstance(optim, dict):
+            raise ValueError(f"{w}.optim: expected an object, got {type(optim).__name__}")
+        index[ekey] = ExpertVersion(
+            step=_get(v, "step", int, w), tag=_get(v, "tag", str, w),
+            optim_step=_get(optim, "step", int, w + ".optim") if optim is not None else None,
+            optim_tag=_get(optim, "tag", str, w + ".optim") if optim is not None else None)
     return Manifest(tag=_get(data, "tag", str, source), step=_get(data, "step", int, source),
                     world_size=_get(data, "world_size", int, source),
                     layout=_get(data, "layout", dict, source), files=files, tensors=tensors,
@@ -575,18 +640,22 @@ def assemble_manifest(tag: str, step: int, world_size: int, layout: Mapping[str,
 
 def build_expert_index(previous: Optional[Manifest], saved_experts: Iterable[Tuple[int, int]],
                        step: int, tag: str, num_moe_layers: int,
-                       num_experts: int) -> Dict[str, ExpertVersion]:
+                       num_experts: int, scope: str = "wo") -> Dict[str, ExpertVersion]:
     """The expert index of a new checkpoint (rank 0, before :func:`assemble_manifest`).
 
     Args:
         previous: manifest of the checkpoint this run's state descends from (the newest
             one saved by this run, or the one it resumed from); None for the first.
-        saved_experts: ``(moe_layer, expert)`` pairs whose tensors this checkpoint holds.
+        saved_experts: ``(moe_layer, expert)`` pairs PEC selected: this checkpoint holds
+            all their tensors.
         step, tag: of the new checkpoint.
         num_moe_layers, num_experts: the model's MoE layers and experts per layer.
+        scope: the PEC variant (``--moc-pec-scope``); with ``w`` this checkpoint also
+            holds every expert's optimizer state, with ``o`` every expert's weights.
 
     Returns:
-        ``previous``'s index with the saved experts now pointing at ``(step, tag)``.
+        ``previous``'s index with the saved experts, and the parts saved for every
+        expert, now pointing at ``(step, tag)``.
 
     Raises:
         ValueError: an expert out of range, ``previous`` newer than ``step`` or with
@@ -600,25 +669,48 @@ def build_expert_index(previous: Optional[Manifest], saved_experts: Iterable[Tup
         if previous.step > step:
             raise ValueError(f"previous checkpoint {previous.tag} is at step {previous.step}, "
                              f"after the new step {step}")
-        index = {k: ExpertVersion(v.step, v.tag) for k, v in previous.expert_index.items()}
+        index = {k: ExpertVersion(v.step, v.tag, v.optim_step, v.optim_tag)
+                 for k, v in previous.expert_index.items()}
     valid = {expert_key(l, e) for l in range(num_moe_layers) for e in range(num_experts)}
     outside = sorted(set(index) - valid)
     if outside:
         raise ValueError(f"previous checkpoint {previous.tag} indexes experts {outside[:5]} "
                          f"outside {num_moe_layers} MoE layers x {num_experts} experts; "
                          f"it belongs to a different model")
+    saved = set()
     for layer, expert in saved_experts:
         key = expert_key(layer, expert)
         if key not in valid:
             raise ValueError(f"saved expert {key} is outside {num_moe_layers} MoE layers x "
                              f"{num_experts} experts")
+        saved.add(key)
         index[key] = ExpertVersion(step=step, tag=tag)
+    _index_whole_part(index, saved, scope, (step, tag))
     missing = sorted(valid - set(index), key=parse_expert_key)
     if missing:
         raise ValueError(f"experts {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} "
                          f"({len(missing)} in all) are saved in no checkpoint; the first "
                          f"checkpoint must hold every expert")
     return dict(sorted(index.items(), key=lambda kv: parse_expert_key(kv[0])))
+
+
+def _index_whole_part(index: Dict[str, ExpertVersion], saved: Set[str], scope: str,
+                      here: Tuple[int, str]) -> None:
+    """Under a one-part PEC scope, point the part saved for every expert at ``here``.
+
+    An expert never saved before stays absent: its other part exists nowhere, and the
+    caller reports it as missing.
+    """
+    from deepspeed_ext.pec import check_scope
+    if check_scope(scope) == "wo":
+        return
+    for key, old in index.items():
+        if key in saved:
+            continue
+        if scope == "w":  # weights partial: the optimizer state is always saved
+            index[key] = ExpertVersion.of_parts(old.part("w"), here)
+        else:             # optimizer state partial: the weights are always saved
+            index[key] = ExpertVersion.of_parts(here, old.part("o"))
 
 
 # ------------------------------------------------------------------ manifest on disk
@@ -668,7 +760,8 @@ def read_manifest(ckpt_dir: str) -> Manifest:
 
 
 def read_expert_versions(ckpt_dir: str) -> Tuple[int, Dict[Tuple[int, int], int]]:
-    """``(step, {(layer, expert): step of its newest version})`` of one checkpoint, from
+    """``(step, {(layer, expert): step of its newest whole version})`` of one checkpoint
+    (the older part's step when weights and optimizer state differ), from
     its manifest without the full type check of :func:`read_manifest` (which takes tens
     of milliseconds on large manifests). For deciding where to read from, not for
     loading: a load through :class:`deepspeed_ext.reader.CheckpointReader` checks all.
@@ -679,7 +772,8 @@ def read_expert_versions(ckpt_dir: str) -> Tuple[int, Dict[Tuple[int, int], int]
     path = os.path.join(ckpt_dir, MANIFEST_FILE)
     try:
         data = json.loads(fs.read_text(path))
-        return int(data["step"]), {parse_expert_key(k): int(v["step"])
+        return int(data["step"]), {parse_expert_key(k): min(int(v["step"]), int(
+                                       (v.get("optim") or v)["step"]))
                                    for k, v in data.get("expert_index", {}).items()}
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing (incomplete or deleted checkpoint)") from None
@@ -822,32 +916,51 @@ def resolve_checkpoint(save_dir: str, tag: str,
         name, kind = _split_or_raw(tkey)
         tensors[tkey] = ResolvedTensor(name, kind, entry, tag, manifest.step)
     for ekey, version in sorted(manifest.expert_index.items()):
-        if version.tag == tag:
-            continue  # held here: validate() checked it
-        expert = _safe_expert(ekey)
-        label = f"{tag}: expert_index[{ekey!r}] points to {version.tag!r}"
-        try:
-            check_tag(version.tag)
-            old = load(version.tag)
-        except (ValueError, CheckpointError) as err:
-            problems.append(f"{label}, which is missing or incomplete ({err})")
-            continue
-        manifests[version.tag] = old
-        if old.step != version.step:
-            problems.append(f"{label} at step {version.step}, but that checkpoint is at step "
-                            f"{old.step}")
-        held = {k: e for k, e in old.tensors.items() if e.expert == expert}
-        if not held:
-            problems.append(f"{label}, which holds no tensor of expert {ekey}")
-        for tkey, entry in sorted(held.items()):
-            problems.extend(tensor_problems(version.tag, tkey, entry, old.files))
-            if tkey in tensors:
-                problems.append(f"{tag}: tensor {tkey} is both in {tensors[tkey].tag} and, "
-                                f"for expert {ekey}, in {version.tag}")
-                continue
-            name, kind = _split_or_raw(tkey)
-            tensors[tkey] = ResolvedTensor(name, kind, entry, version.tag, old.step)
+        for (old_step, old_tag), parts in _locations(version).items():
+            if old_tag == tag:
+                continue  # held here: validate() checked it
+            problems.extend(_resolve_expert(ekey, parts, old_step, old_tag, tag, load,
+                                            manifests, tensors))
     return Resolution(manifest, manifests, tensors, problems)
+
+
+def _locations(version: ExpertVersion) -> Dict[Tuple[int, str], Tuple[str, ...]]:
+    """``(step, tag)`` -> the parts of the expert stored there (both parts: one entry)."""
+    out: Dict[Tuple[int, str], Tuple[str, ...]] = {}
+    for part in ("w", "o"):
+        out[version.part(part)] = out.get(version.part(part), ()) + (part,)
+    return out
+
+
+def _resolve_expert(ekey, parts, old_step, old_tag, tag, load, manifests, tensors) -> List[str]:
+    """Add the tensors of ``parts`` of expert ``ekey`` held by ``old_tag`` to ``tensors``."""
+    from deepspeed_ext.pec import part_of_kind
+    problems: List[str] = []
+    expert = _safe_expert(ekey)
+    label = f"{tag}: expert_index[{ekey!r}] points to {old_tag!r}"
+    try:
+        check_tag(old_tag)
+        old = load(old_tag)
+    except (ValueError, CheckpointError) as err:
+        return [f"{label}, which is missing or incomplete ({err})"]
+    manifests[old_tag] = old
+    if old.step != old_step:
+        problems.append(f"{label} at step {old_step}, but that checkpoint is at step "
+                        f"{old.step}")
+    held = {k: e for k, e in old.tensors.items()
+            if e.expert == expert and part_of_kind(_split_or_raw(k)[1]) in parts}
+    if not held:
+        what = " and ".join(_PART_NAMES[p] for p in parts)
+        problems.append(f"{label}, which holds no tensor of expert {ekey} ({what})")
+    for tkey, entry in sorted(held.items()):
+        problems.extend(tensor_problems(old_tag, tkey, entry, old.files))
+        if tkey in tensors:
+            problems.append(f"{tag}: tensor {tkey} is both in {tensors[tkey].tag} and, "
+                            f"for expert {ekey}, in {old_tag}")
+            continue
+        name, kind = _split_or_raw(tkey)
+        tensors[tkey] = ResolvedTensor(name, kind, entry, old_tag, old.step)
+    return problems
 
 
 def _split_or_raw(tkey: str) -> Tuple[str, str]:
@@ -960,7 +1073,7 @@ def referenced_tags(save_dir: str, tag: str) -> Set[str]:
         CheckpointError: ``tag``'s manifest is missing or unreadable.
     """
     manifest = read_manifest(os.path.join(save_dir, check_tag(tag)))
-    return {tag} | {v.tag for v in manifest.expert_index.values()}
+    return {tag}.union(*(v.tags() for v in manifest.expert_index.values()))
 
 
 def remove_checkpoint(save_dir: str, tag: str) -> None:

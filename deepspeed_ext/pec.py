@@ -34,6 +34,34 @@ ExpertId = Tuple[int, int]
 
 PEC_K_FLAG = "--moc-pec-k"
 PEC_POLICY_FLAG = "--moc-pec-policy"
+PEC_SCOPE_FLAG = "--moc-pec-scope"
+
+WEIGHTS, OPTIMIZER = "w", "o"
+"""The two parts of an expert's state: fp32 master weights, and the optimizer moments."""
+SCOPES = ("wo", WEIGHTS, OPTIMIZER)
+"""What PEC leaves out of a checkpoint for the experts it does not select (the paper's
+variants): ``wo`` both parts, ``w`` only the weights (every expert's optimizer state is
+saved), ``o`` only the optimizer state (every expert's weights are saved)."""
+WEIGHT_KINDS = ("fp32",)
+"""Fragment kinds that are weights; every other kind (``exp_avg``, ...) is optimizer state."""
+
+
+def part_of_kind(kind: str) -> str:
+    """``"w"`` for a weight kind (``fp32``), ``"o"`` for optimizer state (``exp_avg``, ...)."""
+    return WEIGHTS if kind in WEIGHT_KINDS else OPTIMIZER
+
+
+def check_scope(scope: str) -> str:
+    """Return ``scope`` if it is one of :data:`SCOPES`, else raise ValueError naming the flag."""
+    if scope not in SCOPES:
+        raise ValueError(f"{PEC_SCOPE_FLAG} must be one of {', '.join(SCOPES)}, got {scope!r}")
+    return scope
+
+
+def partial_parts(scope: str) -> Tuple[str, ...]:
+    """The parts PEC skips for unselected experts under ``scope``: ``("w", "o")`` for ``wo``."""
+    check_scope(scope)
+    return (WEIGHTS, OPTIMIZER) if scope == "wo" else (scope,)
 
 
 @dataclass(frozen=True)

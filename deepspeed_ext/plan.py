@@ -18,7 +18,7 @@ from the same piece list without communicating.
 from dataclasses import dataclass, field
 from typing import Collection, Dict, List, Optional, Sequence, Tuple
 
-from deepspeed_ext.pec import ExpertId
+from deepspeed_ext.pec import ExpertId, partial_parts
 
 
 @dataclass(frozen=True)
@@ -30,12 +30,16 @@ class Piece:
         nbytes: its size in bytes.
         holders: ranks holding identical bytes; a single rank for partitioned (ZeRO) state.
         expert: ``(moe_layer, global_expert)`` for expert state, ``None`` otherwise.
+        part: ``"w"`` (weights) or ``"o"`` (optimizer state), see
+            :func:`deepspeed_ext.pec.part_of_kind`; ``""`` when unknown, allowed only
+            with the scope ``wo`` (both parts are left out alike).
     """
 
     key: str
     nbytes: int
     holders: Tuple[int, ...]
     expert: Optional[ExpertId] = None
+    part: str = ""
 
 
 @dataclass
@@ -45,7 +49,7 @@ class WritePlan:
     Attributes:
         writer: piece key -> the one rank that writes it.
         bytes_per_rank: bytes each rank writes, indexed by rank.
-        skipped: keys of expert pieces not selected by PEC, sorted.
+        skipped: keys of expert pieces PEC leaves out, sorted.
     """
 
     writer: Dict[str, int]
@@ -95,11 +99,13 @@ def _largest_first(pieces: Sequence[Piece]) -> List[Piece]:
 
 
 def build_write_plan(pieces: Sequence[Piece], world_size: int,
-                     selected: Optional[Collection[ExpertId]] = None) -> WritePlan:
+                     selected: Optional[Collection[ExpertId]] = None,
+                     scope: str = "wo") -> WritePlan:
     """Assign every piece to be written to exactly one of its holders.
 
-    Non-expert pieces are always written; an expert piece only if ``selected`` is
-    ``None`` or holds its expert (else its key goes to ``skipped``). Placement, in three
+    Non-expert pieces are always written; an expert piece if ``selected`` is ``None`` or
+    holds its expert, or if its part is outside ``scope`` (else its key goes to
+    ``skipped``). Placement, in three
     rounds, each largest piece first (ties: key):
 
     1. pieces with one holder go to it (partitioned state has no choice);
@@ -114,19 +120,29 @@ def build_write_plan(pieces: Sequence[Piece], world_size: int,
         pieces: every piece of the checkpoint, in any order.
         world_size: ranks, numbered ``0..world_size-1``.
         selected: experts PEC saves this time; ``None`` saves all.
+        scope: which parts of an unselected expert are left out (``--moc-pec-scope``:
+            ``wo`` both, ``w`` weights only, ``o`` optimizer state only).
 
     Returns:
         The plan; the same for the same pieces in any order.
 
     Raises:
         ValueError: a duplicate key, a piece with no holders, a holder twice or outside
-            ``[0, world_size)``, or negative ``nbytes`` (the message names the key).
+            ``[0, world_size)``, negative ``nbytes`` (the message names the key), or an
+            unknown ``scope``.
     """
     _check_pieces(pieces, world_size)
+    parts = partial_parts(scope)
     chosen = None if selected is None else {tuple(x) for x in selected}
     written, skipped = [], []
     for piece in pieces:
-        if piece.expert is not None and chosen is not None and tuple(piece.expert) not in chosen:
+        # A piece of unknown part under a one-part scope would be written or left out
+        # against what the expert index then records for it.
+        if piece.expert is not None and scope != "wo" and piece.part not in ("w", "o"):
+            raise ValueError(f"expert piece {piece.key!r} has part {piece.part!r}; a PEC "
+                             f"scope of {scope!r} needs 'w' or 'o' on every expert piece")
+        if (piece.expert is not None and chosen is not None and tuple(piece.expert) not in chosen
+                and (piece.part in parts or not piece.part)):
             skipped.append(piece.key)
         else:
             written.append(piece)
@@ -164,7 +180,7 @@ def split_piece(piece: Piece, chunk_bytes: int) -> List[Piece]:
     count = max(1, -(-piece.nbytes // chunk_bytes))
     return [Piece(key=f"{piece.key}#{i}",
                   nbytes=min(chunk_bytes, piece.nbytes - i * chunk_bytes),
-                  holders=piece.holders, expert=piece.expert)
+                  holders=piece.holders, expert=piece.expert, part=piece.part)
             for i in range(count)]
 
 

@@ -160,8 +160,11 @@ class CheckpointReader:
         return self._res.manifest.step
 
     def expert_versions(self) -> Dict[Tuple[int, int], Tuple[int, str]]:
-        """``(moe_layer, expert)`` -> ``(step, tag)`` of the version this load uses."""
-        return {k: (v.step, v.tag) for k, v in self.manifest.expert_versions().items()}
+        """``(moe_layer, expert)`` -> ``(step, tag)`` of the version this load uses; when
+        its weights and optimizer state come from different checkpoints, the older one
+        (the expert is whole only up to that step)."""
+        return {k: min(v.part("w"), v.part("o"))
+                for k, v in self.manifest.expert_versions().items()}
 
     def keys(self) -> List[Tuple[str, str]]:
         """Every ``(name, kind)``, sorted."""

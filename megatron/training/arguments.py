@@ -118,6 +118,11 @@ def _add_moc_args(p: argparse.ArgumentParser) -> None:
                    help="Experts saved per MoE layer per checkpoint; 0: all.")
     g.add_argument("--moc-pec-policy", default="sequential", choices=["sequential", "load-aware"],
                    help="Which experts a partial checkpoint saves.")
+    g.add_argument("--moc-pec-scope", default="wo", choices=["wo", "w", "o"],
+                   help="What a partial checkpoint leaves out of the experts it does not "
+                        "select (the MoC paper's variants): wo both weights and optimizer "
+                        "state, w the weights only (every expert's optimizer state is saved), "
+                        "o the optimizer state only (every expert's weights are saved).")
     g.add_argument("--moc-keep", type=int, default=0,
                    help="Complete checkpoints to keep (still-referenced expert versions are "
                         "never deleted); 0: all.")
@@ -383,6 +388,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         raise ConfigError(f"--moc-pec-k ({args.moc_pec_k}) exceeds --num-experts ({args.num_experts})")
     if args.moc_two_level and not args.moc_checkpoint:
         raise ConfigError("--moc-two-level needs --moc-checkpoint")
+    if args.moc_pec_scope != "wo" and args.moc_two_level:
+        raise ConfigError(f"--moc-pec-scope {args.moc_pec_scope} is not supported with "
+                          "--moc-two-level (use wo)")
     _check_storage_urls(args)
     if args.moc_dynamic_k and not args.moc_checkpoint:
         raise ConfigError("--moc-dynamic-k needs --moc-checkpoint")
@@ -433,7 +441,8 @@ def moc_config_from_args(args: argparse.Namespace):
     if args.moc_two_level:
         shm_dir = args.moc_shm_dir or default_shm_dir(args.save or args.load)
     pec_k = args.moc_k_persist if args.moc_k_persist is not None else args.moc_pec_k
-    return MoCConfig(pec_k=pec_k, pec_policy=args.moc_pec_policy, keep=args.moc_keep,
+    return MoCConfig(pec_k=pec_k, pec_policy=args.moc_pec_policy, pec_scope=args.moc_pec_scope,
+                     keep=args.moc_keep,
                      async_save=not args.moc_sync_save, two_level=args.moc_two_level,
                      k_snapshot=args.moc_k_snapshot, persist_interval=args.moc_persist_interval,
                      shm_dir=shm_dir, ranks_per_node=args.moc_ranks_per_node,

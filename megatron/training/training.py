@@ -279,7 +279,8 @@ def pretrain(args: argparse.Namespace, extra_setup=None) -> TrainResult:
             engine.moc.two_level.fault_hook = injector.in_snapshot
         print_rank_0(f"> MoC checkpointing on: K = {args.moc_pec_k or args.num_experts} of "
                      f"{args.num_experts} experts per MoE layer per checkpoint, "
-                     f"policy {args.moc_pec_policy}")
+                     f"policy {args.moc_pec_policy}"
+                     + (f", scope {args.moc_pec_scope}" if args.moc_pec_scope != "wo" else ""))
     if extra_setup is not None:
         extra_setup(engine, args)
     state = checkpointing.ResumeState()

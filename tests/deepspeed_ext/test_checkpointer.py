@@ -39,9 +39,12 @@ def test_round_trip_with_all_experts_is_bitwise_exact(tmp_path):
     assert second[0]["final_state"] == whole[0]["final_state"]
 
 
-def test_pec_restores_each_expert_from_its_newest_version(tmp_path):
+@pytest.mark.parametrize("scope", ["wo", "w", "o"])
+def test_pec_restores_each_expert_from_its_newest_version(tmp_path, scope):
+    """PEC K=1 and each of the paper's variants (``--moc-pec-scope``): every expert
+    tensor loads from the checkpoint its part's index entry names, bitwise."""
     ckpt = str(tmp_path / "ckpt")
-    flags = _layout(2, 2, 2) + ["--moc-pec-k", "1"]
+    flags = _layout(2, 2, 2) + ["--moc-pec-k", "1", "--moc-pec-scope", scope]
     first = _run(tmp_path, "first", 2, "train-save", flags + [
         "--train-iters", "3", "--save", ckpt, "--save-interval", "1"])
     saved = {int(k): v for k, v in first[0]["saved_states"].items()}
@@ -49,17 +52,21 @@ def test_pec_restores_each_expert_from_its_newest_version(tmp_path):
     index = manifest["expert_index"]
     loaded = _run(tmp_path, "second", 2, "load-train-save", flags + [
         "--train-iters", "3", "--load", ckpt])[0]["state_after_load"]
-    older = 0
+    older = {"w": 0, "o": 0}
     for key, values in loaded.items():
-        name = key.split("|")[0]
+        name, kind = key.split("|")[:2]
         if ".deepspeed_experts." not in name:
             assert values == saved[3][key], key
             continue
         expert = int(name.split(".deepspeed_experts.")[1].split(".")[0])
-        step = index[f"0/{expert}"]["step"]
-        older += step < 3
+        entry = index[f"0/{expert}"]
+        part = "w" if kind == "fp32" else "o"
+        step = (entry.get("optim") or entry)["step"] if part == "o" else entry["step"]
+        older[part] += step < 3
         assert values == saved[step][key], (key, step)
-    assert older > 0  # some experts really came from older checkpoints
+    # Exactly the parts the scope leaves out came from older checkpoints.
+    assert (older["w"] > 0) == (scope in ("wo", "w")), older
+    assert (older["o"] > 0) == (scope in ("wo", "o")), older
 
 
 @pytest.mark.parametrize("save_layout, load_layout, precision", [

@@ -57,20 +57,26 @@ class FakeRun:
         self.truth: Dict[Tuple[str, str], torch.Tensor] = {}
         self.objects = {}
 
-    def tensors_to_save(self, experts) -> Iterable:
+    def tensors_to_save(self, experts, scope="wo") -> Iterable:
+        """``(name, shape, expert, kinds)``: PEC's ``experts`` whole; with a one-part
+        ``scope`` the other part of every other expert too."""
         for name, shape in NON_EXPERT.items():
-            yield name, shape, None
-        for layer, expert in sorted(experts):
+            yield name, shape, None, KINDS
+        always = {"wo": (), "w": KINDS[1:], "o": KINDS[:1]}[scope]
+        for layer, expert in ALL_EXPERTS:
+            kinds = KINDS if (layer, expert) in set(experts) else always
             for param, shape in EXPERT_PARAMS.items():
-                yield expert_param(layer, expert, param), shape, (layer, expert)
+                if kinds:
+                    yield expert_param(layer, expert, param), shape, (layer, expert), kinds
 
-    def save(self, tag: str, step: int, world_size: int, experts=ALL_EXPERTS) -> Manifest:
+    def save(self, tag: str, step: int, world_size: int, experts=ALL_EXPERTS,
+             scope: str = "wo") -> Manifest:
         tag_dir = prepare_checkpoint_dir(self.save_dir, tag)
         per_rank = [dict() for _ in range(world_size)]
         specs = [[] for _ in range(world_size)]
         saved = {}
-        for name, shape, expert in self.tensors_to_save(experts):
-            for kind in KINDS:
+        for name, shape, expert, kinds in self.tensors_to_save(experts, scope):
+            for kind in kinds:
                 data = value(name, kind, step, shape)
                 saved[(name, kind)] = data
                 flat = data.reshape(-1)
@@ -96,7 +102,8 @@ class FakeRun:
                                                   specs[rank]).to_json())
         obj_record = write_objects_file(tag_dir, tree, rank_file_name(0))
         # rank 0 from here on, with the gathered (plain-data) reports
-        index = build_expert_index(self.previous, experts, step, tag, LAYERS, EXPERTS)
+        index = build_expert_index(self.previous, experts, step, tag, LAYERS, EXPERTS,
+                                   scope=scope)
         manifest = assemble_manifest(
             tag, step, world_size,
             {"num_moe_layers": LAYERS, "num_experts": EXPERTS, "ep_size": 2, "zero_stage": 2},
@@ -179,6 +186,83 @@ def test_build_expert_index():
         build_expert_index(prev, [], 20, "t20", 1, 1)
 
 
+@pytest.mark.parametrize("scope", ["w", "o"])
+def test_one_part_scope_indexes_each_part_at_its_newest_version(tmp_path, scope):
+    """The paper's W-only and O-only variants: the part PEC leaves out keeps its old
+    version, the other part of every expert is new; a load assembles both, bitwise."""
+    run = FakeRun(tmp_path)
+    run.save("global_step10", 10, 4, scope=scope)
+    run.save("global_step20", 20, 3, [(0, 1), (1, 3)], scope=scope)
+    last = run.save("global_step30", 30, 2, [(0, 2), (1, 3)], scope=scope)
+    partial, whole = ("w", "o") if scope == "w" else ("o", "w")
+    expected = {(0, 1): 20, (1, 3): 30, (0, 2): 30}
+    for (layer, expert), version in last.expert_versions().items():
+        assert version.part(whole) == (30, "global_step30")
+        step = expected.get((layer, expert), 10)
+        assert version.part(partial) == (step, f"global_step{step}"), (layer, expert)
+        assert version.oldest_step == step
+    assert last.validate() == []
+    assert Manifest.from_json(json.loads(json.dumps(last.to_json()))) == last
+    assert mf.read_expert_versions(str(tmp_path / "global_step30"))[1][(0, 1)] == 20
+    assert mf.referenced_tags(str(tmp_path), "global_step30") == {
+        "global_step10", "global_step20", "global_step30"}
+    assert verify_checkpoint(str(tmp_path), "global_step30") == []
+    from deepspeed_ext.reader import CheckpointReader
+    with CheckpointReader(str(tmp_path)) as ckpt:
+        for name, kind in ckpt.keys():
+            assert torch.equal(ckpt.read_full(name, kind), run.truth[(name, kind)]), (name, kind)
+        assert ckpt.expert_versions()[(0, 1)] == (20, "global_step20")
+    # Deleting the checkpoint that holds only the older part of some experts is caught.
+    shutil.rmtree(tmp_path / "global_step10")
+    problems = verify_checkpoint(str(tmp_path), "global_step30")
+    assert any("points to 'global_step10'" in p for p in problems), problems
+
+
+def test_one_part_index_that_contradicts_the_files_is_refused(tmp_path):
+    run = FakeRun(tmp_path)
+    run.save("global_step10", 10, 2, scope="w")
+    run.save("global_step20", 20, 2, [(0, 0)], scope="w")
+
+    def claim_weights_here(data):  # expert 0/1's weights are not in global_step20
+        data["expert_index"]["0/1"] = {"step": 20, "tag": "global_step20"}
+    edit_manifest(tmp_path, "global_step20", claim_weights_here)
+    problems = verify_checkpoint(str(tmp_path), "global_step20")
+    assert any("0/1" in p for p in problems), problems
+
+    def send_held_optimizer_elsewhere(data):
+        data["expert_index"]["0/1"] = {"step": 10, "tag": "global_step10"}
+    edit_manifest(tmp_path, "global_step20", send_held_optimizer_elsewhere)
+    problems = verify_checkpoint(str(tmp_path), "global_step20")
+    assert any("holds expert 0/1 (optimizer state)" in p for p in problems), problems
+
+
+def test_version_1_manifests_still_load(tmp_path):
+    three_checkpoints(tmp_path)
+    edit_manifest(tmp_path, "global_step30", lambda d: d.update(version=1))
+    assert read_manifest(str(tmp_path / "global_step30")).version == 1
+    assert verify_checkpoint(str(tmp_path), "global_step30") == []
+
+
+def test_build_expert_index_scopes():
+    first = build_expert_index(None, [(0, 0), (0, 1)], 10, "t10", 1, 2, scope="w")
+    prev = Manifest(tag="t10", step=10, world_size=1, expert_index=first)
+    w = build_expert_index(prev, [(0, 1)], 20, "t20", 1, 2, scope="w")
+    assert w["0/0"].part("w") == (10, "t10") and w["0/0"].part("o") == (20, "t20")
+    assert w["0/0"].to_json() == {"step": 10, "tag": "t10",
+                                  "optim": {"step": 20, "tag": "t20"}}
+    assert w["0/1"].to_json() == {"step": 20, "tag": "t20"}
+    o = build_expert_index(prev, [(0, 1)], 20, "t20", 1, 2, scope="o")
+    assert o["0/0"].part("w") == (20, "t20") and o["0/0"].part("o") == (10, "t10")
+    # Switching scope on a restart starts from the per-part record as it is.
+    prev_w = Manifest(tag="t20", step=20, world_size=1, expert_index=w)
+    mixed = build_expert_index(prev_w, [], 30, "t30", 1, 2, scope="o")
+    assert mixed["0/0"].part("w") == (30, "t30") and mixed["0/0"].part("o") == (20, "t20")
+    with pytest.raises(ValueError, match="--moc-pec-scope"):
+        build_expert_index(prev, [], 20, "t20", 1, 2, scope="x")
+    with pytest.raises(ValueError, match="first checkpoint must hold every expert"):
+        build_expert_index(None, [(0, 0)], 10, "t10", 1, 2, scope="o")
+
+
 def test_manifest_json_round_trip(tmp_path):
     run = FakeRun(tmp_path)
     manifest = run.save("global_step10", 10, 3)
@@ -201,7 +285,7 @@ def test_read_manifest_errors_name_the_file(tmp_path):
         read_manifest(str(tmp_path / "nope"))
     for text, message in [("{not json", "unreadable"),
                           (good.replace('"moc-ckpt"', '"other"'), "not a MoC checkpoint"),
-                          (good.replace('"version": 1', '"version": 7'), "version 7"),
+                          (good.replace('"version": 2', '"version": 7'), "version 7"),
                           (good.replace('"step": 10', '"step": "10"'), r"\.step: expected int"),
                           (good.replace('"tag": "global_step10"', '"tag": "elsewhere"'),
                            "renamed")]:

@@ -284,3 +284,14 @@ def test_load_state_dict_rejects_missing_keys():
     del state["unsaved_tokens"]
     with pytest.raises(ValueError, match="unsaved_tokens"):
         policy.load_state_dict(state)
+
+
+def test_parts_and_scopes():
+    from deepspeed_ext.pec import check_scope, part_of_kind, partial_parts
+    assert [part_of_kind(k) for k in ("fp32", "exp_avg", "exp_avg_sq")] == ["w", "o", "o"]
+    assert partial_parts("wo") == ("w", "o")
+    assert partial_parts("w") == ("w",) and partial_parts("o") == ("o",)
+    assert check_scope("o") == "o"
+    for bad in ("", "ow", "W", None):
+        with pytest.raises(ValueError, match="--moc-pec-scope must be one of wo, w, o"):
+            check_scope(bad)

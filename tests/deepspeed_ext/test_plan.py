@@ -103,6 +103,34 @@ def test_unselected_expert_pieces_are_skipped_non_expert_always_written():
     assert set(nothing.writer) == {"dense", "zero.1"}
 
 
+@pytest.mark.parametrize("scope, skipped", [
+    ("wo", ("e0.m", "e0.w")),  # both parts of the unselected expert left out
+    ("w", ("e0.w",)),          # weights partial: every expert's optimizer state written
+    ("o", ("e0.m",)),          # optimizer state partial: every expert's weights written
+])
+def test_scope_decides_which_part_of_an_unselected_expert_is_skipped(scope, skipped):
+    pieces = [Piece("dense", 8, (0, 1)),
+              Piece("e0.w", 4, (0,), expert=(0, 0), part="w"),
+              Piece("e0.m", 8, (0,), expert=(0, 0), part="o"),
+              Piece("e1.w", 4, (1,), expert=(0, 1), part="w"),
+              Piece("e1.m", 8, (1,), expert=(0, 1), part="o")]
+    plan = build_write_plan(pieces, 2, selected={(0, 1)}, scope=scope)
+    assert plan.skipped == skipped
+    assert set(plan.writer) == {p.key for p in pieces} - set(skipped)
+    assert build_write_plan(pieces, 2, scope=scope).skipped == ()  # no PEC: all written
+
+
+def test_scope_errors():
+    unknown_part = [Piece("e0", 4, (0,), expert=(0, 0))]
+    assert build_write_plan(unknown_part, 1, selected=set()).skipped == ("e0",)
+    with pytest.raises(ValueError, match="'e0' has part ''"):
+        build_write_plan(unknown_part, 1, selected=set(), scope="w")
+    with pytest.raises(ValueError, match="--moc-pec-scope"):
+        build_write_plan([], 1, scope="wx")
+    chunks = split_piece(Piece("e", 10, (0,), expert=(0, 0), part="o"), 4)
+    assert {c.part for c in chunks} == {"o"}
+
+
 @pytest.mark.parametrize("checkpoint", [0, 1, 2])
 def test_fig4_non_expert_pieces_fill_ranks_saving_fewer_experts(checkpoint):
     layout = ExpertLayout(num_moe_layers=4, num_experts=3, ep_size=3)

@@ -88,6 +88,8 @@ def test_derived_values():
     (["--deepspeed_config", "missing.json"], 1, "--deepspeed_config: file not found"),
     (["--save", "s3://bucket/run"], 1, "--save s3://bucket/run: storage URLs need --moc-checkpoint"),
     (["--moc-checkpoint", "--load", "nosuchproto://bucket/run"], 1, "--load: nosuchproto://bucket/run"),
+    (["--moc-checkpoint", "--moc-two-level", "--save", "ck", "--moc-pec-scope", "w"], 1,
+     "--moc-pec-scope w is not supported with --moc-two-level"),
 ])
 def test_validation_names_the_flag(extra, world, needle):
     with pytest.raises(ConfigError) as err:
