@@ -180,6 +180,11 @@ class MoCCheckpointer:
             return self.two_level.last_load_source
         return self._last_load_source
 
+    def mark_exact_replay(self) -> None:
+        """The job resumed through exact recovery's replay (``deepspeed_ext.exact``), not
+        a load of ours: nothing was lost, and no token ledger applies."""
+        self._last_load_source, self.last_recovery = "exact replay", None
+
     @property
     def stall_s(self) -> List[float]:
         """Seconds ``engine.step`` waited for each snapshot copy (two-level only)."""

@@ -131,6 +131,15 @@ def _add_moc_args(p: argparse.ArgumentParser) -> None:
                         "per-node keeper's shared memory; every --moc-persist-interval-th "
                         "snapshot is persisted to --save in the background; --load recovers "
                         "from memory first.")
+    g.add_argument("--moc-mode", default="pec", choices=["pec", "exact"],
+                   help="pec: checkpoints as the other --moc-* flags say; exact: also a "
+                        "sparse frame every iteration (one group of operators with fp32 "
+                        "weights and optimizer state, the later groups' compute weights), "
+                        "and recovery replays the newest complete window to the exact state "
+                        "(no lost tokens). Needs --moc-checkpoint and --save.")
+    g.add_argument("--moc-window", type=int, default=0,
+                   help="Exact mode: iterations per window of frames; 0: the smallest window "
+                        "whose frame copy hides behind an iteration, measured at the start.")
     g.add_argument("--moc-k-snapshot", type=int, default=0,
                    help="Experts per MoE layer in each in-memory snapshot; 0: all.")
     g.add_argument("--moc-k-persist", type=int, default=None,
@@ -388,6 +397,17 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         raise ConfigError(f"--moc-pec-k ({args.moc_pec_k}) exceeds --num-experts ({args.num_experts})")
     if args.moc_two_level and not args.moc_checkpoint:
         raise ConfigError("--moc-two-level needs --moc-checkpoint")
+    if args.moc_mode == "exact":
+        if not (args.moc_checkpoint and args.save):
+            raise ConfigError("--moc-mode exact needs --moc-checkpoint and --save (its frames "
+                              "go to <save>/exact)")
+        if args.moc_two_level:
+            raise ConfigError("--moc-mode exact does not combine with --moc-two-level yet")
+        from deepspeed_ext import fs
+        if fs.is_url(args.save):
+            raise ConfigError(f"--moc-mode exact: --save {args.save} must be a local path")
+    if args.moc_window < 0:
+        raise ConfigError(f"--moc-window must be >= 0 (0: automatic), got {args.moc_window}")
     if args.moc_pec_scope != "wo" and args.moc_two_level:
         raise ConfigError(f"--moc-pec-scope {args.moc_pec_scope} is not supported with "
                           "--moc-two-level (use wo)")

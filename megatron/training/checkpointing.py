@@ -155,10 +155,34 @@ def _saved_meta(engine, load_dir: str, tag: str) -> Dict:
         return json.load(f)
 
 
-def load_checkpoint(engine, args: argparse.Namespace, scheduler) -> ResumeState:
+def _exact_resume(engine, args, scheduler, exact, tag: Optional[str]) -> Optional[ResumeState]:
+    """``--moc-mode exact``: resume at the newest complete window of frames if it ends
+    after checkpoint ``tag`` (every rank); None: load the checkpoint instead."""
+    newer_than = None
+    if tag is not None and tag.startswith("global_step") and tag[len("global_step"):].isdigit():
+        newer_than = int(tag[len("global_step"):])
+    start = time.perf_counter()
+    objects = exact.recover(args.load, newer_than)
+    if objects is None:
+        return None
+    client = objects["client_state"]
+    scheduler.load_state_dict(client["opt_param_scheduler"])
+    state = ResumeState(iteration=int(client["iteration"]),
+                        consumed_train_samples=int(client["consumed_train_samples"]),
+                        rng_state=None if args.no_load_rng else objects["rng"])
+    moc = engine.moc
+    moc.mark_exact_replay()
+    from megatron.training.recovery import account_recovery
+    state.recovery = account_recovery(engine, args, state.iteration, time.perf_counter() - start)
+    return state
+
+
+def load_checkpoint(engine, args: argparse.Namespace, scheduler, exact=None) -> ResumeState:
     """Resume from the newest checkpoint under ``--load``; all ranks call it.
 
-    An empty or missing directory starts from scratch with a log line.
+    An empty or missing directory starts from scratch with a log line. With ``exact``
+    (:class:`deepspeed_ext.exact.ExactSnapshots`) a newer complete window of frames
+    wins over the checkpoint: training resumes at its start and replays it.
 
     Raises:
         ConfigError: the checkpoint's model settings differ from this run's, or its
@@ -166,6 +190,10 @@ def load_checkpoint(engine, args: argparse.Namespace, scheduler) -> ResumeState:
     """
     load_dir = args.load
     tag = find_latest_tag(load_dir) if load_dir and fs.isdir(load_dir) else None
+    if exact is not None:
+        resumed = _exact_resume(engine, args, scheduler, exact, tag)
+        if resumed is not None:
+            return resumed
     two_level = getattr(args, "moc_two_level", False)
     if tag is None and not two_level:  # two-level: the keepers' memory may hold snapshots
         print_rank_0(f"> no checkpoint found at --load {load_dir}: starting from scratch")

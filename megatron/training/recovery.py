@@ -104,6 +104,10 @@ def _rank0_report(moc, args, iteration: int, load_s: float) -> RecoveryReport:
         report.seconds_since_progress = time.time() - float(progress["time"])
     flag_k = args.moc_k_persist if args.moc_k_persist is not None else args.moc_pec_k
     k = flag_k or args.num_experts
+    if report.source == "exact replay":  # every update is rebuilt: nothing lost
+        report.plt = 0.0
+        report.cumulative_plt = next((e["cumulative_plt"] for e in reversed(earlier)
+                                      if e.get("cumulative_plt") is not None), 0.0)
     if loss is not None:
         losses = [RecoveryLoss.from_json(e["loss"]) for e in earlier if e.get("loss")]
         report.plt = loss.plt
@@ -182,7 +186,7 @@ def _log_recovery(report: RecoveryReport, load_s: float, loss) -> None:
         parts.append(f"{report.iterations_lost} iteration(s) lost, "
                      f"{report.seconds_since_progress:.1f} s since the last finished iteration")
     if report.plt is not None:
-        exact = "" if loss.exact else " (at least)"
+        exact = "" if loss is None or loss.exact else " (at least)"
         parts.append(f"PLT {100 * report.plt:.3f} %{exact}, accumulated "
                      f"{100 * report.cumulative_plt:.3f} %")
     else:

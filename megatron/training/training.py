@@ -281,11 +281,16 @@ def pretrain(args: argparse.Namespace, extra_setup=None) -> TrainResult:
                      f"{args.num_experts} experts per MoE layer per checkpoint, "
                      f"policy {args.moc_pec_policy}"
                      + (f", scope {args.moc_pec_scope}" if args.moc_pec_scope != "wo" else ""))
+    exact = None
+    if getattr(args, "moc_mode", "pec") == "exact":
+        from deepspeed_ext.exact import ExactConfig, ExactSnapshots
+        exact = ExactSnapshots(engine, args.save, ExactConfig(window=args.moc_window),
+                               log=print_rank_0)
     if extra_setup is not None:
         extra_setup(engine, args)
     state = checkpointing.ResumeState()
     if args.load:
-        state = checkpointing.load_checkpoint(engine, args, scheduler)
+        state = checkpointing.load_checkpoint(engine, args, scheduler, exact=exact)
     train_iter, valid_iter = _build_loaders(args, datasets, state)
     if state.rng_state is not None:
         set_rng_state(state.rng_state)
@@ -293,7 +298,7 @@ def pretrain(args: argparse.Namespace, extra_setup=None) -> TrainResult:
     watch = _Watch(args)
     try:
         return _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
-                           injector, watch)
+                           injector, watch, exact)
     finally:
         watch.stop()
         writer.close()
@@ -395,8 +400,15 @@ class _Watch:
             self.heartbeat = None
 
 
+def _exact_client_state(state, scheduler) -> Dict:
+    """What an exact-recovery frame needs from the trainer to resume at its iteration."""
+    return {"iteration": state.iteration,
+            "consumed_train_samples": state.consumed_train_samples,
+            "opt_param_scheduler": scheduler.state_dict()}
+
+
 def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
-                injector=None, watch=None) -> TrainResult:
+                injector=None, watch=None, exact=None) -> TrainResult:
     result = TrainResult(iteration=state.iteration, consumed_train_samples=state.consumed_train_samples)
     tokens_per_iter = args.global_batch_size * args.seq_length
     window: List[StepStats] = []
@@ -412,6 +424,8 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
         writer.write("moc", state.iteration, state.recovery.metrics())
     progress = _progress_recorder(args)
     watch = watch or _Watch(args)
+    if exact is not None:
+        exact.start(state.iteration, _exact_client_state(state, scheduler))
     while state.iteration < args.train_iters:
         if injector is not None:
             injector.before_iteration(state.iteration + 1)
@@ -423,9 +437,13 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
             counts = stats.expert_counts.clone()
             dist.all_reduce(counts)  # the policy state must be identical on every rank
             moc.observe_tokens(counts.tolist())
+            if exact is not None:
+                exact.observe_tokens(counts.tolist())
         watch.collectives_done()
         state.iteration += 1
         state.consumed_train_samples += args.global_batch_size
+        if exact is not None:  # replaying: the next frame's weights, before any evaluation
+            exact.after_step(state.iteration)
         if progress is not None:
             progress(state.iteration)
         skipped_total += int(stats.skipped)
@@ -454,7 +472,11 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
             writer.write("valid", state.iteration, {"lm_loss": loss})
             window_start = time.perf_counter()
             watch.collectives_done()
-        if args.save and save_interval and state.iteration % save_interval == 0:
+        if exact is not None:
+            exact.snapshot(state.iteration, _exact_client_state(state, scheduler))
+        # While an exact replay runs, the frozen operators' fp32 state is not whole yet.
+        replaying = exact is not None and exact.replaying
+        if args.save and save_interval and state.iteration % save_interval == 0 and not replaying:
             # Snapshots every iteration would print a line each: log them with the
             # training lines, and the last one.
             quiet = (save_interval != args.save_interval
@@ -469,6 +491,12 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
             print_rank_0(f"> exiting at iteration {state.iteration} (--exit-interval {args.exit_interval})")
             break
     watch.stop()
+    if exact is not None:
+        exact.close()
+        if exact.replaying:
+            print_rank_0(f"WARNING: stopped at iteration {state.iteration} inside an exact "
+                         f"replay: no final checkpoint (the frames still hold the window)")
+            last_saved = state.iteration
     if args.save and last_saved != state.iteration:
         checkpointing.save_checkpoint(engine, args, scheduler, state)
     if getattr(engine, "moc", None) is not None:

@@ -1,0 +1,638 @@
+"""Exact recovery, runtime half: sparse per-iteration frames and sparse-to-dense replay.
+
+The plan (which operators a frame holds active or frozen, how a window is replayed) is
+:mod:`deepspeed_ext.window`; this module moves the bytes. A *frame* ``f`` is the state
+at the start of iteration ``f`` (after ``f`` optimizer steps). In a window of ``W``
+frames starting at ``s``, frame ``s+t`` holds, for this rank:
+
+* group ``t``'s fp32 master weights and optimizer moments (this rank's ZeRO partitions);
+* the compute weights (bf16/fp16/fp32 module parameters) of groups ``t+1 .. W-1``;
+* this rank's RNG state, the optimizer's step counters, the engine's counters and the
+  caller's client state (LR scheduler, consumed samples).
+
+Frames go to ``<save>/exact/frame<f>/rank<r>.safetensors``: the training loop copies
+them into host memory on a background thread (it waits only before the next optimizer
+step, if the copy is not done by then), the same thread writes the file (temp file,
+fsync, rename) and then ``rank<r>.json`` with its checksum. A frame is complete when
+every rank's ``.json`` exists; no collective is involved, so a slow or failed writer
+only makes its window incomplete (recovery then uses an older one).
+
+Recovery (every rank, :meth:`ExactSnapshots.recover`) takes the newest window whose
+``W`` frames are complete, loads them (checksums verified), applies frame ``s``, and
+then, as training re-runs iterations ``s .. s+W-1`` on the same data, applies frame
+``s+j`` after step ``s+j-1`` (:meth:`ExactSnapshots.after_step`): group ``j`` becomes
+exact, the groups after it get the compute weights the original run used. After step
+``s+W-1`` every tensor holds the original run's bytes. While that replay runs, the
+fp32 state of the still-frozen groups is not the original's: :attr:`replaying` tells
+the caller not to save a checkpoint then.
+
+Call order, every rank, every iteration (the trainer, ``megatron/training/training.py``)::
+
+    exact = ExactSnapshots(engine, save_dir, ExactConfig(window=W))
+    resume = exact.recover(load_dir, newer_than=checkpoint_iteration)  # None: load normally
+    exact.start(iteration, client_state)        # before the loop: frame `iteration`
+    loop:
+        train_step(...)                         # exact waits for a frame copy before step
+        exact.observe_tokens(counts)            # gate counts, summed over ranks
+        exact.after_step(iteration)             # replay: next frame applied
+        evaluate(...)                           # if due
+        exact.snapshot(iteration, client_state)
+        if not exact.replaying: save_checkpoint(...)
+    exact.close()
+"""
+
+import json
+import os
+import re
+import shutil
+import time
+import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from deepspeed_ext import window as win
+
+EXACT_DIR = "exact"
+FRAME_RE = re.compile(r"^frame(\d{8,})$")
+LP_PREFIX = "lp|"
+"""Key prefix of a frozen compute weight in a frame file (then the global parameter name)."""
+BYTES_PER_ACTIVE_ELEMENT = 12
+"""fp32 master weight plus Adam's two fp32 moments."""
+
+
+@dataclass
+class ExactConfig:
+    """Exact recovery (``--moc-mode exact``)."""
+
+    window: int = 0
+    """Iterations per window, ``W``; 0: chosen from the first measured iteration
+    (``--moc-window``)."""
+    reorder_threshold: float = 0.25
+    """Re-order the experts (least popular first) at a window boundary when the
+    popularity order moved by more than this fraction of pairs."""
+    write_frames: bool = True
+    """Persist frames to storage (tests turn it off to measure the copy alone)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 0:
+            raise ValueError(f"--moc-window must be an int >= 0 (0: automatic), got {self.window!r}")
+        if not 0.0 <= self.reorder_threshold <= 1.0:
+            raise ValueError(f"reorder_threshold must be in [0, 1], got {self.reorder_threshold}")
+
+
+# ----------------------------------------------------------------------- operators
+
+def operator_of(name: str, expert: Optional[Tuple[int, int]]) -> str:
+    """The operator a global parameter name belongs to.
+
+    Experts are ``expert/<moe layer>/<expert>``; a gate is its module path ending in
+    ``.gate``; a parameter under ``<container>.<index>.`` (a transformer layer) belongs to
+    that layer's dense block; anything else to its top-level module.
+    """
+    if expert is not None:
+        return f"expert/{expert[0]}/{expert[1]}"
+    if ".gate." in name:
+        return name[:name.index(".gate.") + len(".gate")]
+    parts = name.split(".")
+    if len(parts) > 2 and parts[1].isdigit():
+        return f"{parts[0]}.{parts[1]}"
+    return parts[0]
+
+
+def build_operators(engine, naming) -> List[win.Operator]:
+    """Every operator of the model with its global sizes, identical on every rank.
+
+    Expert sizes come from this rank's experts of the same MoE layer (a layer's experts
+    are alike), so every rank lists all global experts without communicating.
+    """
+    sizes: Dict[str, List[int]] = {}
+    kinds: Dict[str, Tuple[str, Optional[Tuple[int, int]]]] = {}
+    expert_sizes: Dict[int, List[int]] = {}
+    for local_name, param in engine.module.named_parameters():
+        expert = naming.expert_of(local_name)
+        numel, lp = param.numel(), param.numel() * param.element_size()
+        if expert is not None:
+            if expert[1] == naming.first_expert[expert[0]]:  # one local expert per layer
+                acc = expert_sizes.setdefault(expert[0], [0, 0])
+                acc[0] += numel * BYTES_PER_ACTIVE_ELEMENT
+                acc[1] += lp
+            continue
+        op = operator_of(naming.global_name(local_name), None)
+        acc = sizes.setdefault(op, [0, 0])
+        acc[0] += numel * BYTES_PER_ACTIVE_ELEMENT
+        acc[1] += lp
+        kinds[op] = ("gate" if op.endswith(".gate") else "dense", None)
+    ops = [win.Operator(op, kinds[op][0], None, a, f) for op, (a, f) in sizes.items()]
+    for layer, (a, f) in sorted(expert_sizes.items()):
+        for e in range(naming.num_experts[layer]):
+            ops.append(win.Operator(f"expert/{layer}/{e}", "expert", (layer, e), a, f))
+    return ops
+
+
+# --------------------------------------------------------------------------- frames
+
+def frame_dir(save_dir: str, frame: int) -> str:
+    return os.path.join(save_dir, EXACT_DIR, f"frame{frame:08d}")
+
+
+def _marker(save_dir: str, frame: int, rank: int) -> str:
+    return os.path.join(frame_dir(save_dir, frame), f"rank{rank:05d}.json")
+
+
+def _data(save_dir: str, frame: int, rank: int) -> str:
+    return os.path.join(frame_dir(save_dir, frame), f"rank{rank:05d}.safetensors")
+
+
+def list_frames(save_dir: str) -> List[int]:
+    """Frame numbers present under ``<save_dir>/exact`` (complete or not), ascending."""
+    root = os.path.join(save_dir, EXACT_DIR)
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    return sorted(int(m.group(1)) for m in map(FRAME_RE.match, names) if m)
+
+
+def read_marker(save_dir: str, frame: int, rank: int) -> Optional[Dict[str, Any]]:
+    """A rank's frame record, or None if it is missing or unreadable (frame incomplete)."""
+    try:
+        with open(_marker(save_dir, frame, rank)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+@dataclass
+class WindowOnDisk:
+    """A complete window found by :func:`find_window`."""
+
+    start: int
+    window: int
+    groups: List[List[str]]
+    world_size: int
+    layout: Dict[str, int]
+
+
+def find_window(save_dir: str, world_size: int) -> Optional[WindowOnDisk]:
+    """The newest window whose ``W`` frames every rank completed (rank 0, then broadcast).
+
+    Frames of one window agree on ``window_start``, ``window`` and the schedule (each
+    record repeats them); a frame whose records disagree does not count.
+    """
+    frames = list_frames(save_dir)
+    records: Dict[int, Dict[str, Any]] = {}
+    for f in frames:
+        marks = [read_marker(save_dir, f, r) for r in range(world_size)]
+        if all(m is not None and m.get("world_size") == world_size for m in marks):
+            first = marks[0]
+            if all((m["window_start"], m["window"], m["groups"]) ==
+                   (first["window_start"], first["window"], first["groups"]) for m in marks):
+                records[f] = first
+    for f in sorted(records, reverse=True):
+        rec = records[f]
+        s, w = rec["window_start"], rec["window"]
+        if f != s:
+            continue
+        if all(s + t in records and (records[s + t]["window_start"], records[s + t]["groups"])
+               == (s, rec["groups"]) for t in range(w)):
+            return WindowOnDisk(start=s, window=w, groups=rec["groups"], world_size=world_size,
+                                layout=rec.get("layout", {}))
+    return None
+
+
+# --------------------------------------------------------------------------- runtime
+
+class _Replay:
+    """The window being replayed: its frames' tensors, in host memory."""
+
+    def __init__(self, start: int, schedule: win.Schedule, frames: Dict[int, Dict[str, torch.Tensor]]):
+        self.start = start
+        self.schedule = schedule
+        self.frames = frames
+
+    @property
+    def end(self) -> int:
+        """The iteration at whose start the state is dense again."""
+        return self.start + self.schedule.window
+
+
+class ExactSnapshots:
+    """Sparse frames every iteration, and recovery by sparse-to-dense replay.
+
+    Every rank builds one after ``deepspeed.initialize`` (and after MoC's patch, if any)
+    and calls its methods at the same points of every iteration (module docstring).
+
+    Args:
+        engine: the DeepSpeed engine (ZeRO stage 0-2, ``deepspeed.moe`` layers allowed).
+        save_dir: the job's ``--save``; frames go under ``<save_dir>/exact``.
+        config: :class:`ExactConfig`.
+        log: where log lines go (rank 0 prints them).
+    """
+
+    def __init__(self, engine, save_dir: str, config: ExactConfig, log=print):
+        from deepspeed_ext.state import expert_naming
+        self.engine, self.save_dir, self.cfg = engine, save_dir, config
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self._log = log
+        self.naming = expert_naming(engine.module)
+        self.operators = build_operators(engine, self.naming)
+        self._by_name = win.index_operators(self.operators)
+        self.schedule: Optional[win.Schedule] = None
+        self.base: Optional[int] = None
+        """First frame of the current window grid; windows start at base + k*W."""
+        self.replay: Optional[_Replay] = None
+        self.popularity: Dict[Tuple[int, int], int] = {}
+        self._order: Optional[List[str]] = None
+        self._probe: Optional[Tuple[int, float]] = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moc-exact")
+        self._copy: Optional[Future] = None
+        self._write: Optional[Future] = None
+        self.write_error: Optional[str] = None
+        self.stall_s: List[float] = []
+        self.frame_bytes: List[int] = []
+        self.copy_s: List[float] = []
+        self._fragments = None
+        self._fragments_have_moments = False
+        self._fixed_start = False
+        self._op_of_param: Dict[str, str] = {}
+        for local_name, _ in engine.module.named_parameters():
+            self._op_of_param[local_name] = operator_of(self.naming.global_name(local_name),
+                                                        self.naming.expert_of(local_name))
+        self._wrap_step()
+
+    # -- bookkeeping -------------------------------------------------------------------
+
+    @property
+    def replaying(self) -> bool:
+        """Whether a replay is under way (the fp32 state is not whole: do not save)."""
+        return self.replay is not None
+
+    def observe_tokens(self, counts) -> None:
+        """One iteration's gate counts, ``[moe_layer][expert]``, summed over ranks."""
+        for layer, row in enumerate(counts):
+            for e, n in enumerate(row):
+                self.popularity[(layer, e)] = self.popularity.get((layer, e), 0) + int(n)
+
+    def _fragments_by_op(self):
+        from deepspeed_ext.state import describe_local_state
+        if self._fragments is None:
+            frags = describe_local_state(self.engine, self.naming)
+            self._fragments_have_moments = any(f.kind != "fp32" for f in frags)
+            self._fragments = {}
+            for frag in frags:
+                self._fragments.setdefault(operator_of(frag.name, frag.expert), []).append(frag)
+        return self._fragments
+
+    def _params_by_op(self) -> Dict[str, List[Tuple[str, torch.nn.Parameter]]]:
+        out: Dict[str, List] = {}
+        for local_name, param in self.engine.module.named_parameters():
+            out.setdefault(self._op_of_param[local_name], []).append(
+                (self.naming.global_name(local_name), param))
+        return out
+
+    # -- the stall point ---------------------------------------------------------------
+
+    def _wrap_step(self) -> None:
+        engine = self.engine
+        original = engine.step
+
+        def step(*args, **kwargs):
+            # The optimizer is about to overwrite what the frame copy reads: the one wait.
+            if self._copy is not None and engine.is_gradient_accumulation_boundary():
+                start = time.perf_counter()
+                self._join_copy()
+                self.stall_s.append(time.perf_counter() - start)
+            return original(*args, **kwargs)
+        engine.step = step
+
+    def _join_copy(self) -> None:
+        if self._copy is not None:
+            self._copy.result()
+            self._copy = None
+
+    # -- window choice -----------------------------------------------------------------
+
+    def start(self, iteration: int, client_state: Dict[str, Any]) -> None:
+        """Before the loop (every rank): drop frames of an earlier timeline, then begin
+        the window grid at ``iteration`` (or at the first iteration with optimizer state)
+        with a fixed ``--moc-window``, or start measuring for the automatic choice. After
+        a recovery the replayed window's grid continues and nothing happens here."""
+        if self.replay is not None:
+            return
+        # Frames of an earlier timeline (a run that fell back to a checkpoint, or started
+        # afresh) must not mix with this one's: a window assembled from both would replay
+        # to a state neither run had, and retention would trust their windows.
+        if self.rank == 0:
+            for f in list_frames(self.save_dir):
+                shutil.rmtree(frame_dir(self.save_dir, f), ignore_errors=True)
+        dist.barrier()
+        if self.cfg.window:
+            self._fixed_start = True
+            self.snapshot(iteration, client_state)
+        else:
+            self._probe = (iteration, time.perf_counter())
+
+    def _new_grid(self, base: int, window: int) -> None:
+        ordered = win.order_operators(self.operators, self.popularity)
+        window = min(window, len(ordered))
+        self.schedule = win.build_schedule(ordered, window)
+        self._order = [op.name for op in ordered]
+        self.base = base
+
+    def _choose_window(self, iteration: int) -> None:
+        """After the first measured iteration: W from its time and a copy's bandwidth,
+        the same on every rank (slowest rank's figures)."""
+        first, began = self._probe
+        iter_s = (time.perf_counter() - began) / max(1, iteration - first)
+        frags = [f for fs in self._fragments_by_op().values() for f in fs]
+        nbytes = sum(f.tensor.numel() * f.tensor.element_size() for f in frags)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for f in frags:
+                f.tensor.detach().clone()
+        bandwidth = nbytes / max(time.perf_counter() - t0, 1e-6)
+        # The schedule must be the same everywhere, but what a rank copies is its own
+        # share: choose on this rank's bytes, then take the largest W any rank needs.
+        choice = win.choose_window(self._local_operators(), bandwidth, iter_s)
+        figures = torch.tensor([choice.window, iter_s, choice.snapshot_s], dtype=torch.float64)
+        dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+        window, iter_s, snapshot_s = int(figures[0]), float(figures[1]), float(figures[2])
+        fits = snapshot_s <= iter_s
+        self._log(f"[moc] exact recovery: window W = {window} (iteration {iter_s * 1e3:.0f} ms, "
+                  f"largest frame copy {snapshot_s * 1e3:.1f} ms"
+                  f"{'' if fits else ': no window hides it, expect a stall'})")
+        self._probe = None
+        self._new_grid(iteration, window)
+
+    def _local_operators(self) -> List[win.Operator]:
+        """The operators in snapshot order, sized by what THIS rank copies of each."""
+        frags, params = self._fragments_by_op(), self._params_by_op()
+        out = []
+        for op in win.order_operators(self.operators, self.popularity):
+            active = sum(f.tensor.numel() * f.tensor.element_size() for f in frags.get(op.name, []))
+            frozen = sum(p.numel() * p.element_size() for _, p in params.get(op.name, []))
+            out.append(win.Operator(op.name, op.kind, op.expert, active, frozen))
+        return out
+
+    # -- snapshots -----------------------------------------------------------------------
+
+    def after_step(self, iteration: int) -> None:
+        """After step ``iteration - 1`` (so ``iteration`` steps are done), every rank.
+
+        During a replay: applies frame ``iteration`` (or ends the replay); else nothing.
+        """
+        if self.replay is None:
+            return
+        if iteration < self.replay.end:
+            self._apply_frame(iteration)
+            return
+        self._log(f"[moc] exact recovery: replay done at iteration {iteration}; the state "
+                  f"is the original run's")
+        self.replay = None
+
+    def snapshot(self, iteration: int, client_state: Dict[str, Any]) -> None:
+        """Take frame ``iteration`` (every rank, after evaluation, before a save).
+
+        Returns once the copy is queued; the copy runs on the background thread and the
+        next optimizer step waits for it.
+        """
+        if self.replay is not None:
+            return  # the frames being replayed are the window; nothing new until dense
+        if not self._optimizer_ready():
+            return  # before the first step: no moments to snapshot yet (see below)
+        if self._fixed_start:
+            self._fixed_start = False
+            self._new_grid(iteration, self.cfg.window)
+        if self._probe is not None:
+            if iteration > self._probe[0]:
+                self._choose_window(iteration)
+            else:
+                return
+        if self.schedule is None:
+            return
+        t = (iteration - self.base) % self.schedule.window
+        if t == 0:
+            self._maybe_reorder(iteration)
+        self._join_copy()
+        if self._write is not None and not self._write.done():
+            # Never more than one frame behind storage: host memory stays bounded.
+            start = time.perf_counter()
+            self._write.result()
+            self.stall_s.append(time.perf_counter() - start)
+        sources = self._frame_sources(t)
+        record = self._record(iteration, t, client_state)
+        self._copy = copy = self._pool.submit(self._copy_frame, sources)
+        if self.cfg.write_frames:
+            self._write = self._pool.submit(self._write_frame, iteration, record, copy)
+
+    def _optimizer_ready(self) -> bool:
+        """Whether the optimizer's moments exist. Torch creates them at the first step; a
+        frame taken before would lack them, and a replay from it could not recreate the
+        lazily-initialised state bit for bit (the step counters would differ)."""
+        from deepspeed_ext.state import base_optimizer
+        opt = base_optimizer(self.engine)
+        ready = any(opt.state.get(p) for g in opt.param_groups for p in g["params"])
+        if ready and self._fragments is not None and not self._fragments_have_moments:
+            self._fragments = None  # built before the moments existed
+        return ready
+
+    def _maybe_reorder(self, iteration: int) -> None:
+        ordered = win.order_operators(self.operators, self.popularity)
+        names = [op.name for op in ordered]
+        if self._order is not None and names != self._order:
+            shift = win.popularity_shift(self._order, names)
+            if win.should_reorder(shift, self.cfg.reorder_threshold):
+                self.schedule = win.build_schedule(ordered, self.schedule.window)
+                self._order = names
+                self._log(f"[moc] exact recovery: experts re-ordered at iteration "
+                          f"{iteration} (popularity order moved {shift:.0%})")
+
+    def _frame_sources(self, t: int) -> Dict[str, torch.Tensor]:
+        """Live tensors of frame position ``t``: group t active, later groups frozen."""
+        frags, params = self._fragments_by_op(), self._params_by_op()
+        out: Dict[str, torch.Tensor] = {}
+        for op in self.schedule.groups[t]:
+            for frag in frags.get(op, []):
+                out[frag.key] = frag.tensor
+        for group in self.schedule.groups[t + 1:]:
+            for op in group:
+                for name, param in params.get(op, []):
+                    out[LP_PREFIX + name] = param.data.view(-1)
+        return out
+
+    def _record(self, iteration: int, t: int, client_state: Dict[str, Any]) -> Dict[str, Any]:
+        from deepspeed_ext.objects import encode
+        from deepspeed_ext.state import optimizer_scalars
+        from megatron.training.rng import get_rng_state
+        engine = self.engine
+        objects = {"rng": get_rng_state(), "client_state": client_state,
+                   "engine": {"global_steps": engine.global_steps,
+                              "global_samples": engine.global_samples,
+                              "skipped_steps": engine.skipped_steps},
+                   "optimizer_scalars": optimizer_scalars(engine),
+                   "popularity": [[l, e, n] for (l, e), n in sorted(self.popularity.items())]}
+        tree, tensors = encode(objects)
+        layout = self._layout()
+        return {"frame": iteration, "window_start": iteration - t, "position": t,
+                "window": self.schedule.window,
+                "groups": [list(g) for g in self.schedule.groups],
+                "world_size": self.world, "layout": layout,
+                "objects": tree, "_object_tensors": tensors}
+
+    def _layout(self) -> Dict[str, Any]:
+        """What a frame of this rank depends on: the world and this rank's experts."""
+        return {"world_size": self.world, "rank": self.rank,
+                "num_moe_layers": len(self.naming.moe_prefixes),
+                "first_expert": list(self.naming.first_expert),
+                "num_experts": list(self.naming.num_experts)}
+
+    def _copy_frame(self, sources: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Background thread: the frame's bytes into fresh host memory (``copy_`` and
+        ``clone`` release the GIL, so this overlaps the next forward/backward)."""
+        start = time.perf_counter()
+        with torch.no_grad():
+            copies = {k: v.detach().to("cpu", copy=True) if v.device.type != "cpu"
+                      else v.detach().clone() for k, v in sources.items()}
+        self.copy_s.append(time.perf_counter() - start)
+        self.frame_bytes.append(sum(v.numel() * v.element_size() for v in copies.values()))
+        return copies
+
+    def _write_frame(self, frame: int, record: Dict[str, Any], copy: Future) -> None:
+        """Background thread, after the copy: the frame file, then its marker."""
+        from deepspeed_ext.storage import atomic_write_json, ensure_dir, write_fragment_file
+        try:
+            copies = dict(copy.result())
+            copies.update(record.pop("_object_tensors"))
+            ensure_dir(frame_dir(self.save_dir, frame))
+            rec = write_fragment_file(_data(self.save_dir, frame, self.rank), copies)
+            record.update(sha256=rec.sha256, nbytes=rec.nbytes)
+            # The marker is written last: a frame counts only once every rank's exists.
+            atomic_write_json(_marker(self.save_dir, frame, self.rank), record)
+            if self.rank == 0 and record["position"] == 0:
+                self._retire_old_windows(record["window_start"])
+        except Exception as e:  # this window stays incomplete; recovery uses an older one
+            traceback.print_exc()
+            if self.write_error is None:
+                self._log(f"[moc] rank {self.rank}: WARNING: exact-recovery frame {frame} not "
+                          f"written ({type(e).__name__}: {e})")
+            self.write_error = f"{type(e).__name__}: {e}"
+
+    def _retire_old_windows(self, current_start: int) -> None:
+        """Rank 0, background: drop frames before the newest complete window (which the
+        window now being written does not replace until it completes)."""
+        found = find_window(self.save_dir, self.world)
+        if found is None:
+            return
+        for f in list_frames(self.save_dir):
+            if f < found.start:
+                shutil.rmtree(frame_dir(self.save_dir, f), ignore_errors=True)
+
+    # -- recovery ------------------------------------------------------------------------
+
+    def recover(self, load_dir: str, newer_than: Optional[int] = None) -> Optional[Dict[str, Any]]:
+        """Every rank: start a replay from the newest complete window under ``load_dir``
+        (the job's ``--load``), if it ends after iteration ``newer_than`` (the checkpoint
+        a normal load would use).
+
+        Returns:
+            The frame's objects (``client_state``, ``rng``, ``engine``) for the caller to
+            position data and scheduler at the window's start, or None (nothing to
+            replay: load normally).
+        """
+        found = find_window(load_dir, self.world) if self.rank == 0 else None
+        box = [found]
+        dist.broadcast_object_list(box, src=0)
+        found = box[0]
+        if found is None or (newer_than is not None and found.start + found.window <= newer_than):
+            return None
+        start = time.perf_counter()
+        frames, error = {}, None
+        try:
+            # Each rank checks its own records: the frames hold this rank's partitions
+            # and experts, which only a run of the same layout can use.
+            record = read_marker(load_dir, found.start, self.rank) or {}
+            if record.get("layout") != self._layout():
+                raise RuntimeError(f"frames were taken on another layout ({record.get('layout')}, "
+                                   f"this run {self._layout()})")
+            frames = {f: self._load_frame(load_dir, f)
+                      for f in range(found.start, found.start + found.window)}
+        except Exception as e:
+            error = f"rank {self.rank}: {type(e).__name__}: {e}"
+        # One decision for all ranks: a rank that alone fell back to a checkpoint would
+        # wait in a collective the others never join.
+        outcomes: List = [None] * self.world
+        dist.all_gather_object(outcomes, error)
+        bad = [e for e in outcomes if e is not None]
+        if bad:
+            self._log(f"[moc] exact recovery: cannot use the window at {found.start} "
+                      f"({'; '.join(bad)}); loading a checkpoint instead")
+            return None
+        schedule = win.Schedule(found.window, tuple(tuple(g) for g in found.groups))
+        self.replay = _Replay(found.start, schedule, {f: t for f, (t, _) in frames.items()})
+        self.schedule, self.base = schedule, found.start
+        self._order = [name for group in schedule.groups for name in group]
+        objects = frames[found.start][1]
+        self.popularity = {(l, e): n for l, e, n in objects.get("popularity", [])}
+        self._restore_objects(objects)
+        self._apply_frame(found.start)
+        if self.rank == 0:  # frames of the incomplete window after it are stale
+            for f in list_frames(load_dir):
+                if f >= self.replay.end:
+                    shutil.rmtree(frame_dir(load_dir, f), ignore_errors=True)
+        dist.barrier()
+        self._log(f"[moc] exact recovery: window of {found.window} frames at iteration "
+                  f"{found.start} loaded in {time.perf_counter() - start:.2f} s; replaying "
+                  f"iterations {found.start + 1}..{self.replay.end} to rebuild the exact state")
+        return objects
+
+    def _load_frame(self, load_dir: str, frame: int):
+        from deepspeed_ext.objects import decode
+        from deepspeed_ext.storage import FragmentReader, check_file
+        record = read_marker(load_dir, frame, self.rank)
+        path = _data(load_dir, frame, self.rank)
+        problem = check_file(path, record["nbytes"], record["sha256"])
+        if problem:
+            raise RuntimeError(problem)
+        with FragmentReader(path) as reader:
+            tensors = {k: reader.read(k) for k in reader.keys()}
+        objects = decode(record["objects"], tensors)
+        return {k: v for k, v in tensors.items() if not k.startswith("obj/")}, objects
+
+    def _restore_objects(self, objects: Dict[str, Any]) -> None:
+        from deepspeed_ext.state import ensure_optimizer_state, set_optimizer_scalars
+        engine = self.engine
+        ensure_optimizer_state(engine)
+        self._fragments = None  # moments may have just been created
+        for key, value in objects["engine"].items():
+            setattr(engine, key, value)
+        set_optimizer_scalars(engine, objects["optimizer_scalars"])
+
+    def _apply_frame(self, frame: int) -> None:
+        """Every rank together: group ``frame - start`` exact from its active copy, the
+        compute weights rebuilt, the later groups' compute weights from the frame."""
+        from deepspeed_ext.state import refresh_compute_weights
+        rp = self.replay
+        t = frame - rp.start
+        data = rp.frames[frame]
+        frags, params = self._fragments_by_op(), self._params_by_op()
+        with torch.no_grad():
+            for op in rp.schedule.groups[t]:
+                for frag in frags.get(op, []):
+                    frag.tensor.copy_(data[frag.key])
+            refresh_compute_weights(self.engine)
+            for group in rp.schedule.groups[t + 1:]:
+                for op in group:
+                    for name, param in params.get(op, []):
+                        param.data.view(-1).copy_(data[LP_PREFIX + name])
+        del rp.frames[frame]  # host memory: a frame is applied once
+
+    def close(self) -> None:
+        """Finish the frame being written (every rank, at the end of training)."""
+        self._join_copy()
+        if self._write is not None:
+            self._write.result()
+        self._pool.shutdown(wait=True)
