@@ -630,9 +630,29 @@ class ExactSnapshots:
                         param.data.view(-1).copy_(data[LP_PREFIX + name])
         del rp.frames[frame]  # host memory: a frame is applied once
 
+    def summary(self) -> Dict[str, Any]:
+        """This rank's figures: frames taken, their bytes, copy time and the training
+        loop's waits (medians and maxima), and the host memory two frames in flight need."""
+        def med(xs):
+            return sorted(xs)[len(xs) // 2] if xs else 0.0
+        return {"frames": len(self.frame_bytes), "window": self.schedule.window if self.schedule else None,
+                "frame_bytes_mean": sum(self.frame_bytes) / len(self.frame_bytes) if self.frame_bytes else 0,
+                "frame_bytes_max": max(self.frame_bytes, default=0),
+                "copy_s_median": med(self.copy_s), "stall_s_median": med(self.stall_s),
+                "stall_s_max": max(self.stall_s, default=0.0),
+                "host_bytes_peak": 2 * max(self.frame_bytes, default=0)}
+
     def close(self) -> None:
-        """Finish the frame being written (every rank, at the end of training)."""
+        """Finish the frame being written and log this rank's figures (every rank, at the
+        end of training; rank 0's line is printed)."""
         self._join_copy()
         if self._write is not None:
             self._write.result()
         self._pool.shutdown(wait=True)
+        s = self.summary()
+        if s["frames"]:
+            self._log(f"[moc] exact recovery: {s['frames']} frames (W = {s['window']}), "
+                      f"{s['frame_bytes_mean'] / 2**20:.2f} MiB per frame on rank {self.rank} "
+                      f"(max {s['frame_bytes_max'] / 2**20:.2f}), copy {s['copy_s_median'] * 1e3:.1f} ms, "
+                      f"training waited {s['stall_s_median'] * 1e3:.1f} ms median, "
+                      f"{s['stall_s_max'] * 1e3:.1f} ms max; host memory {s['host_bytes_peak'] / 2**20:.2f} MiB")

@@ -17,14 +17,17 @@ Policies (faults at ``--faults``, the same for every policy but ``no-faults``):
 - ``full``: MoC checkpoints of every expert every ``--save-interval`` iterations;
 - ``pec-k1`` / ``pec-k2``: partial experts checkpointing, K = 1 / 2 of 8 experts per MoE
   layer per checkpoint (weights and optimizer state of the saved experts);
+- ``pec-k1-w`` / ``pec-k2-w``: the paper's W variant (``--moc-pec-scope w``): PEC on the
+  weights only, every expert's optimizer state saved every time;
+- ``pec-k1-o`` / ``pec-k2-o``: the O variant (``--moc-pec-scope o``): PEC on the optimizer
+  state only, every expert's weights saved every time;
 - ``pec-k1-dynamic``: K = 1 with dynamic K (doubled after a recovery while the
   accumulated PLT is over 3.75 %);
 - ``two-level``: a snapshot every iteration into the node keeper's memory with 4 experts
   per MoE layer, every 10th persisted with 1 expert per MoE layer; recovery from memory.
 
-Not covered: the paper's W-only and O-only PEC variants (partial weights with full
-optimizer state and the reverse): MoC's checkpoint format keeps one version per expert
-for weights and moments together.
+PLT counts an expert's tokens as lost since its older part's version: under the O
+variant the weights' updates survive a recovery, the optimizer moments' do not.
 """
 
 import argparse
@@ -45,6 +48,10 @@ POLICIES = {
     "full": [],
     "pec-k1": ["--moc-pec-k", "1"],
     "pec-k2": ["--moc-pec-k", "2"],
+    "pec-k1-w": ["--moc-pec-k", "1", "--moc-pec-scope", "w"],
+    "pec-k1-o": ["--moc-pec-k", "1", "--moc-pec-scope", "o"],
+    "pec-k2-w": ["--moc-pec-k", "2", "--moc-pec-scope", "w"],
+    "pec-k2-o": ["--moc-pec-k", "2", "--moc-pec-scope", "o"],
     "pec-k1-dynamic": ["--moc-pec-k", "1", "--moc-dynamic-k"],
     "two-level": ["--moc-two-level", "--moc-snapshot-interval", "1", "--moc-persist-interval",
                   "10", "--moc-k-snapshot", "4", "--moc-k-persist", "1"],
