@@ -12,6 +12,9 @@ Kinds (what the chosen rank does when the fault fires):
 - ``hang``: sleeps forever right before the iteration's first collective.
 - ``slow``: sleeps ``slow`` seconds at the top of every iteration from then on, in this
   process; a restarted job is not slowed again (the straggling node counts as replaced).
+- ``slow-compute``: sleeps ``slow`` seconds at the start of every micro-batch's forward
+  from then on: inside the iteration, between collectives, where the other ranks wait
+  for it in the next collective (a slow GPU rather than a slow host).
 - ``snapshot-crash``: SIGKILLs itself in the middle of a two-level snapshot: its bytes
   are in the slot but it is not yet published as complete (the copy thread calls
   :meth:`FaultInjector.in_snapshot`).
@@ -61,10 +64,12 @@ from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, 
 
 from megatron.training.errors import ConfigError
 
-KINDS = ("crash", "raise", "hang", "slow", "snapshot-crash", "persist-crash", "lose-memory")
+KINDS = ("crash", "raise", "hang", "slow", "slow-compute", "snapshot-crash", "persist-crash",
+         "lose-memory")
+SLOW_KINDS = ("slow", "slow-compute")
 """Every fault kind ``--moc-fault`` accepts."""
 
-_LOOP_KINDS = ("slow", "lose-memory", "crash", "raise", "hang")
+_LOOP_KINDS = ("slow", "slow-compute", "lose-memory", "crash", "raise", "hang")
 """Kinds :meth:`FaultInjector.before_iteration` fires, in firing order: ``slow`` first,
 since it lets the rank go on and another fault due at the same iteration still fires."""
 
@@ -120,7 +125,7 @@ class FaultSpec:
     def text(self) -> str:
         """The canonical ``--moc-fault`` text; also the fault's key in the state file."""
         out = f"{self.kind}@{self.iteration}:rank={self.rank}"
-        return out + (f":slow={self.slow_s:g}" if self.kind == "slow" else "")
+        return out + (f":slow={self.slow_s:g}" if self.kind in SLOW_KINDS else "")
 
 
 def parse_fault(text: str) -> FaultSpec:
@@ -147,8 +152,8 @@ def parse_fault(text: str) -> FaultSpec:
         if name in values:
             raise bad(f"{name}= given twice")
         values[name] = value
-    if "slow" in values and kind != "slow":
-        raise bad("slow= applies to the slow kind only")
+    if "slow" in values and kind not in SLOW_KINDS:
+        raise bad("slow= applies to the slow and slow-compute kinds only")
     try:
         it, rank = int(iteration), int(values.get("rank", "0"))
         slow_s = float(values.get("slow", "0.5"))
@@ -313,6 +318,9 @@ class FaultInjector:
             trainer appends it to the job's event file, so the restart can name it).
         node_ranks: the global ranks of this rank's node (default: only this rank); a
             ``persist-crash`` naming any of them arms this node's keeper.
+        slow_compute: called with ``slow`` seconds when a ``slow-compute`` fault fires;
+            makes every later forward of this rank sleep that long (the trainer hooks
+            the model); required when this rank has such a fault.
 
     Raises:
         ConfigError: this rank has a ``lose-memory`` fault but no ``lose_memory`` callback.
@@ -325,7 +333,8 @@ class FaultInjector:
                  log: Callable[[str], None] = _print_flush,
                  clock: Callable[[], float] = time.time,
                  emit: Optional[Callable[[Dict], object]] = None,
-                 node_ranks: Optional[Sequence[int]] = None):
+                 node_ranks: Optional[Sequence[int]] = None,
+                 slow_compute: Optional[Callable[[float], None]] = None):
         self.rank, self.world_size, self.state_path = rank, world_size, state_path
         self._emit = emit
         self._lose_memory, self._log, self._clock = lose_memory, log, clock
@@ -335,6 +344,10 @@ class FaultInjector:
         self._node_persist = [s for s in specs if s.kind == "persist-crash"
                               and s.rank in set(node_ranks or (rank,))
                               and s.text not in self._fired]
+        self._slow_compute = slow_compute
+        if slow_compute is None and any(s.kind == "slow-compute" for s in self._pending):
+            raise ConfigError("--moc-fault slow-compute needs the trainer's model hook "
+                              "(slow_compute callback)")
         if lose_memory is None and any(s.kind == "lose-memory" for s in self._pending):
             raise ConfigError("--moc-fault lose-memory needs in-memory snapshots "
                               "(--moc-two-level): there is nothing to lose")
@@ -400,6 +413,8 @@ class FaultInjector:
         self._event(spec.kind, iteration, spec.text)
         if spec.kind == "slow":
             self._slow_s += spec.slow_s
+        elif spec.kind == "slow-compute":
+            self._slow_compute(spec.slow_s)
         elif spec.kind == "raise":
             raise InjectedFault(f"injected fault on rank {self.rank} at iteration {iteration} "
                                 f"(--moc-fault {spec.text})")

@@ -2,8 +2,8 @@
 
 Every rank publishes one heartbeat per iteration under ``moc/hb/<rank>`` of a
 ``torch.distributed`` Store (the job's rendezvous store): a JSON object ``{"t",
-"iteration", "iter_s", "own_s", "median_iter_s", "median_own_s", "host", "pid",
-"done"}``. A :class:`Watchdog` thread on *every* rank reads all heartbeats every
+"iteration", "iter_s", "own_s", "comm_s", "collectives", "median_iter_s",
+"median_own_s", "host", "pid", "done"}``. A :class:`Watchdog` thread on *every* rank reads all heartbeats every
 ``poll_s`` seconds, so a hang is found even when the hung rank is rank 0, and a rank
 blocked in a collective still finds it: gloo's collectives release the GIL while they
 wait (``tests/training/test_monitor.py`` checks that with ranks blocked in
@@ -50,27 +50,28 @@ Call order on every rank (the training loop wires it)::
     store = default_store()                           # after init_process_group
     heartbeat = Heartbeat(store, rank, window=config.straggler_window)
     watchdog = Watchdog(store, rank, world_size, config, emit=...).start()
-    last_top = free_since = None
+    clock = CollectiveClock().install()               # times every collective
+    last_top = None
     while state.iteration < train_iters:
         injector.before_iteration(state.iteration + 1)   # a hang or slow fault acts here
         top = time.perf_counter()
-        heartbeat.beat(state.iteration + 1,               # before the iteration's collectives
-                       iter_s=top - last_top if last_top else None,
-                       own_s=top - free_since if free_since else None)
+        comm_s, calls = clock.take()                  # inside collectives since last beat
+        iter_s = top - last_top if last_top else None
+        heartbeat.beat(state.iteration + 1, iter_s=iter_s,   # before the first collective
+                       own_s=iter_s - comm_s if iter_s else None, comm_s=comm_s, ...)
         last_top = top
-        ...                                           # the iteration and its collectives
-        free_since = time.perf_counter()              # after the iteration's last collective
-        ...                                           # logging, metrics: this rank alone
-        ...                                           # after an evaluation or a save (they
-                                                      # hold collectives): reset free_since
+        ...                                           # the iteration, evaluation, saves
     heartbeat.finish()                                # this rank will beat no more
     watchdog.stop()
+    clock.uninstall()
 
-What ``own_s`` can measure without hooks into every collective is the time a rank
-spends alone *between* iterations (an injected ``slow`` fault, host-side logging and
-metrics, a slow save of its own files); slowness inside an iteration, between
-DeepSpeed's collectives, is waited for there by the other ranks and shows in no rank's
-``own_s``: finding it needs per-collective arrival times (as C4 records them).
+``own_s`` is thus the iteration's time outside collectives, wherever it was spent:
+between iterations (an injected ``slow`` fault, host-side logging, a slow save of its
+own files) or inside the iteration between DeepSpeed's collectives (``slow-compute``:
+a slow device), where the other ranks wait for the slow one inside the next collective
+and their own ``own_s`` stays normal. Not per-collective *arrival* times as C4 keeps
+them (no rank records when it entered which collective), but their sum per iteration,
+which is what the straggler rule needs.
 
 Cost: a beat is one ``store.set``; a poll reads ``world_size`` keys, on every rank, so
 the store serves ``world_size**2`` reads per ``poll_s``: fine for tens of ranks; for
@@ -79,6 +80,7 @@ thousands use a larger ``poll_s``.
 
 import argparse
 import atexit
+import functools
 import json
 import os
 import socket
@@ -88,7 +90,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Mapping, Optional
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 from megatron.training.errors import ConfigError
 
@@ -205,6 +207,90 @@ class WindowMedian:
         return statistics.median(self._values)
 
 
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+               "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast",
+               "reduce", "barrier", "gather", "scatter", "all_gather_object",
+               "broadcast_object_list", "gather_object")
+"""``torch.distributed`` functions :class:`CollectiveClock` times."""
+
+
+class CollectiveClock:
+    """Seconds this rank spends inside collectives, per iteration (the C4 idea).
+
+    A rank that computes slowly arrives late at the next collective, and the others
+    wait for it *inside* that collective; the slow rank itself barely waits. So the
+    time a rank spends outside collectives (iteration time minus this clock) singles
+    out a straggler wherever its slowness lies, also between DeepSpeed's collectives
+    inside an iteration, which the time between iterations alone cannot see.
+
+    :meth:`install` wraps the ``torch.distributed`` collectives (and the ones DeepSpeed's
+    communication backend bound at start-up); a wrapper adds the call's wall time to a
+    counter, once per outermost call (a wrapped function that reaches another wrapped
+    one counts once). Asynchronous calls count only their launch. Main thread and background
+    threads share the counter: only the training loop's main thread calls collectives.
+
+    Every rank: ``clock.install()`` before the loop, ``clock.take()`` once per
+    iteration (at the heartbeat), ``clock.uninstall()`` after the loop.
+    """
+
+    def __init__(self) -> None:
+        self._total = 0.0
+        self._calls = 0
+        self._depth = threading.local()
+        self._saved: List = []
+
+    def _wrap(self, fn):
+        clock = self
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            depth = getattr(clock._depth, "n", 0)
+            if depth:  # inside another timed collective: that one counts
+                return fn(*args, **kwargs)
+            clock._depth.n = 1
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                clock._depth.n = 0
+                clock._total += time.perf_counter() - start
+                clock._calls += 1
+        timed._moc_clock = clock
+        return timed
+
+    def install(self) -> "CollectiveClock":
+        """Wrap the collectives (idempotent per clock)."""
+        import torch.distributed as dist
+        targets = [(dist, name) for name in COLLECTIVES]
+        try:
+            from deepspeed.comm import comm as ds_comm
+            backend = getattr(ds_comm, "cdb", None)
+            if backend is not None:
+                targets += [(backend, name) for name in ("all_gather_function",
+                                                          "reduce_scatter_function")]
+        except ImportError:
+            pass
+        for owner, name in targets:
+            fn = getattr(owner, name, None)
+            if fn is None or getattr(fn, "_moc_clock", None) is self:
+                continue
+            self._saved.append((owner, name, fn))
+            setattr(owner, name, self._wrap(fn))
+        return self
+
+    def uninstall(self) -> None:
+        """Restore the original functions."""
+        for owner, name, fn in reversed(self._saved):
+            setattr(owner, name, fn)
+        self._saved = []
+
+    def take(self) -> Tuple[float, int]:
+        """``(seconds, calls)`` inside collectives since the last take; resets both."""
+        out = (self._total, self._calls)
+        self._total, self._calls = 0.0, 0
+        return out
+
+
 class Heartbeat:
     """This rank's heartbeat publisher: one ``store.set`` per iteration.
 
@@ -224,7 +310,8 @@ class Heartbeat:
         self._last = {"iteration": 0, "iter_s": None, "own_s": None}
 
     def beat(self, iteration: int, iter_s: Optional[float] = None,
-             own_s: Optional[float] = None) -> None:
+             own_s: Optional[float] = None, comm_s: Optional[float] = None,
+             collectives: Optional[int] = None) -> None:
         """Every rank, once per iteration, at the top of the loop after the fault injector
         and before the iteration's first collective.
 
@@ -234,13 +321,16 @@ class Heartbeat:
             iter_s: wall seconds of the last iteration (None on the first beat).
             own_s: seconds of it this rank spent on its own, not waiting for other ranks
                 (see the module doc); None: all of ``iter_s``.
+            comm_s, collectives: seconds inside collectives and their number in the
+                last iteration (:class:`CollectiveClock`), published for the record.
         """
         if own_s is None:
             own_s = iter_s
         if iter_s is not None:
             self._iter.push(iter_s)
             self._own.push(own_s)
-        self._last = {"iteration": iteration, "iter_s": iter_s, "own_s": own_s}
+        self._last = {"iteration": iteration, "iter_s": iter_s, "own_s": own_s,
+                      "comm_s": comm_s, "collectives": collectives}
         self._publish(done=False)
 
     def finish(self) -> None:

@@ -344,11 +344,15 @@ def _fault_injector(args: argparse.Namespace, engine):
     per_node = (getattr(args, "moc_ranks_per_node", 0)
                 or int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     node = rank // per_node
+    def slow_compute(seconds: float) -> None:
+        engine.module.register_forward_pre_hook(lambda *_: time.sleep(seconds))
+
     return FaultInjector(faults_from_args(args, world), rank, world,
                          os.path.join(args.save, "moc-faults.json"),
                          mtbf_s=args.moc_fault_mtbf, seed=args.moc_fault_seed,
                          lose_memory=lose_memory, emit=emit,
-                         node_ranks=range(node * per_node, min(world, (node + 1) * per_node)))
+                         node_ranks=range(node * per_node, min(world, (node + 1) * per_node)),
+                         slow_compute=slow_compute)
 
 
 class _Watch:
@@ -356,8 +360,8 @@ class _Watch:
     creates one before the loop; a no-op without the flag)."""
 
     def __init__(self, args: argparse.Namespace):
-        self.heartbeat = self.watchdog = None
-        self._last_top = self._free_since = None
+        self.heartbeat = self.watchdog = self.clock = None
+        self._last_top = None
         if not getattr(args, "moc_monitor", False):
             return
         from megatron.training import monitor
@@ -369,6 +373,7 @@ class _Watch:
         self.watchdog = monitor.Watchdog(store, dist.get_rank(), dist.get_world_size(), cfg,
                                          emit=emit, on_hang=self._on_hang)
         self.watchdog.start()
+        self.clock = monitor.CollectiveClock().install()
 
     def _on_hang(self, event) -> None:
         # os._exit skips the normal end: free DeepSpeed's /dev/shm buffer first (no
@@ -382,21 +387,20 @@ class _Watch:
         if self.heartbeat is None:
             return
         top = time.perf_counter()
-        self.heartbeat.beat(iteration,
-                            iter_s=top - self._last_top if self._last_top else None,
-                            own_s=top - self._free_since if self._free_since else None)
+        comm_s, calls = self.clock.take()
+        iter_s = top - self._last_top if self._last_top else None
+        self.heartbeat.beat(iteration, iter_s=iter_s,
+                            own_s=max(0.0, iter_s - comm_s) if iter_s is not None else None,
+                            comm_s=comm_s if iter_s is not None else None,
+                            collectives=calls if iter_s is not None else None)
         self._last_top = top
-
-    def collectives_done(self) -> None:
-        """After an iteration's last collective (and after a save or an evaluation)."""
-        if self.heartbeat is not None:
-            self._free_since = time.perf_counter()
 
     def stop(self) -> None:
         """After the loop, before the final save (a long save must not look like a hang)."""
         if self.heartbeat is not None:
             self.heartbeat.finish()
             self.watchdog.stop()
+            self.clock.uninstall()
             self.heartbeat = None
 
 
@@ -439,7 +443,6 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
             moc.observe_tokens(counts.tolist())
             if exact is not None:
                 exact.observe_tokens(counts.tolist())
-        watch.collectives_done()
         state.iteration += 1
         state.consumed_train_samples += args.global_batch_size
         if exact is not None:  # replaying: the next frame's weights, before any evaluation
@@ -471,7 +474,6 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
             print_rank_0(eval_log_line(f"validation loss at iteration {state.iteration}", loss))
             writer.write("valid", state.iteration, {"lm_loss": loss})
             window_start = time.perf_counter()
-            watch.collectives_done()
         if exact is not None:
             exact.snapshot(state.iteration, _exact_client_state(state, scheduler))
         # While an exact replay runs, the frozen operators' fp32 state is not whole yet.
@@ -486,7 +488,6 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
             checkpointing.save_checkpoint(engine, args, scheduler, state, log=not quiet)
             last_saved = state.iteration
             window_start = time.perf_counter()
-            watch.collectives_done()
         if args.exit_interval and state.iteration % args.exit_interval == 0:
             print_rank_0(f"> exiting at iteration {state.iteration} (--exit-interval {args.exit_interval})")
             break

@@ -26,6 +26,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
     ("crash@12:rank=1", FaultSpec("crash", 1, 12)),
     ("slow@5:rank=0:slow=0.3", FaultSpec("slow", 0, 5, slow_s=0.3)),
     ("slow@5:slow=2:rank=3", FaultSpec("slow", 3, 5, slow_s=2.0)),
+    ("slow-compute@4:rank=1:slow=0.1", FaultSpec("slow-compute", 1, 4, slow_s=0.1)),
     ("hang@3", FaultSpec("hang", 0, 3)),
     ("raise@1:rank=7", FaultSpec("raise", 7, 1)),
     ("snapshot-crash@4:rank=2", FaultSpec("snapshot-crash", 2, 4)),
@@ -338,3 +339,17 @@ def test_persist_crash_arms_the_keeper_which_records_and_dies(tmp_path):
     assert _fired(state)["persist-crash@5:rank=1"]["iteration"] == 6
     # The restarted rank does not arm its keeper again.
     assert FaultInjector([spec], 1, 2, state).persist_env() == {}
+
+
+def test_slow_compute_calls_the_model_hook_once_when_due(tmp_path):
+    calls = []
+    spec = parse_fault("slow-compute@3:rank=0:slow=0.25")
+    with pytest.raises(ConfigError, match="slow-compute needs"):
+        FaultInjector([spec], 0, 1, str(tmp_path / "f.json"), log=_Log())
+    injector = FaultInjector([spec], 0, 1, str(tmp_path / "f.json"), log=_Log(),
+                             slow_compute=calls.append)
+    injector.before_iteration(2)
+    assert calls == []
+    injector.before_iteration(3)
+    injector.before_iteration(4)
+    assert calls == [0.25]  # the hook slows every later forward; it is installed once

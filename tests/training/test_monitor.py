@@ -345,3 +345,42 @@ def test_a_straggler_is_reported_and_the_job_goes_on(tmp_path):
     assert emitted[0]["slowdown"] > 2.5, emitted
     assert all("STRAGGLER: rank 1" in r.output for r in results), describe(results)
     assert "[fault] rank 1: injected slow at iteration 4" in results[1].output
+
+
+def test_collective_clock_times_outermost_collectives_and_uninstalls(tmp_path, monkeypatch):
+    """One gloo rank: each collective's wall time counts once, work outside collectives
+    does not, a wrapped call inside a wrapped call is not counted twice, and uninstall
+    restores the original functions."""
+    import torch
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                            world_size=1)
+    try:
+        original = dist.all_reduce
+        clock = monitor.CollectiveClock().install()
+        assert dist.all_reduce is not original and clock.install() is clock
+        real = monitor.time.perf_counter
+        fake = iter([0.0, 0.5, 10.0, 10.25]).__next__  # two outermost calls
+        monkeypatch.setattr(monitor.time, "perf_counter", fake)
+        dist.all_reduce(torch.ones(3))
+        out = [None]
+        dist.all_gather_object(out, {"x": 1})
+        monkeypatch.setattr(monitor.time, "perf_counter", real)
+        assert out == [{"x": 1}]
+        assert clock.take() == (0.75, 2)
+        assert clock.take() == (0.0, 0)
+        nested = clock._wrap(lambda: dist.all_reduce(torch.ones(1)))  # wraps a wrapped call
+        fake = iter([0.0, 2.0]).__next__  # the inner call must not read the clock
+        monkeypatch.setattr(monitor.time, "perf_counter", fake)
+        nested()
+        monkeypatch.setattr(monitor.time, "perf_counter", real)
+        assert clock.take() == (2.0, 1)
+        time.sleep(0.05)  # outside any collective: not counted
+        dist.barrier()
+        seconds, calls = clock.take()
+        assert calls == 1 and seconds < 0.05
+        clock.uninstall()
+        assert dist.all_reduce is original
+    finally:
+        dist.destroy_process_group()

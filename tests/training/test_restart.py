@@ -117,12 +117,19 @@ def test_hang_is_detected_named_and_the_job_restarts(corpus, tmp_path, reference
     assert _final_loss(records) == _final_loss(reference)
 
 
-def test_straggler_is_reported_without_stopping_the_job(corpus, tmp_path):
-    """Rank 1 sleeps 0.4 s per iteration from iteration 3: reported, job not stopped."""
+@pytest.mark.parametrize("fault", [
+    "slow@3:rank=1:slow=0.4",          # between iterations
+    "slow-compute@3:rank=1:slow=0.2",  # inside each of the 2 micro-batches' forward
+])
+def test_straggler_is_reported_without_stopping_the_job(corpus, tmp_path, fault):
+    """Rank 1 loses 0.4 s per iteration from iteration 3, between iterations or between
+    the collectives inside one (where rank 0 waits for it in the next collective, and
+    only the time each rank spends inside collectives tells them apart): reported as
+    rank 1, job not stopped."""
     proc, records, events = _elastic(tmp_path, corpus, [
         "--train-iters", "14", "--lr-decay-iters", "14", "--moc-monitor",
         "--moc-straggler-window", "3", "--moc-straggler-factor", "1.5",
-        "--moc-monitor-poll", "0.2", "--moc-fault", "slow@3:rank=1:slow=0.4"], restarts=0)
+        "--moc-monitor-poll", "0.2", "--moc-fault", fault], restarts=0)
     _ok(proc)
     stragglers = [e for e in events if e["kind"] == "straggler"]
     assert stragglers and {e["rank"] for e in stragglers} == {1}, events
