@@ -60,6 +60,7 @@ EXACT_DIR = "exact"
 FRAME_RE = re.compile(r"^frame(\d{8,})$")
 LP_PREFIX = "lp|"
 """Key prefix of a frozen compute weight in a frame file (then the global parameter name)."""
+MOMENTS = ("exp_avg", "exp_avg_sq")
 BYTES_PER_ACTIVE_ELEMENT = 12
 """fp32 master weight plus Adam's two fp32 moments."""
 
@@ -76,6 +77,9 @@ class ExactConfig:
     popularity order moved by more than this fraction of pairs."""
     write_frames: bool = True
     """Persist frames to storage (tests turn it off to measure the copy alone)."""
+    host_memory_gb: float = 0.0
+    """Budget for what one rank holds in host memory: a whole window during a replay;
+    0: unchecked (``--moc-host-memory-gb``)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 0:
@@ -331,6 +335,8 @@ class ExactSnapshots:
                 shutil.rmtree(frame_dir(self.save_dir, f), ignore_errors=True)
         dist.barrier()
         if self.cfg.window:
+            # Check the budget now, before training, on the schedule the grid will use.
+            self._new_grid(iteration, self.cfg.window)
             self._fixed_start = True
             self.snapshot(iteration, client_state)
         else:
@@ -342,6 +348,27 @@ class ExactSnapshots:
         self.schedule = win.build_schedule(ordered, window)
         self._order = [op.name for op in ordered]
         self.base = base
+        self._check_memory()
+
+    def _check_memory(self) -> None:
+        """Every rank, when a grid starts: report the largest frame and a window's bytes
+        on the busiest rank (a replay holds a whole window), and refuse a smaller
+        ``--moc-host-memory-gb`` on every rank alike (one all_reduce)."""
+        by_name = {op.name: op for op in self._local_operators()}
+        figures = torch.tensor([win.max_bytes_per_iteration(self.schedule, by_name),
+                                win.window_host_bytes(self.schedule, by_name)],
+                               dtype=torch.float64)
+        dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+        frame, window = (int(x) for x in figures.tolist())
+        self.window_bytes = window
+        self._log(f"[moc] exact recovery: W = {self.schedule.window}; per rank at most "
+                  f"{frame / 2**20:.2f} MiB per frame, {window / 2**20:.2f} MiB per window "
+                  f"(held in host memory while a replay runs)")
+        budget = self.cfg.host_memory_gb * 2**30
+        if budget and window > budget:
+            raise MemoryError(f"--moc-host-memory-gb {self.cfg.host_memory_gb:g} is below the "
+                              f"{window / 2**30:.3f} GiB one rank needs to replay a window of "
+                              f"{self.schedule.window} frames; raise it or lower --moc-window")
 
     def _choose_window(self, iteration: int) -> None:
         """After the first measured iteration: W from its time and a copy's bandwidth,
@@ -371,9 +398,13 @@ class ExactSnapshots:
     def _local_operators(self) -> List[win.Operator]:
         """The operators in snapshot order, sized by what THIS rank copies of each."""
         frags, params = self._fragments_by_op(), self._params_by_op()
+        # Before the first step the moments do not exist yet: count them as the fp32
+        # weights' size each (Adam's two).
+        scale = 1 if self._fragments_have_moments else 1 + len(MOMENTS)
         out = []
         for op in win.order_operators(self.operators, self.popularity):
-            active = sum(f.tensor.numel() * f.tensor.element_size() for f in frags.get(op.name, []))
+            active = scale * sum(f.tensor.numel() * f.tensor.element_size()
+                                 for f in frags.get(op.name, []))
             frozen = sum(p.numel() * p.element_size() for _, p in params.get(op.name, []))
             out.append(win.Operator(op.name, op.kind, op.expert, active, frozen))
         return out
@@ -404,9 +435,9 @@ class ExactSnapshots:
             return  # the frames being replayed are the window; nothing new until dense
         if not self._optimizer_ready():
             return  # before the first step: no moments to snapshot yet (see below)
-        if self._fixed_start:
+        if self._fixed_start:  # the grid starts at the first frame with moments
             self._fixed_start = False
-            self._new_grid(iteration, self.cfg.window)
+            self.base = iteration
         if self._probe is not None:
             if iteration > self._probe[0]:
                 self._choose_window(iteration)

@@ -156,7 +156,8 @@ def _add_moc_args(p: argparse.ArgumentParser) -> None:
                    help="Shared-memory directory of the snapshots; default: derived from "
                         "--save under /dev/shm (stable across restarts of one job).")
     g.add_argument("--moc-host-memory-gb", type=float, default=0.0,
-                   help="Host memory one rank's snapshot slots may use; 0: unchecked.")
+                   help="Host memory one rank's snapshot slots (--moc-two-level) or a window of "
+                        "frames (--moc-mode exact) may use; 0: unchecked.")
     g.add_argument("--moc-dynamic-k", action="store_true",
                    help="After each recovery, double the experts per checkpoint (up to all) "
                         "while the accumulated proportion of lost tokens exceeds "

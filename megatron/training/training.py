@@ -284,7 +284,9 @@ def pretrain(args: argparse.Namespace, extra_setup=None) -> TrainResult:
     exact = None
     if getattr(args, "moc_mode", "pec") == "exact":
         from deepspeed_ext.exact import ExactConfig, ExactSnapshots
-        exact = ExactSnapshots(engine, args.save, ExactConfig(window=args.moc_window),
+        exact = ExactSnapshots(engine, args.save,
+                               ExactConfig(window=args.moc_window,
+                                           host_memory_gb=args.moc_host_memory_gb),
                                log=print_rank_0)
     if extra_setup is not None:
         extra_setup(engine, args)
@@ -429,7 +431,10 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
     progress = _progress_recorder(args)
     watch = watch or _Watch(args)
     if exact is not None:
-        exact.start(state.iteration, _exact_client_state(state, scheduler))
+        try:
+            exact.start(state.iteration, _exact_client_state(state, scheduler))
+        except MemoryError as e:  # the same on every rank: the figures are all-reduced
+            raise ConfigError(str(e)) from None
     while state.iteration < args.train_iters:
         if injector is not None:
             injector.before_iteration(state.iteration + 1)
@@ -475,7 +480,10 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
             writer.write("valid", state.iteration, {"lm_loss": loss})
             window_start = time.perf_counter()
         if exact is not None:
-            exact.snapshot(state.iteration, _exact_client_state(state, scheduler))
+            try:
+                exact.snapshot(state.iteration, _exact_client_state(state, scheduler))
+            except MemoryError as e:  # an automatic window over budget, on every rank
+                raise ConfigError(str(e)) from None
         # While an exact replay runs, the frozen operators' fp32 state is not whole yet.
         replaying = exact is not None and exact.replaying
         if args.save and save_interval and state.iteration % save_interval == 0 and not replaying:

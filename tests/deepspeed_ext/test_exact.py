@@ -27,7 +27,7 @@ def _reference(tmp_path, corpus, extra, nproc):
     out = tmp_path / "reference"
     results = run_ranks(nproc, BASE + extra + ["--data-path", corpus, "--save", str(out),
                                                "--metrics-file", str(tmp_path / "ref.jsonl")])
-    assert all(r.returncode == 0 for r in results), results[0].stderr[-3000:]
+    assert all(r.returncode == 0 for r in results), results[0].output[-3000:]
     return out
 
 
@@ -123,3 +123,20 @@ def test_operator_of():
     assert ex.operator_of("word_embeddings.weight", None) == "word_embeddings"
     with pytest.raises(ValueError, match="--moc-window"):
         ex.ExactConfig(window=-1)
+
+
+def test_automatic_window_and_the_memory_budget(tmp_path, corpus):
+    """Without --moc-window the run measures an iteration and picks W itself (logged,
+    frames written); a --moc-host-memory-gb below a window's bytes stops every rank
+    before training with the flag named."""
+    flags = [f for f in BASE if f not in ("--moc-window", "3")]
+    results = run_ranks(2, flags + ["--data-path", corpus, "--save", str(tmp_path / "a"),
+                                    "--train-iters", "6"])
+    assert all(r.returncode == 0 for r in results), results[0].output[-3000:]
+    out = results[0].output
+    assert "[moc] exact recovery: window W = " in out and "MiB per window" in out
+    assert ex.list_frames(str(tmp_path / "a"))
+    results = run_ranks(2, BASE + ["--data-path", corpus, "--save", str(tmp_path / "b"),
+                                   "--moc-host-memory-gb", "0.00001"])
+    assert all(r.returncode == 2 for r in results), [r.returncode for r in results]
+    assert "--moc-host-memory-gb 1e-05 is below" in results[0].output
