@@ -180,10 +180,11 @@ class MoCCheckpointer:
             return self.two_level.last_load_source
         return self._last_load_source
 
-    def mark_exact_replay(self) -> None:
-        """The job resumed through exact recovery's replay (``deepspeed_ext.exact``), not
-        a load of ours: nothing was lost, and no token ledger applies."""
-        self._last_load_source, self.last_recovery = "exact replay", None
+    def mark_exact_replay(self, where: str) -> None:
+        """The job resumed through exact recovery's replay (``deepspeed_ext.exact``) of
+        frames read from ``where`` (memory, storage), not a load of ours: nothing was
+        lost, and no token ledger applies."""
+        self._last_load_source, self.last_recovery = f"exact replay from {where}", None
 
     @property
     def stall_s(self) -> List[float]:

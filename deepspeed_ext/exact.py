@@ -77,6 +77,13 @@ class ExactConfig:
     popularity order moved by more than this fraction of pairs."""
     write_frames: bool = True
     """Persist frames to storage (tests turn it off to measure the copy alone)."""
+    memory_dir: str = ""
+    """The job's shared-memory directory (one ``node<N>/`` per node, each with a keeper
+    that persists frames to storage); empty: frames go straight to storage."""
+    ranks_per_node: int = 0
+    """Ranks per node for the memory level; 0: ``LOCAL_WORLD_SIZE``."""
+    keeper_idle_timeout_s: float = 600.0
+    """A keeper exits when none of its training processes has been alive this long."""
     host_memory_gb: float = 0.0
     """Budget for what one rank holds in host memory: a whole window during a replay;
     0: unchecked (``--moc-host-memory-gb``)."""
@@ -182,15 +189,27 @@ class WindowOnDisk:
 
 
 def find_window(save_dir: str, world_size: int) -> Optional[WindowOnDisk]:
-    """The newest window whose ``W`` frames every rank completed (rank 0, then broadcast).
+    """The newest window under ``save_dir`` whose ``W`` frames every rank completed."""
+    per_rank = [{f: m for f in list_frames(save_dir)
+                 for m in [read_marker(save_dir, f, r)] if m is not None}
+                for r in range(world_size)]
+    return agree_window(per_rank)
+
+
+def agree_window(per_rank: List[Dict[int, Dict[str, Any]]]) -> Optional[WindowOnDisk]:
+    """The newest window whose ``W`` frames every rank holds (pure; every rank computes
+    the same answer from the same gathered records).
+
+    Args:
+        per_rank: for each rank, frame -> its record (from memory or storage).
 
     Frames of one window agree on ``window_start``, ``window`` and the schedule (each
     record repeats them); a frame whose records disagree does not count.
     """
-    frames = list_frames(save_dir)
+    world_size = len(per_rank)
     records: Dict[int, Dict[str, Any]] = {}
-    for f in frames:
-        marks = [read_marker(save_dir, f, r) for r in range(world_size)]
+    for f in sorted(set().union(*per_rank)) if per_rank else []:
+        marks = [mine.get(f) for mine in per_rank]
         if all(m is not None and m.get("world_size") == world_size for m in marks):
             first = marks[0]
             if all((m["window_start"], m["window"], m["groups"]) ==
@@ -256,6 +275,8 @@ class ExactSnapshots:
         self._copy: Optional[Future] = None
         self._write: Optional[Future] = None
         self.write_error: Optional[str] = None
+        self.last_source: Optional[str] = None
+        """Where the last recovery's frames came from: memory, storage or both."""
         self.stall_s: List[float] = []
         self.frame_bytes: List[int] = []
         self.copy_s: List[float] = []
@@ -266,7 +287,45 @@ class ExactSnapshots:
         for local_name, _ in engine.module.named_parameters():
             self._op_of_param[local_name] = operator_of(self.naming.global_name(local_name),
                                                         self.naming.expert_of(local_name))
+        self.node_dir: Optional[str] = None
+        self.keeper_error: Optional[str] = None
+        if config.memory_dir:
+            self._start_keeper()
         self._wrap_step()
+
+    def _start_keeper(self) -> None:
+        """Every rank: attach to (or start) this node's keeper. Without one, frames go
+        straight to storage, which the log says once."""
+        from deepspeed_ext import keeper
+        per_node = self.cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        self.node = self.rank // per_node
+        self.first_of_node = self.rank % per_node == 0
+        self.node_dir = os.path.join(self.cfg.memory_dir, f"node{self.node}")
+        try:
+            keeper.ensure_keeper(self.node_dir, self.cfg.keeper_idle_timeout_s)
+        except Exception as e:
+            self._keeper_lost(e)
+
+    def _keeper_lost(self, error: Exception) -> None:
+        if self.keeper_error is None:
+            self._log(f"[moc] rank {self.rank}: WARNING: no keeper for {self.node_dir} "
+                      f"({type(error).__name__}: {error}); exact-recovery frames go straight "
+                      f"to storage")
+        self.keeper_error = f"{type(error).__name__}: {error}"
+
+    def drop_node_memory(self) -> None:
+        """Fault injection: this node loses its frames, as when the machine dies. Kills
+        the node's keeper and deletes its shared memory; any rank of the node may call
+        it, the node's other ranks are expected to die with it."""
+        import signal
+        from deepspeed_ext import keeper
+        if not self.node_dir:
+            return
+        try:
+            os.kill(keeper.request(self.node_dir, {"op": "ping"})["pid"], signal.SIGKILL)
+        except Exception as e:  # already gone: its memory is what matters
+            self._log(f"[moc] node {self.node}: keeper not reachable ({e})")
+        shutil.rmtree(self.node_dir, ignore_errors=True)
 
     # -- bookkeeping -------------------------------------------------------------------
 
@@ -330,10 +389,7 @@ class ExactSnapshots:
         # Frames of an earlier timeline (a run that fell back to a checkpoint, or started
         # afresh) must not mix with this one's: a window assembled from both would replay
         # to a state neither run had, and retention would trust their windows.
-        if self.rank == 0:
-            for f in list_frames(self.save_dir):
-                shutil.rmtree(frame_dir(self.save_dir, f), ignore_errors=True)
-        dist.barrier()
+        self._drop_frames_from(self.save_dir, 0)
         if self.cfg.window:
             # Check the budget now, before training, on the schedule the grid will use.
             self._new_grid(iteration, self.cfg.window)
@@ -538,11 +594,17 @@ class ExactSnapshots:
         try:
             copies = dict(copy.result())
             copies.update(record.pop("_object_tensors"))
-            ensure_dir(frame_dir(self.save_dir, frame))
-            rec = write_fragment_file(_data(self.save_dir, frame, self.rank), copies)
+            # Memory first, when the node has a keeper: it survives this process and
+            # the keeper copies it to storage; else storage directly.
+            root = self.save_dir if self.keeper_error or not self.node_dir else self.node_dir
+            ensure_dir(frame_dir(root, frame))
+            rec = write_fragment_file(_data(root, frame, self.rank), copies)
             record.update(sha256=rec.sha256, nbytes=rec.nbytes)
             # The marker is written last: a frame counts only once every rank's exists.
-            atomic_write_json(_marker(self.save_dir, frame, self.rank), record)
+            atomic_write_json(_marker(root, frame, self.rank), record)
+            if root != self.save_dir:
+                self._hand_to_keeper(frame)
+                self._retire_memory(record["window_start"], record["window"])
             if self.rank == 0 and record["position"] == 0:
                 self._retire_old_windows(record["window_start"])
         except Exception as e:  # this window stays incomplete; recovery uses an older one
@@ -551,6 +613,37 @@ class ExactSnapshots:
                 self._log(f"[moc] rank {self.rank}: WARNING: exact-recovery frame {frame} not "
                           f"written ({type(e).__name__}: {e})")
             self.write_error = f"{type(e).__name__}: {e}"
+
+    def _hand_to_keeper(self, frame: int) -> None:
+        """Queue frame ``frame``'s copy to storage with the node's keeper; a keeper that
+        does not answer is given up (later frames go straight to storage) and this one
+        is copied here."""
+        from deepspeed_ext import keeper
+        job = {"kind": "frame", "data": _data(self.node_dir, frame, self.rank),
+               "marker": _marker(self.node_dir, frame, self.rank),
+               "dst_data": _data(self.save_dir, frame, self.rank),
+               "dst_marker": _marker(self.save_dir, frame, self.rank)}
+        try:
+            keeper.request(self.node_dir, {"op": "persist", "job": job})
+        except Exception as e:
+            self._keeper_lost(e)
+            keeper.persist_frame(job)
+
+    def _retire_memory(self, window_start: int, window: int) -> None:
+        """This rank's memory frames older than the previous window: memory holds the
+        window being written and the one before (complete unless a rank failed it;
+        storage keeps the newest complete one anyway)."""
+        for f in list_frames(self.node_dir):
+            if f < window_start - window:
+                for path in (_marker(self.node_dir, f, self.rank), _data(self.node_dir, f, self.rank)):
+                    try:
+                        os.remove(path)  # the marker first: a frame without it does not count
+                    except FileNotFoundError:
+                        pass
+                try:
+                    os.rmdir(frame_dir(self.node_dir, f))  # once the node's last rank is done
+                except OSError:
+                    pass
 
     def _retire_old_windows(self, current_start: int) -> None:
         """Rank 0, background: drop frames before the newest complete window (which the
@@ -574,10 +667,10 @@ class ExactSnapshots:
             position data and scheduler at the window's start, or None (nothing to
             replay: load normally).
         """
-        found = find_window(load_dir, self.world) if self.rank == 0 else None
-        box = [found]
-        dist.broadcast_object_list(box, src=0)
-        found = box[0]
+        mine = self._available_frames(load_dir)
+        gathered: List = [None] * self.world
+        dist.all_gather_object(gathered, {f: rec for f, (rec, _) in mine.items()})
+        found = agree_window(gathered)
         if found is None or (newer_than is not None and found.start + found.window <= newer_than):
             return None
         start = time.perf_counter()
@@ -585,12 +678,13 @@ class ExactSnapshots:
         try:
             # Each rank checks its own records: the frames hold this rank's partitions
             # and experts, which only a run of the same layout can use.
-            record = read_marker(load_dir, found.start, self.rank) or {}
+            record = mine[found.start][0]
             if record.get("layout") != self._layout():
                 raise RuntimeError(f"frames were taken on another layout ({record.get('layout')}, "
                                    f"this run {self._layout()})")
-            frames = {f: self._load_frame(load_dir, f)
+            frames = {f: self._load_frame(mine[f][1], f)
                       for f in range(found.start, found.start + found.window)}
+            sources = sorted({"memory" if mine[f][1] != load_dir else "storage" for f in frames})
         except Exception as e:
             error = f"rank {self.rank}: {type(e).__name__}: {e}"
         # One decision for all ranks: a rank that alone fell back to a checkpoint would
@@ -610,17 +704,49 @@ class ExactSnapshots:
         self.popularity = {(l, e): n for l, e, n in objects.get("popularity", [])}
         self._restore_objects(objects)
         self._apply_frame(found.start)
-        if self.rank == 0:  # frames of the incomplete window after it are stale
-            for f in list_frames(load_dir):
-                if f >= self.replay.end:
-                    shutil.rmtree(frame_dir(load_dir, f), ignore_errors=True)
-        dist.barrier()
+        self._drop_frames_from(load_dir, self.replay.end)  # the incomplete window after it
+        where: List = [None] * self.world
+        dist.all_gather_object(where, sources)
+        self.last_source = "+".join(sorted(set().union(*where)))
         self._log(f"[moc] exact recovery: window of {found.window} frames at iteration "
-                  f"{found.start} loaded in {time.perf_counter() - start:.2f} s; replaying "
-                  f"iterations {found.start + 1}..{self.replay.end} to rebuild the exact state")
+                  f"{found.start} loaded from {self.last_source} in "
+                  f"{time.perf_counter() - start:.2f} s; replaying iterations "
+                  f"{found.start + 1}..{self.replay.end} to rebuild the exact state")
         return objects
 
+    def _available_frames(self, load_dir: str) -> Dict[int, Tuple[Dict[str, Any], str]]:
+        """This rank's frames: frame -> (record, root it is read from), memory first."""
+        out: Dict[int, Tuple[Dict[str, Any], str]] = {}
+        roots = [load_dir] + ([self.node_dir] if self.node_dir and os.path.isdir(self.node_dir)
+                              else [])
+        for root in roots:  # later roots win: memory over storage
+            for f in list_frames(root):
+                record = read_marker(root, f, self.rank)
+                if record is not None:
+                    out[f] = (record, root)
+        return out
+
+    def _drop_frames_from(self, load_dir: str, first: int) -> None:
+        """Every rank together: delete frames ``>= first`` (storage: rank 0; memory:
+        each rank its own), then a barrier so no rank writes a new one before."""
+        if self.rank == 0:
+            for f in list_frames(load_dir):
+                if f >= first:
+                    shutil.rmtree(frame_dir(load_dir, f), ignore_errors=True)
+        if self.node_dir and os.path.isdir(self.node_dir):
+            for f in list_frames(self.node_dir):
+                if f >= first:
+                    for path in (_marker(self.node_dir, f, self.rank),
+                                 _data(self.node_dir, f, self.rank)):
+                        try:
+                            os.remove(path)
+                        except FileNotFoundError:
+                            pass
+        dist.barrier()
+
     def _load_frame(self, load_dir: str, frame: int):
+        """This rank's frame ``frame`` under ``load_dir`` (storage or the node's memory),
+        its checksum verified: ``(tensors, objects)``."""
         from deepspeed_ext.objects import decode
         from deepspeed_ext.storage import FragmentReader, check_file
         record = read_marker(load_dir, frame, self.rank)
@@ -680,6 +806,19 @@ class ExactSnapshots:
         if self._write is not None:
             self._write.result()
         self._pool.shutdown(wait=True)
+        if self.node_dir:
+            # The keeper copies what it was given, then deletes the node's memory: a
+            # finished run leaves no shared memory behind.
+            from deepspeed_ext import keeper
+            dist.barrier()
+            if self.first_of_node:
+                keeper.shutdown_keeper(self.node_dir)
+            dist.barrier()
+            if self.rank == 0:
+                try:
+                    os.rmdir(self.cfg.memory_dir)
+                except OSError:
+                    pass
         s = self.summary()
         if s["frames"]:
             self._log(f"[moc] exact recovery: {s['frames']} frames (W = {s['window']}), "

@@ -208,6 +208,44 @@ def write_image_subset(path: str, image_path: str, entries: List[Dict[str, Any]]
                 view.release()
 
 
+def persist_frame(job: Dict[str, Any]) -> None:
+    """Copy one exact-recovery frame of one rank from memory to storage: the data file
+    (temp file, fsync, rename), then its marker, last (``deepspeed_ext.exact``).
+
+    ``job`` fields: ``kind`` ``"frame"``, ``data`` and ``marker`` (the files in memory),
+    ``dst_data`` and ``dst_marker`` (their storage paths). A frame whose memory copy was
+    already deleted (retention, a lost node) is skipped: its window stays incomplete on
+    storage and recovery does not use it.
+    """
+    try:
+        with open(job["data"], "rb") as f:
+            data = f.read()
+        with open(job["marker"], "rb") as f:
+            marker = f.read()
+    except FileNotFoundError:
+        return
+    os.makedirs(os.path.dirname(job["dst_data"]), exist_ok=True)
+    _write_durably(job["dst_data"], data)
+    _write_durably(job["dst_marker"], marker)
+
+
+def _write_durably(path: str, data: bytes) -> None:
+    """Temp file, fsync, rename, fsync the directory; plain ``os`` on purpose: a frame
+    job must not wait for the keeper's import of torch (seconds), or a node lost in
+    the first seconds of a job would take frames with it that storage never got."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(os.path.dirname(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def run_persist_job(job: Dict[str, Any], log=print, background_commit: bool = False) -> None:
     """Persist one rank's snapshot and, for the committing rank, commit the checkpoint.
 
@@ -224,6 +262,9 @@ def run_persist_job(job: Dict[str, Any], log=print, background_commit: bool = Fa
             keeper needs it: the reports of its other local ranks are written by jobs
             queued behind this one, so waiting here would deadlock its queue.
     """
+    if job.get("kind") == "frame":
+        persist_frame(job)
+        return
     from deepspeed_ext import commit
     from deepspeed_ext import manifest as mf
     from deepspeed_ext.objects import write_objects_file
@@ -306,6 +347,11 @@ def _remove_quietly(path: Optional[str]) -> None:
 
 # ------------------------------------------------------------------------- keeper process
 
+def _warm_imports() -> None:
+    for module in ("deepspeed_ext.image", "deepspeed_ext.commit", "deepspeed_ext.manifest"):
+        importlib.import_module(module)
+
+
 class Keeper:
     """The keeper's state: registered clients, the persist queue, the stop flag."""
 
@@ -337,9 +383,9 @@ class Keeper:
 
     def persist_loop(self) -> None:
         # Import the writers now, while training starts up: the first persist would
-        # otherwise pay seconds of imports (torch) and fall behind the snapshots.
-        for module in ("deepspeed_ext.image", "deepspeed_ext.commit", "deepspeed_ext.manifest"):
-            importlib.import_module(module)
+        # otherwise pay seconds of imports (torch) and fall behind the snapshots. On a
+        # side thread, so that frame jobs (plain file copies) need not wait for it.
+        threading.Thread(target=_warm_imports, name="imports", daemon=True).start()
         while True:
             job = self.jobs.get()
             try:

@@ -153,7 +153,8 @@ def _add_moc_args(p: argparse.ArgumentParser) -> None:
                    help="Ranks per node for the keepers; 0: the launcher's LOCAL_WORLD_SIZE. "
                         "Smaller values simulate several nodes on one machine.")
     g.add_argument("--moc-shm-dir", default=None,
-                   help="Shared-memory directory of the snapshots; default: derived from "
+                   help="Shared-memory directory of the snapshots (two-level) or frames "
+                        "(exact mode); default: derived from "
                         "--save under /dev/shm (stable across restarts of one job).")
     g.add_argument("--moc-host-memory-gb", type=float, default=0.0,
                    help="Host memory one rank's snapshot slots (--moc-two-level) or a window of "

@@ -171,7 +171,7 @@ def _exact_resume(engine, args, scheduler, exact, tag: Optional[str]) -> Optiona
                         consumed_train_samples=int(client["consumed_train_samples"]),
                         rng_state=None if args.no_load_rng else objects["rng"])
     moc = engine.moc
-    moc.mark_exact_replay()
+    moc.mark_exact_replay(exact.last_source)
     from megatron.training.recovery import account_recovery
     state.recovery = account_recovery(engine, args, state.iteration, time.perf_counter() - start)
     return state

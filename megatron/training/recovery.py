@@ -104,7 +104,7 @@ def _rank0_report(moc, args, iteration: int, load_s: float) -> RecoveryReport:
         report.seconds_since_progress = time.time() - float(progress["time"])
     flag_k = args.moc_k_persist if args.moc_k_persist is not None else args.moc_pec_k
     k = flag_k or args.num_experts
-    if report.source == "exact replay":  # every update is rebuilt: nothing lost
+    if (report.source or "").startswith("exact replay"):  # every update rebuilt: none lost
         report.plt = 0.0
         report.cumulative_plt = next((e["cumulative_plt"] for e in reversed(earlier)
                                       if e.get("cumulative_plt") is not None), 0.0)

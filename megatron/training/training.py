@@ -284,10 +284,14 @@ def pretrain(args: argparse.Namespace, extra_setup=None) -> TrainResult:
     exact = None
     if getattr(args, "moc_mode", "pec") == "exact":
         from deepspeed_ext.exact import ExactConfig, ExactSnapshots
+        from deepspeed_ext.two_level import default_shm_dir
         exact = ExactSnapshots(engine, args.save,
                                ExactConfig(window=args.moc_window,
+                                           memory_dir=args.moc_shm_dir or default_shm_dir(args.save),
+                                           ranks_per_node=args.moc_ranks_per_node,
                                            host_memory_gb=args.moc_host_memory_gb),
                                log=print_rank_0)
+        engine.moc_exact = exact  # for the lose-memory fault
     if extra_setup is not None:
         extra_setup(engine, args)
     state = checkpointing.ResumeState()
@@ -341,6 +345,8 @@ def _fault_injector(args: argparse.Namespace, engine):
     lose_memory = None
     if getattr(args, "moc_two_level", False):
         lose_memory = lambda: engine.moc.two_level.drop_node_memory()  # noqa: E731
+    elif getattr(args, "moc_mode", "pec") == "exact":
+        lose_memory = lambda: engine.moc_exact.drop_node_memory()  # noqa: E731
     emit = EventLog(args.moc_event_file).append if args.moc_event_file else None
     rank, world = dist.get_rank(), dist.get_world_size()
     per_node = (getattr(args, "moc_ranks_per_node", 0)
@@ -434,6 +440,7 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
         try:
             exact.start(state.iteration, _exact_client_state(state, scheduler))
         except MemoryError as e:  # the same on every rank: the figures are all-reduced
+            exact.close()  # bad input, not a failure: no keeper and memory left behind
             raise ConfigError(str(e)) from None
     while state.iteration < args.train_iters:
         if injector is not None:
@@ -483,6 +490,7 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
             try:
                 exact.snapshot(state.iteration, _exact_client_state(state, scheduler))
             except MemoryError as e:  # an automatic window over budget, on every rank
+                exact.close()
                 raise ConfigError(str(e)) from None
         # While an exact replay runs, the frozen operators' fp32 state is not whole yet.
         replaying = exact is not None and exact.replaying

@@ -66,7 +66,9 @@ def test_crash_mid_window_replays_to_the_bit(tmp_path, corpus, nproc, extra):
     ckpt, out, events = _crashed(tmp_path, corpus, extra, nproc, ["--moc-fault", "crash@9:rank=1"])
     recoveries = [e for e in events if e["kind"] == "recovery"]
     assert len(recoveries) == 1, events
-    assert recoveries[0]["source"] == "exact replay" and recoveries[0]["iteration"] == 4
+    # The keeper kept the frames in memory across the crash.
+    assert recoveries[0]["source"] == "exact replay from memory"
+    assert recoveries[0]["iteration"] == 4
     assert recoveries[0]["plt"] == 0.0 and recoveries[0]["iterations_lost"] == 4
     assert "[moc] exact recovery: window of 3 frames at iteration 4" in out
     assert "replay done at iteration 7" in out
@@ -89,6 +91,20 @@ def test_a_crash_during_the_replay_recovers_again(tmp_path, corpus):
     assert "[fault] rank 0: injected crash at iteration 6" in out
     recoveries = [e for e in events if e["kind"] == "recovery"]
     assert [r["iteration"] for r in recoveries] == [4, 4], events
+    want, got = _final_tensors(ref), _final_tensors(ckpt)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_node_memory_lost_replays_from_storage(tmp_path, corpus):
+    """Rank 1's node (2 simulated nodes of 1 rank) loses its keeper and shared memory at
+    the top of 9: rank 0 still has its frames in memory, rank 1 reads its own from
+    storage (the keeper copied them there), and the run still ends exactly."""
+    ref = _reference(tmp_path, corpus, [], 2)
+    ckpt, out, events = _crashed(tmp_path, corpus, ["--moc-ranks-per-node", "1"], 2,
+                                 ["--moc-fault", "lose-memory@9:rank=1"])
+    recoveries = [e for e in events if e["kind"] == "recovery"]
+    assert len(recoveries) == 1, events
+    assert recoveries[0]["source"] == "exact replay from memory+storage", recoveries
     want, got = _final_tensors(ref), _final_tensors(ckpt)
     assert all(torch.equal(want[k], got[k]) for k in want)
 
@@ -140,3 +156,5 @@ def test_automatic_window_and_the_memory_budget(tmp_path, corpus):
                                    "--moc-host-memory-gb", "0.00001"])
     assert all(r.returncode == 2 for r in results), [r.returncode for r in results]
     assert "--moc-host-memory-gb 1e-05 is below" in results[0].output
+    from deepspeed_ext.two_level import default_shm_dir
+    assert not os.path.exists(default_shm_dir(str(tmp_path / "b")))  # keeper shut down
