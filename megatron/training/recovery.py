@@ -141,6 +141,47 @@ def _rank0_report(moc, args, iteration: int, load_s: float) -> RecoveryReport:
     return report
 
 
+def record_start(args: argparse.Namespace, iteration: int) -> None:
+    """Rank 0, before the loop: a ``start`` event (this attempt's restart number and the
+    iteration it starts from), from which :func:`report_ettr` finds the job's start."""
+    if not getattr(args, "moc_event_file", None) or dist.get_rank() != 0:
+        return
+    EventLog(args.moc_event_file).append({"kind": "start", "restart": restart_count(),
+                                          "iteration": iteration})
+
+
+def report_ettr(args: argparse.Namespace, iteration: int, iter_s: List[float]) -> Optional[Dict]:
+    """Rank 0, after the loop: the job's effective training time ratio so far.
+
+    ``ETTR = (iterations gained since the job's first attempt started x this attempt's
+    median iteration time) / wall time since then``. The median includes what
+    checkpointing costs per iteration, so this figure counts what failures cost
+    (restarts, loads, replayed and lost iterations), not checkpoint overhead; the
+    benchmark's ETTR divides by the fault-free run's iteration time instead. Logged,
+    appended as an ``ettr`` event and returned; None without an event file or before
+    any measured iteration.
+    """
+    if not getattr(args, "moc_event_file", None) or dist.get_rank() != 0 or not iter_s:
+        return None
+    log = EventLog(args.moc_event_file)
+    starts = [e for e in log.read("start") if e.get("restart") == 0]
+    if not starts:
+        return None
+    first = starts[-1]
+    wall = time.time() - float(first["time"])
+    median = sorted(iter_s)[len(iter_s) // 2]
+    gained = iteration - int(first["iteration"])
+    ettr = gained * median / wall if wall > 0 else None
+    event = {"kind": "ettr", "ettr": ettr, "iterations": gained, "median_iter_s": median,
+             "wall_s": wall, "recoveries": len([e for e in log.read("recovery")
+                                                if float(e.get("time", 0)) >= float(first["time"])])}
+    log.append(event)
+    print_rank_0(f"[moc] ETTR {ettr:.3f}: {gained} iterations x {median * 1e3:.1f} ms (this run's "
+                 f"median) over {wall:.1f} s since the job started, {event['recoveries']} "
+                 f"recovery(ies)")
+    return event
+
+
 def restart_count() -> int:
     """Which attempt of the job this is: torchrun's elastic agent says it in
     ``TORCHELASTIC_RESTART_COUNT``, scripts/launch_cluster.sh in ``MOC_RESTART_COUNT``."""

@@ -436,6 +436,10 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
         writer.write("moc", state.iteration, state.recovery.metrics())
     progress = _progress_recorder(args)
     watch = watch or _Watch(args)
+    from megatron.training.recovery import record_start, report_ettr
+    record_start(args, state.iteration)
+    iter_s: List[float] = []
+    last_top = None
     if exact is not None:
         try:
             exact.start(state.iteration, _exact_client_state(state, scheduler))
@@ -446,6 +450,10 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
         if injector is not None:
             injector.before_iteration(state.iteration + 1)
         watch.beat(state.iteration + 1)
+        top = time.perf_counter()
+        if last_top is not None:
+            iter_s.append(top - last_top)
+        last_top = top
         stats = train_step(engine, train_iter, args)
         scheduler.step(1)
         moc = getattr(engine, "moc", None)
@@ -520,6 +528,9 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
         # The last save is committed (or its failure raised) and, with two-level
         # checkpointing, the node's keeper stopped and its shared memory freed.
         engine.moc.shutdown()
+    ettr = report_ettr(args, state.iteration, iter_s)
+    if ettr is not None:
+        writer.write("moc", state.iteration, {"ettr": ettr["ettr"]})
     done = "done" if state.iteration >= args.train_iters else "stopped"
     print_rank_0(f"[{timestamp()}] training {done} at iteration {state.iteration} "
                  f"({state.consumed_train_samples} samples)")

@@ -245,8 +245,8 @@ def test_recovery_reports_plt_and_dynamic_k_doubles(corpus, tmp_path):
                                     "--moc-plt-threshold", "0.001"])
     _assert_ok(second)
     events = [json.loads(line) for line in open(ckpt / "moc-events.jsonl")]
-    assert [e["kind"] for e in events] == ["recovery"]
-    event = events[0]
+    assert [e["kind"] for e in events] == ["start", "ettr", "recovery", "start", "ettr"]
+    event = events[2]
     assert event["iteration"] == 4 and event["source"] == "storage"
     assert event["iterations_lost"] == 0 and event["loss"]["exact"]
     unsaved = read_objects_file(str(ckpt / "global_step4")).tree["pec_policy"]["unsaved_tokens"]

@@ -61,9 +61,13 @@ def test_crash_restarts_and_finishes_exactly(corpus, tmp_path, reference):
     _ok(proc)
     assert "[fault] rank 1: injected crash at iteration 6" in proc.stdout
     assert _final_loss(records)[0] == 8 and _final_loss(records) == _final_loss(reference)
-    kinds = [(e["kind"], e.get("fault")) for e in events]
-    assert kinds == [("fault", "crash"), ("recovery", None)], events
-    fault, recovery = events
+    kinds = [(e["kind"], e.get("fault") or e.get("restart")) for e in events]
+    assert kinds == [("start", 0), ("fault", "crash"), ("recovery", 1), ("start", 1),
+                     ("ettr", None)], events
+    _, fault, recovery, _, ettr = events
+    # Restart, load and 1 redone iteration cost seconds of a run of 8 short iterations.
+    assert 0 < ettr["ettr"] < 0.9 and ettr["iterations"] == 8 and ettr["recoveries"] == 1
+    assert "[moc] ETTR " in proc.stdout
     assert fault["rank"] == 1 and fault["iteration"] == 6
     assert recovery["iteration"] == 4 and recovery["source"] == "storage"
     assert recovery["iterations_lost"] == 1 and recovery["plt"] == 0.0
