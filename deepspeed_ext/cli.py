@@ -5,6 +5,7 @@ Examples::
     moc-ckpt inspect  checkpoints/                 # every checkpoint, expert ages
     moc-ckpt verify   checkpoints/ [--tag T]       # exit 1 on any problem
     moc-ckpt consolidate checkpoints/ --out model.safetensors [--optimizer]
+    moc-ckpt densify  checkpoints/ --out dense/    # exact-mode frames -> a checkpoint
 
 Exit status: 0 fine, 1 a checkpoint has problems (verify, consolidate), 2 bad input
 (missing directory, unknown tag, bad arguments).
@@ -228,6 +229,53 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------- densify
+
+def cmd_densify(args: argparse.Namespace) -> int:
+    """Replay the newest complete window of exact-mode frames under ``args.dir`` with the
+    training command that took them, on one machine, and leave the dense state at the
+    window's end as a checkpoint in ``args.out``."""
+    import subprocess
+    from deepspeed_ext import exact
+    _check_dir(args.dir)
+    frames = exact.list_frames(args.dir)
+    first = exact.read_marker(args.dir, frames[-1], 0) if frames else None
+    if first is None:
+        raise UsageError(f"{os.path.join(args.dir, exact.EXACT_DIR)} holds no frames "
+                         f"(was the run trained with --moc-mode exact?)")
+    found = exact.find_window(args.dir, int(first["world_size"]))
+    if found is None:
+        raise UsageError(f"{args.dir}: no window of frames is complete on storage")
+    end = found.start + found.window
+    latest = read_latest(args.dir)
+    if latest is not None and latest.startswith("global_step") and \
+            int(latest[len("global_step"):]) >= end:
+        raise UsageError(f"{args.dir} already has checkpoint {latest}, at or after the "
+                         f"frames' end (iteration {end}): nothing to densify")
+    record = exact.read_marker(args.dir, found.start, 0)
+    command = record.get("command")
+    if not command:
+        raise UsageError(f"frame {found.start} does not record the training command; "
+                         f"densify needs frames written by pretrain_gpt_moe.py")
+    if os.path.exists(args.out) and os.listdir(args.out):
+        raise UsageError(f"--out {args.out} is not empty")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", str(found.world_size), *command,
+           "--load", os.path.abspath(args.dir), "--save", os.path.abspath(args.out),
+           "--exit-interval", str(end)]
+    print(f"replaying iterations {found.start + 1}..{end} of {args.dir} on "
+          f"{found.world_size} local processes:\n  {' '.join(cmd)}", flush=True)
+    if args.dry_run:
+        return 0
+    code = subprocess.call(cmd, cwd=record.get("cwd") or None)  # its relative paths
+    tag = f"global_step{end}"
+    if code != 0 or read_latest(args.out) != tag:
+        _stderr(f"error: the replay exited with status {code}; no checkpoint {tag} in {args.out}")
+        return 1
+    print(f"wrote {os.path.join(args.out, tag)}: the exact state at iteration {end}")
+    return 0
+
+
 # ---------------------------------------------------------------------------- main
 
 def build_parser() -> argparse.ArgumentParser:
@@ -255,6 +303,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", action="store_true",
                    help="also write every other kind (exp_avg, exp_avg_sq) as '<name>.<kind>'")
     p.set_defaults(func=cmd_consolidate)
+    p = sub.add_parser("densify", help="replay exact-mode frames into a checkpoint at the "
+                                       "end of their newest complete window")
+    p.add_argument("dir", help="the run's --save directory (holds exact/)")
+    p.add_argument("--out", required=True, help="new directory for the checkpoint")
+    p.add_argument("--dry-run", action="store_true", help="print the replay command only")
+    p.set_defaults(func=cmd_densify)
     return parser
 
 

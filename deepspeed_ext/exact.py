@@ -568,6 +568,7 @@ class ExactSnapshots:
                 "window": self.schedule.window,
                 "groups": [list(g) for g in self.schedule.groups],
                 "world_size": self.world, "layout": layout,
+                "command": client_state.get("command"), "cwd": client_state.get("cwd"),
                 "objects": tree, "_object_tensors": tensors}
 
     def _layout(self) -> Dict[str, Any]:
@@ -704,7 +705,10 @@ class ExactSnapshots:
         self.popularity = {(l, e): n for l, e, n in objects.get("popularity", [])}
         self._restore_objects(objects)
         self._apply_frame(found.start)
-        self._drop_frames_from(load_dir, self.replay.end)  # the incomplete window after it
+        if os.path.abspath(load_dir) == os.path.abspath(self.save_dir):
+            self._drop_frames_from(load_dir, self.replay.end)  # the incomplete window after it
+        else:  # replaying another run's frames (moc-ckpt densify): leave them as they are
+            dist.barrier()
         where: List = [None] * self.world
         dist.all_gather_object(where, sources)
         self.last_source = "+".join(sorted(set().union(*where)))

@@ -9,6 +9,7 @@ optimizer step, and one small all-reduce of the losses.
 
 import argparse
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List
@@ -412,11 +413,32 @@ class _Watch:
             self.heartbeat = None
 
 
+_FAULT_FLAGS = ("--moc-fault", "--moc-fault-mtbf", "--moc-fault-seed")
+
+
+def _replay_command() -> List[str]:
+    """This run's command line without its fault injection: what ``moc-ckpt densify``
+    re-runs to replay a window of frames offline (a fault would fire there again)."""
+    argv, out, skip = sys.argv[1:], [os.path.abspath(sys.argv[0])], False
+    for arg in argv:
+        name = arg.split("=", 1)[0]
+        if name in _FAULT_FLAGS:
+            skip = "=" not in arg
+            continue
+        if skip and not arg.startswith("--"):
+            continue  # a value of the fault flag (--moc-fault takes several)
+        skip = False
+        out.append(arg)
+    return out
+
+
 def _exact_client_state(state, scheduler) -> Dict:
-    """What an exact-recovery frame needs from the trainer to resume at its iteration."""
+    """What an exact-recovery frame needs from the trainer to resume at its iteration,
+    and the command that can replay it (``moc-ckpt densify``)."""
     return {"iteration": state.iteration,
             "consumed_train_samples": state.consumed_train_samples,
-            "opt_param_scheduler": scheduler.state_dict()}
+            "opt_param_scheduler": scheduler.state_dict(),
+            "command": _replay_command(), "cwd": os.getcwd()}
 
 
 def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,

@@ -4,6 +4,7 @@ to the bit (parameters and optimizer state, 2 and 4 ranks, fp32 and bf16)."""
 
 import json
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -107,6 +108,31 @@ def test_node_memory_lost_replays_from_storage(tmp_path, corpus):
     assert recoveries[0]["source"] == "exact replay from memory+storage", recoveries
     want, got = _final_tensors(ref), _final_tensors(ckpt)
     assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_densify_replays_frames_into_the_checkpoint_an_uninterrupted_run_saves(tmp_path, corpus):
+    """A job dies at the top of 9 with no restart; ``moc-ckpt densify`` replays its
+    newest complete window [4..6] offline (its recorded command, without the fault) and
+    writes global_step7, bitwise the checkpoint an uninterrupted run saves at 7."""
+    from deepspeed_ext import cli
+    from deepspeed_ext import keeper
+    from deepspeed_ext.two_level import default_shm_dir
+    ref = _reference(tmp_path, corpus, ["--save-interval", "7"], 2)
+    ckpt = tmp_path / "ckpt"
+    try:
+        _crashed(tmp_path, corpus, [], 2, ["--moc-fault", "crash@9:rank=1"], restarts=0, ok=False)
+        out = tmp_path / "dense"
+        assert cli.main(["densify", str(ckpt), "--out", str(out)]) == 0
+    finally:  # the crashed job's keeper waits for a restart that never comes
+        keeper.shutdown_keeper(os.path.join(default_shm_dir(str(ckpt)), "node0"), 30)
+        shutil.rmtree(default_shm_dir(str(ckpt)), ignore_errors=True)
+    from deepspeed_ext.reader import CheckpointReader
+    with CheckpointReader(str(ref), "global_step7") as a, \
+            CheckpointReader(str(out), "global_step7") as b:
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a.read_full(*k), b.read_full(*k)) for k in a.keys())
+    assert ex.list_frames(str(ckpt)) == [4, 5, 6, 7, 8]  # the source is left as it was
+    assert cli.main(["densify", str(ckpt), "--out", str(out)]) == 2  # not empty
 
 
 def test_find_window_needs_every_rank_and_every_frame(tmp_path):

@@ -223,8 +223,10 @@ def test_two_level_run_and_resume_match_an_uninterrupted_run(corpus, tmp_path, u
         assert "loaded" in second[0].output and "global_step4" in second[0].output
         records = _metrics(metrics)
         # the resume's recovery record: K = all experts, so nothing was lost
-        recovery = [r for r in records if r["kind"] == "moc"]
+        recovery = [r for r in records if r["kind"] == "moc" and "plt" in r]
         assert len(recovery) == 1 and recovery[0]["plt"] == 0.0, recovery
+        # each run's end records the job's ETTR
+        assert [r["iteration"] for r in records if "ettr" in r] == [4, 8]
         assert recovery[0]["iterations_lost"] == 0
         assert [r for r in records if r["kind"] != "moc"] == _metrics(uninterrupted / "m.jsonl")
         assert not os.path.exists(shm)
