@@ -84,6 +84,10 @@ class ExactConfig:
     """Ranks per node for the memory level; 0: ``LOCAL_WORLD_SIZE``."""
     keeper_idle_timeout_s: float = 600.0
     """A keeper exits when none of its training processes has been alive this long."""
+    hide_fraction: float = 0.0
+    """The automatic window's budget: a frame's copy and writes may take this fraction
+    of an iteration; 0: 1 on GPUs (the host works while the GPU computes), 0.1 on CPU
+    (the frame's work takes the training's own cores)."""
     host_memory_gb: float = 0.0
     """Budget for what one rank holds in host memory: a whole window during a replay;
     0: unchecked (``--moc-host-memory-gb``)."""
@@ -91,6 +95,8 @@ class ExactConfig:
     def __post_init__(self) -> None:
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 0:
             raise ValueError(f"--moc-window must be an int >= 0 (0: automatic), got {self.window!r}")
+        if not 0.0 <= self.hide_fraction <= 1.0:
+            raise ValueError(f"hide_fraction must be in [0, 1] (0: automatic), got {self.hide_fraction}")
         if not 0.0 <= self.reorder_threshold <= 1.0:
             raise ValueError(f"reorder_threshold must be in [0, 1], got {self.reorder_threshold}")
 
@@ -427,29 +433,58 @@ class ExactSnapshots:
                               f"{self.schedule.window} frames; raise it or lower --moc-window")
 
     def _choose_window(self, iteration: int) -> None:
-        """After the first measured iteration: W from its time and a copy's bandwidth,
-        the same on every rank (slowest rank's figures)."""
+        """After the first measured iteration: W from its time and what a frame's bytes
+        cost on their way (copy, write to memory, the keeper's copy to storage), the
+        same on every rank (the slowest rank's figures)."""
         first, began = self._probe
         iter_s = (time.perf_counter() - began) / max(1, iteration - first)
-        frags = [f for fs in self._fragments_by_op().values() for f in fs]
-        nbytes = sum(f.tensor.numel() * f.tensor.element_size() for f in frags)
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            for f in frags:
-                f.tensor.detach().clone()
-        bandwidth = nbytes / max(time.perf_counter() - t0, 1e-6)
+        seconds_per_byte = self._measure_frame_cost()
+        # The background work hides behind compute only where it runs elsewhere (a GPU
+        # computes while the host copies); on CPU it takes the training's own cores,
+        # so a frame may cost at most a tenth of an iteration.
+        fraction = self.cfg.hide_fraction or (1.0 if self._on_gpu() else 0.1)
+        budget_s = iter_s * fraction
         # The schedule must be the same everywhere, but what a rank copies is its own
         # share: choose on this rank's bytes, then take the largest W any rank needs.
-        choice = win.choose_window(self._local_operators(), bandwidth, iter_s)
+        choice = win.choose_window(self._local_operators(), 1.0 / seconds_per_byte, budget_s)
         figures = torch.tensor([choice.window, iter_s, choice.snapshot_s], dtype=torch.float64)
         dist.all_reduce(figures, op=dist.ReduceOp.MAX)
         window, iter_s, snapshot_s = int(figures[0]), float(figures[1]), float(figures[2])
-        fits = snapshot_s <= iter_s
+        fits = snapshot_s <= iter_s * fraction
         self._log(f"[moc] exact recovery: window W = {window} (iteration {iter_s * 1e3:.0f} ms, "
-                  f"largest frame copy {snapshot_s * 1e3:.1f} ms"
-                  f"{'' if fits else ': no window hides it, expect a stall'})")
+                  f"largest frame {snapshot_s * 1e3:.1f} ms to copy and write, budget "
+                  f"{fraction:g} of an iteration"
+                  f"{')' if fits else '): no window fits, expect a slowdown'}")
         self._probe = None
         self._new_grid(iteration, window)
+
+    def _on_gpu(self) -> bool:
+        return any(p.device.type == "cuda" for p in self.engine.module.parameters())
+
+    def _measure_frame_cost(self) -> float:
+        """Seconds per byte of this rank's state: a copy into host memory, plus writing
+        it where frames go (memory), plus the keeper's copy to storage when there is one."""
+        from deepspeed_ext.storage import write_fragment_file
+        frags = [f for fs in self._fragments_by_op().values() for f in fs]
+        nbytes = max(1, sum(f.tensor.numel() * f.tensor.element_size() for f in frags))
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            copies = {f.key: f.tensor.detach().to("cpu", copy=True) for f in frags}
+        copy_s = time.perf_counter() - t0
+        root = self.node_dir if self.node_dir and not self.keeper_error else self.save_dir
+        probe = os.path.join(root, EXACT_DIR, f"probe{self.rank:05d}.safetensors")
+        os.makedirs(os.path.dirname(probe), exist_ok=True)
+        t0 = time.perf_counter()
+        try:
+            write_fragment_file(probe, copies)
+        finally:
+            write_s = time.perf_counter() - t0
+            try:
+                os.remove(probe)
+            except FileNotFoundError:
+                pass
+        writes = 2 if root != self.save_dir else 1  # the keeper writes it once more
+        return max(copy_s + writes * write_s, 1e-9) / nbytes
 
     def _local_operators(self) -> List[win.Operator]:
         """The operators in snapshot order, sized by what THIS rank copies of each."""

@@ -381,6 +381,18 @@ class FaultInjector:
         if self._slow_s:
             time.sleep(self._slow_s)
 
+    def training_starts(self) -> None:
+        """Every rank, right before the training loop: drop MTBF crashes that fell due
+        since the injector was made (the checkpoint load, a replay's set-up): the job
+        was not training then, and firing them at the first iteration would make two
+        failures of one."""
+        now_s = self._clock() - self.job_start if self._next_crash is not None else None
+        while self._next_crash is not None and self._next_crash[1] <= now_s:
+            index, t = self._next_crash
+            self._log(f"[fault] rank {self.rank}: skipping MTBF crash #{index} due at {t:.1f} s "
+                      "(the job was loading, not training)")
+            self._advance()
+
     def in_snapshot(self, iteration: int) -> None:
         """The copy thread of the rank taking a two-level snapshot of ``iteration``
         (``state.iteration``), once the bytes are copied and before the snapshot is

@@ -458,6 +458,8 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
         writer.write("moc", state.iteration, state.recovery.metrics())
     progress = _progress_recorder(args)
     watch = watch or _Watch(args)
+    if injector is not None:
+        injector.training_starts()
     from megatron.training.recovery import record_start, report_ettr
     record_start(args, state.iteration)
     iter_s: List[float] = []

@@ -244,6 +244,8 @@ def test_mtbf_crashes_fire_on_schedule_once_and_skip_downtime(tmp_path, monkeypa
     restarted = FaultInjector([], 1, 2, state, mtbf_s=mtbf, seed=seed, job_start_time=start,
                               log=log, clock=lambda: now[0])
     assert len(log) == 1 and "skipping MTBF crash" in log[0]
+    restarted.training_starts()  # nothing more fell due during the load
+    assert len(log) == 1
     restarted.before_iteration(3)
     now[0] = start + mine[2] + 0.01
     with pytest.raises(_Killed):
@@ -353,3 +355,23 @@ def test_slow_compute_calls_the_model_hook_once_when_due(tmp_path):
     injector.before_iteration(3)
     injector.before_iteration(4)
     assert calls == [0.25]  # the hook slows every later forward; it is installed once
+
+
+def test_mtbf_crash_due_during_the_load_is_skipped_not_fired(tmp_path, monkeypatch):
+    """The injector exists before the checkpoint load; a crash falling due while the
+    job loads must be skipped when the loop starts, not fired at its first iteration."""
+    _no_sigkill(monkeypatch)
+    mtbf, seed, start = 5.0, 3, 1000.0
+    mine = [t for t, r in faults.mtbf_schedule(mtbf, seed, 200.0, 2) if r == 1]
+    now = [start + mine[0] - 0.5]
+    log = _Log()
+    injector = FaultInjector([], 1, 2, str(tmp_path / "f.json"), mtbf_s=mtbf, seed=seed,
+                             job_start_time=start, log=log, clock=lambda: now[0])
+    assert log == []
+    now[0] = start + mine[0] + 0.1  # the load took a second
+    injector.training_starts()
+    assert len(log) == 1 and "skipping MTBF crash" in log[0] and "loading" in log[0]
+    injector.before_iteration(1)  # not killed
+    now[0] = start + mine[1] + 0.01
+    with pytest.raises(_Killed):
+        injector.before_iteration(2)
