@@ -366,17 +366,9 @@ class ExactSnapshots:
     # -- the stall point ---------------------------------------------------------------
 
     def _wrap_step(self) -> None:
-        engine = self.engine
-        original = engine.step
-
-        def step(*args, **kwargs):
-            # The optimizer is about to overwrite what the frame copy reads: the one wait.
-            if self._copy is not None and engine.is_gradient_accumulation_boundary():
-                start = time.perf_counter()
-                self._join_copy()
-                self.stall_s.append(time.perf_counter() - start)
-            return original(*args, **kwargs)
-        engine.step = step
+        from deepspeed_ext.hostcopy import wait_before_step
+        wait_before_step(self.engine, lambda: self._copy is not None, self._join_copy,
+                         self.stall_s)
 
     def _join_copy(self) -> None:
         if self._copy is not None:

@@ -19,11 +19,33 @@ Order, per snapshot (the training process, main thread then copy thread)::
     ... background thread: copier.finish(event, buffer, layout, tensors)  # CPU copies here
 """
 
-from typing import Dict, Mapping, Optional
+import time
+from typing import Callable, Dict, List, Mapping, Optional
 
 import torch
 
 from deepspeed_ext.image import ImageLayout, fill_image
+
+
+def wait_before_step(engine, pending: Callable[[], bool], join: Callable[[], None],
+                     stalls: List[float]) -> None:
+    """Wrap ``engine.step`` so that the optimizer step waits for a host copy in flight.
+
+    The step is about to overwrite the tensors the copy reads; that wait is the only
+    stall a background snapshot may cause (DESIGN Eq. 10). Micro-steps that only
+    accumulate gradients do not wait. Each wait's seconds are appended to ``stalls``.
+    Called once per engine by the owner of the copies (two-level snapshots, exact
+    frames), after ``deepspeed.initialize``.
+    """
+    original = engine.step
+
+    def step(*args, **kwargs):
+        if pending() and engine.is_gradient_accumulation_boundary():
+            start = time.perf_counter()
+            join()
+            stalls.append(time.perf_counter() - start)
+        return original(*args, **kwargs)
+    engine.step = step
 
 
 class HostCopier:

@@ -149,19 +149,9 @@ class TwoLevel:
     # -- the stall point ---------------------------------------------------------
 
     def _wrap_step(self) -> None:
-        engine = self.ckpt.engine
-        original = engine.step
-
-        def step(*args, **kwargs):
-            # The optimizer is about to change the tensors being copied: the only wait
-            # two-level checkpointing allows (Eq. 10). Not at micro-steps that only
-            # accumulate gradients.
-            if self.copy_job is not None and engine.is_gradient_accumulation_boundary():
-                start = time.perf_counter()
-                self.join_copy()
-                self.stall_s.append(time.perf_counter() - start)
-            return original(*args, **kwargs)
-        engine.step = step
+        from deepspeed_ext.hostcopy import wait_before_step
+        wait_before_step(self.ckpt.engine, lambda: self.copy_job is not None, self.join_copy,
+                         self.stall_s)
 
     def join_copy(self) -> None:
         if self.copy_job is not None:
