@@ -352,10 +352,12 @@ def test_collective_clock_times_outermost_collectives_and_uninstalls(tmp_path, m
     does not, a wrapped call inside a wrapped call is not counted twice, and uninstall
     restores the original functions."""
     import torch
-    if dist.is_initialized():
-        pytest.skip("a process group already exists in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
-                            world_size=1)
+    # Another in-process test may have left its one-rank group; use it (and keep it).
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                                world_size=1)
+    assert dist.get_world_size() == 1
     try:
         original = dist.all_reduce
         clock = monitor.CollectiveClock().install()
@@ -383,4 +385,5 @@ def test_collective_clock_times_outermost_collectives_and_uninstalls(tmp_path, m
         clock.uninstall()
         assert dist.all_reduce is original
     finally:
-        dist.destroy_process_group()
+        if own:
+            dist.destroy_process_group()
