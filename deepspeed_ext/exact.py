@@ -61,6 +61,8 @@ FRAME_RE = re.compile(r"^frame(\d{8,})$")
 LP_PREFIX = "lp|"
 """Key prefix of a frozen compute weight in a frame file (then the global parameter name)."""
 MOMENTS = ("exp_avg", "exp_avg_sq")
+PROBE_ITERATIONS = 2
+"""Iterations timed (after a first, untimed one) before the automatic window is chosen."""
 BYTES_PER_ACTIVE_ELEMENT = 12
 """fp32 master weight plus Adam's two fp32 moments."""
 
@@ -84,6 +86,9 @@ class ExactConfig:
     """Ranks per node for the memory level; 0: ``LOCAL_WORLD_SIZE``."""
     keeper_idle_timeout_s: float = 600.0
     """A keeper exits when none of its training processes has been alive this long."""
+    expected_mtbf_s: float = 0.0
+    """Expected seconds between failures; when set, the automatic window weighs a frame's
+    cost against the replay a failure costs (``--moc-expected-mtbf``); 0: unknown."""
     hide_fraction: float = 0.0
     """The automatic window's budget: a frame's copy and writes may take this fraction
     of an iteration; 0: 1 on GPUs (the host works while the GPU computes), 0.1 on CPU
@@ -95,6 +100,8 @@ class ExactConfig:
     def __post_init__(self) -> None:
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 0:
             raise ValueError(f"--moc-window must be an int >= 0 (0: automatic), got {self.window!r}")
+        if self.expected_mtbf_s < 0:
+            raise ValueError(f"--moc-expected-mtbf must be >= 0 (0: unknown), got {self.expected_mtbf_s}")
         if not 0.0 <= self.hide_fraction <= 1.0:
             raise ValueError(f"hide_fraction must be in [0, 1] (0: automatic), got {self.hide_fraction}")
         if not 0.0 <= self.reorder_threshold <= 1.0:
@@ -277,6 +284,7 @@ class ExactSnapshots:
         self.popularity: Dict[Tuple[int, int], int] = {}
         self._order: Optional[List[str]] = None
         self._probe: Optional[Tuple[int, float]] = None
+        self._probe_warm = False
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moc-exact")
         self._copy: Optional[Future] = None
         self._write: Optional[Future] = None
@@ -425,7 +433,7 @@ class ExactSnapshots:
                               f"{self.schedule.window} frames; raise it or lower --moc-window")
 
     def _choose_window(self, iteration: int) -> None:
-        """After the first measured iteration: W from its time and what a frame's bytes
+        """After :data:`PROBE_ITERATIONS` timed iterations: W from their time and what a frame's bytes
         cost on their way (copy, write to memory, the keeper's copy to storage), the
         same on every rank (the slowest rank's figures)."""
         first, began = self._probe
@@ -438,15 +446,22 @@ class ExactSnapshots:
         budget_s = iter_s * fraction
         # The schedule must be the same everywhere, but what a rank copies is its own
         # share: choose on this rank's bytes, then take the largest W any rank needs.
-        choice = win.choose_window(self._local_operators(), 1.0 / seconds_per_byte, budget_s)
+        ops, bandwidth = self._local_operators(), 1.0 / seconds_per_byte
+        mtbf = self.cfg.expected_mtbf_s
+        if mtbf:
+            hidden_s = iter_s if self._on_gpu() else 0.0
+            choice = win.choose_window_for_failures(ops, bandwidth, iter_s, hidden_s, mtbf)
+        else:
+            choice = win.choose_window(ops, bandwidth, budget_s)
         figures = torch.tensor([choice.window, iter_s, choice.snapshot_s], dtype=torch.float64)
         dist.all_reduce(figures, op=dist.ReduceOp.MAX)
         window, iter_s, snapshot_s = int(figures[0]), float(figures[1]), float(figures[2])
         fits = snapshot_s <= iter_s * fraction
+        why = (f"least time lost to frames and to replays at a failure every {mtbf:g} s"
+               if mtbf else f"budget {fraction:g} of an iteration"
+               + ("" if fits else ": no window fits, expect a slowdown"))
         self._log(f"[moc] exact recovery: window W = {window} (iteration {iter_s * 1e3:.0f} ms, "
-                  f"largest frame {snapshot_s * 1e3:.1f} ms to copy and write, budget "
-                  f"{fraction:g} of an iteration"
-                  f"{')' if fits else '): no window fits, expect a slowdown'}")
+                  f"largest frame {snapshot_s * 1e3:.1f} ms to copy and write; {why})")
         self._probe = None
         self._new_grid(iteration, window)
 
@@ -522,10 +537,15 @@ class ExactSnapshots:
             self._fixed_start = False
             self.base = iteration
         if self._probe is not None:
-            if iteration > self._probe[0]:
-                self._choose_window(iteration)
-            else:
+            first, _ = self._probe
+            if not self._probe_warm:
+                # The first iteration warms up (allocations, first collectives) and would
+                # make the iteration look slower than it is: time the next ones.
+                self._probe, self._probe_warm = (iteration, time.perf_counter()), True
                 return
+            if iteration < first + PROBE_ITERATIONS:
+                return
+            self._choose_window(iteration)
         if self.schedule is None:
             return
         t = (iteration - self.base) % self.schedule.window

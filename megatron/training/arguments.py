@@ -140,6 +140,10 @@ def _add_moc_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moc-window", type=int, default=0,
                    help="Exact mode: iterations per window of frames; 0: the smallest window "
                         "whose frame copy hides behind an iteration, measured at the start.")
+    g.add_argument("--moc-expected-mtbf", type=float, default=0.0,
+                   help="Exact mode: expected seconds between failures; the automatic window "
+                        "then weighs a frame's cost against the replay each failure costs "
+                        "(default: --moc-fault-mtbf when given, else unknown).")
     g.add_argument("--moc-k-snapshot", type=int, default=0,
                    help="Experts per MoE layer in each in-memory snapshot; 0: all.")
     g.add_argument("--moc-k-persist", type=int, default=None,
@@ -408,6 +412,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         from deepspeed_ext import fs
         if fs.is_url(args.save):
             raise ConfigError(f"--moc-mode exact: --save {args.save} must be a local path")
+    if args.moc_expected_mtbf < 0:
+        raise ConfigError(f"--moc-expected-mtbf must be >= 0 (0: unknown), got {args.moc_expected_mtbf}")
     if args.moc_window < 0:
         raise ConfigError(f"--moc-window must be >= 0 (0: automatic), got {args.moc_window}")
     if args.moc_pec_scope != "wo" and args.moc_two_level:

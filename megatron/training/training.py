@@ -290,6 +290,8 @@ def pretrain(args: argparse.Namespace, extra_setup=None) -> TrainResult:
                                ExactConfig(window=args.moc_window,
                                            memory_dir=args.moc_shm_dir or default_shm_dir(args.save),
                                            ranks_per_node=args.moc_ranks_per_node,
+                                           expected_mtbf_s=(args.moc_expected_mtbf
+                                                            or args.moc_fault_mtbf or 0.0),
                                            host_memory_gb=args.moc_host_memory_gb),
                                log=print_rank_0)
         engine.moc_exact = exact  # for the lose-memory fault

@@ -452,3 +452,32 @@ def test_every_operator_in_exactly_one_group_for_every_window(seed):
         assert window_host_bytes(schedule, by_name) == sum(
             by_name[n].active_bytes + schedule.group_of(n) * by_name[n].frozen_bytes
             for n in names)
+
+
+def test_choose_window_for_failures_balances_frame_cost_and_replay():
+    from deepspeed_ext.window import choose_window_for_failures
+    # 12 equal experts of 100 active bytes, no frozen bytes: W groups of 12/W experts.
+    ops = [Operator(f"e{i}", "expert", (0, i), 100, 0) for i in range(12)]
+    # CPU (nothing hidden), 100 bytes/s, 1 s iterations: the largest of W balanced groups
+    # holds ceil(12/W) experts, so a frame costs ceil(12/W) s; a failure 1.5 W s.
+    def cost(w, mtbf):
+        return -(-12 // w) + 1.5 * w / mtbf
+    for mtbf in (0.5, 2.0, 8.0, 50.0):
+        choice = choose_window_for_failures(ops, 100.0, 1.0, 0.0, mtbf)
+        expected = min(range(1, 13), key=lambda w: (cost(w, mtbf), w))
+        assert choice.window == expected, (mtbf, choice)
+        assert choice.snapshot_s == -(-12 // expected) and not choice.fits
+    # By hand: MTBF 0.5: W=1 costs 12+3, W=2 6+6, W=3 4+9 -> 2; MTBF 8: W=4 3+0.75,
+    # W=6 2+1.125, W=12 1+2.25 -> 6; MTBF 50: W=12 1+0.36 -> 12.
+    assert [choose_window_for_failures(ops, 100.0, 1.0, 0.0, m).window
+            for m in (0.5, 8.0, 50.0)] == [2, 6, 12]
+    # Rare failures: the largest W (smallest frames); frequent ones: W = 1 (short replays).
+    assert choose_window_for_failures(ops, 1.0, 1.0, 0.0, 1e9).window == 12
+    assert choose_window_for_failures(ops, 1.0, 1.0, 0.0, 1e-6).window == 1
+    # On a GPU a frame that hides within the iteration costs nothing: the smallest W wins.
+    gpu = choose_window_for_failures(ops, 1e6, 1.0, 1.0, 100.0)
+    assert gpu.window == 1 and gpu.fits
+    for bad in (dict(iter_s=0.0), dict(mtbf_s=-1.0), dict(hidden_s=-1.0)):
+        kwargs = {**dict(iter_s=1.0, hidden_s=0.0, mtbf_s=1.0), **bad}
+        with pytest.raises(ValueError):
+            choose_window_for_failures(ops, 1.0, **kwargs)
