@@ -80,19 +80,21 @@ def test_crash_restarts_and_finishes_exactly(corpus, tmp_path, reference):
 
 
 def test_two_level_crash_recovers_from_memory(corpus, tmp_path, reference):
-    """Snapshots every iteration, persisted every 4th: the crash at 6 resumes from the
-    keeper's memory at 5 (nothing lost), and the run still ends exactly."""
+    """Snapshots every iteration, persisted every 4th: the crash at the top of 7 resumes
+    from the keeper's memory at 6 (nothing lost), or at 5 when the crash landed before
+    snapshot 6 was published (its copy runs behind the next iteration's start; once in
+    a loaded CI run it was not done): storage holds only 4. The run still ends exactly."""
     shm = f"/dev/shm/moc-test-{uuid.uuid4().hex[:10]}"
     try:
         proc, records, events = _elastic(tmp_path, corpus, [
             "--save-interval", "4", "--moc-two-level", "--moc-snapshot-interval", "1",
             "--moc-persist-interval", "4", "--moc-shm-dir", shm,
-            "--moc-fault", "crash@6:rank=0"])
+            "--moc-fault", "crash@7:rank=0"])
         _ok(proc)
         recovery = [e for e in events if e["kind"] == "recovery"]
         assert len(recovery) == 1, events
-        assert recovery[0]["source"] == "memory" and recovery[0]["iteration"] == 5
-        assert recovery[0]["iterations_lost"] == 0
+        assert recovery[0]["source"] == "memory" and recovery[0]["iteration"] in (5, 6)
+        assert recovery[0]["iterations_lost"] == 6 - recovery[0]["iteration"]
         assert _final_loss(records) == _final_loss(reference)
         assert not os.path.exists(shm)  # the normal end freed the keepers' memory
     finally:
