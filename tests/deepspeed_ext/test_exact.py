@@ -121,6 +121,9 @@ def test_densify_replays_frames_into_the_checkpoint_an_uninterrupted_run_saves(t
     ckpt = tmp_path / "ckpt"
     try:
         _crashed(tmp_path, corpus, [], 2, ["--moc-fault", "crash@9:rank=1"], restarts=0, ok=False)
+        # The crashed job's keeper still copies its last frames to storage; shutting it
+        # down waits for that (densify reads storage only).
+        keeper.shutdown_keeper(os.path.join(default_shm_dir(str(ckpt)), "node0"), 60)
         out = tmp_path / "dense"
         before = ex.list_frames(str(ckpt))
         assert set(range(4, 7)) <= set(before)  # the window densify replays
