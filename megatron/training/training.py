@@ -449,6 +449,7 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
     tokens_per_iter = args.global_batch_size * args.seq_length
     window: List[StepStats] = []
     window_start = time.perf_counter()
+    paused = 0.0  # evaluation and save time inside the window: not iteration time (Megatron)
     skipped_total = 0
     last_saved = state.iteration if args.load else -1
     save_interval = args.save_interval
@@ -503,7 +504,7 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
             "moe_aux_loss": stats.moe_aux_loss, "grad_norm": stats.grad_norm,
             "lr": scheduler.optimizer.param_groups[0]["lr"], "skipped": int(stats.skipped)})
         if state.iteration % args.log_interval == 0 or state.iteration == args.train_iters:
-            elapsed = time.perf_counter() - window_start
+            elapsed = time.perf_counter() - window_start - paused
             print_rank_0(training_log_line(state.iteration, args.train_iters, {
                 "consumed_samples": state.consumed_train_samples,
                 "elapsed_ms": 1000.0 * elapsed / len(window),
@@ -513,13 +514,14 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
                 "lm_loss": sum(s.lm_loss for s in window) / len(window),
                 "moe_aux_loss": sum(s.moe_aux_loss for s in window) / len(window),
                 "grad_norm": window[-1].grad_norm, "skipped": skipped_total}))
-            window, window_start = [], time.perf_counter()
+            window, window_start, paused = [], time.perf_counter(), 0.0
         if valid_iter is not None and state.iteration % args.eval_interval == 0:
+            began = time.perf_counter()
             loss = evaluate(engine, valid_iter, args)
             result.valid_losses.append(loss)
             print_rank_0(eval_log_line(f"validation loss at iteration {state.iteration}", loss))
             writer.write("valid", state.iteration, {"lm_loss": loss})
-            window_start = time.perf_counter()
+            paused += time.perf_counter() - began
         if exact is not None:
             try:
                 exact.snapshot(state.iteration, _exact_client_state(state, scheduler))
@@ -535,9 +537,10 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
                      and state.iteration % args.log_interval != 0
                      and state.iteration != args.train_iters
                      and not (args.exit_interval and state.iteration % args.exit_interval == 0))
+            began = time.perf_counter()
             checkpointing.save_checkpoint(engine, args, scheduler, state, log=not quiet)
             last_saved = state.iteration
-            window_start = time.perf_counter()
+            paused += time.perf_counter() - began
         if args.exit_interval and state.iteration % args.exit_interval == 0:
             print_rank_0(f"> exiting at iteration {state.iteration} (--exit-interval {args.exit_interval})")
             break
