@@ -18,7 +18,7 @@ import argparse
 import os
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -150,7 +150,8 @@ def record_start(args: argparse.Namespace, iteration: int) -> None:
                                           "iteration": iteration})
 
 
-def report_ettr(args: argparse.Namespace, iteration: int, iter_s: List[float]) -> Optional[Dict]:
+def report_ettr(args: argparse.Namespace, iteration: int,
+                iter_s: Sequence[float]) -> Optional[Dict]:
     """Rank 0, after the loop: the job's effective training time ratio so far.
 
     ``ETTR = (iterations gained since the job's first attempt started x this attempt's

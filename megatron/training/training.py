@@ -8,11 +8,13 @@ optimizer step, and one small all-reduce of the losses.
 """
 
 import argparse
+import collections
+import functools
 import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List
+from typing import Deque, Dict, Iterator, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -418,7 +420,8 @@ class _Watch:
 _FAULT_FLAGS = ("--moc-fault", "--moc-fault-mtbf", "--moc-fault-seed")
 
 
-def _replay_command() -> List[str]:
+@functools.lru_cache(maxsize=1)  # every frame records it; argv does not change
+def _replay_command() -> Tuple[str, ...]:
     """This run's command line without its fault injection: what ``moc-ckpt densify``
     re-runs to replay a window of frames offline (a fault would fire there again)."""
     argv, out, skip = sys.argv[1:], [os.path.abspath(sys.argv[0])], False
@@ -431,7 +434,7 @@ def _replay_command() -> List[str]:
             continue  # a value of the fault flag (--moc-fault takes several)
         skip = False
         out.append(arg)
-    return out
+    return tuple(out)
 
 
 def _exact_client_state(state, scheduler) -> Dict:
@@ -440,7 +443,7 @@ def _exact_client_state(state, scheduler) -> Dict:
     return {"iteration": state.iteration,
             "consumed_train_samples": state.consumed_train_samples,
             "opt_param_scheduler": scheduler.state_dict(),
-            "command": _replay_command(), "cwd": os.getcwd()}
+            "command": list(_replay_command()), "cwd": os.getcwd()}
 
 
 def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
@@ -465,7 +468,7 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
         injector.training_starts()
     from megatron.training.recovery import record_start, report_ettr
     record_start(args, state.iteration)
-    iter_s: List[float] = []
+    iter_s: Deque[float] = collections.deque(maxlen=1000)  # the ETTR's median: recent ones
     last_top = None
     if exact is not None:
         try:
