@@ -198,7 +198,6 @@ class WindowOnDisk:
     window: int
     groups: List[List[str]]
     world_size: int
-    layout: Dict[str, int]
 
 
 def find_window(save_dir: str, world_size: int) -> Optional[WindowOnDisk]:
@@ -235,8 +234,7 @@ def agree_window(per_rank: List[Dict[int, Dict[str, Any]]]) -> Optional[WindowOn
             continue
         if all(s + t in records and (records[s + t]["window_start"], records[s + t]["groups"])
                == (s, rec["groups"]) for t in range(w)):
-            return WindowOnDisk(start=s, window=w, groups=rec["groups"], world_size=world_size,
-                                layout=rec.get("layout", {}))
+            return WindowOnDisk(start=s, window=w, groups=rec["groups"], world_size=world_size)
     return None
 
 
@@ -587,15 +585,15 @@ class ExactSnapshots:
 
     def _frame_sources(self, t: int) -> Dict[str, torch.Tensor]:
         """Live tensors of frame position ``t``: group t active, later groups frozen."""
+        snap = win.snapshot_at(self.schedule, t)
         frags, params = self._fragments_by_op(), self._params_by_op()
         out: Dict[str, torch.Tensor] = {}
-        for op in self.schedule.groups[t]:
+        for op in snap.active:
             for frag in frags.get(op, []):
                 out[frag.key] = frag.tensor
-        for group in self.schedule.groups[t + 1:]:
-            for op in group:
-                for name, param in params.get(op, []):
-                    out[LP_PREFIX + name] = param.data.view(-1)
+        for op in snap.frozen:
+            for name, param in params.get(op, []):
+                out[LP_PREFIX + name] = param.data.view(-1)
         return out
 
     def _record(self, iteration: int, t: int, client_state: Dict[str, Any]) -> Dict[str, Any]:
@@ -654,7 +652,7 @@ class ExactSnapshots:
                 self._hand_to_keeper(frame)
                 self._retire_memory(record["window_start"], record["window"])
             if self.rank == 0 and record["position"] == 0:
-                self._retire_old_windows(record["window_start"])
+                self._retire_old_windows()
         except Exception as e:  # this window stays incomplete; recovery uses an older one
             traceback.print_exc()
             if self.write_error is None:
@@ -683,17 +681,22 @@ class ExactSnapshots:
         storage keeps the newest complete one anyway)."""
         for f in list_frames(self.node_dir):
             if f < window_start - window:
-                for path in (_marker(self.node_dir, f, self.rank), _data(self.node_dir, f, self.rank)):
-                    try:
-                        os.remove(path)  # the marker first: a frame without it does not count
-                    except FileNotFoundError:
-                        pass
-                try:
-                    os.rmdir(frame_dir(self.node_dir, f))  # once the node's last rank is done
-                except OSError:
-                    pass
+                self._remove_own_memory_frame(f)
 
-    def _retire_old_windows(self, current_start: int) -> None:
+    def _remove_own_memory_frame(self, frame: int) -> None:
+        """This rank's files of ``frame`` in the node's memory, the marker first (a frame
+        without it does not count); the directory once the node's last rank is done."""
+        for path in (_marker(self.node_dir, frame, self.rank), _data(self.node_dir, frame, self.rank)):
+            try:
+                os.remove(path)
+            except FileNotFoundError:
+                pass
+        try:
+            os.rmdir(frame_dir(self.node_dir, frame))
+        except OSError:
+            pass
+
+    def _retire_old_windows(self) -> None:
         """Rank 0, background: drop frames before the newest complete window (which the
         window now being written does not replace until it completes)."""
         found = find_window(self.save_dir, self.world)
@@ -787,12 +790,7 @@ class ExactSnapshots:
         if self.node_dir and os.path.isdir(self.node_dir):
             for f in list_frames(self.node_dir):
                 if f >= first:
-                    for path in (_marker(self.node_dir, f, self.rank),
-                                 _data(self.node_dir, f, self.rank)):
-                        try:
-                            os.remove(path)
-                        except FileNotFoundError:
-                            pass
+                    self._remove_own_memory_frame(f)
         dist.barrier()
 
     def _load_frame(self, load_dir: str, frame: int):
@@ -824,18 +822,17 @@ class ExactSnapshots:
         compute weights rebuilt, the later groups' compute weights from the frame."""
         from deepspeed_ext.state import refresh_compute_weights
         rp = self.replay
-        t = frame - rp.start
+        snap = win.snapshot_at(rp.schedule, frame - rp.start)  # what that frame holds
         data = rp.frames[frame]
         frags, params = self._fragments_by_op(), self._params_by_op()
         with torch.no_grad():
-            for op in rp.schedule.groups[t]:
+            for op in snap.active:
                 for frag in frags.get(op, []):
                     frag.tensor.copy_(data[frag.key])
             refresh_compute_weights(self.engine)
-            for group in rp.schedule.groups[t + 1:]:
-                for op in group:
-                    for name, param in params.get(op, []):
-                        param.data.view(-1).copy_(data[LP_PREFIX + name])
+            for op in snap.frozen:
+                for name, param in params.get(op, []):
+                    param.data.view(-1).copy_(data[LP_PREFIX + name])
         del rp.frames[frame]  # host memory: a frame is applied once
 
     def summary(self) -> Dict[str, Any]:
