@@ -43,6 +43,15 @@ class MoCConfig:
     """A keeper exits when none of its training processes has been alive this long."""
     host_memory_gb: float = 0.0
     """Budget for one rank's snapshot slots; 0: unchecked (``--moc-host-memory-gb``)."""
+    redundancy: str = "none"
+    """Copies of the snapshots in other nodes' memory: ``none``, ``replicate`` or
+    ``erasure`` (``--moc-redundancy``); needs two_level."""
+    replicas: int = 1
+    """Peer nodes holding a copy of each node's snapshots (``--moc-replicas``)."""
+    ec_data: int = 2
+    """Data nodes per erasure group (``--moc-ec-data``)."""
+    ec_parity: int = 1
+    """Parity pieces per erasure group; 1 (XOR) (``--moc-ec-parity``)."""
 
     def __post_init__(self):
         if self.pec_k < 0:
@@ -70,5 +79,14 @@ class MoCConfig:
         if self.two_level and not self.shm_dir:
             raise ValueError("two-level checkpointing needs shm_dir (the trainer derives it "
                              "from --save)")
+        self.redundancy_spec()  # raises on a bad mode or count, naming the flag
+        if self.redundancy != "none" and not self.two_level:
+            raise ValueError(f"--moc-redundancy {self.redundancy} protects two-level snapshots: "
+                             "add --moc-two-level")
         if self.chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be >= 1, got {self.chunk_bytes}")
+
+    def redundancy_spec(self):
+        """The :class:`deepspeed_ext.redundancy.RedundancySpec` of these settings."""
+        from deepspeed_ext.redundancy import RedundancySpec
+        return RedundancySpec(self.redundancy, self.replicas, self.ec_data, self.ec_parity)

@@ -91,9 +91,10 @@ class SnapshotSlots:
             pass
         return path
 
-    def choose(self) -> int:
+    def choose(self, exclude=()) -> int:
         """The slot for the next snapshot: never the newest complete one (recovery needs
-        it) nor one being persisted; among the rest, an empty or the oldest one.
+        it), one being persisted, or one in ``exclude`` (still sent to peers); among the
+        rest, an empty or the oldest one.
 
         Raises:
             RuntimeError: every other slot is still being persisted (storage is slower
@@ -102,7 +103,8 @@ class SnapshotSlots:
         complete = self.complete()
         newest = complete[-1][0] if complete else None
         steps = {i: m["step"] for i, m in complete}
-        free = [i for i in range(self.slots) if i != newest and not self.persisting(i)]
+        free = [i for i in range(self.slots)
+                if i != newest and i not in exclude and not self.persisting(i)]
         if not free:
             raise RuntimeError(f"no free snapshot slot in {self.dir}: the other slots are "
                                f"still being persisted")

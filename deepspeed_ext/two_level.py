@@ -80,6 +80,16 @@ class TwoLevel:
         self.node = self.rank // per_node
         self.first_of_node = self.rank % per_node == 0
         self.node_dir = os.path.join(cfg.shm_dir, f"node{self.node}")
+        self.spec = cfg.redundancy_spec()
+        self.topo = None
+        if self.spec.enabled:
+            from deepspeed_ext.checkpointer import MoCCheckpointError
+            from deepspeed_ext.redundancy import Topology, check_layout
+            try:
+                self.topo = Topology(self.world, per_node)
+                check_layout(self.spec, self.topo)
+            except ValueError as err:  # the same on every rank: every rank raises
+                raise MoCCheckpointError(str(err)) from None
         from deepspeed_ext.state import describe_local_state
         frags = describe_local_state(ckpt.engine, ckpt.naming, with_moments=False)
         self._check_memory_budget(frags)
@@ -112,6 +122,14 @@ class TwoLevel:
         self.last_load_source: Optional[str] = None
         self._images: Dict[int, SlotImage] = {}
         """Slot images mapped by the load in progress."""
+        self.redundancy = None
+        if self.spec.enabled:
+            from deepspeed_ext.peers import PeerRedundancy
+            self.redundancy = PeerRedundancy(self.spec, self.topo, self.node_dir,
+                                             cfg.commit_timeout_s)
+        self.redundancy_wait_s = 0.0
+        """Seconds snapshots waited for a slot still being protected (redundancy slower
+        than the snapshots)."""
         self._specs: Dict[tuple, Dict[str, Any]] = {}
         self._wrap_step()
 
@@ -124,12 +142,20 @@ class TwoLevel:
         """
         from deepspeed_ext.checkpointer import MoCCheckpointError
         # fp32 master weights plus Adam's two moments, for every slot.
-        needed = SLOTS_FOR_BUDGET * 3 * sum(f.length * 4 for f in frags)
+        image = 3 * sum(f.length * 4 for f in frags)
+        needed = SLOTS_FOR_BUDGET * image
+        if self.spec.enabled:  # what this rank holds for its peers
+            from deepspeed_ext.peers import KEEP
+            from deepspeed_ext.redundancy import extra_bytes
+            needed += extra_bytes(self.spec, image, KEEP)
         problem = None
         budget = self.cfg.host_memory_gb * 2**30
         if budget and needed > budget:
             problem = (f"rank {self.rank}: its {SLOTS_FOR_BUDGET} snapshot slots need "
-                       f"{needed / 2**30:.3f} GiB of host memory, --moc-host-memory-gb allows "
+                       f"{needed / 2**30:.3f} GiB of host memory"
+                       + (f" (with what it holds for its peers: --moc-redundancy "
+                          f"{self.spec.describe()})" if self.spec.enabled else "")
+                       + ", --moc-host-memory-gb allows "
                        f"{self.cfg.host_memory_gb:g}")
         root = os.path.dirname(os.path.abspath(self.cfg.shm_dir)) or "/"
         if problem is None and os.path.isdir(root):
@@ -144,7 +170,9 @@ class TwoLevel:
             raise MoCCheckpointError("; ".join(problems))
         self.budget_bytes = needed
         _log(f"two-level checkpointing: up to {max(n for _, n in gathered) / 2**20:.1f} MiB of "
-             f"snapshot memory per rank ({SLOTS_FOR_BUDGET} slots) under {self.cfg.shm_dir}")
+             f"snapshot memory per rank ({SLOTS_FOR_BUDGET} slots"
+             + (f" and the peers' redundancy, {self.spec.describe()}" if self.spec.enabled else "")
+             + f") under {self.cfg.shm_dir}")
 
     # -- the stall point ---------------------------------------------------------
 
@@ -222,7 +250,7 @@ class TwoLevel:
                 specs[frag.key] = self._spec(frag)
         tensors.update(object_tensors)
         layout = layout_of(tensors)
-        slot = self.slots.choose()
+        slot = self._free_slot()
         self.slots.invalidate(slot)
         buffer = self.slots.buffer(slot, layout.nbytes)
         meta = {"step": step, "tag": tag, "signature": self.signature(fragments),
@@ -249,6 +277,22 @@ class TwoLevel:
                      else ", persisting") if persist else ", in memory only")
                  + f"; the save call took {time.perf_counter() - start:.3f} s")
         return True
+
+    def _free_slot(self) -> int:
+        """A slot for the next snapshot that neither the keeper nor the redundancy thread
+        still reads; waits for the redundancy only when no other slot is free."""
+        busy = self.redundancy.busy_slots() if self.redundancy is not None else set()
+        try:
+            return self.slots.choose(exclude=busy)
+        except RuntimeError:
+            if not busy:
+                raise
+        waited = self.redundancy.wait_slots()
+        self.redundancy_wait_s += waited
+        _log(f"WARNING: the next snapshot waited {waited:.3f} s for the redundancy of an "
+             f"earlier one (snapshots come faster than peers receive them: snapshot less "
+             f"often, or use --moc-redundancy erasure, which sends less)")
+        return self.slots.choose()
 
     def _spec(self, frag) -> Dict[str, Any]:
         """The manifest spec of a fragment, built once per fragment (every snapshot needs
@@ -374,12 +418,15 @@ class TwoLevel:
         return {"objects_tree": None, "objects_record": record.to_json(), "extra_files": files}
 
     def _copy(self, slot, event, buffer, layout, tensors, meta, job) -> None:
-        """Copy thread: fill the slot, mark it complete, hand it to the keeper."""
+        """Copy thread: fill the slot, mark it complete, hand it to the keeper and to the
+        redundancy thread."""
+        published = False
         try:
             self.copier.finish(event, buffer, layout, tensors)
             if self.fault_hook is not None:  # fault injection: die with the slot filled
                 self.fault_hook(meta["step"])  # but not yet published as complete
             self.slots.publish(slot, meta)
+            published = True
             if job is not None:
                 job["done_marker"] = self.slots.persist_marker(slot)
                 self._send(job)
@@ -387,6 +434,10 @@ class TwoLevel:
             traceback.print_exc()
             # Keep the first error: it may be reported only at a later persist or wait.
             self.copy_error = self.copy_error or f"{type(e).__name__}: {e}"
+        finally:
+            if self.redundancy is not None:  # every rank, every snapshot: the peers pair up
+                image = buffer if published else None
+                self.redundancy.protect(meta["step"], slot, image, meta if published else None)
 
     def _send(self, job) -> None:
         if not self.keeper_gone:
@@ -511,6 +562,9 @@ class TwoLevel:
             self.wait()
         finally:
             self.copier_pool.shutdown(wait=True)
+            if self.redundancy is not None:
+                self.redundancy.close()
+                _log(self.redundancy.summary())
             dist.barrier()
             if self.first_of_node:
                 keeper.shutdown_keeper(self.node_dir, self.cfg.commit_timeout_s)
@@ -522,7 +576,9 @@ class TwoLevel:
                     pass
 
     def host_memory_bytes(self) -> int:
-        return self.slots.host_bytes()
+        """Shared memory this rank's snapshot slots and its peers' redundancy take."""
+        extra = self.redundancy.store.host_bytes() if self.redundancy is not None else 0
+        return self.slots.host_bytes() + extra
 
     def drop_node_memory(self) -> None:
         """Fault injection: this node loses its snapshots, as when the machine dies. Kills
@@ -548,6 +604,9 @@ class TwoLevel:
         # and creating them (ensure_optimizer_state) advances Adam's step counters, which
         # must happen only once something is actually loaded into them.
         signature = self.signature(describe_local_state(engine, ck.naming, with_moments=False))
+        rebuilt = False
+        if self.redundancy is not None and from_memory and tag is None:
+            rebuilt = self._rebuild_from_peers(signature)
         mine = [dict(m, _slot=i, _entries={e["key"]: e for e in m["entries"]})
                 for i, m in self.slots.complete() if m["signature"] == signature]
 
@@ -557,12 +616,74 @@ class TwoLevel:
             return describe_local_state(engine, ck.naming, with_moments=load_optimizer_states)
 
         try:
-            return self._load(load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
-                              from_memory, mine, fragments, start)
+            result = self._load(load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
+                                from_memory, mine, fragments, start)
+            if rebuilt and self.last_load_source == "memory":
+                self.last_load_source = "memory+peers"
+            return result
         finally:
             for image in self._images.values():
                 image.close()
             self._images = {}
+
+    def _rebuild_from_peers(self, signature: str) -> bool:
+        """Every rank, before a memory recovery: when some ranks lost their snapshots (a
+        lost node), rebuild them from the copies or parities their peers hold (one
+        ``all_gather_object`` of what each rank holds, then the plan's point-to-point
+        transfers, then one outcome collective).
+
+        Returns:
+            True when snapshots were rebuilt (the memory recovery can then use them).
+        """
+        from deepspeed_ext import redundancy as rd
+        from deepspeed_ext.checkpointer import _all_outcomes
+        from deepspeed_ext.peers import image_end
+        start = time.perf_counter()
+        own = {m["step"]: (i, m) for i, m in self.slots.complete() if m["signature"] == signature}
+        replicas, parities = self.redundancy.holdings_record()
+        gathered: List = [None] * self.world
+        dist.all_gather_object(gathered, (sorted(own), replicas, parities))
+        holdings = rd.Holdings(
+            own={r: frozenset(g[0]) for r, g in enumerate(gathered)},
+            replicas={r: {int(src): frozenset(steps) for src, steps in g[1].items()}
+                      for r, g in enumerate(gathered)},
+            parities={r: frozenset(int(s) for s in g[2]) for r, g in enumerate(gathered)})
+        plan = rd.plan_rebuild(holdings, self.topo, self.spec)
+        if plan.step is None:
+            _log(f"recovery: cannot recover from memory, even with the peers' redundancy: "
+                 f"{plan.why}; loading from storage")
+            return False
+        if not plan.rebuilt:
+            return False
+        chunks = {r: {int(s): c for s, c in g[2].items()} for r, g in enumerate(gathered)}
+
+        def own_image(step):
+            slot, meta = own[step]
+            size = image_end(meta)
+            if size == 0:
+                return torch.empty(0, dtype=torch.uint8)
+            return torch.from_file(self.slots.image_path(slot), shared=False, size=size,
+                                   dtype=torch.uint8)
+
+        ok, result = True, None
+        try:
+            result = self.redundancy.rebuild(plan, chunks, own_image, self.slots)
+        except Exception as e:
+            traceback.print_exc()
+            ok, result = False, f"{type(e).__name__}: {e}"
+        outcomes = _all_outcomes(ok, result)
+        if not all(o for o, _ in outcomes):
+            bad = "; ".join(f"rank {r}: {m}" for r, (o, m) in enumerate(outcomes) if not o)
+            _log(f"recovery: rebuilding snapshots from peers failed ({bad})")
+            return False
+        received = sum(c["received"] for _, c in outcomes)
+        nodes = sorted({self.topo.node_of(r) for r in plan.rebuilt})
+        _log(f"recovery: rebuilt the step-{plan.step} snapshots of rank(s) "
+             f"{list(plan.rebuilt)} (lost node(s) {nodes}) from the peers' memory "
+             f"({self.spec.describe()}): {received / 2**20:.2f} MiB in "
+             f"{time.perf_counter() - start:.2f} s"
+             + (f"; {plan.why}" if plan.why else ""))
+        return True
 
     def _load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
               from_memory, mine, fragments, start):

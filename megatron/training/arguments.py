@@ -156,6 +156,19 @@ def _add_moc_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moc-ranks-per-node", type=int, default=0,
                    help="Ranks per node for the keepers; 0: the launcher's LOCAL_WORLD_SIZE. "
                         "Smaller values simulate several nodes on one machine.")
+    g.add_argument("--moc-redundancy", default="none", choices=("none", "replicate", "erasure"),
+                   help="With --moc-two-level: keep the snapshots also in other nodes' memory, "
+                        "so a lost node recovers from its peers instead of storage: copies "
+                        "(replicate) or XOR parity across groups of nodes (erasure).")
+    g.add_argument("--moc-replicas", type=int, default=1,
+                   help="--moc-redundancy replicate: peer nodes holding a copy of each "
+                        "node's snapshots (that many lost nodes are covered).")
+    g.add_argument("--moc-ec-data", type=int, default=2,
+                   help="--moc-redundancy erasure: data nodes per group; each group of "
+                        "--moc-ec-data + 1 nodes survives one lost node, holding "
+                        "1/--moc-ec-data of a snapshot extra per rank.")
+    g.add_argument("--moc-ec-parity", type=int, default=1,
+                   help="--moc-redundancy erasure: parity pieces per group; only 1 (XOR).")
     g.add_argument("--moc-shm-dir", default=None,
                    help="Shared-memory directory of the snapshots (two-level) or frames "
                         "(exact mode); default: derived from "
@@ -341,6 +354,26 @@ def _check_storage_urls(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{flag}: {err}") from None
 
 
+def _check_redundancy(args: argparse.Namespace, world_size: int) -> None:
+    """``--moc-redundancy`` and its counts against the node layout (every rank)."""
+    from deepspeed_ext import redundancy as rd
+    try:
+        spec = rd.RedundancySpec(args.moc_redundancy, args.moc_replicas, args.moc_ec_data,
+                                 args.moc_ec_parity)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if not spec.enabled:
+        return
+    if not args.moc_two_level:
+        raise ConfigError(f"--moc-redundancy {spec.mode} protects two-level snapshots: add "
+                          "--moc-two-level")
+    per_node = args.moc_ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    try:
+        rd.check_layout(spec, rd.Topology(world_size, per_node))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Check the arguments against each other and the world size; fill derived values.
 
@@ -416,6 +449,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         raise ConfigError(f"--moc-expected-mtbf must be >= 0 (0: unknown), got {args.moc_expected_mtbf}")
     if args.moc_window < 0:
         raise ConfigError(f"--moc-window must be >= 0 (0: automatic), got {args.moc_window}")
+    _check_redundancy(args, world_size)
     if args.moc_pec_scope != "wo" and args.moc_two_level:
         raise ConfigError(f"--moc-pec-scope {args.moc_pec_scope} is not supported with "
                           "--moc-two-level (use wo)")
@@ -474,7 +508,9 @@ def moc_config_from_args(args: argparse.Namespace):
                      async_save=not args.moc_sync_save, two_level=args.moc_two_level,
                      k_snapshot=args.moc_k_snapshot, persist_interval=args.moc_persist_interval,
                      shm_dir=shm_dir, ranks_per_node=args.moc_ranks_per_node,
-                     host_memory_gb=args.moc_host_memory_gb)
+                     host_memory_gb=args.moc_host_memory_gb, redundancy=args.moc_redundancy,
+                     replicas=args.moc_replicas, ec_data=args.moc_ec_data,
+                     ec_parity=args.moc_ec_parity)
 
 
 def model_config_from_args(args: argparse.Namespace):

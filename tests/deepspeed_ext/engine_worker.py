@@ -141,6 +141,9 @@ def main():
         result["losses"] = _train(engine, args, start, args.train_iters, args.save, states)
         if os.environ.get("MOC_TEST_CRASH") != "1":
             engine.moc.wait()
+        elif engine.moc.two_level is not None and engine.moc.two_level.redundancy is not None:
+            engine.moc.two_level.join_copy()  # the crash comes once every snapshot is protected
+            engine.moc.two_level.redundancy.wait_slots()
         result["final_state"] = _state(engine)
         result["saved_states"] = states if dist.get_rank() == 0 else None
     if engine.moc.two_level is not None:

@@ -1,0 +1,105 @@
+"""Snapshot redundancy across simulated nodes on real multi-rank engines: a node that
+loses its keeper and shared memory is rebuilt from its peers' copies (replicate) or
+parities (erasure) and the job resumes from memory, bitwise, without storage; losing
+more nodes than the redundancy covers falls back to storage and says why."""
+
+import os
+import shutil
+import signal
+import time
+import uuid
+
+from tests.deepspeed_ext.test_two_level import _flags, _keeper_pid, _run
+
+STEPS = 3
+
+
+def _shm():
+    return f"/dev/shm/moc-test-{uuid.uuid4().hex[:10]}"
+
+
+def _crash_then_lose(tmp_path, nproc, ep, extra, lost_nodes):
+    """Train STEPS iterations with a snapshot each (only the first persisted), crash once
+    every snapshot is protected, then delete the shared memory of ``lost_nodes`` (and
+    SIGKILL their keepers), as when those machines die."""
+    shm, ckpt = _shm(), str(tmp_path / "ckpt")
+    flags = _flags(shm, nproc, ep, ["--moc-persist-interval", "100", *extra])
+    first, results = _run(tmp_path, "first", nproc, "train-save", flags + [
+        "--train-iters", str(STEPS), "--save", ckpt, "--save-interval", "1"],
+        env={"MOC_TEST_CRASH": "1"}, ok=False)
+    assert all(r.returncode == -signal.SIGKILL for r in results)
+    assert "protected" in results[0].output, results[0].output[-3000:]
+    deadline = time.monotonic() + 120  # the keepers finish persisting step 1 first
+    while not os.path.exists(os.path.join(ckpt, "global_step1", "manifest.json")):
+        assert time.monotonic() < deadline, "step 1 was never committed"
+        time.sleep(0.1)
+    for node in lost_nodes:
+        lost = os.path.join(shm, f"node{node}")
+        os.kill(_keeper_pid(lost), signal.SIGKILL)
+        shutil.rmtree(lost)
+    return shm, ckpt, flags, first
+
+
+def _assert_rebuilt_bitwise(second, first, results, ranks):
+    out = results[0].output
+    assert second[0]["client_state"] == {"step": STEPS}, out[-3000:]
+    assert all(r["load_source"] == "memory+peers" for r in second), [r["load_source"] for r in second]
+    assert f"rebuilt the step-{STEPS} snapshots of rank(s) {ranks}" in out
+    assert f"recovered step {STEPS} from memory" in out and "0 from storage" in out
+    assert second[0]["recovery"]["plt"] == 0.0
+    snapshot, after = first[0]["saved_states"][str(STEPS)], second[0]["state_after_load"]
+    assert after.keys() == snapshot.keys()
+    assert [k for k in after if after[k] != snapshot[k]] == []
+    # and the training went on from there on every rank
+    assert all(len(r["losses"]) == 1 for r in second)
+
+
+def test_replicate_rebuilds_a_lost_node_from_its_peer(tmp_path):
+    """4 ranks as 2 nodes, one replica: node 1's ranks get their snapshots back from node 0."""
+    extra = ["--moc-ranks-per-node", "2", "--moc-redundancy", "replicate"]
+    shm, ckpt, flags, first = _crash_then_lose(tmp_path, 4, 4, extra, [1])
+    try:
+        second, results = _run(tmp_path, "second", 4, "load-train-save", flags + [
+            "--train-iters", str(STEPS + 1), "--load", ckpt, "--save", ckpt,
+            "--save-interval", "1"])
+        _assert_rebuilt_bitwise(second, first, results, [2, 3])
+        assert "redundancy (replicate (1 replica))" in results[0].output  # shutdown summary
+        assert not os.path.exists(shm)  # normal end: the peers' copies are freed too
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_erasure_rebuilds_a_lost_node_from_parity(tmp_path):
+    """6 ranks as 3 nodes, 2 data + 1 XOR parity: node 1 is decoded from nodes 0 and 2."""
+    extra = ["--moc-ranks-per-node", "2", "--moc-redundancy", "erasure", "--moc-ec-data", "2"]
+    shm, ckpt, flags, first = _crash_then_lose(tmp_path, 6, 2, extra, [1])
+    try:
+        # each rank holds one parity of half a snapshot per protected step, not a copy
+        peers = os.path.join(shm, "node0", "peers", "rank00000")
+        parity = [n for n in os.listdir(peers) if n.startswith("parity") and n.endswith(".img")]
+        slot = os.path.getsize(os.path.join(shm, "node0", "rank00000", "slot0.img"))
+        assert parity and all(os.path.getsize(os.path.join(peers, n)) <= slot // 2 + 1
+                              for n in parity)
+        second, results = _run(tmp_path, "second", 6, "load-train-save", flags + [
+            "--train-iters", str(STEPS + 1), "--load", ckpt, "--save", ckpt,
+            "--save-interval", "1"])
+        _assert_rebuilt_bitwise(second, first, results, [2, 3])
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_more_lost_nodes_than_covered_fall_back_to_storage(tmp_path):
+    """4 ranks as 4 nodes, one replica each on the next node: losing nodes 1 and 2 loses
+    rank 1's snapshots and their only copy, so recovery goes to storage and says why."""
+    extra = ["--moc-ranks-per-node", "1", "--moc-redundancy", "replicate"]
+    shm, ckpt, flags, first = _crash_then_lose(tmp_path, 4, 4, extra, [1, 2])
+    try:
+        second, results = _run(tmp_path, "second", 4, "load-train-save", flags + [
+            "--train-iters", str(STEPS), "--load", ckpt])
+        out = results[0].output
+        assert "cannot recover from memory, even with the peers' redundancy" in out, out[-3000:]
+        assert "rank(s) [1, 2] (node(s) [1, 2]) have no snapshot in memory" in out
+        assert second[0]["client_state"] == {"step": 1}  # the one persisted snapshot
+        assert {r["load_source"] for r in second} <= {"storage", "storage+memory"}
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
