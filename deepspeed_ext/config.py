@@ -52,6 +52,8 @@ class MoCConfig:
     """Data nodes per erasure group (``--moc-ec-data``)."""
     ec_parity: int = 1
     """Parity pieces per erasure group; 1 (XOR) (``--moc-ec-parity``)."""
+    redundancy_interval: int = 1
+    """Protect every N-th snapshot in the peers' memory (``--moc-redundancy-interval``)."""
 
     def __post_init__(self):
         if self.pec_k < 0:
@@ -80,6 +82,9 @@ class MoCConfig:
             raise ValueError("two-level checkpointing needs shm_dir (the trainer derives it "
                              "from --save)")
         self.redundancy_spec()  # raises on a bad mode or count, naming the flag
+        if self.redundancy_interval < 1:
+            raise ValueError(f"--moc-redundancy-interval must be >= 1, got "
+                             f"{self.redundancy_interval}")
         if self.redundancy != "none" and not self.two_level:
             raise ValueError(f"--moc-redundancy {self.redundancy} protects two-level snapshots: "
                              "add --moc-two-level")

@@ -299,8 +299,10 @@ def run_persist_job(job: Dict[str, Any], log=print, background_commit: bool = Fa
     if job.get("commit") is None:
         return
     if background_commit:
-        threading.Thread(target=_commit_job, args=(job, tag_dir, log), daemon=False,
-                         name=f"commit-{job['tag']}").start()
+        thread = threading.Thread(target=_commit_job, args=(job, tag_dir, log), daemon=True,
+                                  name=f"commit-{job['tag']}")
+        _COMMITS.append(thread)
+        thread.start()
     else:
         _commit_job(job, tag_dir, log)
 
@@ -320,6 +322,10 @@ def _hang(message: str) -> None:
     print(f"[moc keeper {os.getpid()}] {message}", flush=True)
     while True:
         time.sleep(3600)
+
+
+_COMMITS: List[threading.Thread] = []
+"""The keeper's background commits; :func:`serve` decides at exit which to wait for."""
 
 
 def _commit_job(job: Dict[str, Any], tag_dir: str, log) -> None:
@@ -457,6 +463,14 @@ def serve(directory: str, idle_timeout_s: float) -> int:
             continue
         threading.Thread(target=_serve_connection, args=(keeper, conn), daemon=True).start()
     keeper.jobs.join()
+    if not keeper.stop.is_set():
+        # Idle exit: other nodes' keepers may still be writing the reports a commit of
+        # ours waits for; let them finish (each is bounded by its commit timeout).
+        for thread in _COMMITS:
+            thread.join()
+    # On a requested shutdown the training processes have waited for every commit
+    # they asked for; a commit still waiting belongs to an attempt that crashed and
+    # would hold the exited keeper's process for the whole commit timeout.
     server.close()
     _log(directory, f"exiting ({reason}); removing {directory}")
     shutil.rmtree(directory, ignore_errors=True)

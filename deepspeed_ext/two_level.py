@@ -266,8 +266,12 @@ class TwoLevel:
         # CUDA: the copies are queued on a side stream now (microseconds); the thread
         # only waits for them. CPU: the thread does the copy.
         event = self.copier.launch(buffer, layout, tensors)
+        # Every rank protects the same snapshots (the count is the same everywhere), so
+        # the peers' messages pair up.
+        protect = (self.redundancy is not None
+                   and (self.count - 1) % self.cfg.redundancy_interval == 0)
         self.copy_job = self.copier_pool.submit(self._copy, slot, event, buffer, layout,
-                                                   tensors, meta, job)
+                                                   tensors, meta, job, protect)
         if persist or self.count == 1:  # a line per snapshot would flood per-iteration runs
             _log(f"snapshot {tag} (step {step}) into {self.node_dir}: "
                  f"{layout.nbytes / 2**20:.2f} MiB on rank 0, "
@@ -417,7 +421,7 @@ class TwoLevel:
         record = write_objects_file(tag_dir, tree, OBJECTS_TENSOR_FILE if tensors else None)
         return {"objects_tree": None, "objects_record": record.to_json(), "extra_files": files}
 
-    def _copy(self, slot, event, buffer, layout, tensors, meta, job) -> None:
+    def _copy(self, slot, event, buffer, layout, tensors, meta, job, protect=False) -> None:
         """Copy thread: fill the slot, mark it complete, hand it to the keeper and to the
         redundancy thread."""
         published = False
@@ -435,7 +439,7 @@ class TwoLevel:
             # Keep the first error: it may be reported only at a later persist or wait.
             self.copy_error = self.copy_error or f"{type(e).__name__}: {e}"
         finally:
-            if self.redundancy is not None:  # every rank, every snapshot: the peers pair up
+            if protect:  # every rank, even after a failed copy: the peers pair up
                 image = buffer if published else None
                 self.redundancy.protect(meta["step"], slot, image, meta if published else None)
 
@@ -650,6 +654,8 @@ class TwoLevel:
             parities={r: frozenset(int(s) for s in g[2]) for r, g in enumerate(gathered)})
         plan = rd.plan_rebuild(holdings, self.topo, self.spec)
         if plan.step is None:
+            if not any(g[0] or g[1] or g[2] for g in gathered):
+                return False  # no memory anywhere (a first start): nothing to explain
             _log(f"recovery: cannot recover from memory, even with the peers' redundancy: "
                  f"{plan.why}; loading from storage")
             return False

@@ -169,6 +169,10 @@ def _add_moc_args(p: argparse.ArgumentParser) -> None:
                         "1/--moc-ec-data of a snapshot extra per rank.")
     g.add_argument("--moc-ec-parity", type=int, default=1,
                    help="--moc-redundancy erasure: parity pieces per group; only 1 (XOR).")
+    g.add_argument("--moc-redundancy-interval", type=int, default=1,
+                   help="Protect every N-th snapshot in the peers' memory (the traffic and "
+                        "its CPU cost divided by N; a lost node resumes at most N-1 "
+                        "snapshots further back).")
     g.add_argument("--moc-shm-dir", default=None,
                    help="Shared-memory directory of the snapshots (two-level) or frames "
                         "(exact mode); default: derived from "
@@ -362,6 +366,9 @@ def _check_redundancy(args: argparse.Namespace, world_size: int) -> None:
                                  args.moc_ec_parity)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    if args.moc_redundancy_interval < 1:
+        raise ConfigError(f"--moc-redundancy-interval must be >= 1, got "
+                          f"{args.moc_redundancy_interval}")
     if not spec.enabled:
         return
     if not args.moc_two_level:
@@ -510,7 +517,8 @@ def moc_config_from_args(args: argparse.Namespace):
                      shm_dir=shm_dir, ranks_per_node=args.moc_ranks_per_node,
                      host_memory_gb=args.moc_host_memory_gb, redundancy=args.moc_redundancy,
                      replicas=args.moc_replicas, ec_data=args.moc_ec_data,
-                     ec_parity=args.moc_ec_parity)
+                     ec_parity=args.moc_ec_parity,
+                     redundancy_interval=args.moc_redundancy_interval)
 
 
 def model_config_from_args(args: argparse.Namespace):

@@ -680,3 +680,15 @@ def test_extra_bytes():
     assert extra_bytes(RedundancySpec("erasure", ec_data=4), 10, 5) == 5 * 3
     assert extra_bytes(RedundancySpec("erasure", ec_data=2), 0, 2) == 2   # 1-byte parity
     assert extra_bytes(RedundancySpec("replicate", replicas=2), 1000, 0) == 0
+
+
+def test_moc_config_checks_the_redundancy_flags():
+    from deepspeed_ext.config import MoCConfig
+    with pytest.raises(ValueError, match="add --moc-two-level"):
+        MoCConfig(redundancy="replicate")
+    with pytest.raises(ValueError, match="--moc-redundancy must be one of"):
+        MoCConfig(two_level=True, shm_dir="x", redundancy="mirror")
+    with pytest.raises(ValueError, match="--moc-redundancy-interval must be >= 1"):
+        MoCConfig(two_level=True, shm_dir="x", redundancy="erasure", redundancy_interval=0)
+    spec = MoCConfig(two_level=True, shm_dir="x", redundancy="erasure", ec_data=3).redundancy_spec()
+    assert (spec.mode, spec.ec_data, spec.ec_parity) == ("erasure", 3, 1)

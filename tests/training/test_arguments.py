@@ -75,6 +75,10 @@ def test_derived_values():
     assert cfg["zero_optimization"]["stage"] == 2
 
 
+TWO_LEVEL = ["--moc-checkpoint", "--moc-two-level", "--save", "ck", "--num-experts", "12",
+             "--moe-expert-parallel-size", "1"]
+
+
 @pytest.mark.parametrize("extra, world, needle", [
     (["--num-experts", "6", "--moe-expert-parallel-size", "4"], 4,
      "--num-experts (6) must be divisible by --moe-expert-parallel-size (4)"),
@@ -90,6 +94,19 @@ def test_derived_values():
     (["--moc-checkpoint", "--load", "nosuchproto://bucket/run"], 1, "--load: nosuchproto://bucket/run"),
     (["--moc-checkpoint", "--moc-two-level", "--save", "ck", "--moc-pec-scope", "w"], 1,
      "--moc-pec-scope w is not supported with --moc-two-level"),
+    (["--moc-checkpoint", "--save", "ck", "--moc-redundancy", "replicate"], 2,
+     "--moc-redundancy replicate protects two-level snapshots: add --moc-two-level"),
+    (TWO_LEVEL + ["--moc-redundancy", "replicate", "--moc-replicas", "2",
+                  "--moc-ranks-per-node", "2"], 4,
+     "--moc-replicas 2 needs at least 3 nodes, the job has 2"),
+    (TWO_LEVEL + ["--moc-redundancy", "erasure", "--moc-ranks-per-node", "1"], 4,
+     "groups nodes by 3; the job has 4 node(s)"),
+    (TWO_LEVEL + ["--moc-redundancy", "erasure", "--moc-ec-parity", "2"], 3,
+     "--moc-ec-parity 2 is not supported"),
+    (TWO_LEVEL + ["--moc-redundancy", "replicate", "--moc-ranks-per-node", "3"], 4,
+     "4 ranks do not split into nodes of 3 (--moc-ranks-per-node)"),
+    (TWO_LEVEL + ["--moc-redundancy", "replicate", "--moc-redundancy-interval", "0"], 2,
+     "--moc-redundancy-interval must be >= 1"),
 ])
 def test_validation_names_the_flag(extra, world, needle):
     with pytest.raises(ConfigError) as err:
