@@ -34,7 +34,7 @@ setup(
         # when importable.
         "gpu": ["ninja>=1.11"],
         "tensorboard": ["tensorboard>=2.14"],
-        # the benchmarks' plots (benchmarks/two_level_bench.py --plot)
+        # the benchmarks' plots (benchmarks/two_level_bench.py --plot, moc-plan simulate --plot)
         "bench": ["matplotlib>=3.5"],
         # GPT2BPETokenizer (megatron/data/tokenizer.py). 4.41 and older ignore
         # split_special_tokens in fast tokenizers; 4.42 pins numpy<2.
@@ -45,6 +45,7 @@ setup(
             "moc-pretrain=pretrain_gpt_moe:main_cli",
             "moc-preprocess-data=megatron.data.preprocess:main_cli",
             "moc-ckpt=deepspeed_ext.cli:main_cli",
+            "moc-plan=deepspeed_ext.planning.cli:main_cli",
         ],
     },
 )

@@ -190,9 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "interval nearest the middle of the run, 35 for 60 iterations).")
     p.add_argument("--ettr-iters", type=int, default=None,
                    help="Iterations of each ETTR run (default 100; quick 30).")
-    p.add_argument("--mtbf", type=float, default=None,
-                   help="--moc-fault-mtbf seconds (default: 2 x --ettr-iters x none's "
-                        "iteration time / --target-failures).")
+    p.add_argument("--mtbf", default=None,
+                   help="--moc-fault-mtbf seconds, or several comma-separated (each policy "
+                        "runs at each) (default: 2 x --ettr-iters x none's iteration time / "
+                        "--target-failures).")
     p.add_argument("--target-failures", type=float, default=None,
                    help="Failures an ETTR run should see on average, for the automatic "
                         "--mtbf (default 4; quick 2).")
@@ -215,6 +216,13 @@ def finish_options(opts) -> None:
     for key, (full, quick) in defaults.items():
         if getattr(opts, key) is None:
             setattr(opts, key, quick if opts.quick else full)
+    if opts.mtbf is not None:
+        try:
+            opts.mtbf = [float(m) for m in str(opts.mtbf).split(",") if m.strip()]
+        except ValueError:
+            raise SystemExit(f"error: --mtbf: expected seconds, got {opts.mtbf!r}")
+        if not opts.mtbf or min(opts.mtbf) <= 0:
+            raise SystemExit("error: --mtbf must be > 0 seconds")
     if opts.crash_at is None:
         k = opts.save_interval
         opts.crash_at = max(2, (opts.iters // 2 // k) * k + k // 2)
@@ -635,6 +643,8 @@ def measure_ettr(run: dict, opts, mtbf: float, clean: dict) -> dict:
         return row
     wall = its[-1][0] - starts[0]
     row["train_wall_s"] = wall
+    # When each crash fired, from the first training start: a trace for moc-plan simulate.
+    row["fault_times_s"] = [e["time"] - starts[0] for e in faults if e.get("time")]
     backs = [b["back_time"] - b["fault_time"] for b in _back_times(run, events)
              if b["back_time"] is not None]
     row["crash_to_back_s"] = backs
@@ -735,7 +745,8 @@ def tables(results: dict) -> str:
                          _f(r.get("ettr_own"), ".3f"), _f(r.get("e_r_s"), ".2f"),
                          _f(r.get("ettr_model"), ".3f")])
         e = results["ettr"][0]
-        parts.append(f"### ETTR under random crashes (--moc-fault-mtbf {e['mtbf_s']:.1f} "
+        mtbfs = ", ".join(f"{m:g}" for m in dict.fromkeys(r["mtbf_s"] for r in results["ettr"]))
+        parts.append(f"### ETTR under random crashes (--moc-fault-mtbf {mtbfs} "
                      f"--moc-fault-seed {e['seed']}, {e['iters']} iterations; ETTR = iterations "
                      f"x T_iter(none) / wall)\n\n" + _md(head, rows) + "\n\nwall: first "
                      "training start -> last iteration (restarts included); ETTR own: with the "
@@ -807,11 +818,13 @@ def plot(results: dict, path: str) -> str:
         for off, key, label in ((-0.27, "ettr", "measured"), (0.0, "ettr_own", "measured, own T_iter"),
                                 (0.27, "ettr_model", "model (DESIGN.md 3)")):
             ax.bar([x + off for x in xs], [r.get(key) or 0.0 for r in et], 0.27, label=label)
-        ax.set_xticks(list(xs), [f"{r['policy']}\n{r['failures']} failures" for r in et], fontsize=8)
+        ax.set_xticks(list(xs), [f"{r['policy']}\nMTBF {r['mtbf_s']:g}: {r['failures']} failures"
+                                 for r in et], fontsize=7)
         ax.set_ylim(0, max([1.05] + [1.05 * (r.get(k) or 0.0) for r in et
                                      for k in ("ettr", "ettr_own", "ettr_model")]))
         ax.legend(fontsize=8)
-        ax.set_title(f"ETTR, MTBF {et[0]['mtbf_s']:.1f} s, seed {et[0]['seed']}")
+        ax.set_title(f"ETTR, MTBF {', '.join(f'{m:g}' for m in dict.fromkeys(r['mtbf_s'] for r in et))}"
+                     f" s, seed {et[0]['seed']}")
     else:
         ax.set_title("ETTR (not measured)")
     failed = [f"{p}/{r['policy']}" for p in PHASES for r in results.get(p, []) if not r["ok"]]
@@ -901,21 +914,24 @@ def main() -> int:
             progress("recovery", row, run)
         recovery = {r["policy"]: r for r in results["recovery"] if r["ok"]}
     if "ettr" in phases:
-        mtbf = opts.mtbf
-        if mtbf is None:
+        mtbfs = opts.mtbf
+        if mtbfs is None:
             t = (clean.get("none") or {}).get("iter_s_mean")
-            mtbf = round(2 * opts.ettr_iters * t / opts.target_failures, 1) if t else 10.0
+            mtbfs = [round(2 * opts.ettr_iters * t / opts.target_failures, 1) if t else 10.0]
             results["mtbf_note"] = ("from none's iteration time" if t else
                                     "none's iteration time not measured: 10 s")
         results["ettr"] = []
-        for name in fault_policies:
-            run = run_job(name, name, opts, data, os.path.join(out, "ettr", name),
-                          restarts=opts.max_restarts, iters=opts.ettr_iters,
-                          extra=["--moc-fault-mtbf", str(mtbf), "--moc-fault-seed", str(opts.seed)])
-            row = measure_ettr(run, opts, mtbf, clean)
-            row["ettr_model"] = ettr_model(name, clean, recovery, mtbf)
-            results["ettr"].append(row)
-            progress("ettr", row, run)
+        for mtbf in mtbfs:
+            for name in fault_policies:
+                where = name if len(mtbfs) == 1 else f"{name}-mtbf{mtbf:g}"
+                run = run_job(name, name, opts, data, os.path.join(out, "ettr", where),
+                              restarts=opts.max_restarts, iters=opts.ettr_iters,
+                              extra=["--moc-fault-mtbf", str(mtbf), "--moc-fault-seed",
+                                     str(opts.seed)])
+                row = measure_ettr(run, opts, mtbf, clean)
+                row["ettr_model"] = ettr_model(name, clean, recovery, mtbf)
+                results["ettr"].append(row)
+                progress("ettr", row, run)
     results["total_s"] = time.time() - began
 
     text = tables(results)

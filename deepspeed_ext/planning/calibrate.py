@@ -1,0 +1,207 @@
+"""Hardware figures for the cost model, measured here or read from a benchmark's JSON.
+
+``moc-plan calibrate`` calls :func:`calibrate`: it times a device-to-host copy (into
+shared memory, as a snapshot does; on a GPU from device memory into pinned memory),
+a durable write and a cold read of a file under ``--dir`` (the checkpoint storage), and
+runs ``pretrain_gpt_moe.py`` for a few iterations of ``--config`` to take the iteration
+time, optionally with one injected crash under ``scripts/run_elastic.sh`` to take the
+restart time. ``--from-json`` reads instead what the benchmarks measured:
+``two_level_bench.py`` (iteration time, memory and storage load times),
+``redundancy_bench.py`` (the peers' bandwidth) and ``exact_bench.py`` (iteration time,
+restart time). The result is a JSON file of :class:`~deepspeed_ext.planning.costs.Hardware`
+fields plus what each came from.
+"""
+
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, fields
+from typing import Any, Dict, List, Optional
+
+from deepspeed_ext.planning.costs import GB, Hardware
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def hardware_from_json(path: str) -> Hardware:
+    """A hardware file written by ``moc-plan calibrate`` (or by hand).
+
+    Raises:
+        ValueError: naming the file and the bad or unknown field.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--hardware {path}: {err}") from None
+    known = {f.name for f in fields(Hardware)}
+    values = data.get("hardware", data)
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"--hardware {path}: unknown field(s) {unknown}; known: {sorted(known)}")
+    try:
+        return Hardware(**values)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"--hardware {path}: {err}") from None
+
+
+def measure_copy_gbps(mbytes: int = 256, repeats: int = 3) -> float:
+    """Device-to-host copy bandwidth: CUDA into pinned memory, else RAM into a shared
+    memory mapping (what a snapshot copy does)."""
+    import torch
+    n = mbytes << 20
+    if torch.cuda.is_available():
+        src = torch.empty(n, dtype=torch.uint8, device="cuda")
+        dst = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return n / min(times) / GB
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    with tempfile.NamedTemporaryFile(dir=root, prefix="moc-calibrate-") as f:
+        os.ftruncate(f.fileno(), n)
+        dst = torch.from_file(f.name, shared=True, size=n, dtype=torch.uint8)
+        src = torch.randint(0, 255, (n,), dtype=torch.uint8)
+        dst.copy_(src)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - start)
+        del dst
+    return n / min(times) / GB
+
+
+def measure_storage_gbps(directory: str, mbytes: int = 256) -> Dict[str, float]:
+    """Durable write (write + fsync) and cold read (page cache dropped) of one file."""
+    os.makedirs(directory, exist_ok=True)
+    data = os.urandom(1 << 20) * mbytes
+    fd, path = tempfile.mkstemp(dir=directory, prefix="moc-calibrate-")
+    try:
+        start = time.perf_counter()
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        write = time.perf_counter() - start
+        with open(path, "rb") as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        start = time.perf_counter()
+        with open(path, "rb") as f:
+            while f.read(16 << 20):
+                pass
+        read = time.perf_counter() - start
+    finally:
+        os.remove(path)
+    return {"write_gbps": len(data) / write / GB, "read_gbps": len(data) / read / GB}
+
+
+ITER_MS = re.compile(r"elapsed time per iteration \(ms\): ([0-9.]+)")
+RESTART = re.compile(r"([0-9.]+) s since the last finished iteration")
+
+
+def measure_training(config: str, data_path: str, nproc: int, iters: int,
+                     with_restart: bool, out_dir: str) -> Dict[str, float]:
+    """Iteration time (median of the logged iterations after the first two) of a short
+    run, and with ``with_restart`` the restart time of one injected crash (from the
+    recovery line: seconds from the last finished iteration to training again)."""
+    save = os.path.join(out_dir, "ckpt")
+    argv = ["--config", config, "--data-path", data_path, "--train-iters", str(iters),
+            "--log-interval", "1", "--eval-iters", "0", "--save", save, "--load", save,
+            "--moc-checkpoint", "--save-interval", str(max(1, iters // 4))]
+    if with_restart:
+        argv += ["--moc-fault", f"crash@{iters // 2 + 1}:rank={nproc - 1}"]
+    cmd = ["bash", os.path.join(REPO, "scripts", "run_elastic.sh"), str(nproc),
+           "1" if with_restart else "0"] + argv
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
+    output = result.stdout + result.stderr
+    if result.returncode:
+        tail = "\n".join(output.splitlines()[-20:])
+        raise RuntimeError(f"the calibration run failed ({result.returncode}):\n{tail}")
+    times = [float(m) / 1000 for m in ITER_MS.findall(output)]
+    out = {"iteration_s": statistics.median(times[2:] or times)}
+    restarts = [float(m) for m in RESTART.findall(output)]
+    if with_restart and restarts:
+        out["restart_s"] = restarts[0]
+    return out
+
+
+def _rows_of(data) -> List[Dict[str, Any]]:
+    """The result rows of a benchmark JSON: its ``rows``, or every object in its
+    top-level lists (``exact_bench.py`` keeps one list per phase)."""
+    if isinstance(data, list):
+        return [r for r in data if isinstance(r, dict)]
+    if isinstance(data.get("rows"), list):
+        return [r for r in data["rows"] if isinstance(r, dict)]
+    return [r for v in data.values() if isinstance(v, list) for r in v if isinstance(r, dict)]
+
+
+def from_benchmark_json(paths: List[str]) -> Dict[str, Any]:
+    """Figures from benchmark JSON files (any of ``two_level_bench.py``,
+    ``redundancy_bench.py``, ``exact_bench.py``); returns ``{field: (value, source)}``."""
+    found: Dict[str, Any] = {}
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        for row in _rows_of(data):
+            system = row.get("system") or row.get("mode") or row.get("policy")
+            if system == "no-checkpoint" and row.get("iter_s_mean"):
+                found["iteration_s"] = (row["iter_s_mean"], f"{path}: no-checkpoint iterations")
+            if system in ("replicate", "erasure") and row.get("bandwidth_mib_s"):
+                # Each rank's share of its node's link: times the ranks per node.
+                per_node = data.get("config", {}).get("ranks_per_node", 1)
+                found["network_gbps"] = (row["bandwidth_mib_s"] * 2**20 * per_node / GB,
+                                         f"{path}: {system} protection bandwidth")
+            if system == "none" and row.get("iter_s_mean"):
+                found["iteration_s"] = (row["iter_s_mean"], f"{path}: none iterations")
+            if row.get("restart_s"):
+                found["restart_s"] = (row["restart_s"], f"{path}: {system} restart")
+    return found
+
+
+def calibrate(storage_dir: str, config: Optional[str], data_path: Optional[str], nproc: int,
+              iters: int, with_restart: bool, json_paths: List[str],
+              base: Optional[Hardware] = None) -> Dict[str, Any]:
+    """Measure (or read) the figures; returns ``{"hardware": {...}, "sources": {...}}``.
+
+    Figures neither measured nor read keep ``base``'s (or the defaults), and their
+    source says so.
+    """
+    measured: Dict[str, Any] = {}
+    copy = measure_copy_gbps()
+    measured["d2h_gbps"] = (copy, "copy into pinned/shared host memory")
+    measured["h2d_gbps"] = (copy, "same copy, the other way assumed symmetric")
+    storage = measure_storage_gbps(storage_dir)
+    measured["storage_write_gbps"] = (storage["write_gbps"], f"write+fsync under {storage_dir}")
+    measured["storage_read_gbps"] = (storage["read_gbps"], f"cold read under {storage_dir}")
+    if config:
+        if not data_path:
+            raise ValueError("--config needs --data-path (a prepared dataset prefix)")
+        with tempfile.TemporaryDirectory(prefix="moc-calibrate-run-") as out:
+            run = measure_training(config, data_path, nproc, iters, with_restart, out)
+        measured["iteration_s"] = (run["iteration_s"], f"{iters} iterations of {config} on "
+                                                       f"{nproc} ranks")
+        if "restart_s" in run:
+            measured["restart_s"] = (run["restart_s"], "one injected crash under torchrun")
+    measured.update(from_benchmark_json(json_paths))
+    if "iteration_s" not in measured and base is None:
+        raise ValueError("no iteration time: give --config and --data-path (a short run), "
+                         "a benchmark --from-json, or --iteration-time")
+    values = asdict(base) if base is not None else {}
+    values.update({k: v for k, (v, _) in measured.items()})
+    hardware = Hardware(**values)
+    sources = {k: s for k, (_, s) in measured.items()}
+    for name in asdict(hardware):
+        sources.setdefault(name, "given" if base is not None else "default")
+    return {"hardware": asdict(hardware), "sources": sources,
+            "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}

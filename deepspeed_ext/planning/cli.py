@@ -1,0 +1,390 @@
+"""``moc-plan``: predict what each checkpoint policy does on a cluster, from measured costs.
+
+    moc-plan recommend --config configs/gpt-350m-16e.yaml --gpus 16 --mtbf 3600 \\
+        --iteration-time 1.2 [--hardware hw.json] [--node-failure-fraction 0.3]
+    moc-plan simulate --config configs/moe-250b.yaml --gpus 4096 --mtbf 600,1800,3600 \\
+        --iteration-time 6 --seeds 5 --json out.json --plot out.png
+    moc-plan calibrate --dir /path/to/checkpoints --out hw.json \\
+        [--config configs/tiny.yaml --data-path data/x_text_document] [--from-json bench.json]
+
+Exit codes: 0 done, 2 bad input (the message names the flag).
+"""
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict, fields, replace
+from typing import List, Optional
+
+from deepspeed_ext.planning import costs as cm
+from deepspeed_ext.planning.search import Constraints, recommend
+from deepspeed_ext.planning.simulate import parse_trace, simulate_many
+
+VOCAB = {"GPT2BPETokenizer": 50257, "ByteLevelTokenizer": 257}
+
+
+class PlanError(ValueError):
+    """Bad input; the message names the flag or file."""
+
+
+def model_from_config(path: str, ep_override: int = 0) -> cm.ModelShape:
+    """The model of a training YAML config (the trainer's own parser and parameter count).
+
+    Raises:
+        PlanError: the file is missing or is not a model config.
+    """
+    from megatron.model.gpt_moe import count_parameters
+    from megatron.training.arguments import (ConfigError, model_config_from_args,
+                                             padded_vocab_size, parse_args)
+    if not os.path.isfile(path):
+        raise PlanError(f"--config: file not found: {path}")
+    try:
+        args = parse_args(["--config", path, "--data-path", "unused"])
+    except ConfigError as err:
+        raise PlanError(f"--config {path}: {err}") from None
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        if getattr(args, name) is None:
+            raise PlanError(f"--config {path}: no {name.replace('_', '-')} (not a model config)")
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    vocab = VOCAB.get(args.tokenizer_type, 50257)
+    args.padded_vocab_size = padded_vocab_size(vocab, args.make_vocab_size_divisible_by)
+    if ep_override:
+        args.moe_expert_parallel_size = ep_override
+    try:
+        config = model_config_from_args(args)
+    except ValueError as err:
+        raise PlanError(f"--config {path}: {err}") from None
+    counts = count_parameters(config)
+    batch = args.global_batch_size or args.micro_batch_size
+    return cm.ModelShape(os.path.splitext(os.path.basename(path))[0], counts["non_expert"],
+                         counts["expert"], args.num_experts, len(config.moe_layer_indices),
+                         batch * args.seq_length)
+
+
+def _hardware(opts) -> cm.Hardware:
+    from deepspeed_ext.planning.calibrate import hardware_from_json
+    if opts.hardware:
+        base = hardware_from_json(opts.hardware)
+    elif opts.iteration_time is None:
+        raise PlanError("give --iteration-time SECONDS (one training iteration on the target "
+                        "cluster) or --hardware FILE (from moc-plan calibrate)")
+    else:
+        base = cm.Hardware(iteration_s=opts.iteration_time)
+    given = {f.name: getattr(opts, f.name) for f in fields(cm.Hardware)
+             if getattr(opts, f.name, None) is not None}
+    if opts.iteration_time is not None:
+        given["iteration_s"] = opts.iteration_time
+    try:
+        return replace(base, **given)
+    except ValueError as err:
+        raise PlanError(str(err)) from None
+
+
+def _cluster(opts):
+    model = model_from_config(opts.config)
+    try:
+        layout = cm.Layout(opts.gpus, opts.gpus_per_node, opts.ep)
+        layout.expert_parallel(model)
+    except ValueError as err:
+        raise PlanError(str(err)) from None
+    return model, layout, _hardware(opts)
+
+
+def _mtbfs(text: str) -> List[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise PlanError(f"--mtbf: expected seconds, comma-separated, got {text!r}") from None
+    if not values or any(not v > 0 for v in values):
+        raise PlanError(f"--mtbf must be > 0 seconds, got {text!r}")
+    return values
+
+
+def _describe(model: cm.ModelShape, layout: cm.Layout, hw: cm.Hardware) -> str:
+    return (f"{model.name}: {model.params_total / 1e9:.2f}B parameters "
+            f"({model.params_expert / 1e9:.2f}B in {model.num_experts} experts x "
+            f"{model.num_moe_layers} MoE layers) on {layout.gpus} GPUs ({layout.nodes} node(s) of "
+            f"{min(layout.gpus, layout.gpus_per_node)}, EP {layout.expert_parallel(model)}); "
+            f"iteration {hw.iteration_s:g} s, restart {hw.restart_s:g} s, storage "
+            f"{hw.storage_write_gbps:g}/{hw.storage_read_gbps:g} GB/s per node (write/read), "
+            f"device-to-host {hw.d2h_gbps:g} GB/s, network {hw.network_gbps:g} GB/s per node")
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def cmd_recommend(opts) -> int:
+    model, layout, hw = _cluster(opts)
+    constraints = Constraints(opts.plt_limit, opts.host_memory_gb, opts.node_failure_fraction)
+    mtbf = _mtbfs(opts.mtbf)
+    if len(mtbf) != 1:
+        raise PlanError("recommend takes one --mtbf")
+    choices = recommend(model, layout, hw, mtbf[0], constraints, opts.policies.split(","))
+    print(_describe(model, layout, hw))
+    print(f"MTBF {mtbf[0]:g} s, {constraints.node_fraction:.0%} of failures lose a node's "
+          f"memory; PLT limit {constraints.plt_limit:.2%}\n")
+    head = (f"{'policy':<12} {'ETTR':>6} {'PLT':>7} {'stall/ckpt':>10} {'lost it':>8} "
+            f"{'downtime':>9} {'host/rank':>10}  settings")
+    print(head)
+    print("-" * (len(head) + 30))
+    rows = []
+    for c in choices:
+        if c.best is None:
+            print(f"{c.kind:<12} {'-':>6} {'-':>7} {'-':>10} {'-':>8} {'-':>9} {'-':>10}  "
+                  f"none admissible ({c.why_none})")
+            rows.append({"policy": c.kind, "best": None, "why": c.why_none})
+            continue
+        b = c.best
+        print(f"{c.kind:<12} {b.ettr:>6.3f} {b.plt:>7.2%} {b.costs.stall_s:>9.3f}s "
+              f"{b.expected_lost_iterations:>8.1f} {b.expected_downtime_s:>8.1f}s "
+              f"{_fmt_bytes(b.costs.host_bytes_per_rank):>10}  {b.costs.policy.label()}"
+              + (f"  [{'; '.join(b.costs.notes)}]" if b.costs.notes else ""))
+        rows.append({"policy": c.kind, "settings": asdict(b.costs.policy), "label":
+                     b.costs.policy.label(), "ettr": b.ettr, "plt": b.plt,
+                     "stall_s": b.costs.stall_s, "lost_iterations": b.expected_lost_iterations,
+                     "downtime_s": b.expected_downtime_s,
+                     "host_bytes_per_rank": b.costs.host_bytes_per_rank,
+                     "notes": list(b.costs.notes)})
+    best = next((c for c in choices if c.best is not None), None)
+    if best is not None:
+        p = best.best.costs.policy
+        print(f"\nrecommended: {p.label()} (predicted ETTR {best.best.ettr:.3f})")
+        print("  trainer flags: " + " ".join(training_flags(p)))
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump({"model": asdict(model), "layout": asdict(layout), "hardware": asdict(hw),
+                       "mtbf_s": mtbf[0], "constraints": asdict(constraints), "rows": rows}, f,
+                      indent=1)
+    return 0
+
+
+def training_flags(p: cm.Policy) -> List[str]:
+    """The ``pretrain_gpt_moe.py`` flags of a policy."""
+    flags = ["--moc-checkpoint"]
+    if p.kind == "full-sync":
+        return flags + ["--save-interval", str(p.interval), "--moc-sync-save"]
+    if p.kind == "full-async":
+        return flags + ["--save-interval", str(p.interval)]
+    if p.kind in ("pec", "pec-dynamic"):
+        flags += ["--save-interval", str(p.interval), "--moc-pec-k", str(p.k)]
+        return flags + (["--moc-dynamic-k"] if p.kind == "pec-dynamic" else [])
+    if p.kind == "exact":
+        return flags + ["--moc-mode", "exact", "--moc-window", str(p.window)]
+    flags += ["--moc-two-level", "--moc-snapshot-interval", str(p.interval),
+              "--moc-persist-interval", str(p.persist_interval)]
+    if p.k_snapshot:
+        flags += ["--moc-k-snapshot", str(p.k_snapshot)]
+    if p.k:
+        flags += ["--moc-k-persist", str(p.k)]
+    if p.redundancy != "none":
+        flags += ["--moc-redundancy", p.redundancy]
+        if p.redundancy == "erasure":
+            flags += ["--moc-ec-data", str(p.ec_data)]
+    return flags
+
+
+def parse_policy(text: str) -> cm.Policy:
+    """``KIND[:key=value,...]``, e.g. ``two-level:interval=1,k=1,persist_interval=100``."""
+    kind, _, rest = text.partition(":")
+    values = {}
+    names = {f.name: f.type for f in fields(cm.Policy)}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if key not in names or key == "kind":
+            raise PlanError(f"--policy {text}: unknown setting {key!r}; known: "
+                            f"{', '.join(n for n in names if n != 'kind')}")
+        try:
+            values[key] = value if key == "redundancy" else (
+                float(value) if key == "plt_threshold" else int(value))
+        except ValueError:
+            raise PlanError(f"--policy {text}: {key} must be a number, got {value!r}") from None
+    try:
+        return cm.Policy(kind.strip(), **values)
+    except ValueError as err:
+        raise PlanError(f"--policy {text}: {err}") from None
+
+
+def cmd_simulate(opts) -> int:
+    model, layout, hw = _cluster(opts)
+    mtbfs = _mtbfs(opts.mtbf)
+    trace = None
+    if opts.trace:
+        try:
+            with open(opts.trace, encoding="utf-8") as f:
+                trace = parse_trace(f.read())
+        except OSError as err:
+            raise PlanError(f"--trace: {err}") from None
+        except ValueError as err:
+            raise PlanError(f"--trace {opts.trace}: {err}") from None
+    constraints = Constraints(opts.plt_limit, opts.host_memory_gb, opts.node_failure_fraction)
+    explicit = [parse_policy(p) for p in opts.policy or []]
+    seeds = list(range(opts.seed, opts.seed + opts.seeds))
+    print(_describe(model, layout, hw))
+    print(f"{opts.iterations} iterations per run, {len(seeds)} seed(s), "
+          f"{constraints.node_fraction:.0%} node failures"
+          + (f", trace {opts.trace}" if trace else "") + "\n")
+    table = []
+    for mtbf in mtbfs:
+        policies = explicit or [c.best.costs.policy for c in recommend(
+            model, layout, hw, mtbf, constraints, opts.policies.split(",")) if c.best]
+        for p in policies:
+            s = simulate_many(p, model, layout, hw, mtbf, opts.iterations, seeds,
+                              constraints.node_fraction, trace)
+            pred = cm.predict(p, model, layout, hw, mtbf, constraints.node_fraction)
+            table.append({"mtbf_s": mtbf, "policy": p.kind, "label": p.label(),
+                          "settings": asdict(p), "ettr": s.ettr, "ettr_ci": s.ettr_ci,
+                          "ettr_model": pred.ettr, "plt": s.plt, "plt_ci": s.plt_ci,
+                          "goodput_tokens_s": s.goodput_tokens_s, "failures": s.failures,
+                          "final_k": s.final_k, "runs": s.runs})
+    head = (f"{'MTBF s':>8} {'policy':<12} {'ETTR (sim)':>16} {'ETTR (model)':>12} "
+            f"{'PLT':>8} {'failures':>8} {'goodput tok/s':>14}  settings")
+    print(head)
+    print("-" * (len(head) + 30))
+    for r in table:
+        print(f"{r['mtbf_s']:>8g} {r['policy']:<12} {r['ettr']:>9.3f} ±{r['ettr_ci']:.3f} "
+              f"{r['ettr_model']:>12.3f} {r['plt']:>8.2%} {r['failures']:>8.1f} "
+              f"{r['goodput_tokens_s']:>14.0f}  {r['label']}")
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump({"model": asdict(model), "layout": asdict(layout), "hardware": asdict(hw),
+                       "iterations": opts.iterations, "seeds": seeds, "rows": table}, f,
+                      indent=1)
+    if opts.plot:
+        plot_sweep(table, opts.plot, f"{model.name} on {layout.gpus} GPUs")
+        print(f"plot: {opts.plot}")
+    return 0
+
+
+def plot_sweep(table, path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for kind in dict.fromkeys(r["policy"] for r in table):
+        rows = sorted((r for r in table if r["policy"] == kind), key=lambda r: r["mtbf_s"])
+        x = [r["mtbf_s"] / 60 for r in rows]
+        ax.errorbar(x, [r["ettr"] for r in rows], yerr=[r["ettr_ci"] for r in rows],
+                    marker="o", capsize=3, label=kind)
+    ax.set_xscale("log")
+    ax.set_xlabel("MTBF (minutes)")
+    ax.set_ylabel("ETTR (simulated, 95% CI)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def cmd_calibrate(opts) -> int:
+    from deepspeed_ext.planning.calibrate import calibrate
+    base = None
+    if opts.iteration_time is not None:
+        base = cm.Hardware(iteration_s=opts.iteration_time)
+    for path in opts.from_json or []:
+        if not os.path.isfile(path):
+            raise PlanError(f"--from-json: file not found: {path}")
+    try:
+        result = calibrate(opts.dir, opts.config, opts.data_path, opts.nproc, opts.iters,
+                           opts.with_restart, opts.from_json or [], base)
+    except ValueError as err:
+        raise PlanError(str(err)) from None
+    for name, value in result["hardware"].items():
+        print(f"{name:<20} {value:>12.4g}   ({result['sources'][name]})")
+    with open(opts.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"written: {opts.out} (use it with --hardware)")
+    return 0
+
+
+def _add_cluster(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster")
+    g.add_argument("--config", required=True, help="The training YAML config (the model).")
+    g.add_argument("--gpus", type=int, required=True, help="GPUs (ranks) of the job.")
+    g.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node.")
+    g.add_argument("--ep", type=int, default=0, help="Expert-parallel size; 0: gcd(GPUs, experts).")
+    g.add_argument("--mtbf", required=True,
+                   help="Mean time between failures of the whole job, seconds (simulate: "
+                        "comma-separated list).")
+    g.add_argument("--node-failure-fraction", type=float, default=0.0,
+                   help="Share of failures that lose a node's memory (the rest are software "
+                        "failures: processes die, host memory survives).")
+    g.add_argument("--plt-limit", type=float, default=0.0375,
+                   help="Accumulated proportion of lost tokens a policy may reach.")
+    g.add_argument("--host-memory-gb", type=float, default=0.0,
+                   help="Host memory per rank for snapshots, frames and redundancy; 0: unlimited.")
+    g.add_argument("--policies", default=",".join(cm.POLICIES),
+                   help="Policy families to consider, comma-separated.")
+    g = p.add_argument_group("hardware (defaults: --hardware file, else the model's defaults)")
+    g.add_argument("--hardware", help="A JSON file from moc-plan calibrate.")
+    g.add_argument("--iteration-time", type=float, help="Seconds per training iteration.")
+    for f in fields(cm.Hardware):
+        if f.name == "iteration_s":
+            continue
+        g.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=float, default=None,
+                       help=f"(default {f.default})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moc-plan", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("recommend", help="The best policy and settings, with each "
+                                         "alternative's predicted ETTR.")
+    _add_cluster(r)
+    r.add_argument("--json", help="Also write the table here.")
+    s = sub.add_parser("simulate", help="Simulate failures over long runs: ETTR against MTBF.")
+    _add_cluster(s)
+    s.add_argument("--policy", action="append",
+                   help="A policy to simulate, KIND[:key=value,...] (repeatable); default: the "
+                        "best setting of each family at each MTBF.")
+    s.add_argument("--iterations", type=int, default=20000, help="Useful iterations per run.")
+    s.add_argument("--seeds", type=int, default=5, help="Runs (failure schedules) per policy.")
+    s.add_argument("--seed", type=int, default=0, help="The first seed.")
+    s.add_argument("--trace", help="Replay a failure trace instead: 'SECONDS [software|node]' "
+                                   "per line.")
+    s.add_argument("--json", help="Write the table here.")
+    s.add_argument("--plot", help="Write ETTR against MTBF per policy here (PNG).")
+    c = sub.add_parser("calibrate", help="Measure the hardware figures on this machine.")
+    c.add_argument("--dir", required=True, help="A directory on the checkpoint storage.")
+    c.add_argument("--out", required=True, help="The hardware JSON to write.")
+    c.add_argument("--config", help="Also time a short training run of this config.")
+    c.add_argument("--data-path", help="The dataset prefix for --config.")
+    c.add_argument("--nproc", type=int, default=2, help="Ranks of the training run.")
+    c.add_argument("--iters", type=int, default=12, help="Iterations of the training run.")
+    c.add_argument("--with-restart", action="store_true",
+                   help="Inject one crash into the run to time a restart.")
+    c.add_argument("--from-json", action="append",
+                   help="A benchmark JSON to read figures from (repeatable).")
+    c.add_argument("--iteration-time", type=float,
+                   help="The iteration time, when not measured or read.")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    opts = parser.parse_args(argv)
+    try:
+        if opts.command in ("recommend", "simulate"):
+            for name in ("iterations", "seeds"):
+                if getattr(opts, name, 1) < 1:
+                    raise PlanError(f"--{name} must be >= 1")
+        return {"recommend": cmd_recommend, "simulate": cmd_simulate,
+                "calibrate": cmd_calibrate}[opts.command](opts)
+    except (PlanError, ValueError) as err:
+        print(f"moc-plan: error: {err}", file=sys.stderr)
+        return 2
+
+
+def main_cli() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    main_cli()

@@ -1,0 +1,487 @@
+"""The cost model: what each checkpoint policy costs a given model, layout and hardware.
+
+Pure functions over plain dataclasses. Units: bytes, seconds, iterations. Formulas
+(``DESIGN.md`` sections 2.4 and 3):
+
+* State per parameter: ``STATE_BYTES`` (fp32 master weights plus Adam's two moments, what
+  MoC saves); compute weights ``WEIGHT_BYTES`` (bf16). Under ZeRO-2 with expert
+  parallelism every rank holds ``1/gpus`` of the non-expert and of the expert state, so a
+  full checkpoint is ``(P_ne + P_e) * STATE_BYTES / gpus`` per rank and PEC with K of N
+  experts ``(P_ne + K/N * P_e) * STATE_BYTES / gpus`` (MoC Eq. 8, fully sharded).
+* Stall per checkpoint (MoC Eq. 10): ``max(0, T_copy - T_fwd_bwd)`` for asynchronous
+  copies; a synchronous save blocks for its copy and its write.
+* Lost work per failure: half a checkpoint interval on average, plus the time until the
+  newest checkpoint is durable (its copy or persist lag), in iterations; exact recovery
+  replays from the start of the last complete window: ``1.5 W`` on average.
+* Lost tokens (PLT) per failure under PEC: with sequential rotation an expert's newest
+  version is on average ``I (N/K - 1) / 2`` iterations older than the checkpoint, so a
+  failure loses that many iterations of its updates; over a run with ``lambda = T_iter /
+  MTBF`` failures per iteration the accumulated PLT is ``lambda * I (N/K - 1) / 2``.
+* ETTR (MoEtion): ``1 / (1 + overhead/T_iter) * 1 / (1 + E[R] / MTBF)``, ``E[R]`` the
+  expected downtime plus redone work of a failure, mixed over failure kinds (software:
+  the processes die, host memory survives; node: a node's memory is lost too).
+"""
+
+import math
+from dataclasses import dataclass, replace
+from typing import List, Optional, Tuple
+
+STATE_BYTES = 12
+"""fp32 master weight and Adam's two moments, per parameter."""
+WEIGHT_BYTES = 2
+"""bf16 compute weights, per parameter."""
+SNAPSHOT_SLOTS_KEPT = 3
+"""Two-level snapshots held per rank (triple buffering)."""
+GB = 1e9
+
+POLICIES = ("full-sync", "full-async", "pec", "pec-dynamic", "two-level", "exact")
+REDUNDANCY = ("none", "replicate", "erasure")
+
+
+class Infeasible(ValueError):
+    """A policy setting that cannot run on this hardware (its writes never catch up)."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the cost model needs of a model."""
+
+    name: str
+    """A label (the config file's name)."""
+    params_non_expert: int
+    """Parameters outside the experts (embeddings, attention, dense MLPs, gates)."""
+    params_expert: int
+    """Parameters of all experts of all MoE layers."""
+    num_experts: int
+    """Experts per MoE layer (N)."""
+    num_moe_layers: int
+    """MoE layers."""
+    tokens_per_iteration: int
+    """Global batch size x sequence length."""
+
+    def __post_init__(self):
+        if self.params_non_expert < 0 or self.params_expert < 0:
+            raise ValueError("parameter counts must be >= 0")
+        if self.num_experts < 1:
+            raise ValueError(f"num_experts must be >= 1, got {self.num_experts}")
+        if self.tokens_per_iteration < 1:
+            raise ValueError("tokens_per_iteration must be >= 1")
+
+    @property
+    def params_total(self) -> int:
+        return self.params_non_expert + self.params_expert
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the job is spread: data parallel over every GPU (ZeRO-2), experts over ``ep``."""
+
+    gpus: int
+    """Ranks (GPUs) of the job."""
+    gpus_per_node: int = 8
+    """Ranks per node: the failure domain of host memory."""
+    ep: int = 0
+    """Expert-parallel size; 0: min(gpus, experts)."""
+
+    def __post_init__(self):
+        if self.gpus < 1 or self.gpus_per_node < 1:
+            raise ValueError(f"--gpus ({self.gpus}) and --gpus-per-node "
+                             f"({self.gpus_per_node}) must be >= 1")
+        if self.gpus % self.gpus_per_node and self.gpus > self.gpus_per_node:
+            raise ValueError(f"--gpus {self.gpus} is not a whole number of nodes of "
+                             f"--gpus-per-node {self.gpus_per_node}")
+        if self.ep < 0 or (self.ep and self.gpus % self.ep):
+            raise ValueError(f"--ep {self.ep} must divide --gpus {self.gpus}")
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.gpus // self.gpus_per_node)
+
+    def expert_parallel(self, model: ModelShape) -> int:
+        ep = self.ep or math.gcd(self.gpus, model.num_experts)
+        if model.num_experts % ep:
+            raise ValueError(f"--ep {ep} does not divide the {model.num_experts} experts")
+        return ep
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Measured or assumed figures (``moc-plan calibrate`` measures them)."""
+
+    iteration_s: float
+    """Seconds of one training iteration without checkpointing."""
+    d2h_gbps: float = 20.0
+    """Device-to-host copy bandwidth per rank, GB/s (the snapshot copy)."""
+    h2d_gbps: float = 20.0
+    """Host-to-device (and host memory) bandwidth per rank, GB/s (a restore from memory)."""
+    storage_write_gbps: float = 2.0
+    """Write bandwidth to checkpoint storage per node, GB/s."""
+    storage_read_gbps: float = 4.0
+    """Read bandwidth from checkpoint storage per node, GB/s."""
+    storage_total_gbps: float = 200.0
+    """The storage system's aggregate bandwidth, GB/s (a large parallel filesystem); 0: no
+    limit beyond the nodes' own."""
+    network_gbps: float = 25.0
+    """Bandwidth between nodes per node, GB/s (snapshot redundancy and its rebuild)."""
+    fwd_bwd_fraction: float = 0.9
+    """Share of an iteration the snapshot copy can hide behind (forward and backward)."""
+    restart_s: float = 60.0
+    """Seconds from a failure to training again, before loading (detection, restart,
+    initialisation, rendezvous)."""
+    node_replace_s: float = 0.0
+    """Extra seconds a node failure costs (a replacement node joining)."""
+
+    def __post_init__(self):
+        for name in ("iteration_s", "d2h_gbps", "h2d_gbps", "storage_write_gbps",
+                     "storage_read_gbps", "network_gbps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.storage_total_gbps < 0 or self.restart_s < 0 or self.node_replace_s < 0:
+            raise ValueError("storage_total_gbps, restart_s and node_replace_s must be >= 0")
+        if not 0 < self.fwd_bwd_fraction <= 1:
+            raise ValueError(f"fwd_bwd_fraction must be in (0, 1], got {self.fwd_bwd_fraction}")
+
+    def write_bps(self, layout: Layout) -> float:
+        """Storage write bandwidth one rank gets when every rank writes at once."""
+        per_rank = self.storage_write_gbps * GB / min(layout.gpus, layout.gpus_per_node)
+        if self.storage_total_gbps:
+            per_rank = min(per_rank, self.storage_total_gbps * GB / layout.gpus)
+        return per_rank
+
+    def read_bps(self, layout: Layout) -> float:
+        per_rank = self.storage_read_gbps * GB / min(layout.gpus, layout.gpus_per_node)
+        if self.storage_total_gbps:
+            per_rank = min(per_rank, self.storage_total_gbps * GB / layout.gpus)
+        return per_rank
+
+    def network_bps(self, layout: Layout) -> float:
+        return self.network_gbps * GB / min(layout.gpus, layout.gpus_per_node)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A checkpoint policy and its settings."""
+
+    kind: str
+    """One of :data:`POLICIES`."""
+    interval: int = 1
+    """Iterations between checkpoints (two-level: between snapshots)."""
+    k: int = 0
+    """Experts per MoE layer saved to storage (PEC; two-level: persisted); 0: all."""
+    k_snapshot: int = 0
+    """Two-level: experts per MoE layer in each memory snapshot; 0: all."""
+    persist_interval: int = 1
+    """Two-level: persist every N-th snapshot."""
+    window: int = 0
+    """Exact: iterations per window (W)."""
+    redundancy: str = "none"
+    """In-memory snapshots (two-level, exact) also in peers' memory: none/replicate/erasure."""
+    ec_data: int = 4
+    """Erasure: data nodes per parity."""
+    plt_threshold: float = 0.0375
+    """pec-dynamic: accumulated PLT above which K doubles."""
+
+    def __post_init__(self):
+        if self.kind not in POLICIES:
+            raise ValueError(f"unknown policy {self.kind!r}; choose from {', '.join(POLICIES)}")
+        if self.interval < 1 or self.persist_interval < 1:
+            raise ValueError("interval and persist_interval must be >= 1")
+        if self.k < 0 or self.k_snapshot < 0:
+            raise ValueError("k and k_snapshot must be >= 0 (0: all experts)")
+        if self.kind == "exact" and self.window < 1:
+            raise ValueError("an exact policy needs a window >= 1")
+        if self.redundancy not in REDUNDANCY:
+            raise ValueError(f"redundancy must be one of {', '.join(REDUNDANCY)}")
+        if self.redundancy != "none" and self.kind not in ("two-level", "exact"):
+            raise ValueError(f"redundancy protects in-memory snapshots: not with {self.kind}")
+        if self.ec_data < 1:
+            raise ValueError("ec_data must be >= 1")
+
+    def label(self) -> str:
+        parts = [self.kind]
+        if self.kind == "exact":
+            parts.append(f"W={self.window}")
+        else:
+            parts.append(f"every {self.interval}")
+        if self.kind in ("pec", "pec-dynamic") or (self.kind == "two-level" and self.k):
+            parts.append(f"K={self.k or 'all'}")
+        if self.kind == "two-level":
+            parts.append(f"Ks={self.k_snapshot or 'all'} persist/{self.persist_interval}")
+        if self.redundancy != "none":
+            parts.append(self.redundancy + (f"({self.ec_data}+1)" if self.redundancy == "erasure"
+                                            else ""))
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class FailureRecovery:
+    """What one failure of a kind costs."""
+
+    downtime_s: float
+    """Restart plus load."""
+    lost_iterations: float
+    """Expected iterations redone (replayed or re-trained)."""
+    plt: float
+    """Expected lost expert updates per failure, in iterations of the whole model's
+    expert assignments (divide by the run's iterations for its PLT share)."""
+    source: str
+    """Where the state comes from: storage, memory, peers, memory+storage."""
+
+
+@dataclass(frozen=True)
+class PolicyCosts:
+    """A policy's predicted costs for one model, layout and hardware."""
+
+    policy: Policy
+    k_effective: int
+    """Experts per layer actually saved (pec-dynamic: the steady-state K)."""
+    save_bytes_per_rank: float
+    """Bytes one rank copies per checkpoint (snapshot or frame)."""
+    persist_bytes_per_rank: float
+    """Bytes one rank writes to storage per persisted checkpoint."""
+    copy_s: float
+    """Device-to-host copy of one checkpoint."""
+    persist_s: float
+    """Writing one persisted checkpoint to storage (one rank's share, all writing)."""
+    stall_s: float
+    """Training-loop stall per checkpoint."""
+    overhead_per_iteration_s: float
+    """Average stall per iteration."""
+    protect_s: float
+    """Redundancy: seconds until a snapshot is in the peers' memory (0: none)."""
+    host_bytes_per_rank: float
+    """Host memory held per rank (snapshots, frames, peers' redundancy)."""
+    software: FailureRecovery
+    node: FailureRecovery
+    storage_every: int = 0
+    """Iterations between checkpoints that reach storage (after any capping)."""
+    memory_every: int = 0
+    """Iterations between in-memory snapshots (two-level) or windows (exact); 0: none."""
+    notes: Tuple[str, ...] = ()
+    """Why a setting is capped or degraded (persist slower than its interval, ...)."""
+
+    def expected_recovery(self, node_fraction: float) -> Tuple[float, float, float]:
+        """(downtime s, lost iterations, PLT per failure) mixed over failure kinds."""
+        s, n = self.software, self.node
+        mix = lambda a, b: (1 - node_fraction) * a + node_fraction * b  # noqa: E731
+        return (mix(s.downtime_s, n.downtime_s), mix(s.lost_iterations, n.lost_iterations),
+                mix(s.plt, n.plt))
+
+
+def _rank_state(model: ModelShape, layout: Layout, k: int) -> float:
+    """Bytes of fp32 state one rank saves with ``k`` experts per layer (0: all)."""
+    k = k or model.num_experts
+    return (model.params_non_expert + model.params_expert * k / model.num_experts) \
+        * STATE_BYTES / layout.gpus
+
+
+def _staleness(interval: float, n: int, k: int) -> float:
+    """Mean iterations an expert's newest saved version lags the checkpoint (rotation)."""
+    k = k or n
+    return interval * (n / k - 1) / 2
+
+
+def _lost_share(model: ModelShape, layout: Layout) -> float:
+    """Share of each MoE layer's experts held by one node's ranks."""
+    ep = layout.expert_parallel(model)
+    return min(1.0, layout.gpus_per_node / ep) if layout.gpus > layout.gpus_per_node else 1.0
+
+
+def dynamic_k(model: ModelShape, hw: Hardware, interval: int, k0: int,
+              threshold: float, mtbf_s: float) -> int:
+    """The K the paper's dynamic K settles at: doubled from ``k0`` while the accumulated
+    PLT (``lambda * staleness``) exceeds ``threshold``."""
+    n = model.num_experts
+    k = k0 or n
+    lam = hw.iteration_s / mtbf_s
+    while k < n and lam * _staleness(interval, n, k) > threshold:
+        k = min(n, 2 * k)
+    return k
+
+
+def policy_costs(policy: Policy, model: ModelShape, layout: Layout, hw: Hardware,
+                 mtbf_s: Optional[float] = None) -> PolicyCosts:
+    """The predicted costs of ``policy`` (``mtbf_s`` is needed only by pec-dynamic).
+
+    Raises:
+        ValueError: a policy that does not fit the model (K above the experts, ...).
+    """
+    n = model.num_experts
+    for name in ("k", "k_snapshot"):
+        if getattr(policy, name) > n:
+            raise ValueError(f"{name}={getattr(policy, name)} exceeds the {n} experts")
+    t = hw.iteration_s
+    fb = hw.fwd_bwd_fraction * t
+    wbps, rbps = hw.write_bps(layout), hw.read_bps(layout)
+    d2h, h2d = hw.d2h_gbps * GB, hw.h2d_gbps * GB
+    full = _rank_state(model, layout, 0)
+    notes: List[str] = []
+    node_extra = hw.node_replace_s
+    k_eff = policy.k or n
+    kind = policy.kind
+    if kind == "pec-dynamic":
+        if mtbf_s is None:
+            raise ValueError("pec-dynamic needs the MTBF")
+        k_eff = dynamic_k(model, hw, policy.interval, policy.k, policy.plt_threshold, mtbf_s)
+    if kind == "full-sync":
+        size = full
+        copy = size / d2h
+        persist = size / wbps
+        stall = copy + persist
+        interval = policy.interval
+        lost = interval / 2
+        load = size / rbps
+        rec = FailureRecovery(hw.restart_s + load, lost, 0.0, "storage")
+        return PolicyCosts(policy, n, size, size, copy, persist, stall, stall / interval, 0.0,
+                           0.0, rec, replace(rec, downtime_s=rec.downtime_s + node_extra),
+                           storage_every=interval)
+    if kind in ("full-async", "pec", "pec-dynamic"):
+        k = n if kind == "full-async" else k_eff
+        size = _rank_state(model, layout, k)
+        copy = size / d2h
+        persist = size / wbps
+        stall = max(0.0, copy - fb)
+        interval = policy.interval
+        if persist > interval * t:
+            # A save is skipped while the previous one is still being written.
+            effective = math.ceil(persist / t)
+            notes.append(f"storage needs {persist:.1f} s per checkpoint: one every "
+                         f"{effective} iterations, not {interval}")
+            interval = effective
+        lost = interval / 2 + persist / t
+        load = size / rbps
+        plt = _staleness(interval, n, k)
+        rec = FailureRecovery(hw.restart_s + load, lost, plt, "storage")
+        return PolicyCosts(policy, k, size, size, copy, persist, stall, stall / interval, 0.0,
+                           size, rec, replace(rec, downtime_s=rec.downtime_s + node_extra),
+                           storage_every=interval, notes=tuple(notes))
+    if kind == "two-level":
+        return _two_level(policy, model, layout, hw, full, fb, wbps, rbps, d2h, h2d, notes)
+    return _exact(policy, model, layout, hw, full, fb, wbps, rbps, d2h, h2d, notes)
+
+
+def _redundancy(policy: Policy, layout: Layout, hw: Hardware, size: float,
+                interval_s: float, notes: List[str]) -> Tuple[float, float, float]:
+    """(protect seconds, extra host bytes, rebuild seconds) of one rank's snapshot."""
+    if policy.redundancy == "none" or layout.nodes < 2:
+        if policy.redundancy != "none":
+            notes.append("one node: no peer to protect the snapshots")
+        return 0.0, 0.0, 0.0
+    net = hw.network_bps(layout)
+    protect = size / net  # both modes send about one image per rank
+    if protect > interval_s:
+        notes.append(f"redundancy needs {protect:.2f} s per snapshot, more than the "
+                     f"{interval_s:.2f} s between snapshots: protection lags")
+    if policy.redundancy == "replicate":
+        return protect, 2 * size, size / net
+    # erasure: parities of size/D, kept two deep; a rebuild reads D chunks of size/D each
+    return protect, 2 * size / policy.ec_data, size / net
+
+
+def _two_level(policy, model, layout, hw, full, fb, wbps, rbps, d2h, h2d, notes):
+    n = model.num_experts
+    t = hw.iteration_s
+    ks = policy.k_snapshot or n
+    kp = min(policy.k or n, ks)
+    snap = _rank_state(model, layout, ks)
+    persisted = _rank_state(model, layout, kp)
+    copy = snap / d2h
+    stall = max(0.0, copy - fb)
+    every = policy.interval
+    persist_every = every * policy.persist_interval
+    persist = persisted / wbps
+    if persist > persist_every * t:
+        effective = math.ceil(persist / (every * t)) * every
+        notes.append(f"storage needs {persist:.1f} s per persist: one every {effective} "
+                     f"iterations, not {persist_every}")
+        persist_every = effective
+    protect, extra, rebuild = _redundancy(policy, layout, hw, snap, every * t, notes)
+    host = SNAPSHOT_SLOTS_KEPT * snap + extra
+    # Software failure: memory survives; the newest snapshot is complete one copy later.
+    mem_lost = every / 2 + copy / t
+    mem_plt = _staleness(every, n, ks) if ks < n else 0.0
+    software = FailureRecovery(hw.restart_s + snap / h2d, mem_lost, mem_plt, "memory")
+    if policy.redundancy != "none" and layout.nodes >= 2:
+        lag = max(copy, protect)
+        node = FailureRecovery(hw.restart_s + hw.node_replace_s + rebuild + snap / h2d,
+                               every / 2 + lag / t, mem_plt, "peers")
+    else:
+        # Two-level recovery: the lost node's ranks load from storage, the others take
+        # their experts' newer snapshots from memory; everyone goes back to the persist.
+        lost = persist_every / 2 + persist / t
+        share = _lost_share(model, layout)
+        plt = share * _staleness(persist_every, n, kp) + (1 - share) * mem_plt
+        node = FailureRecovery(hw.restart_s + hw.node_replace_s + persisted / rbps, lost, plt,
+                               "storage+memory")
+    return PolicyCosts(policy, kp, snap, persisted, copy, persist, stall, stall / every,
+                       protect, host, software, node, storage_every=persist_every,
+                       memory_every=every, notes=tuple(notes))
+
+
+def _exact(policy, model, layout, hw, full, fb, wbps, rbps, d2h, h2d, notes):
+    t = hw.iteration_s
+    w = policy.window
+    weights = model.params_total * WEIGHT_BYTES / layout.gpus
+    # A frame: one group's fp32 state and moments, plus the compute weights of the groups
+    # not yet active in the window ((W-1)/2 of W on average).
+    frame = full / w + weights * (w - 1) / (2 * w)
+    copy = frame / d2h
+    stall = max(0.0, copy - fb)
+    write = frame / wbps
+    if write > t:
+        # Every frame goes to storage: a backlog that only grows.
+        raise Infeasible(f"exact W={w}: storage needs {write:.2f} s per frame, more than an "
+                         f"iteration ({t:g} s)")
+    protect, extra, rebuild = _redundancy(policy, layout, hw, frame * w, w * t, notes)
+    host = 2 * w * frame + extra  # the current and the previous window
+    replay = 1.5 * w  # from the start of the last complete window
+    window_bytes = frame * w
+    software = FailureRecovery(hw.restart_s + window_bytes / h2d, replay + copy / t, 0.0,
+                               "memory")
+    if policy.redundancy != "none" and layout.nodes >= 2:
+        node = FailureRecovery(hw.restart_s + hw.node_replace_s + rebuild + window_bytes / h2d,
+                               replay + max(copy, protect) / t, 0.0, "peers")
+    else:
+        node = FailureRecovery(hw.restart_s + hw.node_replace_s + window_bytes / rbps,
+                               replay + max(copy, write) / t, 0.0, "storage")
+    return PolicyCosts(policy, model.num_experts, frame, frame, copy, write, stall, stall,
+                       protect, host, software, node, storage_every=w, memory_every=w,
+                       notes=tuple(notes))
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A policy's analytic outcome at one MTBF."""
+
+    costs: PolicyCosts
+    mtbf_s: float
+    node_fraction: float
+    ettr: float
+    plt: float
+    """Accumulated PLT (share of expert assignments whose updates are lost)."""
+    expected_downtime_s: float
+    expected_lost_iterations: float
+
+
+def predict(policy: Policy, model: ModelShape, layout: Layout, hw: Hardware, mtbf_s: float,
+            node_fraction: float = 0.0) -> Prediction:
+    """The analytic ETTR and PLT of ``policy`` (MoEtion's formula, failure kinds mixed).
+
+    Raises:
+        ValueError: MTBF <= 0, or ``node_fraction`` outside [0, 1].
+    """
+    if not mtbf_s > 0:
+        raise ValueError(f"the MTBF must be > 0 seconds, got {mtbf_s}")
+    if not 0 <= node_fraction <= 1:
+        raise ValueError(f"the node-failure fraction must be in [0, 1], got {node_fraction}")
+    costs = policy_costs(policy, model, layout, hw, mtbf_s)
+    t = hw.iteration_s
+    downtime, lost, plt = costs.expected_recovery(node_fraction)
+    step = t + costs.overhead_per_iteration_s
+    recovery = downtime + lost * step
+    ettr = 1 / (1 + costs.overhead_per_iteration_s / t) / (1 + recovery / mtbf_s)
+    failures_per_iteration = step / mtbf_s
+    return Prediction(costs, mtbf_s, node_fraction, ettr, failures_per_iteration * plt,
+                      downtime, lost)
+
+

@@ -1,0 +1,124 @@
+"""The best settings of each policy family for one cluster and MTBF (pure).
+
+Each family's candidate settings (intervals, K, windows, redundancy) are scored with
+the analytic model (:func:`deepspeed_ext.planning.costs.predict`); a candidate whose
+accumulated PLT exceeds the limit, or that holds more host memory per rank than allowed,
+is out. The best of each family is returned, best family first.
+"""
+
+from dataclasses import dataclass
+from typing import Iterable, List, Optional, Sequence
+
+from deepspeed_ext.planning.costs import (POLICIES, Hardware, Layout, ModelShape, Policy,
+                                          Prediction, predict)
+
+INTERVALS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
+WINDOWS = (1, 2, 4, 8, 16, 32, 64)
+PERSIST_INTERVALS = (1, 5, 10, 20, 50, 100, 200, 500, 1000)
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """What a recommendation must respect."""
+
+    plt_limit: float = 0.0375
+    """Accumulated PLT a policy may reach (the MoC paper's accuracy bound)."""
+    host_memory_gb: float = 0.0
+    """Host memory per rank for snapshots/frames/redundancy; 0: unlimited."""
+    node_fraction: float = 0.0
+    """Share of failures that lose a node's memory."""
+
+    def __post_init__(self):
+        if not 0 <= self.plt_limit <= 1:
+            raise ValueError(f"--plt-limit must be in [0, 1], got {self.plt_limit}")
+        if self.host_memory_gb < 0:
+            raise ValueError("--host-memory-gb must be >= 0")
+        if not 0 <= self.node_fraction <= 1:
+            raise ValueError(f"--node-failure-fraction must be in [0, 1], got {self.node_fraction}")
+
+
+def _ks(n: int) -> List[int]:
+    out, k = [], 1
+    while k < n:
+        out.append(k)
+        k *= 2
+    return out + [n]
+
+
+def candidates(kind: str, model: ModelShape, layout: Layout) -> Iterable[Policy]:
+    """Every setting of ``kind`` the search tries."""
+    n = model.num_experts
+    redundancy = ["none"] + (["replicate", "erasure"] if layout.nodes >= 2 else [])
+    if kind in ("full-sync", "full-async"):
+        for i in INTERVALS:
+            yield Policy(kind, interval=i)
+    elif kind in ("pec", "pec-dynamic"):
+        for i in INTERVALS:
+            for k in _ks(n):
+                yield Policy(kind, interval=i, k=k)
+    elif kind == "two-level":
+        for i in (1, 2, 5, 10, 20, 50):
+            for ks in _ks(n):
+                for kp in [k for k in _ks(n) if k <= ks]:
+                    for p in PERSIST_INTERVALS:
+                        for r in redundancy:
+                            yield Policy(kind, interval=i, k_snapshot=ks, k=kp,
+                                         persist_interval=p, redundancy=r,
+                                         ec_data=max(1, min(4, layout.nodes - 1)))
+    elif kind == "exact":
+        for w in WINDOWS:
+            for r in redundancy:
+                yield Policy(kind, window=w, redundancy=r,
+                             ec_data=max(1, min(4, layout.nodes - 1)))
+    else:
+        raise ValueError(f"unknown policy {kind!r}; choose from {', '.join(POLICIES)}")
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The best setting of one policy family."""
+
+    kind: str
+    best: Optional[Prediction]
+    """None when no setting meets the constraints."""
+    why_none: str = ""
+    tried: int = 0
+
+
+def best_of(kind: str, model: ModelShape, layout: Layout, hw: Hardware, mtbf_s: float,
+            constraints: Constraints) -> Choice:
+    best, tried, reasons = None, 0, set()
+    for policy in candidates(kind, model, layout):
+        tried += 1
+        try:
+            pred = predict(policy, model, layout, hw, mtbf_s, constraints.node_fraction)
+        except ValueError as err:
+            reasons.add(str(err))
+            continue
+        if pred.plt > constraints.plt_limit:
+            reasons.add(f"PLT above {constraints.plt_limit:.2%}")
+            continue
+        if constraints.host_memory_gb and \
+                pred.costs.host_bytes_per_rank > constraints.host_memory_gb * 1e9:
+            reasons.add(f"more than {constraints.host_memory_gb:g} GB of host memory per rank")
+            continue
+        # Ties (common: many settings reach the same ETTR) go to the cheaper one.
+        key = (round(pred.ettr, 6), -pred.costs.host_bytes_per_rank, -pred.plt)
+        if best is None or key > (round(best.ettr, 6), -best.costs.host_bytes_per_rank,
+                                  -best.plt):
+            best = pred
+    return Choice(kind, best, "; ".join(sorted(reasons)) if best is None else "", tried)
+
+
+def recommend(model: ModelShape, layout: Layout, hw: Hardware, mtbf_s: float,
+              constraints: Constraints, kinds: Sequence[str] = POLICIES) -> List[Choice]:
+    """The best setting of each family in ``kinds``, best ETTR first (families with no
+    admissible setting last).
+
+    Raises:
+        ValueError: MTBF <= 0 or an unknown family.
+    """
+    if not mtbf_s > 0:
+        raise ValueError(f"--mtbf must be > 0 seconds, got {mtbf_s}")
+    choices = [best_of(k, model, layout, hw, mtbf_s, constraints) for k in kinds]
+    return sorted(choices, key=lambda c: -(c.best.ettr if c.best else -1.0))

@@ -1,0 +1,164 @@
+#!/usr/bin/env python
+"""Validate ``moc-plan``'s cost model against what we can measure: predicted vs measured
+ETTR and stall, for the policies and MTBFs of one ``benchmarks/exact_bench.py`` run.
+
+    python experiments/plan_validation.py --out runs/plan_validation      # runs the benchmark
+    python experiments/plan_validation.py --bench-json runs/plan_validation/bench.json
+
+Step 1 (unless ``--bench-json``): ``exact_bench.py --phases overhead,recovery,ettr
+--mtbf A,B`` on 2 CPU ranks (``configs/small.yaml``): clean iteration times per policy,
+one crash's restart time per policy, and runs under random crashes at each MTBF.
+
+Step 2: the hardware figures the model needs: the iteration time (the bench's ``none``
+rows), the restart time (median of the recovery rows: fault to load start), and the
+copy and storage bandwidths measured here (``moc-plan calibrate``'s functions).
+
+Step 3: per ETTR run, the model's prediction twice: replaying that run's own crash times
+through the simulator (failures during a restart skipped, as the injector does), and the
+analytic ETTR at the MTBF; next to the measured ETTR (iterations x clean iteration time /
+wall). Per policy, the model's stall per checkpoint against the measured one. Nothing is
+asserted; the table says where the model is off by more than 15 %.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from deepspeed_ext.planning import costs as cm  # noqa: E402
+from deepspeed_ext.planning.calibrate import measure_copy_gbps, measure_storage_gbps  # noqa: E402
+from deepspeed_ext.planning.cli import model_from_config  # noqa: E402
+from deepspeed_ext.planning.simulate import Failure, simulate_run  # noqa: E402
+
+TOLERANCE = 0.15
+
+
+def run_bench(out: str, mtbfs: str, seed: int) -> str:
+    path = os.path.join(out, "bench.json")
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", "exact_bench.py"),
+           "--phases", "overhead,recovery,ettr", "--mtbf", mtbfs, "--seed", str(seed),
+           "--out", os.path.join(out, "bench"), "--json", path]
+    print("running:", " ".join(cmd), flush=True)
+    subprocess.run(cmd, cwd=REPO, check=False)
+    return path
+
+
+def policy_of(name: str, bench: dict) -> cm.Policy:
+    """The cost model's policy for one of exact_bench's policy names."""
+    every = int(bench["options"]["save_interval"])
+    if name == "pec-dynamic":
+        return cm.Policy("pec-dynamic", interval=every, k=1)
+    if name == "two-level-full":
+        return cm.Policy("two-level", interval=1, persist_interval=every)
+    if name.startswith("exact"):
+        rows = {r["policy"]: r for r in bench.get("overhead", []) if r.get("ok")}
+        window = (rows.get(name) or {}).get("window") or 4
+        return cm.Policy("exact", window=int(window))
+    raise ValueError(f"no cost-model policy for {name!r}")
+
+
+def hardware_of(bench: dict, storage_dir: str) -> tuple:
+    clean = {r["policy"]: r for r in bench.get("overhead", []) if r.get("ok")}
+    if "none" not in clean:
+        raise SystemExit("the benchmark has no clean 'none' row: no iteration time")
+    restarts = [r["restart_s"] for r in bench.get("recovery", []) if r.get("restart_s")]
+    copy = measure_copy_gbps()
+    storage = measure_storage_gbps(storage_dir)
+    hw = cm.Hardware(iteration_s=clean["none"]["iter_s_mean"], d2h_gbps=copy, h2d_gbps=copy,
+                     storage_write_gbps=storage["write_gbps"],
+                     storage_read_gbps=storage["read_gbps"], storage_total_gbps=0.0,
+                     restart_s=statistics.median(restarts) if restarts else 5.0)
+    sources = {"iteration_s": "exact_bench none rows", "restart_s":
+               f"median of {len(restarts)} recovery rows (fault to load start)",
+               "d2h_gbps": "measured copy into shared memory",
+               "storage": f"measured write+fsync / cold read under {storage_dir}"}
+    return hw, sources
+
+
+def compare(bench: dict, hw: cm.Hardware) -> list:
+    opts = bench["options"]
+    model = model_from_config(os.path.join(REPO, opts["config"]))
+    nproc = int(opts["nproc"])
+    layout = cm.Layout(nproc, nproc, nproc)
+    rows = []
+    for r in bench.get("ettr", []):
+        if not r.get("ok") or r.get("ettr") is None:
+            continue
+        policy = policy_of(r["policy"], bench)
+        trace = [Failure(t) for t in sorted(r.get("fault_times_s") or [])]
+        sim = simulate_run(policy, model, layout, hw, int(r["iters"]), trace, r["mtbf_s"],
+                           downtime_failures=False)
+        pred = cm.predict(policy, model, layout, hw, r["mtbf_s"])
+        rows.append({"policy": r["policy"], "model_policy": policy.label(), "mtbf_s": r["mtbf_s"],
+                     "failures": r["failures"], "measured_ettr": r["ettr"],
+                     "trace_ettr": sim.ettr, "analytic_ettr": pred.ettr,
+                     "trace_error": sim.ettr / r["ettr"] - 1,
+                     "analytic_error": pred.ettr / r["ettr"] - 1,
+                     "measured_redone": r.get("redone"), "model_redone": sim.redone_iterations})
+    return rows
+
+
+def stalls(bench: dict, hw: cm.Hardware) -> list:
+    opts = bench["options"]
+    model = model_from_config(os.path.join(REPO, opts["config"]))
+    nproc = int(opts["nproc"])
+    layout = cm.Layout(nproc, nproc, nproc)
+    out = []
+    for r in bench.get("overhead", []):
+        if not r.get("ok") or r["policy"] == "none" or r.get("stall_ms_median") is None:
+            continue
+        try:
+            policy = policy_of(r["policy"], bench)
+        except ValueError:
+            continue
+        costs = cm.policy_costs(policy, model, layout, hw, 60.0)
+        out.append({"policy": r["policy"], "measured_stall_ms": r["stall_ms_median"],
+                    "model_stall_ms": 1000 * costs.stall_s})
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="runs/plan_validation")
+    p.add_argument("--bench-json", help="Use this exact_bench.py JSON instead of running it.")
+    p.add_argument("--mtbf", default="8,16", help="The MTBFs of the ETTR runs (seconds).")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--json", help="Write the comparison here.")
+    opts = p.parse_args()
+    os.makedirs(opts.out, exist_ok=True)
+    path = opts.bench_json or run_bench(opts.out, opts.mtbf, opts.seed)
+    with open(path) as f:
+        bench = json.load(f)
+    hw, sources = hardware_of(bench, opts.out)
+    print("\nhardware:", {k: round(v, 4) if isinstance(v, float) else v
+                          for k, v in vars(hw).items()})
+    for k, v in sources.items():
+        print(f"  {k}: {v}")
+    rows = compare(bench, hw)
+    print(f"\n{'policy':<16} {'MTBF':>5} {'fail':>4} {'measured':>8} {'trace':>7} {'err':>7} "
+          f"{'analytic':>8} {'err':>7} {'redone m/sim':>13}")
+    for r in rows:
+        flag = "" if abs(r["trace_error"]) <= TOLERANCE else "  > 15 %"
+        print(f"{r['policy']:<16} {r['mtbf_s']:>5g} {r['failures']:>4} {r['measured_ettr']:>8.3f} "
+              f"{r['trace_ettr']:>7.3f} {r['trace_error']:>+7.1%} {r['analytic_ettr']:>8.3f} "
+              f"{r['analytic_error']:>+7.1%} {r['measured_redone']!s:>6}/{r['model_redone']:<6.1f}"
+              f"{flag}")
+    st = stalls(bench, hw)
+    if st:
+        print(f"\n{'policy':<16} {'stall measured (ms)':>20} {'model (ms)':>11}")
+        for r in st:
+            print(f"{r['policy']:<16} {r['measured_stall_ms']:>20.1f} {r['model_stall_ms']:>11.1f}")
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump({"hardware": vars(hw), "sources": sources, "ettr": rows, "stall": st}, f,
+                      indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
