@@ -40,7 +40,10 @@ def hardware_from_json(path: str) -> Hardware:
     except (OSError, ValueError) as err:
         raise ValueError(f"--hardware {path}: {err}") from None
     known = {f.name for f in fields(Hardware)}
-    values = data.get("hardware", data)
+    values = data.get("hardware", data) if isinstance(data, dict) else None
+    if not isinstance(values, dict):
+        raise ValueError(f"--hardware {path}: expected a JSON object of hardware figures "
+                         f"(what moc-plan calibrate writes)")
     unknown = sorted(set(values) - known)
     if unknown:
         raise ValueError(f"--hardware {path}: unknown field(s) {unknown}; known: {sorted(known)}")
@@ -159,7 +162,8 @@ def from_benchmark_json(paths: List[str]) -> Dict[str, Any]:
                 found["iteration_s"] = (row["iter_s_mean"], f"{path}: no-checkpoint iterations")
             if system in ("replicate", "erasure") and row.get("bandwidth_mib_s"):
                 # Each rank's share of its node's link: times the ranks per node.
-                per_node = data.get("config", {}).get("ranks_per_node", 1)
+                config = data.get("config") if isinstance(data, dict) else None
+                per_node = (config or {}).get("ranks_per_node", 1)
                 found["network_gbps"] = (row["bandwidth_mib_s"] * 2**20 * per_node / GB,
                                          f"{path}: {system} protection bandwidth")
             if system == "none" and row.get("iter_s_mean"):

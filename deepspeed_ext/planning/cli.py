@@ -92,6 +92,16 @@ def _cluster(opts):
     return model, layout, _hardware(opts)
 
 
+def _constraints(opts) -> Constraints:
+    unknown = [k for k in opts.policies.split(",") if k not in cm.POLICIES]
+    if unknown:
+        raise PlanError(f"--policies: unknown {unknown}; choose from {', '.join(cm.POLICIES)}")
+    try:
+        return Constraints(opts.plt_limit, opts.host_memory_gb, opts.node_failure_fraction)
+    except ValueError as err:
+        raise PlanError(str(err)) from None
+
+
 def _mtbfs(text: str) -> List[float]:
     try:
         values = [float(v) for v in text.split(",") if v.strip()]
@@ -121,7 +131,7 @@ def _fmt_bytes(n: float) -> str:
 
 def cmd_recommend(opts) -> int:
     model, layout, hw = _cluster(opts)
-    constraints = Constraints(opts.plt_limit, opts.host_memory_gb, opts.node_failure_fraction)
+    constraints = _constraints(opts)
     mtbf = _mtbfs(opts.mtbf)
     if len(mtbf) != 1:
         raise PlanError("recommend takes one --mtbf")
@@ -173,7 +183,9 @@ def training_flags(p: cm.Policy) -> List[str]:
         return flags + ["--save-interval", str(p.interval)]
     if p.kind in ("pec", "pec-dynamic"):
         flags += ["--save-interval", str(p.interval), "--moc-pec-k", str(p.k)]
-        return flags + (["--moc-dynamic-k"] if p.kind == "pec-dynamic" else [])
+        if p.kind == "pec-dynamic":
+            flags += ["--moc-dynamic-k", "--moc-plt-threshold", f"{p.plt_threshold:g}"]
+        return flags
     if p.kind == "exact":
         return flags + ["--moc-mode", "exact", "--moc-window", str(p.window)]
     flags += ["--moc-two-level", "--moc-snapshot-interval", str(p.interval),
@@ -223,8 +235,13 @@ def cmd_simulate(opts) -> int:
             raise PlanError(f"--trace: {err}") from None
         except ValueError as err:
             raise PlanError(f"--trace {opts.trace}: {err}") from None
-    constraints = Constraints(opts.plt_limit, opts.host_memory_gb, opts.node_failure_fraction)
+    constraints = _constraints(opts)
     explicit = [parse_policy(p) for p in opts.policy or []]
+    for text, p in zip(opts.policy or [], explicit):
+        try:
+            cm.policy_costs(p, model, layout, hw, mtbfs[0])
+        except ValueError as err:
+            raise PlanError(f"--policy {text}: {err}") from None
     seeds = list(range(opts.seed, opts.seed + opts.seeds))
     print(_describe(model, layout, hw))
     print(f"{opts.iterations} iterations per run, {len(seeds)} seed(s), "

@@ -1,7 +1,7 @@
 """The cost model: what each checkpoint policy costs a given model, layout and hardware.
 
-Pure functions over plain dataclasses. Units: bytes, seconds, iterations. Formulas
-(``DESIGN.md`` sections 2.4 and 3):
+Pure functions over plain dataclasses. Units: bytes, seconds, iterations. Formulas (the
+MoC paper's overhead model, Eq. 3-16, and MoEtion's ETTR):
 
 * State per parameter: ``STATE_BYTES`` (fp32 master weights plus Adam's two moments, what
   MoC saves); compute weights ``WEIGHT_BYTES`` (bf16). Under ZeRO-2 with expert
@@ -135,9 +135,13 @@ class Hardware:
         for name in ("iteration_s", "d2h_gbps", "h2d_gbps", "storage_write_gbps",
                      "storage_read_gbps", "network_gbps"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.storage_total_gbps < 0 or self.restart_s < 0 or self.node_replace_s < 0:
-            raise ValueError("storage_total_gbps, restart_s and node_replace_s must be >= 0")
+                flag = "--iteration-time" if name == "iteration_s" else \
+                    "--" + name.replace("_", "-")
+                raise ValueError(f"{name} ({flag}) must be > 0, got {getattr(self, name)}")
+        for name in ("storage_total_gbps", "restart_s", "node_replace_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be >= 0, got "
+                                 f"{getattr(self, name)}")
         if not 0 < self.fwd_bwd_fraction <= 1:
             raise ValueError(f"fwd_bwd_fraction must be in (0, 1], got {self.fwd_bwd_fraction}")
 
@@ -192,8 +196,9 @@ class Policy:
             raise ValueError("an exact policy needs a window >= 1")
         if self.redundancy not in REDUNDANCY:
             raise ValueError(f"redundancy must be one of {', '.join(REDUNDANCY)}")
-        if self.redundancy != "none" and self.kind not in ("two-level", "exact"):
-            raise ValueError(f"redundancy protects in-memory snapshots: not with {self.kind}")
+        if self.redundancy != "none" and self.kind != "two-level":
+            # What the trainer runs: --moc-redundancy protects two-level snapshots only.
+            raise ValueError(f"redundancy protects two-level snapshots: not with {self.kind}")
         if self.ec_data < 1:
             raise ValueError("ec_data must be >= 1")
 
@@ -349,7 +354,8 @@ def policy_costs(policy: Policy, model: ModelShape, layout: Layout, hw: Hardware
                          f"{effective} iterations, not {interval}")
             interval = effective
         lost = interval / 2 + persist / t
-        load = size / rbps
+        # Every expert is read back, each from the checkpoint holding its newest version.
+        load = full / rbps
         plt = _staleness(interval, n, k)
         rec = FailureRecovery(hw.restart_s + load, lost, plt, "storage")
         return PolicyCosts(policy, k, size, size, copy, persist, stall, stall / interval, 0.0,
@@ -411,7 +417,7 @@ def _two_level(policy, model, layout, hw, full, fb, wbps, rbps, d2h, h2d, notes)
         lost = persist_every / 2 + persist / t
         share = _lost_share(model, layout)
         plt = share * _staleness(persist_every, n, kp) + (1 - share) * mem_plt
-        node = FailureRecovery(hw.restart_s + hw.node_replace_s + persisted / rbps, lost, plt,
+        node = FailureRecovery(hw.restart_s + hw.node_replace_s + full / rbps, lost, plt,
                                "storage+memory")
     return PolicyCosts(policy, kp, snap, persisted, copy, persist, stall, stall / every,
                        protect, host, software, node, storage_every=persist_every,

@@ -48,7 +48,11 @@ def _ks(n: int) -> List[int]:
 def candidates(kind: str, model: ModelShape, layout: Layout) -> Iterable[Policy]:
     """Every setting of ``kind`` the search tries."""
     n = model.num_experts
-    redundancy = ["none"] + (["replicate", "erasure"] if layout.nodes >= 2 else [])
+    # Only settings the trainer accepts: erasure groups of ec_data + 1 nodes must divide
+    # the nodes (deepspeed_ext.redundancy.check_layout).
+    ec = [d for d in (1, 2, 3, 4, 7) if layout.nodes >= 2 and layout.nodes % (d + 1) == 0]
+    redundancy = [("none", 1)] + ([("replicate", 1)] if layout.nodes >= 2 else []) \
+        + [("erasure", d) for d in ec]
     if kind in ("full-sync", "full-async"):
         for i in INTERVALS:
             yield Policy(kind, interval=i)
@@ -61,15 +65,12 @@ def candidates(kind: str, model: ModelShape, layout: Layout) -> Iterable[Policy]
             for ks in _ks(n):
                 for kp in [k for k in _ks(n) if k <= ks]:
                     for p in PERSIST_INTERVALS:
-                        for r in redundancy:
+                        for r, d in redundancy:
                             yield Policy(kind, interval=i, k_snapshot=ks, k=kp,
-                                         persist_interval=p, redundancy=r,
-                                         ec_data=max(1, min(4, layout.nodes - 1)))
+                                         persist_interval=p, redundancy=r, ec_data=d)
     elif kind == "exact":
         for w in WINDOWS:
-            for r in redundancy:
-                yield Policy(kind, window=w, redundancy=r,
-                             ec_data=max(1, min(4, layout.nodes - 1)))
+            yield Policy(kind, window=w)
     else:
         raise ValueError(f"unknown policy {kind!r}; choose from {', '.join(POLICIES)}")
 

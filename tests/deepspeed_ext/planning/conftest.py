@@ -1,0 +1,45 @@
+"""Shared toy cluster for the planning tests: round numbers so every cost is hand-computable.
+
+Per-rank figures of the toy cluster (8 GPUs, 4 per node, EP 8; 2 nodes):
+
+* full state per rank: (1e6 + 8e6) params * 12 B / 8 ranks = 13.5e6 B
+* storage write per rank: 0.4 GB/s per node / 4 ranks = 1e8 B/s
+* storage read per rank:  0.8 GB/s / 4 = 2e8 B/s
+* network per rank:       1 GB/s / 4 = 2.5e8 B/s
+* device-to-host:         1 GB/s = 1e9 B/s; host-to-device 2 GB/s = 2e9 B/s
+* forward+backward:       0.5 * 1 s = 0.5 s
+"""
+
+import pytest
+
+from deepspeed_ext.planning.costs import Hardware, Layout, ModelShape
+
+
+def toy_model(**overrides) -> ModelShape:
+    values = dict(name="toy", params_non_expert=1_000_000, params_expert=8_000_000,
+                  num_experts=8, num_moe_layers=2, tokens_per_iteration=1000)
+    values.update(overrides)
+    return ModelShape(**values)
+
+
+def toy_hardware(**overrides) -> Hardware:
+    values = dict(iteration_s=1.0, d2h_gbps=1.0, h2d_gbps=2.0, storage_write_gbps=0.4,
+                  storage_read_gbps=0.8, storage_total_gbps=0.0, network_gbps=1.0,
+                  restart_s=10.0, fwd_bwd_fraction=0.5, node_replace_s=0.0)
+    values.update(overrides)
+    return Hardware(**values)
+
+
+@pytest.fixture
+def model() -> ModelShape:
+    return toy_model()
+
+
+@pytest.fixture
+def layout() -> Layout:
+    return Layout(gpus=8, gpus_per_node=4, ep=8)
+
+
+@pytest.fixture
+def hw() -> Hardware:
+    return toy_hardware()

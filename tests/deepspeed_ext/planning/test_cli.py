@@ -1,0 +1,332 @@
+"""``moc-plan`` in process: recommend, simulate, bad inputs, flags, model and hardware files."""
+
+import json
+import os
+
+import pytest
+
+from deepspeed_ext.planning import calibrate
+from deepspeed_ext.planning.cli import main, model_from_config, parse_policy, training_flags
+from deepspeed_ext.planning.costs import Hardware, Policy
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
+CONFIG = os.path.join(REPO, "configs", "gpt-350m-16e.yaml")
+CLUSTER = ["--config", CONFIG, "--gpus", "16", "--mtbf", "3600"]
+
+
+def _error(capsys, argv, *needles):
+    """Run ``argv``; expect exit code 2 and every needle in the message."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moc-plan: error: ")
+    for needle in needles:
+        assert needle in err, err
+    return err
+
+
+# --- model and hardware files -----------------------------------------------------------------
+
+def test_model_from_config():
+    m = model_from_config(CONFIG)
+    assert m.name == "gpt-350m-16e"
+    assert m.num_experts == 16
+    assert m.num_moe_layers == 12
+    assert m.params_total == pytest.approx(1.87e9, rel=0.01)
+    assert m.params_expert == pytest.approx(1.61e9, rel=0.01)
+    assert m.params_non_expert == m.params_total - m.params_expert
+    assert m.tokens_per_iteration > 0
+
+
+def test_model_from_missing_config(tmp_path):
+    with pytest.raises(ValueError, match="--config: file not found"):
+        model_from_config(str(tmp_path / "nope.yaml"))
+
+
+def test_hardware_from_json(tmp_path):
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps({"hardware": {"iteration_s": 2.5, "restart_s": 30.0},
+                                "sources": {}}))
+    hw = calibrate.hardware_from_json(str(path))
+    assert hw == Hardware(iteration_s=2.5, restart_s=30.0)
+    # the flat form (written by hand)
+    path.write_text(json.dumps({"iteration_s": 1.5, "d2h_gbps": 5}))
+    assert calibrate.hardware_from_json(str(path)).d2h_gbps == 5
+
+
+def test_hardware_from_json_rejects_unknown_fields(tmp_path):
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps({"iteration_s": 1.0, "bogus": 1, "zzz_speed": 2}))
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['bogus', 'zzz_speed'\]") as err:
+        calibrate.hardware_from_json(str(path))
+    assert str(path) in str(err.value)
+    path.write_text(json.dumps({"iteration_s": -1.0}))
+    with pytest.raises(ValueError, match=r"iteration_s \(--iteration-time\) must be > 0"):
+        calibrate.hardware_from_json(str(path))
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="--hardware"):
+        calibrate.hardware_from_json(str(path))
+
+
+def test_hardware_from_json_list_is_a_clear_error(tmp_path):
+    path = tmp_path / "hw.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="--hardware"):
+        calibrate.hardware_from_json(str(path))
+
+
+def test_from_benchmark_json(tmp_path):
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({
+        "config": {"ranks_per_node": 4},
+        "rows": [{"system": "no-checkpoint", "iter_s_mean": 0.75},
+                 {"system": "replicate", "bandwidth_mib_s": 1000.0},
+                 {"system": "two-level", "iter_s_mean": 0.9}]}))
+    found = calibrate.from_benchmark_json([str(path)])
+    assert set(found) == {"iteration_s", "network_gbps"}
+    assert found["iteration_s"][0] == 0.75
+    assert "no-checkpoint" in found["iteration_s"][1]
+    # 1000 MiB/s per rank x 4 ranks per node = 1000 * 2**20 * 4 / 1e9 GB/s
+    assert found["network_gbps"][0] == pytest.approx(4.194304)
+    assert "replicate protection bandwidth" in found["network_gbps"][1]
+
+
+def test_from_benchmark_json_phase_lists_and_restart(tmp_path):
+    path = tmp_path / "exact.json"
+    path.write_text(json.dumps({"train": [{"mode": "none", "iter_s_mean": 0.5}],
+                                "restart": [{"mode": "exact", "restart_s": 42.0}]}))
+    found = calibrate.from_benchmark_json([str(path)])
+    assert found["iteration_s"][0] == 0.5
+    assert found["restart_s"][0] == 42.0
+
+
+def test_from_benchmark_json_top_level_list(tmp_path):
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps([{"system": "replicate", "bandwidth_mib_s": 1000.0}]))
+    found = calibrate.from_benchmark_json([str(path)])
+    assert found["network_gbps"][0] == pytest.approx(1000 * 2**20 / 1e9)
+
+
+def test_measure_storage_gbps(tmp_path):
+    out = calibrate.measure_storage_gbps(str(tmp_path / "sub"), mbytes=8)
+    assert set(out) == {"write_gbps", "read_gbps"}
+    assert out["write_gbps"] > 0 and out["read_gbps"] > 0
+    assert os.listdir(tmp_path / "sub") == []              # its file is removed
+
+
+# --- trainer flags ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("policy,flags", [
+    (Policy("full-sync", interval=50),
+     "--moc-checkpoint --save-interval 50 --moc-sync-save"),
+    (Policy("full-async", interval=5), "--moc-checkpoint --save-interval 5"),
+    (Policy("pec", interval=10, k=2), "--moc-checkpoint --save-interval 10 --moc-pec-k 2"),
+    (Policy("pec-dynamic", interval=10, k=1),
+     "--moc-checkpoint --save-interval 10 --moc-pec-k 1 --moc-dynamic-k --moc-plt-threshold 0.0375"),
+    (Policy("exact", window=8), "--moc-checkpoint --moc-mode exact --moc-window 8"),
+    (Policy("two-level", interval=2, persist_interval=10),
+     "--moc-checkpoint --moc-two-level --moc-snapshot-interval 2 --moc-persist-interval 10"),
+    (Policy("two-level", interval=1, persist_interval=100, k_snapshot=4, k=1,
+            redundancy="erasure", ec_data=3),
+     "--moc-checkpoint --moc-two-level --moc-snapshot-interval 1 --moc-persist-interval 100 "
+     "--moc-k-snapshot 4 --moc-k-persist 1 --moc-redundancy erasure --moc-ec-data 3"),
+    (Policy("two-level", redundancy="replicate"),
+     "--moc-checkpoint --moc-two-level --moc-snapshot-interval 1 --moc-persist-interval 1 "
+     "--moc-redundancy replicate"),
+])
+def test_training_flags(policy, flags):
+    assert " ".join(training_flags(policy)) == flags
+
+
+def test_training_flags_parse_with_the_trainer():
+    from megatron.training.arguments import parse_args
+    flags = training_flags(Policy("two-level", interval=2, persist_interval=10, k_snapshot=4,
+                                  k=2, redundancy="replicate"))
+    args = parse_args(["--config", CONFIG, "--data-path", "unused"] + flags)
+    assert args.moc_two_level and args.moc_snapshot_interval == 2
+    assert args.moc_persist_interval == 10 and args.moc_k_snapshot == 4
+    assert args.moc_k_persist == 2 and args.moc_redundancy == "replicate"
+
+
+def test_pec_dynamic_threshold_in_the_flags():
+    flags = training_flags(Policy("pec-dynamic", interval=10, k=1, plt_threshold=0.1))
+    assert "--moc-plt-threshold" in flags
+
+
+def test_parse_policy():
+    assert parse_policy("two-level:interval=1,persist_interval=10") == \
+        Policy("two-level", interval=1, persist_interval=10)
+    assert parse_policy("pec-dynamic:k=2,plt-threshold=0.5") == \
+        Policy("pec-dynamic", k=2, plt_threshold=0.5)
+    assert parse_policy("two-level:redundancy=erasure,ec_data=2") == \
+        Policy("two-level", redundancy="erasure", ec_data=2)
+    with pytest.raises(ValueError, match="--policy pec:k=x: k must be a number"):
+        parse_policy("pec:k=x")
+    with pytest.raises(ValueError, match="--policy exact: .*needs a window"):
+        parse_policy("exact")
+    with pytest.raises(ValueError, match="unknown setting 'kind'"):
+        parse_policy("pec:kind=exact")
+
+
+# --- recommend ------------------------------------------------------------------------------
+
+def test_recommend_prints_table_and_flags(capsys, tmp_path):
+    out_json = tmp_path / "rec.json"
+    assert main(["recommend"] + CLUSTER + ["--iteration-time", "1.2",
+                                           "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    assert "gpt-350m-16e: 1.87B parameters (1.61B in 16 experts x 12 MoE layers) on 16 GPUs" \
+        in out
+    assert "MTBF 3600 s" in out
+    assert "policy " in out and "ETTR" in out
+    lines = out.splitlines()
+    rec = [ln for ln in lines if ln.startswith("recommended: ")]
+    assert len(rec) == 1
+    flags = [ln for ln in lines if ln.strip().startswith("trainer flags: --moc-checkpoint")]
+    assert len(flags) == 1
+    data = json.loads(out_json.read_text())
+    assert data["mtbf_s"] == 3600
+    assert data["hardware"]["iteration_s"] == 1.2
+    assert data["layout"]["gpus"] == 16
+    assert data["model"]["num_experts"] == 16
+    rows = data["rows"]
+    assert sorted(r["policy"] for r in rows) == sorted(
+        ["full-sync", "full-async", "pec", "pec-dynamic", "two-level", "exact"])
+    scored = [r["ettr"] for r in rows if r.get("ettr") is not None]
+    assert scored == sorted(scored, reverse=True)
+    best = rows[0]
+    assert 0 < best["ettr"] <= 1
+    assert f"recommended: {best['label']} (predicted ETTR {best['ettr']:.3f})" == rec[0]
+    assert flags[0].strip() == "trainer flags: " + " ".join(
+        training_flags(Policy(**best["settings"])))
+    # one table line per family
+    for r in rows:
+        assert any(ln.startswith(r["policy"] + " ") for ln in lines)
+
+
+def test_recommend_with_hardware_file(capsys, tmp_path):
+    path = tmp_path / "hw.json"
+    path.write_text(json.dumps({"hardware": {"iteration_s": 2.0, "restart_s": 5.0}}))
+    assert main(["recommend"] + CLUSTER + ["--hardware", str(path), "--restart-s", "7",
+                                           "--policies", "full-sync,pec"]) == 0
+    out = capsys.readouterr().out
+    assert "iteration 2 s, restart 7 s" in out                 # the flag beats the file
+    assert "exact" not in out and "two-level" not in out
+
+
+# --- simulate -------------------------------------------------------------------------------
+
+def test_simulate_explicit_policy(capsys, tmp_path):
+    out_json = tmp_path / "sim.json"
+    assert main(["simulate"] + CLUSTER + ["--iteration-time", "1.2", "--seeds", "2",
+                                          "--iterations", "2000", "--json", str(out_json),
+                                          "--policy",
+                                          "two-level:interval=1,persist_interval=10"]) == 0
+    out = capsys.readouterr().out
+    assert "2000 iterations per run, 2 seed(s)" in out
+    assert "two-level every 1 Ks=all persist/10" in out
+    data = json.loads(out_json.read_text())
+    assert data["iterations"] == 2000 and data["seeds"] == [0, 1]
+    (row,) = data["rows"]
+    assert row["policy"] == "two-level" and row["runs"] == 2 and row["mtbf_s"] == 3600
+    assert row["settings"]["persist_interval"] == 10
+    assert 0 < row["ettr"] <= 1 and 0 < row["ettr_model"] <= 1
+    assert row["plt"] == 0.0
+
+
+def test_simulate_trace_and_several_mtbfs(capsys, tmp_path):
+    trace = tmp_path / "trace.txt"
+    trace.write_text("# failures\n100 software\n500 node\n")
+    out_json = tmp_path / "sim.json"
+    argv = ["simulate", "--config", CONFIG, "--gpus", "16", "--mtbf", "600,3600",
+            "--iteration-time", "1", "--iterations", "1000", "--trace", str(trace),
+            "--policy", "full-async:interval=10", "--policy", "pec:interval=10,k=4",
+            "--json", str(out_json)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"trace {trace}" in out
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [(r["mtbf_s"], r["policy"]) for r in rows] == [
+        (600, "full-async"), (600, "pec"), (3600, "full-async"), (3600, "pec")]
+    assert all(r["runs"] == 1 and r["failures"] == 2 for r in rows)
+
+
+def test_simulate_default_policies_and_plot(capsys, tmp_path):
+    png = tmp_path / "out.png"
+    argv = ["simulate"] + CLUSTER + ["--iteration-time", "1.2", "--seeds", "1",
+                                     "--iterations", "500", "--policies", "full-async,pec",
+                                     "--plot", str(png)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"plot: {png}" in out
+    assert png.stat().st_size > 1000
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# --- bad inputs -----------------------------------------------------------------------------
+
+def test_bad_mtbf(capsys):
+    _error(capsys, ["recommend", "--config", CONFIG, "--gpus", "16", "--mtbf", "0",
+                    "--iteration-time", "1.2"], "--mtbf must be > 0")
+    _error(capsys, ["recommend", "--config", CONFIG, "--gpus", "16", "--mtbf", "abc",
+                    "--iteration-time", "1.2"], "--mtbf: expected seconds")
+    _error(capsys, ["recommend", "--config", CONFIG, "--gpus", "16", "--mtbf", "60,600",
+                    "--iteration-time", "1.2"], "recommend takes one --mtbf")
+
+
+def test_bad_layout(capsys):
+    _error(capsys, ["recommend", "--config", CONFIG, "--gpus", "12", "--gpus-per-node", "8",
+                    "--mtbf", "3600", "--iteration-time", "1.2"],
+           "--gpus 12", "--gpus-per-node 8")
+    _error(capsys, ["recommend"] + CLUSTER + ["--ep", "3", "--iteration-time", "1.2"],
+           "--ep 3 must divide --gpus 16")
+
+
+def test_missing_config(capsys, tmp_path):
+    missing = str(tmp_path / "missing.yaml")
+    _error(capsys, ["recommend", "--config", missing, "--gpus", "16", "--mtbf", "3600",
+                    "--iteration-time", "1.2"], "--config", "file not found", missing)
+
+
+def test_unknown_policy_key(capsys):
+    _error(capsys, ["simulate"] + CLUSTER + ["--iteration-time", "1.2",
+                                             "--policy", "two-level:bogus=1"],
+           "--policy two-level:bogus=1", "unknown setting 'bogus'")
+
+
+def test_no_iteration_time(capsys):
+    _error(capsys, ["recommend"] + CLUSTER, "--iteration-time", "--hardware")
+
+
+def test_malformed_trace(capsys, tmp_path):
+    trace = tmp_path / "bad.txt"
+    trace.write_text("100 software\nnot-a-number node\n")
+    _error(capsys, ["simulate"] + CLUSTER + ["--iteration-time", "1.2", "--trace", str(trace),
+                                             "--policy", "full-async"],
+           f"--trace {trace}", "trace line 2")
+    _error(capsys, ["simulate"] + CLUSTER + ["--iteration-time", "1.2",
+                                             "--trace", str(tmp_path / "none.txt"),
+                                             "--policy", "full-async"], "--trace")
+
+
+def test_other_bad_inputs(capsys, tmp_path):
+    _error(capsys, ["simulate"] + CLUSTER + ["--iteration-time", "1.2", "--seeds", "0"],
+           "--seeds must be >= 1")
+    _error(capsys, ["simulate"] + CLUSTER + ["--iteration-time", "1.2", "--iterations", "0"],
+           "--iterations must be >= 1")
+    _error(capsys, ["recommend"] + CLUSTER + ["--iteration-time", "1.2",
+                                              "--node-failure-fraction", "2"],
+           "--node-failure-fraction must be in [0, 1]")
+    _error(capsys, ["recommend"] + CLUSTER + ["--iteration-time", "1.2", "--plt-limit", "-1"],
+           "--plt-limit must be in [0, 1]")
+    hw = tmp_path / "hw.json"
+    hw.write_text(json.dumps({"iteration_s": 1.0, "bogus": 1}))
+    _error(capsys, ["recommend"] + CLUSTER + ["--hardware", str(hw)],
+           f"--hardware {hw}", "'bogus'")
+
+
+def test_argparse_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as err:
+        main(["recommend", "--config", CONFIG, "--mtbf", "3600"])   # no --gpus
+    assert err.value.code == 2
+    assert "--gpus" in capsys.readouterr().err

@@ -1,0 +1,187 @@
+"""The settings search: constructed cases with a known best family, constraints, ordering."""
+
+import pytest
+
+from deepspeed_ext import redundancy as rd
+from deepspeed_ext.planning.cli import training_flags
+from deepspeed_ext.planning.costs import POLICIES, Layout, predict
+from deepspeed_ext.planning.search import Constraints, _ks, best_of, candidates, recommend
+from tests.deepspeed_ext.planning.conftest import toy_hardware
+
+
+def _by_kind(choices):
+    return {c.kind: c for c in choices}
+
+
+def test_ks():
+    assert _ks(8) == [1, 2, 4, 8]
+    assert _ks(6) == [1, 2, 4, 6]
+    assert _ks(1) == [1]
+
+
+def test_candidate_counts(model, layout):
+    one_node = Layout(gpus=4, gpus_per_node=4)
+    assert len(list(candidates("full-sync", model, layout))) == 12       # INTERVALS
+    assert len(list(candidates("pec", model, layout))) == 12 * 4         # x K in 1,2,4,8
+    assert len(list(candidates("exact", model, layout))) == 7            # no redundancy
+    assert len(list(candidates("exact", model, one_node))) == 7          # no peers
+    # two-level: 6 intervals x (1+2+3+4) (Ks, K<=Ks) x 9 persist intervals x redundancy
+    assert len(list(candidates("two-level", model, one_node))) == 6 * 10 * 9
+    assert len(list(candidates("two-level", model, layout))) == 6 * 10 * 9 * 3
+    assert all(p.k <= p.k_snapshot for p in candidates("two-level", model, layout))
+    with pytest.raises(ValueError, match="unknown policy 'nope'"):
+        list(candidates("nope", model, layout))
+
+
+def test_slow_storage_no_node_failures_prefers_memory(model, layout):
+    # 1e-5 GB/s per node: a full checkpoint takes 13.5e6 / 2.5e3 = 5400 s per rank.
+    hw = toy_hardware(storage_write_gbps=1e-5)
+    choices = recommend(model, layout, hw, 3600.0, Constraints(node_fraction=0.0))
+    kinds = _by_kind(choices)
+    assert choices[0].kind == "two-level"
+    assert choices[0].best.costs.software.source == "memory"
+    assert choices[0].best.ettr > 0.99
+    # storage-bound families: every checkpoint lags 5400 s
+    for kind in ("full-sync", "full-async"):
+        assert kinds[kind].best.ettr < 0.5
+        assert kinds[kind].best.ettr < choices[0].best.ettr
+    # exact writes every frame to storage: infeasible at every window
+    assert kinds["exact"].best is None
+    assert "per frame, more than an iteration" in kinds["exact"].why_none
+    assert choices[-1].kind == "exact"
+    assert kinds["exact"].tried == 7
+
+
+def test_memory_policy_best_when_storage_slow_and_exact_feasible(model, layout):
+    # storage slow enough that full checkpoints cost much, but a W=64 frame (1.32e6 B)
+    # still fits in an iteration: 0.01 GB/s -> 2.5e6 B/s per rank.
+    hw = toy_hardware(storage_write_gbps=0.01, storage_read_gbps=0.01)
+    choices = recommend(model, layout, hw, 600.0, Constraints())
+    kinds = _by_kind(choices)
+    assert choices[0].kind == "two-level"
+    # W=1..8 frames take >= 1.07 s to write: the smallest feasible window is 16
+    assert kinds["exact"].best.costs.policy.window == 16
+    for kind in ("full-sync", "full-async"):
+        assert kinds[kind].best.ettr < kinds["two-level"].best.ettr
+
+
+def test_plt_limit_zero_excludes_partial_experts(model, layout, hw):
+    choices = recommend(model, layout, hw, 600.0, Constraints(plt_limit=0.0, node_fraction=0.5))
+    kinds = _by_kind(choices)
+    for c in choices:
+        assert c.best is not None
+        assert c.best.plt == 0.0
+    assert kinds["pec"].best.costs.policy.k == 8
+    assert kinds["pec"].best.costs.k_effective == 8
+    assert kinds["pec-dynamic"].best.costs.k_effective == 8
+    tl = kinds["two-level"].best.costs.policy
+    assert tl.k_snapshot == 8
+    # a node failure goes back to a persist with K < N only without peers' copies
+    assert tl.redundancy != "none" or tl.k in (0, 8)
+    # the same search with a loose limit picks a K < N for pec (less to write, same ETTR
+    # rounding, or better): the limit is what forced K = N
+    loose = best_of("pec", model, layout, hw, 600.0, Constraints(plt_limit=1.0))
+    assert loose.best.plt > 0.0
+
+
+def test_plt_limit_keeps_pec_below_it(model, layout, hw):
+    limit = 0.01
+    c = best_of("pec", model, layout, hw, 600.0, Constraints(plt_limit=limit))
+    assert c.best.plt <= limit
+    # brute force: the best admissible candidate's ETTR
+    admissible = [predict(p, model, layout, hw, 600.0) for p in candidates("pec", model, layout)]
+    admissible = [p for p in admissible if p.plt <= limit]
+    assert round(c.best.ettr, 6) == round(max(p.ettr for p in admissible), 6)
+    assert c.tried == 48
+
+
+def test_tiny_host_memory_leaves_only_full_sync(model, layout, hw):
+    choices = recommend(model, layout, hw, 600.0, Constraints(host_memory_gb=1e-9))
+    assert choices[0].kind == "full-sync"
+    assert choices[0].best.costs.host_bytes_per_rank == 0.0
+    for c in choices[1:]:
+        assert c.best is None
+        assert "more than 1e-09 GB of host memory per rank" in c.why_none
+
+
+def test_host_memory_limit_excludes_big_snapshots(model, layout, hw):
+    # 0.02 GB = 2e7 B per rank: a full async buffer (13.5e6) fits; three full snapshots
+    # (40.5e6) do not; exact needs 2 W frames (>= 27e6 at W=1).
+    choices = recommend(model, layout, hw, 600.0, Constraints(host_memory_gb=0.02))
+    kinds = _by_kind(choices)
+    for c in choices:
+        if c.best is not None:
+            assert c.best.costs.host_bytes_per_rank <= 2e7
+    assert kinds["exact"].best is None
+    assert "host memory" in kinds["exact"].why_none
+    # two-level must snapshot few experts: 3 x (1e6 + 8e6 Ks/8) x 1.5 <= 2e7 -> Ks <= 2
+    assert kinds["two-level"].best.costs.policy.k_snapshot <= 2
+    assert kinds["full-async"].best is not None
+    # unlimited: two-level may hold full snapshots
+    free = best_of("two-level", model, layout, hw, 600.0, Constraints(host_memory_gb=0.0))
+    assert free.best is not None
+
+
+def test_results_sorted_by_ettr(model, layout, hw):
+    for constraints in (Constraints(), Constraints(node_fraction=1.0),
+                        Constraints(host_memory_gb=0.02)):
+        choices = recommend(model, layout, hw, 300.0, constraints)
+        assert sorted(c.kind for c in choices) == sorted(POLICIES)
+        scored = [c.best.ettr for c in choices if c.best is not None]
+        assert scored == sorted(scored, reverse=True)
+        first_none = next((i for i, c in enumerate(choices) if c.best is None), len(choices))
+        assert all(c.best is None for c in choices[first_none:])
+
+
+def test_recommend_subset_of_families(model, layout, hw):
+    choices = recommend(model, layout, hw, 600.0, Constraints(), ["full-sync", "pec"])
+    assert sorted(c.kind for c in choices) == ["full-sync", "pec"]
+
+
+def test_node_failures_favour_redundancy(model, layout):
+    # every failure loses a node and storage is slow to read back: peers beat storage
+    hw = toy_hardware(storage_write_gbps=0.01, storage_read_gbps=0.01, network_gbps=10)
+    c = best_of("two-level", model, layout, hw, 600.0, Constraints(node_fraction=1.0))
+    assert c.best.costs.policy.redundancy in ("replicate", "erasure")
+    assert c.best.costs.node.source == "peers"
+
+
+def test_recommend_errors(model, layout, hw):
+    with pytest.raises(ValueError, match="--mtbf must be > 0 seconds"):
+        recommend(model, layout, hw, 0.0, Constraints())
+    with pytest.raises(ValueError, match="unknown policy 'bogus'"):
+        recommend(model, layout, hw, 600.0, Constraints(), ["bogus"])
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(plt_limit=-0.1), r"--plt-limit must be in \[0, 1\]"),
+    (dict(plt_limit=1.5), r"--plt-limit must be in \[0, 1\]"),
+    (dict(host_memory_gb=-1.0), "--host-memory-gb must be >= 0"),
+    (dict(node_fraction=-0.5), r"--node-failure-fraction must be in \[0, 1\]"),
+    (dict(node_fraction=2.0), r"--node-failure-fraction must be in \[0, 1\]"),
+])
+def test_constraints_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Constraints(**kwargs)
+
+
+# --- what the search proposes must be runnable by the trainer --------------------------------
+
+def test_exact_candidates_are_expressible_as_trainer_flags(model, layout):
+    for p in candidates("exact", model, layout):
+        assert p.redundancy == "none" or "--moc-redundancy" in training_flags(p), p.label()
+
+
+def test_erasure_candidates_fit_the_trainers_node_groups(model):
+    layout = Layout(gpus=64, gpus_per_node=8)              # 8 nodes
+    topo = rd.Topology(layout.gpus, layout.gpus_per_node)
+    for p in candidates("two-level", model, layout):
+        if p.redundancy == "erasure":
+            rd.check_layout(rd.RedundancySpec("erasure", 1, p.ec_data, 1), topo)
+
+
+def test_erasure_candidates_on_two_nodes_fit(model, layout):
+    topo = rd.Topology(layout.gpus, layout.gpus_per_node)  # 2 nodes: ec_data 1, groups of 2
+    ecs = {p.ec_data for p in candidates("two-level", model, layout) if p.redundancy == "erasure"}
+    assert ecs == {1}
+    rd.check_layout(rd.RedundancySpec("erasure", 1, 1, 1), topo)
