@@ -170,6 +170,10 @@ def from_benchmark_json(paths: List[str]) -> Dict[str, Any]:
                 found["iteration_s"] = (row["iter_s_mean"], f"{path}: none iterations")
             if row.get("restart_s"):
                 found["restart_s"] = (row["restart_s"], f"{path}: {system} restart")
+            # exact_bench: pec-dynamic's median save call (storage-bound, asynchronous)
+            if system == "pec-dynamic" and row.get("stall_ms_median"):
+                found["save_call_s"] = (row["stall_ms_median"] / 1000,
+                                        f"{path}: pec-dynamic median save call")
     return found
 
 

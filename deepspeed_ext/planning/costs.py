@@ -130,6 +130,11 @@ class Hardware:
     initialisation, rendezvous)."""
     node_replace_s: float = 0.0
     """Extra seconds a node failure costs (a replacement node joining)."""
+    save_call_s: float = 0.0
+    """The training loop's fixed cost of a save that goes to storage, besides its copy:
+    the write plan, the checkpoint directory's collective, handing off to the writer
+    (``moc-plan calibrate --from-json`` reads it from a benchmark; 20 ms was measured for
+    configs/small.yaml on 2 CPU ranks)."""
 
     def __post_init__(self):
         for name in ("iteration_s", "d2h_gbps", "h2d_gbps", "storage_write_gbps",
@@ -138,7 +143,7 @@ class Hardware:
                 flag = "--iteration-time" if name == "iteration_s" else \
                     "--" + name.replace("_", "-")
                 raise ValueError(f"{name} ({flag}) must be > 0, got {getattr(self, name)}")
-        for name in ("storage_total_gbps", "restart_s", "node_replace_s"):
+        for name in ("storage_total_gbps", "restart_s", "node_replace_s", "save_call_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} (--{name.replace('_', '-')}) must be >= 0, got "
                                  f"{getattr(self, name)}")
@@ -332,7 +337,7 @@ def policy_costs(policy: Policy, model: ModelShape, layout: Layout, hw: Hardware
         size = full
         copy = size / d2h
         persist = size / wbps
-        stall = copy + persist
+        stall = copy + persist + hw.save_call_s
         interval = policy.interval
         lost = interval / 2
         load = size / rbps
@@ -345,7 +350,7 @@ def policy_costs(policy: Policy, model: ModelShape, layout: Layout, hw: Hardware
         size = _rank_state(model, layout, k)
         copy = size / d2h
         persist = size / wbps
-        stall = max(0.0, copy - fb)
+        stall = hw.save_call_s + max(0.0, copy - fb)
         interval = policy.interval
         if persist > interval * t:
             # A save is skipped while the previous one is still being written.
@@ -419,7 +424,9 @@ def _two_level(policy, model, layout, hw, full, fb, wbps, rbps, d2h, h2d, notes)
         plt = share * _staleness(persist_every, n, kp) + (1 - share) * mem_plt
         node = FailureRecovery(hw.restart_s + hw.node_replace_s + full / rbps, lost, plt,
                                "storage+memory")
-    return PolicyCosts(policy, kp, snap, persisted, copy, persist, stall, stall / every,
+    # Memory-only snapshots run no collective; a persisted one pays the save call.
+    overhead = stall / every + hw.save_call_s / persist_every
+    return PolicyCosts(policy, kp, snap, persisted, copy, persist, stall, overhead,
                        protect, host, software, node, storage_every=persist_every,
                        memory_every=every, notes=tuple(notes))
 

@@ -96,13 +96,16 @@ def _durable(progress: float, interval: float, lag_iterations: float) -> float:
 
 def simulate_run(policy: Policy, model: ModelShape, layout: Layout, hw: Hardware,
                  iterations: int, failures: Sequence[Failure], mtbf_s: float,
-                 downtime_failures: bool = True) -> RunResult:
+                 downtime_failures: bool = True, uptime_clock: bool = False) -> RunResult:
     """Simulate ``iterations`` useful iterations under ``failures`` (sorted by time).
 
     ``mtbf_s`` is used only for pec-dynamic's starting costs (its K then follows the
     simulated PLT, not the formula). ``downtime_failures=False``: failures that fall
     due while the job is down are skipped (as this repository's fault injector does: its
     clock only fires inside the training loop) instead of restarting the recovery.
+    ``uptime_clock``: failure times count seconds of training (downtime excluded), so a
+    trace measured on a real run keeps each failure at the same point of its training
+    segment even when the simulated downtimes differ from the real ones.
     """
     if iterations < 1:
         raise ValueError("iterations must be >= 1")
@@ -118,10 +121,16 @@ def simulate_run(policy: Policy, model: ModelShape, layout: Layout, hw: Hardware
     count = 0
     queue = list(failures)
     index = 0
+    uptime = 0.0  # seconds spent training so far (the uptime clock)
     while True:
         step = t_iter + costs.overhead_per_iteration_s
         start_iteration = done
-        next_failure = queue[index].time_s if index < len(queue) else math.inf
+        if index >= len(queue):
+            next_failure = math.inf
+        elif uptime_clock:
+            next_failure = wall + max(0.0, queue[index].time_s - uptime)
+        else:
+            next_failure = queue[index].time_s
         finish = wall + (iterations - done) * step
         if finish <= next_failure:
             wall = finish
@@ -129,8 +138,9 @@ def simulate_run(policy: Policy, model: ModelShape, layout: Layout, hw: Hardware
             break
         failure = queue[index]
         index += 1
-        progress = (failure.time_s - wall) / step
-        wall = failure.time_s
+        progress = (next_failure - wall) / step
+        uptime += next_failure - wall
+        wall = next_failure
         count += 1
         rec = costs.node if failure.kind == "node" else costs.software
         interval, lag = _checkpoint_grid(costs, failure.kind, t_iter)
@@ -141,7 +151,7 @@ def simulate_run(policy: Policy, model: ModelShape, layout: Layout, hw: Hardware
             lost_expert += rec.plt
         # Downtime; failures inside it start the recovery over.
         end = wall + rec.downtime_s
-        while index < len(queue) and queue[index].time_s < end:
+        while not uptime_clock and index < len(queue) and queue[index].time_s < end:
             if downtime_failures:
                 count += 1
                 wall = queue[index].time_s

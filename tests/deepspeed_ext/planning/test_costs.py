@@ -445,3 +445,22 @@ def test_policy_labels():
         "two-level every 1 Ks=all persist/10"
     assert Policy("two-level", interval=2, k=1, k_snapshot=4, redundancy="erasure",
                   ec_data=3).label() == "two-level every 2 K=1 Ks=4 persist/1 erasure(3+1)"
+
+
+def test_save_call_cost_is_paid_by_saves_that_go_to_storage(model, layout):
+    hw = toy_hardware(save_call_s=0.02)
+    base = toy_hardware()
+    pec = policy_costs(Policy("pec", interval=10, k=2), model, layout, hw)
+    pec0 = policy_costs(Policy("pec", interval=10, k=2), model, layout, base)
+    assert pec.stall_s == approx(pec0.stall_s + 0.02)
+    assert pec.overhead_per_iteration_s == approx(pec0.overhead_per_iteration_s + 0.002)
+    # two-level: a memory-only snapshot pays nothing, every 5th (persisted) pays the call
+    two = policy_costs(Policy("two-level", interval=1, persist_interval=5), model, layout, hw)
+    two0 = policy_costs(Policy("two-level", interval=1, persist_interval=5), model, layout, base)
+    assert two.stall_s == approx(two0.stall_s)
+    assert two.overhead_per_iteration_s == approx(two0.overhead_per_iteration_s + 0.02 / 5)
+    # exact: frames run no collective
+    ex = policy_costs(Policy("exact", window=8), model, layout, hw)
+    assert ex.stall_s == approx(policy_costs(Policy("exact", window=8), model, layout, base).stall_s)
+    with pytest.raises(ValueError, match=r"save_call_s \(--save-call-s\) must be >= 0"):
+        toy_hardware(save_call_s=-1)
