@@ -115,11 +115,15 @@ def uptime_trace(run_dir: str, fault_times: list) -> list:
     return out
 
 
-def compare(bench: dict, hw: cm.Hardware) -> list:
+def model_and_layout(bench: dict) -> tuple:
+    """The benchmark's model, on one node of ``--nproc`` ranks, expert-parallel over all."""
     opts = bench["options"]
-    model = model_from_config(os.path.join(REPO, opts["config"]))
     nproc = int(opts["nproc"])
-    layout = cm.Layout(nproc, nproc, nproc)
+    return model_from_config(os.path.join(REPO, opts["config"])), cm.Layout(nproc, nproc, nproc)
+
+
+def compare(bench: dict, hw: cm.Hardware) -> list:
+    model, layout = model_and_layout(bench)
     rows = []
     for r in bench.get("ettr", []):
         if not r.get("ok") or r.get("ettr") is None:
@@ -148,10 +152,7 @@ def compare(bench: dict, hw: cm.Hardware) -> list:
 
 
 def stalls(bench: dict, hw: cm.Hardware) -> list:
-    opts = bench["options"]
-    model = model_from_config(os.path.join(REPO, opts["config"]))
-    nproc = int(opts["nproc"])
-    layout = cm.Layout(nproc, nproc, nproc)
+    model, layout = model_and_layout(bench)
     out = []
     for r in bench.get("overhead", []):
         if not r.get("ok") or r["policy"] == "none" or r.get("stall_ms_median") is None:
