@@ -11,6 +11,7 @@ Exit codes: 0 done, 2 bad input (the message names the flag).
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -226,6 +227,9 @@ def parse_policy(text: str) -> cm.Policy:
 def cmd_simulate(opts) -> int:
     model, layout, hw = _cluster(opts)
     mtbfs = _mtbfs(opts.mtbf)
+    if opts.plot and importlib.util.find_spec("matplotlib") is None:
+        # Checked before the simulation, not after it.
+        raise PlanError("--plot needs matplotlib: pip install -e .[bench]")
     trace = None
     if opts.trace:
         try:

@@ -252,6 +252,7 @@ def test_simulate_trace_and_several_mtbfs(capsys, tmp_path):
 
 
 def test_simulate_default_policies_and_plot(capsys, tmp_path):
+    pytest.importorskip("matplotlib")  # the [bench] extra; CI's venv has only [test]
     png = tmp_path / "out.png"
     argv = ["simulate"] + CLUSTER + ["--iteration-time", "1.2", "--seeds", "1",
                                      "--iterations", "500", "--policies", "full-async,pec",
@@ -330,3 +331,14 @@ def test_argparse_errors_exit_2(capsys):
         main(["recommend", "--config", CONFIG, "--mtbf", "3600"])   # no --gpus
     assert err.value.code == 2
     assert "--gpus" in capsys.readouterr().err
+
+
+def test_plot_without_matplotlib_is_a_clear_error(capsys, tmp_path, monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    _error(capsys, ["simulate"] + CLUSTER + ["--iteration-time", "1.2", "--seeds", "1",
+                                             "--iterations", "100", "--plot",
+                                             str(tmp_path / "x.png")],
+           "--plot needs matplotlib")
