@@ -197,7 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-failures", type=float, default=None,
                    help="Failures an ETTR run should see on average, for the automatic "
                         "--mtbf (default 4; quick 2).")
-    p.add_argument("--seed", type=int, default=1, help="--moc-fault-seed (every policy).")
+    p.add_argument("--seed", default="1",
+                   help="--moc-fault-seed (every policy), or several comma-separated: the ETTR "
+                        "phase runs each policy at each MTBF once per seed.")
     p.add_argument("--max-restarts", type=int, default=20, help="ETTR runs: torchrun restarts.")
     p.add_argument("--nproc", type=int, default=2, help="CPU ranks (expert-parallel 2).")
     p.add_argument("--config", default="configs/small.yaml", help="Model config.")
@@ -216,6 +218,13 @@ def finish_options(opts) -> None:
     for key, (full, quick) in defaults.items():
         if getattr(opts, key) is None:
             setattr(opts, key, quick if opts.quick else full)
+    try:
+        opts.seeds = [int(x) for x in str(opts.seed).split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"error: --seed: expected integers, got {opts.seed!r}")
+    if not opts.seeds:
+        raise SystemExit("error: --seed: at least one")
+    opts.seed = opts.seeds[0]
     if opts.mtbf is not None:
         try:
             opts.mtbf = [float(m) for m in str(opts.mtbf).split(",") if m.strip()]
@@ -621,8 +630,8 @@ def measure_recovery(run: dict, opts) -> dict:
     return row
 
 
-def measure_ettr(run: dict, opts, mtbf: float, clean: dict) -> dict:
-    row = {"policy": run["name"], "ok": not _failure(run), "mtbf_s": mtbf, "seed": opts.seed,
+def measure_ettr(run: dict, opts, mtbf: float, clean: dict, seed: int) -> dict:
+    row = {"policy": run["name"], "ok": not _failure(run), "mtbf_s": mtbf, "seed": seed,
            "iters": run["iters"], "wall_s": run["wall_s"], "run_dir": run["run_dir"]}
     events = _events(run)
     faults = [e for e in events if e.get("kind") == "fault"]
@@ -731,14 +740,15 @@ def tables(results: dict) -> str:
                      "-> load start; replay: load end -> back at the last iteration finished "
                      "before the crash; crash->back: the sum.")
     if results.get("ettr"):
-        head = ["policy", "MTBF (s)", "failures", "recoveries", "redone", "K final", "PLT acc.",
+        head = ["policy", "MTBF (s)", "seed", "failures", "recoveries", "redone", "K final", "PLT acc.",
                 "wall (s)", "ETTR", "ETTR own", "E[R] (s)", "ETTR model"]
         rows = []
         for r in results["ettr"]:
             if not r["ok"]:
                 rows.append(_failed_cells(r, len(head)))
                 continue
-            rows.append([r["policy"], f"{r['mtbf_s']:.1f}", str(r["failures"]), str(r["recoveries"]),
+            rows.append([r["policy"], f"{r['mtbf_s']:.1f}", str(r["seed"]), str(r["failures"]),
+                         str(r["recoveries"]),
                          str(r["redone"]), _f(r.get("k_final"), "d"),
                          f"{100 * (r.get('cumulative_plt') or 0.0):.2f} %",
                          _f(r.get("train_wall_s"), ".1f"), _f(r.get("ettr"), ".3f"),
@@ -746,8 +756,9 @@ def tables(results: dict) -> str:
                          _f(r.get("ettr_model"), ".3f")])
         e = results["ettr"][0]
         mtbfs = ", ".join(f"{m:g}" for m in dict.fromkeys(r["mtbf_s"] for r in results["ettr"]))
+        seeds = ", ".join(str(x) for x in dict.fromkeys(r["seed"] for r in results["ettr"]))
         parts.append(f"### ETTR under random crashes (--moc-fault-mtbf {mtbfs} "
-                     f"--moc-fault-seed {e['seed']}, {e['iters']} iterations; ETTR = iterations "
+                     f"--moc-fault-seed {seeds}, {e['iters']} iterations; ETTR = iterations "
                      f"x T_iter(none) / wall)\n\n" + _md(head, rows) + "\n\nwall: first "
                      "training start -> last iteration (restarts included); ETTR own: with the "
                      "policy's own fault-free T_iter; E[R]: (wall - iterations x own T_iter) / "
@@ -921,17 +932,19 @@ def main() -> int:
             results["mtbf_note"] = ("from none's iteration time" if t else
                                     "none's iteration time not measured: 10 s")
         results["ettr"] = []
-        for mtbf in mtbfs:
-            for name in fault_policies:
-                where = name if len(mtbfs) == 1 else f"{name}-mtbf{mtbf:g}"
-                run = run_job(name, name, opts, data, os.path.join(out, "ettr", where),
-                              restarts=opts.max_restarts, iters=opts.ettr_iters,
-                              extra=["--moc-fault-mtbf", str(mtbf), "--moc-fault-seed",
-                                     str(opts.seed)])
-                row = measure_ettr(run, opts, mtbf, clean)
-                row["ettr_model"] = ettr_model(name, clean, recovery, mtbf)
-                results["ettr"].append(row)
-                progress("ettr", row, run)
+        for seed in opts.seeds:
+            for mtbf in mtbfs:
+                for name in fault_policies:
+                    where = name + ("" if len(mtbfs) == 1 else f"-mtbf{mtbf:g}") \
+                        + ("" if len(opts.seeds) == 1 else f"-seed{seed}")
+                    run = run_job(name, name, opts, data, os.path.join(out, "ettr", where),
+                                  restarts=opts.max_restarts, iters=opts.ettr_iters,
+                                  extra=["--moc-fault-mtbf", str(mtbf), "--moc-fault-seed",
+                                         str(seed)])
+                    row = measure_ettr(run, opts, mtbf, clean, seed)
+                    row["ettr_model"] = ettr_model(name, clean, recovery, mtbf)
+                    results["ettr"].append(row)
+                    progress("ettr", row, run)
     results["total_s"] = time.time() - began
 
     text = tables(results)
