@@ -77,7 +77,7 @@ Columns of the overhead table:
   others ``-``.
 - ``stall med/max (ms)``: exact: the close line's waits of the training loop for a frame
   copy or write (rank 0); pec and two-level: the save calls ("saved checkpoint ... in X s",
-  10 ms resolution); ``-``: no save in the loop.
+  1 ms resolution); ``-``: no save in the loop.
 - ``W``: the exact window (from the close line).
 
 Columns of the recovery table (one crash, ``crash@N:rank=1``):

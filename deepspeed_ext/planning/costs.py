@@ -130,6 +130,13 @@ class Hardware:
     initialisation, rendezvous)."""
     node_replace_s: float = 0.0
     """Extra seconds a node failure costs (a replacement node joining)."""
+    warmup_s: float = 0.0
+    """Extra seconds the first iterations of a (re)started job take (allocations, caches)."""
+    background_s_per_gb: float = 0.0
+    """Seconds the training loop loses per GB a rank copies or writes in the background:
+    0 where copies are DMA and writes run on otherwise idle host cores; on CPU training
+    the copy and write threads share the cores with compute (``moc-plan calibrate
+    --from-json`` derives it from a benchmark's clean two-level run)."""
     save_call_s: float = 0.0
     """The training loop's fixed cost of a save that goes to storage, besides its copy:
     the write plan, the checkpoint directory's collective, handing off to the writer
@@ -143,7 +150,8 @@ class Hardware:
                 flag = "--iteration-time" if name == "iteration_s" else \
                     "--" + name.replace("_", "-")
                 raise ValueError(f"{name} ({flag}) must be > 0, got {getattr(self, name)}")
-        for name in ("storage_total_gbps", "restart_s", "node_replace_s", "save_call_s"):
+        for name in ("storage_total_gbps", "restart_s", "node_replace_s", "save_call_s",
+                     "warmup_s", "background_s_per_gb"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} (--{name.replace('_', '-')}) must be >= 0, got "
                                  f"{getattr(self, name)}")
@@ -278,6 +286,11 @@ class PolicyCosts:
                 mix(s.plt, n.plt))
 
 
+def _background(hw: Hardware, nbytes_per_iteration: float) -> float:
+    """Seconds per iteration the background copies and writes take from training."""
+    return hw.background_s_per_gb * nbytes_per_iteration / GB
+
+
 def _rank_state(model: ModelShape, layout: Layout, k: int) -> float:
     """Bytes of fp32 state one rank saves with ``k`` experts per layer (0: all)."""
     k = k or model.num_experts
@@ -341,7 +354,7 @@ def policy_costs(policy: Policy, model: ModelShape, layout: Layout, hw: Hardware
         interval = policy.interval
         lost = interval / 2
         load = size / rbps
-        rec = FailureRecovery(hw.restart_s + load, lost, 0.0, "storage")
+        rec = FailureRecovery(hw.restart_s + hw.warmup_s + load, lost, 0.0, "storage")
         return PolicyCosts(policy, n, size, size, copy, persist, stall, stall / interval, 0.0,
                            0.0, rec, replace(rec, downtime_s=rec.downtime_s + node_extra),
                            storage_every=interval)
@@ -362,8 +375,10 @@ def policy_costs(policy: Policy, model: ModelShape, layout: Layout, hw: Hardware
         # Every expert is read back, each from the checkpoint holding its newest version.
         load = full / rbps
         plt = _staleness(interval, n, k)
-        rec = FailureRecovery(hw.restart_s + load, lost, plt, "storage")
-        return PolicyCosts(policy, k, size, size, copy, persist, stall, stall / interval, 0.0,
+        rec = FailureRecovery(hw.restart_s + hw.warmup_s + load, lost, plt, "storage")
+        background = _background(hw, (size + size) / interval)  # the copy, then its write
+        return PolicyCosts(policy, k, size, size, copy, persist, stall,
+                           stall / interval + background, 0.0,
                            size, rec, replace(rec, downtime_s=rec.downtime_s + node_extra),
                            storage_every=interval, notes=tuple(notes))
     if kind == "two-level":
@@ -411,10 +426,10 @@ def _two_level(policy, model, layout, hw, full, fb, wbps, rbps, d2h, h2d, notes)
     # Software failure: memory survives; the newest snapshot is complete one copy later.
     mem_lost = every / 2 + copy / t
     mem_plt = _staleness(every, n, ks) if ks < n else 0.0
-    software = FailureRecovery(hw.restart_s + snap / h2d, mem_lost, mem_plt, "memory")
+    software = FailureRecovery(hw.restart_s + hw.warmup_s + snap / h2d, mem_lost, mem_plt, "memory")
     if policy.redundancy != "none" and layout.nodes >= 2:
         lag = max(copy, protect)
-        node = FailureRecovery(hw.restart_s + hw.node_replace_s + rebuild + snap / h2d,
+        node = FailureRecovery(hw.restart_s + hw.warmup_s + hw.node_replace_s + rebuild + snap / h2d,
                                every / 2 + lag / t, mem_plt, "peers")
     else:
         # Two-level recovery: the lost node's ranks load from storage, the others take
@@ -422,10 +437,11 @@ def _two_level(policy, model, layout, hw, full, fb, wbps, rbps, d2h, h2d, notes)
         lost = persist_every / 2 + persist / t
         share = _lost_share(model, layout)
         plt = share * _staleness(persist_every, n, kp) + (1 - share) * mem_plt
-        node = FailureRecovery(hw.restart_s + hw.node_replace_s + full / rbps, lost, plt,
+        node = FailureRecovery(hw.restart_s + hw.warmup_s + hw.node_replace_s + full / rbps, lost, plt,
                                "storage+memory")
     # Memory-only snapshots run no collective; a persisted one pays the save call.
-    overhead = stall / every + hw.save_call_s / persist_every
+    overhead = stall / every + hw.save_call_s / persist_every \
+        + _background(hw, snap / every + persisted / persist_every)
     return PolicyCosts(policy, kp, snap, persisted, copy, persist, stall, overhead,
                        protect, host, software, node, storage_every=persist_every,
                        memory_every=every, notes=tuple(notes))
@@ -449,15 +465,17 @@ def _exact(policy, model, layout, hw, full, fb, wbps, rbps, d2h, h2d, notes):
     host = 2 * w * frame + extra  # the current and the previous window
     replay = 1.5 * w  # from the start of the last complete window
     window_bytes = frame * w
-    software = FailureRecovery(hw.restart_s + window_bytes / h2d, replay + copy / t, 0.0,
+    software = FailureRecovery(hw.restart_s + hw.warmup_s + window_bytes / h2d, replay + copy / t, 0.0,
                                "memory")
     if policy.redundancy != "none" and layout.nodes >= 2:
-        node = FailureRecovery(hw.restart_s + hw.node_replace_s + rebuild + window_bytes / h2d,
+        node = FailureRecovery(hw.restart_s + hw.warmup_s + hw.node_replace_s + rebuild + window_bytes / h2d,
                                replay + max(copy, protect) / t, 0.0, "peers")
     else:
-        node = FailureRecovery(hw.restart_s + hw.node_replace_s + window_bytes / rbps,
+        node = FailureRecovery(hw.restart_s + hw.warmup_s + hw.node_replace_s + window_bytes / rbps,
                                replay + max(copy, write) / t, 0.0, "storage")
-    return PolicyCosts(policy, model.num_experts, frame, frame, copy, write, stall, stall,
+    # Every frame is copied, then written to storage.
+    return PolicyCosts(policy, model.num_experts, frame, frame, copy, write, stall,
+                       stall + _background(hw, 2 * frame),
                        protect, host, software, node, storage_every=w, memory_every=w,
                        notes=tuple(notes))
 

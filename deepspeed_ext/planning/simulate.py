@@ -114,7 +114,7 @@ def simulate_run(policy: Policy, model: ModelShape, layout: Layout, hw: Hardware
     current = replace(policy, kind="pec", k=k) if dynamic else policy
     costs = policy_costs(current, model, layout, hw, mtbf_s)
     t_iter = hw.iteration_s
-    wall = 0.0
+    wall = hw.warmup_s  # the first start's slower first iterations
     done = 0.0  # iterations completed and durable-or-not, of the useful run
     redone = 0.0
     lost_expert = 0.0  # iterations' worth of lost expert updates (PLT numerator)

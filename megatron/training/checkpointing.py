@@ -87,7 +87,7 @@ def save_checkpoint(engine, args: argparse.Namespace, scheduler, state: ResumeSt
         if log:
             print_rank_0(f"[{time.strftime('%H:%M:%S')}] saved checkpoint at iteration "
                          f"{state.iteration:7d} to {args.save}/{tag} in "
-                         f"{time.perf_counter() - start:.2f} s ({how})")
+                         f"{time.perf_counter() - start:.3f} s ({how})")
         return tag
     dist.barrier()
     if dist.get_rank() == 0:

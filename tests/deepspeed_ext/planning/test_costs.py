@@ -464,3 +464,27 @@ def test_save_call_cost_is_paid_by_saves_that_go_to_storage(model, layout):
     assert ex.stall_s == approx(policy_costs(Policy("exact", window=8), model, layout, base).stall_s)
     with pytest.raises(ValueError, match=r"save_call_s \(--save-call-s\) must be >= 0"):
         toy_hardware(save_call_s=-1)
+
+
+def test_background_work_and_warmup_terms(model, layout):
+    base = toy_hardware()
+    hw = toy_hardware(background_s_per_gb=2.0, warmup_s=3.0)
+    # pec K=2 every 10: 4.5e6 B copied and 4.5e6 B written per checkpoint -> 0.9e6 B per
+    # iteration -> 2 s/GB x 0.9e-3 GB = 1.8 ms per iteration
+    pec, pec0 = (policy_costs(Policy("pec", interval=10, k=2), model, layout, h) for h in (hw, base))
+    assert pec.overhead_per_iteration_s == approx(pec0.overhead_per_iteration_s + 0.0018)
+    assert pec.software.downtime_s == approx(pec0.software.downtime_s + 3.0)
+    # two-level every 1, persist every 5: 13.5e6 copied per iteration + 13.5e6 / 5 written
+    two, two0 = (policy_costs(Policy("two-level", interval=1, persist_interval=5), model,
+                              layout, h) for h in (hw, base))
+    assert two.overhead_per_iteration_s == approx(two0.overhead_per_iteration_s
+                                                  + 2.0 * (13.5e6 + 2.7e6) / 1e9)
+    assert two.node.downtime_s == approx(two0.node.downtime_s + 3.0)
+    # exact: every frame copied and written
+    ex, ex0 = (policy_costs(Policy("exact", window=8), model, layout, h) for h in (hw, base))
+    assert ex.overhead_per_iteration_s == approx(ex0.overhead_per_iteration_s
+                                                 + 2.0 * 2 * ex0.save_bytes_per_rank / 1e9)
+    # the simulator: the first start pays the warm-up too
+    from deepspeed_ext.planning.simulate import simulate_run
+    run = simulate_run(Policy("pec", interval=10, k=2), model, layout, hw, 100, [], 1000.0)
+    assert run.wall_s == approx(3.0 + 100 * (1.0 + pec.overhead_per_iteration_s))
