@@ -37,7 +37,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from deepspeed_ext.planning import costs as cm  # noqa: E402
-from deepspeed_ext.planning.calibrate import measure_copy_gbps, measure_storage_gbps  # noqa: E402
+from deepspeed_ext.planning.calibrate import (exact_bench_figures, measure_copy_gbps,  # noqa: E402
+                                              measure_storage_gbps)
 from deepspeed_ext.planning.cli import model_from_config  # noqa: E402
 from dataclasses import replace  # noqa: E402
 
@@ -100,58 +101,19 @@ def hardware_of(bench: dict, storage_dir: str) -> tuple:
                      storage_write_gbps=storage["write_gbps"],
                      storage_read_gbps=storage["read_gbps"], storage_total_gbps=0.0,
                      restart_s=statistics.median(restarts) if restarts else 5.0,
-                     save_call_s=save_call or 0.0, warmup_s=warmup_of(bench))
-    hw = replace(hw, background_s_per_gb=background_of(bench, hw))
+                     save_call_s=save_call or 0.0)
+    # moc-plan calibrate's own reading of the clean runs: the warm-up of a start and
+    # the background copy/write cost (calibrated on two-level-full alone).
+    figures = exact_bench_figures(bench)
+    hw = replace(hw, **{k: v for k, (v, _) in figures.items()})
     sources = {"iteration_s": "exact_bench none rows", "restart_s":
                f"median of {len(restarts)} recovery rows (fault to load start)",
                "d2h_gbps": "measured copy into shared memory",
                "storage": f"measured write+fsync / cold read under {storage_dir}",
                "save_call_s": "median save call of pec-dynamic's one-crash run"
                if save_call is not None else "not found: 0",
-               "warmup_s": "first 5 iterations of the clean none runs, beyond 5 steady ones",
-               "background_s_per_gb": "the clean two-level-full run's slowdown over none, per "
-                                      "GB it copied and wrote per iteration and rank"}
+               **{k: why for k, (_, why) in exact_bench_figures(bench).items()}}
     return hw, sources
-
-
-ITER = re.compile(r"^\[\s*([0-9.]+)\]  iteration\s+(\d+)/")
-
-
-def warmup_of(bench: dict) -> float:
-    """Extra seconds of a start's first iterations: in the clean ``none`` runs, the time
-    from the training start to the 5th iteration beyond 5 steady iterations (iterations
-    6-10), median over the runs."""
-    extra = []
-    for r in bench.get("overhead", []):
-        if r.get("policy") != "none":
-            continue
-        for one in r.get("rounds") or [r]:
-            try:
-                with open(os.path.join(one["run_dir"], "log.txt"), errors="replace") as f:
-                    lines = f.readlines()
-            except (OSError, KeyError):
-                continue
-            start = next((float(m.group(1)) for line in lines if (m := START.match(line))), None)
-            its = [float(m.group(1)) for line in lines if (m := ITER.match(line))]
-            if start is not None and len(its) >= 10:
-                extra.append(max(0.0, (its[4] - start) - (its[9] - its[4])))
-    return statistics.median(extra) if extra else 0.0
-
-
-def background_of(bench: dict, hw: cm.Hardware) -> float:
-    """Seconds per GB of background copy and write (per rank and iteration) that slowed
-    the clean two-level-full run against none: the one policy it is calibrated on."""
-    clean = {r["policy"]: r for r in bench.get("overhead", []) if r.get("ok")}
-    if "two-level-full" not in clean or "none" not in clean:
-        return 0.0
-    model, layout = model_and_layout(bench)
-    costs = cm.policy_costs(policy_of("two-level-full", bench), model, layout,
-                            replace(hw, background_s_per_gb=0.0), 60.0)
-    moved = costs.save_bytes_per_rank / costs.memory_every \
-        + costs.persist_bytes_per_rank / costs.storage_every
-    slower = clean["two-level-full"]["iter_s_mean"] - clean["none"]["iter_s_mean"] \
-        - costs.overhead_per_iteration_s
-    return max(0.0, slower) / (moved / cm.GB)
 
 
 SAVED = re.compile(r"saved checkpoint at iteration\s+\d+ to .* in ([0-9.]+) s")

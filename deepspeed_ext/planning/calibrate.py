@@ -153,6 +153,7 @@ def from_benchmark_json(paths: List[str]) -> Dict[str, Any]:
     """Figures from benchmark JSON files (any of ``two_level_bench.py``,
     ``redundancy_bench.py``, ``exact_bench.py``); returns ``{field: (value, source)}``."""
     found: Dict[str, Any] = {}
+    restarts: List[tuple] = []
     for path in paths:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -169,12 +170,66 @@ def from_benchmark_json(paths: List[str]) -> Dict[str, Any]:
             if system == "none" and row.get("iter_s_mean"):
                 found["iteration_s"] = (row["iter_s_mean"], f"{path}: none iterations")
             if row.get("restart_s"):
-                found["restart_s"] = (row["restart_s"], f"{path}: {system} restart")
+                restarts.append((row["restart_s"], f"{path}: {system}"))
             # exact_bench: pec-dynamic's median save call (storage-bound, asynchronous)
             if system == "pec-dynamic" and row.get("stall_ms_median"):
                 found["save_call_s"] = (row["stall_ms_median"] / 1000,
                                         f"{path}: pec-dynamic median save call")
+        if isinstance(data, dict) and isinstance(data.get("overhead"), list):
+            found.update({k: (v, f"{path}: {why}")
+                          for k, (v, why) in exact_bench_figures(data).items()})
+    if restarts:
+        found["restart_s"] = (statistics.median(v for v, _ in restarts),
+                              "median restart of " + ", ".join(w for _, w in restarts))
     return found
+
+
+START = re.compile(r"^\[\s*([0-9.]+)\] .*training from iteration \d+ to")
+ITERATION = re.compile(r"^\[\s*([0-9.]+)\]  iteration\s+(\d+)/")
+
+
+def warmup_from_log(path: str) -> Optional[float]:
+    """Extra seconds of a start's first iterations in one stamped run log (exact_bench's
+    ``log.txt``): the training start to the 5th iteration, beyond 5 steady iterations
+    (the 6th to the 10th)."""
+    try:
+        with open(path, errors="replace") as f:
+            lines = f.readlines()
+    except OSError:
+        return None
+    start = next((float(m.group(1)) for line in lines if (m := START.match(line))), None)
+    its = [float(m.group(1)) for line in lines if (m := ITERATION.match(line))]
+    if start is None or len(its) < 10:
+        return None
+    return max(0.0, (its[4] - start) - (its[9] - its[4]))
+
+
+def exact_bench_figures(data: Dict[str, Any]) -> Dict[str, Any]:
+    """From an ``exact_bench.py`` JSON's clean (overhead) runs: ``warmup_s`` (median over
+    the ``none`` runs' logs, where they are still on disk) and ``background_s_per_gb``
+    (how much slower the two-level run's iterations were than none's, beyond its
+    persisted snapshots' save calls, per GB it copied and wrote per iteration and rank).
+    Returns ``{field: (value, why)}``."""
+    out: Dict[str, Any] = {}
+    clean = {r.get("policy"): r for r in data.get("overhead", []) if r.get("ok")}
+    none, two = clean.get("none"), clean.get("two-level-full")
+    if none is not None:
+        runs = none.get("rounds") or [none]
+        warm = [w for r in runs if r.get("run_dir")
+                for w in [warmup_from_log(os.path.join(r["run_dir"], "log.txt"))] if w is not None]
+        if warm:
+            out["warmup_s"] = (statistics.median(warm), "first iterations of the clean none runs")
+    options = data.get("options") or {}
+    if none is not None and two is not None and options.get("nproc"):
+        moved = ((two.get("mem_bytes_per_iter") or 0) + (two.get("storage_bytes_per_iter") or 0)) \
+            / int(options["nproc"])
+        pec = clean.get("pec-dynamic") or {}
+        calls = (pec.get("stall_ms_median") or 0) / 1000 / int(options.get("save_interval") or 10)
+        slower = two["iter_s_mean"] - none["iter_s_mean"] - calls
+        if moved > 0:
+            out["background_s_per_gb"] = (max(0.0, slower) / (moved / GB),
+                                          "clean two-level run's slowdown per GB moved")
+    return out
 
 
 def calibrate(storage_dir: str, config: Optional[str], data_path: Optional[str], nproc: int,
