@@ -94,14 +94,13 @@ def hardware_of(bench: dict, storage_dir: str) -> tuple:
     if "none" not in clean:
         raise SystemExit("the benchmark has no clean 'none' row: no iteration time")
     restarts = [r["restart_s"] for r in bench.get("recovery", []) if r.get("restart_s")]
-    save_call = save_call_of(bench)
+    calls = calls_of(bench)
     copy = measure_copy_gbps()
     storage = measure_storage_gbps(storage_dir)
     hw = cm.Hardware(iteration_s=clean["none"]["iter_s_mean"], d2h_gbps=copy, h2d_gbps=copy,
                      storage_write_gbps=storage["write_gbps"],
                      storage_read_gbps=storage["read_gbps"], storage_total_gbps=0.0,
-                     restart_s=statistics.median(restarts) if restarts else 5.0,
-                     save_call_s=save_call or 0.0)
+                     restart_s=statistics.median(restarts) if restarts else 5.0, **calls)
     # moc-plan calibrate's own reading of the clean runs: the warm-up of a start and
     # the background copy/write cost (calibrated on two-level-full alone).
     figures = exact_bench_figures(bench)
@@ -110,26 +109,12 @@ def hardware_of(bench: dict, storage_dir: str) -> tuple:
                f"median of {len(restarts)} recovery rows (fault to load start)",
                "d2h_gbps": "measured copy into shared memory",
                "storage": f"measured write+fsync / cold read under {storage_dir}",
-               "save_call_s": "median save call of pec-dynamic's one-crash run"
-               if save_call is not None else "not found: 0",
+               "save/snapshot/persist calls": "the first clean run (round 1) of pec-dynamic "
+                                              "and two-level-full" if calls else "not found: 0",
                **{k: why for k, (_, why) in exact_bench_figures(bench).items()}}
     return hw, sources
 
 
-SAVED = re.compile(r"saved checkpoint at iteration\s+\d+ to .* in ([0-9.]+) s")
-
-
-def save_call_of(bench: dict):
-    """The median save call (10 ms resolution) of pec-dynamic's one-crash run: a different
-    run than the overhead runs whose save calls it is compared with."""
-    for r in bench.get("recovery", []):
-        if r.get("policy") != "pec-dynamic" or not r.get("run_dir"):
-            continue
-        with open(os.path.join(r["run_dir"], "log.txt"), errors="replace") as f:
-            calls = [float(m.group(1)) for line in f if (m := SAVED.search(line))]
-        if calls:
-            return statistics.median(calls)
-    return None
 
 
 def restart_of(bench: dict, policy: str):
@@ -201,19 +186,76 @@ def compare(bench: dict, hw: cm.Hardware) -> list:
     return rows
 
 
+SAVED_AT = re.compile(r"saved checkpoint at iteration\s+(\d+) to .* in ([0-9.]+) s")
+PERSISTING = re.compile(r"\[moc\] snapshot \S+ \(step (\d+)\).*persisting")
+
+
+def save_calls(run_dir: str) -> tuple:
+    """(memory-only snapshot calls, calls that went to storage) of one run's log, seconds
+    (the trainer logs them at 1 ms resolution)."""
+    memory, storage, persisted, snapshots = [], [], set(), False
+    with open(os.path.join(run_dir, "log.txt"), errors="replace") as f:
+        lines = f.readlines()
+    for line in lines:
+        m = PERSISTING.search(line)
+        if m:
+            persisted.add(int(m.group(1)))
+        snapshots = snapshots or "[moc] snapshot " in line
+    for line in lines:
+        m = SAVED_AT.search(line)
+        if m:
+            step, took = int(m.group(1)), float(m.group(2))
+            (storage if not snapshots or step in persisted else memory).append(took)
+    return memory, storage
+
+
+def _round_dir(bench: dict, policy: str, k: int):
+    for r in bench.get("overhead", []):
+        if r.get("policy") == policy:
+            rounds = r.get("rounds") or [r]
+            return rounds[k]["run_dir"] if len(rounds) > k else None
+    return None
+
+
+def calls_of(bench: dict) -> dict:
+    """The save-call costs, from each policy's first clean run (round 1): a PEC save, a
+    memory-only snapshot, and what a persisted snapshot adds. {} without round 1 logs."""
+    pec1, two1 = _round_dir(bench, "pec-dynamic", 0), _round_dir(bench, "two-level-full", 0)
+    if not (pec1 and two1):
+        return {}
+    memory1, persisted1 = save_calls(two1)
+    snapshot = statistics.median(memory1)
+    return {"save_call_s": statistics.median(save_calls(pec1)[1]), "snapshot_call_s": snapshot,
+            "persist_call_s": max(0.0, statistics.median(persisted1) - snapshot)}
+
+
 def stalls(bench: dict, hw: cm.Hardware) -> list:
+    """Stall per checkpoint: the model (its call costs calibrated on round 1) against
+    each policy's second clean run (round 2), for every kind of checkpoint; exact mode's
+    frame waits against the model's copy wait."""
     model, layout = model_and_layout(bench)
     out = []
+    pec2, two2 = _round_dir(bench, "pec-dynamic", 1), _round_dir(bench, "two-level-full", 1)
+    if not (pec2 and two2 and hw.snapshot_call_s):
+        return out
+    chw = hw
+    pec = cm.policy_costs(policy_of("pec-dynamic", bench), model, layout, chw, 60.0)
+    two = cm.policy_costs(policy_of("two-level-full", bench), model, layout, chw, 60.0)
+    memory2, persisted2 = save_calls(two2)
+    rows = [("pec-dynamic (a save)", statistics.median(save_calls(pec2)[1]), pec.stall_s),
+            ("two-level-full (a memory snapshot)", statistics.median(memory2), two.stall_s),
+            ("two-level-full (a persisted snapshot)", statistics.median(persisted2),
+             two.stall_s + hw.persist_call_s)]
+    for name, measured, modelled in rows:
+        out.append({"policy": name, "measured_stall_ms": 1000 * measured,
+                    "model_stall_ms": 1000 * modelled,
+                    "error": modelled / measured - 1 if measured else None})
     for r in bench.get("overhead", []):
-        if not r.get("ok") or r["policy"] == "none" or r.get("stall_ms_median") is None:
-            continue
-        try:
-            policy = policy_of(r["policy"], bench)
-        except ValueError:
-            continue
-        costs = cm.policy_costs(policy, model, layout, hw, 60.0)
-        out.append({"policy": r["policy"], "measured_stall_ms": r["stall_ms_median"],
-                    "model_stall_ms": 1000 * costs.stall_s})
+        if r.get("ok") and r["policy"].startswith("exact") and r.get("stall_ms_median") is not None:
+            costs = cm.policy_costs(policy_of(r["policy"], bench), model, layout, chw, 60.0)
+            out.append({"policy": f"{r['policy']} (frame waits)",
+                        "measured_stall_ms": r["stall_ms_median"],
+                        "model_stall_ms": 1000 * costs.stall_s, "error": None})
     return out
 
 
@@ -275,9 +317,12 @@ def main() -> int:
               f"{r['trace_ettr_median_restart']:>14.3f} ({median_err:+.1%}){flag}")
     st = stalls(bench, hw)
     if st:
-        print(f"\n{'policy':<16} {'stall measured (ms)':>20} {'model (ms)':>11}")
+        print(f"\n{'stall per checkpoint':<40} {'measured (ms)':>14} {'model (ms)':>11} {'err':>7}"
+              "   (calls calibrated on round 1, measured on round 2)")
         for r in st:
-            print(f"{r['policy']:<16} {r['measured_stall_ms']:>20.1f} {r['model_stall_ms']:>11.1f}")
+            err = f"{r['error']:+.1%}" if r["error"] is not None else "-"
+            print(f"{r['policy']:<40} {r['measured_stall_ms']:>14.1f} {r['model_stall_ms']:>11.1f} "
+                  f"{err:>7}")
     groups = by_policy_and_mtbf(bench, hw, rows, opts.schedules)
     print(f"\n{'policy':<16} {'MTBF':>5} {'seeds':>5} {'failures':>10} {'measured':>8} "
           f"{'expected':>8} {'err':>7} {'formula':>7} {'err':>7}")

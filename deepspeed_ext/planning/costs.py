@@ -137,6 +137,12 @@ class Hardware:
     0 where copies are DMA and writes run on otherwise idle host cores; on CPU training
     the copy and write threads share the cores with compute (``moc-plan calibrate
     --from-json`` derives it from a benchmark's clean two-level run)."""
+    snapshot_call_s: float = 0.0
+    """The training loop's cost of a memory-only two-level snapshot call (picking the
+    slot and experts, handing the copy to its thread)."""
+    persist_call_s: float = 0.0
+    """The extra cost of a two-level snapshot that is due for storage (its one small
+    collective and the checkpoint directory's)."""
     save_call_s: float = 0.0
     """The training loop's fixed cost of a save that goes to storage, besides its copy:
     the write plan, the checkpoint directory's collective, handing off to the writer
@@ -151,7 +157,7 @@ class Hardware:
                     "--" + name.replace("_", "-")
                 raise ValueError(f"{name} ({flag}) must be > 0, got {getattr(self, name)}")
         for name in ("storage_total_gbps", "restart_s", "node_replace_s", "save_call_s",
-                     "warmup_s", "background_s_per_gb"):
+                     "warmup_s", "background_s_per_gb", "snapshot_call_s", "persist_call_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} (--{name.replace('_', '-')}) must be >= 0, got "
                                  f"{getattr(self, name)}")
@@ -412,7 +418,7 @@ def _two_level(policy, model, layout, hw, full, fb, wbps, rbps, d2h, h2d, notes)
     snap = _rank_state(model, layout, ks)
     persisted = _rank_state(model, layout, kp)
     copy = snap / d2h
-    stall = max(0.0, copy - fb)
+    stall = hw.snapshot_call_s + max(0.0, copy - fb)
     every = policy.interval
     persist_every = every * policy.persist_interval
     persist = persisted / wbps
@@ -439,8 +445,8 @@ def _two_level(policy, model, layout, hw, full, fb, wbps, rbps, d2h, h2d, notes)
         plt = share * _staleness(persist_every, n, kp) + (1 - share) * mem_plt
         node = FailureRecovery(hw.restart_s + hw.warmup_s + hw.node_replace_s + full / rbps, lost, plt,
                                "storage+memory")
-    # Memory-only snapshots run no collective; a persisted one pays the save call.
-    overhead = stall / every + hw.save_call_s / persist_every \
+    # Memory-only snapshots run no collective; a persisted one pays for its collectives.
+    overhead = stall / every + hw.persist_call_s / persist_every \
         + _background(hw, snap / every + persisted / persist_every)
     return PolicyCosts(policy, kp, snap, persisted, copy, persist, stall, overhead,
                        protect, host, software, node, storage_every=persist_every,

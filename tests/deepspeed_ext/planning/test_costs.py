@@ -454,7 +454,9 @@ def test_save_call_cost_is_paid_by_saves_that_go_to_storage(model, layout):
     pec0 = policy_costs(Policy("pec", interval=10, k=2), model, layout, base)
     assert pec.stall_s == approx(pec0.stall_s + 0.02)
     assert pec.overhead_per_iteration_s == approx(pec0.overhead_per_iteration_s + 0.002)
-    # two-level: a memory-only snapshot pays nothing, every 5th (persisted) pays the call
+    # two-level: a memory-only snapshot pays nothing, every 5th (persisted) pays its own
+    # persist call (not a PEC save's)
+    hw = toy_hardware(save_call_s=0.5, persist_call_s=0.02)
     two = policy_costs(Policy("two-level", interval=1, persist_interval=5), model, layout, hw)
     two0 = policy_costs(Policy("two-level", interval=1, persist_interval=5), model, layout, base)
     assert two.stall_s == approx(two0.stall_s)
@@ -488,3 +490,12 @@ def test_background_work_and_warmup_terms(model, layout):
     from deepspeed_ext.planning.simulate import simulate_run
     run = simulate_run(Policy("pec", interval=10, k=2), model, layout, hw, 100, [], 1000.0)
     assert run.wall_s == approx(3.0 + 100 * (1.0 + pec.overhead_per_iteration_s))
+
+
+def test_snapshot_call_is_paid_by_every_two_level_snapshot(model, layout):
+    base = toy_hardware()
+    hw = toy_hardware(snapshot_call_s=0.003)
+    pol = Policy("two-level", interval=2, persist_interval=5)
+    two, two0 = (policy_costs(pol, model, layout, h) for h in (hw, base))
+    assert two.stall_s == approx(two0.stall_s + 0.003)
+    assert two.overhead_per_iteration_s == approx(two0.overhead_per_iteration_s + 0.003 / 2)
