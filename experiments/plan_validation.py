@@ -47,12 +47,13 @@ from deepspeed_ext.planning.simulate import Failure, simulate_many, simulate_run
 TOLERANCE = 0.15
 
 
-def run_bench(out: str, mtbfs: str, seeds: str) -> str:
+def run_bench(out: str, mtbfs: str, seeds: str, iters: int) -> str:
     path = os.path.join(out, "bench.json")
     cmd = [sys.executable, os.path.join(REPO, "benchmarks", "exact_bench.py"),
            "--phases", "overhead,recovery,ettr",
            "--policies", "none,exact,pec-dynamic,two-level-full", "--mtbf", mtbfs,
-           "--seed", seeds, "--out", os.path.join(out, "bench"), "--json", path]
+           "--seed", seeds, "--iters", str(iters), "--out", os.path.join(out, "bench"),
+           "--json", path]
     print("running:", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=REPO, check=False)
     return path
@@ -292,12 +293,15 @@ def main() -> int:
     p.add_argument("--bench-json", help="Use this exact_bench.py JSON instead of running it.")
     p.add_argument("--mtbf", default="8,16", help="The MTBFs of the ETTR runs (seconds).")
     p.add_argument("--seed", default="1,2,3", help="Failure seeds of the ETTR runs.")
+    p.add_argument("--bench-iters", type=int, default=160,
+                   help="Iterations of the clean and one-crash runs (more give the call-cost "
+                        "calibration more samples: a persisted snapshot comes every 10th).")
     p.add_argument("--schedules", type=int, default=500,
                    help="Simulated failure schedules per policy and MTBF.")
     p.add_argument("--json", help="Write the comparison here.")
     opts = p.parse_args()
     os.makedirs(opts.out, exist_ok=True)
-    path = opts.bench_json or run_bench(opts.out, opts.mtbf, opts.seed)
+    path = opts.bench_json or run_bench(opts.out, opts.mtbf, opts.seed, opts.bench_iters)
     with open(path) as f:
         bench = json.load(f)
     hw, sources = hardware_of(bench, opts.out)
