@@ -158,7 +158,6 @@ class PeerRedundancy:
         self.jobs: Dict[int, Future] = {}
         """slot -> its protection job (the slot must not be reused until it is done)."""
         self.failed: Optional[str] = None
-        self.sent_bytes = 0
         self.protected: List[Tuple[int, int, float]] = []
         """(step, bytes this rank sent, seconds) per protected snapshot."""
         self._lock = threading.Lock()
@@ -201,7 +200,6 @@ class PeerRedundancy:
             return
         seconds = time.perf_counter() - start
         with self._lock:
-            self.sent_bytes += sent
             self.protected.append((step, sent, seconds))
         if self.rank == 0 and len(self.protected) == 1:
             print(f"[moc] redundancy ({self.spec.describe()}): snapshot of step {step} "
@@ -328,7 +326,7 @@ class PeerRedundancy:
                     elif t.kind == "replica":
                         buffer.copy_(data)
                     elif t.kind == "parity":
-                        parts[t.part] = data.clone()
+                        parts[t.part] = data  # a fresh tensor: XOR-ed into in place
                     else:
                         rd.xor_into(parts[t.part], data)
                 except Exception as e:

@@ -32,6 +32,7 @@ import re
 import statistics
 import subprocess
 import sys
+from dataclasses import replace
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -40,8 +41,6 @@ from deepspeed_ext.planning import costs as cm  # noqa: E402
 from deepspeed_ext.planning.calibrate import (exact_bench_figures, measure_copy_gbps,  # noqa: E402
                                               measure_storage_gbps)
 from deepspeed_ext.planning.cli import model_from_config  # noqa: E402
-from dataclasses import replace  # noqa: E402
-
 from deepspeed_ext.planning.simulate import Failure, simulate_many, simulate_run  # noqa: E402
 
 TOLERANCE = 0.15

@@ -20,7 +20,7 @@ import math
 import random
 import statistics
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 from deepspeed_ext.planning.costs import Hardware, Layout, ModelShape, Policy, policy_costs
 
@@ -235,11 +235,3 @@ def simulate_many(policy: Policy, model: ModelShape, layout: Layout, hw: Hardwar
                    statistics.mean(r.goodput_tokens_s for r in results), statistics.mean(plt),
                    _ci(plt), statistics.mean(r.failures for r in results),
                    statistics.mean(r.final_k for r in results))
-
-
-def sweep(policies: Sequence[Policy], model: ModelShape, layout: Layout, hw: Hardware,
-          mtbfs: Sequence[float], iterations: int, seeds: Sequence[int],
-          node_fraction: float = 0.0) -> Dict[str, List[Summary]]:
-    """ETTR against MTBF for each policy: ``{label: [Summary per MTBF]}``."""
-    return {p.label(): [simulate_many(p, model, layout, hw, m, iterations, seeds, node_fraction)
-                        for m in mtbfs] for p in policies}

@@ -6,7 +6,7 @@ import pytest
 
 from deepspeed_ext.planning.costs import Policy, predict
 from deepspeed_ext.planning.simulate import (Failure, exponential_failures, parse_trace,
-                                             simulate_many, simulate_run, sweep)
+                                             simulate_many, simulate_run)
 
 approx = pytest.approx
 
@@ -232,12 +232,3 @@ def test_pec_dynamic_k_stays_without_failures(model, layout, hw):
     r = simulate_run(p, model, layout, hw, 2000, [Failure(905.5)], 50.0)
     assert r.final_k == 2
 
-
-def test_sweep_labels(model, layout, hw):
-    out = sweep([Policy("full-async", interval=10), Policy("pec", interval=10, k=2)], model,
-                layout, hw, [300.0, 3000.0], 2000, [0, 1])
-    assert set(out) == {"full-async every 10", "pec every 10 K=2"}
-    assert [s.mtbf_s for s in out["pec every 10 K=2"]] == [300.0, 3000.0]
-    # each entry is simulate_many at that MTBF
-    assert out["pec every 10 K=2"][0] == simulate_many(Policy("pec", interval=10, k=2), model,
-                                                       layout, hw, 300.0, 2000, [0, 1])
