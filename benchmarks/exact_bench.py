@@ -53,7 +53,10 @@ Phases (``--phases``):
    while no process of the job has an injector (start-up, restarts) are skipped, so the
    policies see different counts. The factor 2: the fault clock also runs during re-done
    iterations, each restart's load and its slower first iterations; measured here, the
-   training loops of a faulted run ran about twice the clean run's time.
+   training loops of a faulted run ran about twice the clean run's time. With
+   ``--ettr-reference ITERS`` a clean ``none`` run of ITERS iterations goes right before
+   each ETTR run (``<policy>-ref``), and the row's ``ettr_ref`` uses its iteration time:
+   this machine's speed drifts by 5 % or more over the minutes between the phases.
 
 Columns of the overhead table:
 
@@ -200,6 +203,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", default="1",
                    help="--moc-fault-seed (every policy), or several comma-separated: the ETTR "
                         "phase runs each policy at each MTBF once per seed.")
+    p.add_argument("--ettr-reference", type=int, default=0, metavar="ITERS",
+                   help="ETTR phase: before each run, a clean none run of this many iterations "
+                        "(0: none); its iteration time is the run's ETTR reference (ettr_ref), "
+                        "so a machine that got slower between the phases does not count as "
+                        "the policy's loss.")
     p.add_argument("--max-restarts", type=int, default=20, help="ETTR runs: torchrun restarts.")
     p.add_argument("--nproc", type=int, default=2, help="CPU ranks (expert-parallel 2).")
     p.add_argument("--config", default="configs/small.yaml", help="Model config.")
@@ -665,6 +673,15 @@ def measure_ettr(run: dict, opts, mtbf: float, clean: dict, seed: int) -> dict:
     return row
 
 
+def add_reference(row: dict, ref: dict) -> None:
+    """Put the clean ``none`` run taken just before an ETTR run into its row: ``ref_iter_s``
+    and ``ettr_ref`` = iterations x ref_iter_s / wall (None when the reference failed)."""
+    row["ref_run_dir"] = ref.get("run_dir")
+    row["ref_iter_s"] = ref.get("iter_s_mean") if ref.get("ok") else None
+    wall = row.get("train_wall_s")
+    row["ettr_ref"] = row["iters"] * row["ref_iter_s"] / wall if row["ref_iter_s"] and wall else None
+
+
 def ettr_model(policy: str, clean: dict, recovery: dict, mtbf: float):
     none_t = (clean.get("none") or {}).get("iter_s_mean")
     own_t = (clean.get(policy) or {}).get("iter_s_mean")
@@ -741,7 +758,7 @@ def tables(results: dict) -> str:
                      "before the crash; crash->back: the sum.")
     if results.get("ettr"):
         head = ["policy", "MTBF (s)", "seed", "failures", "recoveries", "redone", "K final", "PLT acc.",
-                "wall (s)", "ETTR", "ETTR own", "E[R] (s)", "ETTR model"]
+                "wall (s)", "ETTR", "ETTR ref", "ETTR own", "E[R] (s)", "ETTR model"]
         rows = []
         for r in results["ettr"]:
             if not r["ok"]:
@@ -752,7 +769,7 @@ def tables(results: dict) -> str:
                          str(r["redone"]), _f(r.get("k_final"), "d"),
                          f"{100 * (r.get('cumulative_plt') or 0.0):.2f} %",
                          _f(r.get("train_wall_s"), ".1f"), _f(r.get("ettr"), ".3f"),
-                         _f(r.get("ettr_own"), ".3f"), _f(r.get("e_r_s"), ".2f"),
+                         _f(r.get("ettr_ref"), ".3f"), _f(r.get("ettr_own"), ".3f"), _f(r.get("e_r_s"), ".2f"),
                          _f(r.get("ettr_model"), ".3f")])
         e = results["ettr"][0]
         mtbfs = ", ".join(f"{m:g}" for m in dict.fromkeys(r["mtbf_s"] for r in results["ettr"]))
@@ -760,7 +777,8 @@ def tables(results: dict) -> str:
         parts.append(f"### ETTR under random crashes (--moc-fault-mtbf {mtbfs} "
                      f"--moc-fault-seed {seeds}, {e['iters']} iterations; ETTR = iterations "
                      f"x T_iter(none) / wall)\n\n" + _md(head, rows) + "\n\nwall: first "
-                     "training start -> last iteration (restarts included); ETTR own: with the "
+                     "training start -> last iteration (restarts included); ETTR ref: with the "
+                     "T_iter of the clean none run just before (--ettr-reference); ETTR own: with the "
                      "policy's own fault-free T_iter; E[R]: (wall - iterations x own T_iter) / "
                      "failures; ETTR model: T_iter(none)/own T_iter x 1/(1 + E[R]/MTBF) with E[R] "
                      "= the recovery table's crash->back (assumes one failure per MTBF of useful "
@@ -870,9 +888,10 @@ def main() -> int:
               f"policies: {', '.join(POLICIES)})", file=sys.stderr)
         return 2
     if (opts.iters <= opts.warmup + 2 or not 1 < opts.crash_at <= opts.iters
-            or opts.ettr_iters < 2 or opts.rounds < 1):
+            or opts.ettr_iters < 2 or opts.rounds < 1
+            or (opts.ettr_reference and opts.ettr_reference <= opts.warmup + 2)):
         print("error: need --iters > --warmup + 2, 1 < --crash-at <= --iters, --ettr-iters >= 2, "
-              "--rounds >= 1", file=sys.stderr)
+              "--rounds >= 1, --ettr-reference 0 or > --warmup + 2", file=sys.stderr)
         return 2
     out = os.path.abspath(opts.out)
     prepare_out(out)
@@ -937,11 +956,19 @@ def main() -> int:
                 for name in fault_policies:
                     where = name + ("" if len(mtbfs) == 1 else f"-mtbf{mtbf:g}") \
                         + ("" if len(opts.seeds) == 1 else f"-seed{seed}")
+                    if opts.ettr_reference:
+                        ref_run = run_job("none", "none", opts, data,
+                                          os.path.join(out, "ettr", where + "-ref"), restarts=0,
+                                          extra=[], iters=opts.ettr_reference)
+                        ref = measure_overhead(ref_run, opts)
+                        progress("ettr reference", ref, ref_run)
                     run = run_job(name, name, opts, data, os.path.join(out, "ettr", where),
                                   restarts=opts.max_restarts, iters=opts.ettr_iters,
                                   extra=["--moc-fault-mtbf", str(mtbf), "--moc-fault-seed",
                                          str(seed)])
                     row = measure_ettr(run, opts, mtbf, clean, seed)
+                    if opts.ettr_reference:
+                        add_reference(row, ref)
                     row["ettr_model"] = ettr_model(name, clean, recovery, mtbf)
                     results["ettr"].append(row)
                     progress("ettr", row, run)

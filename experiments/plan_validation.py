@@ -8,7 +8,8 @@ ETTR and stall, for the policies, MTBFs and seeds of one ``benchmarks/exact_benc
 Step 1 (unless ``--bench-json``): ``exact_bench.py --phases overhead,recovery,ettr
 --mtbf A,B --seed 1,2,3`` on 2 CPU ranks (``configs/small.yaml``): clean iteration times
 per policy, one crash per policy (its restart time and save calls), and runs under random
-crashes at each MTBF with each seed.
+crashes at each MTBF with each seed (``--ettr-iters``), each right after a short clean run
+(``--reference-iters``) that gives the machine's speed at that time.
 
 Step 2: the hardware figures the model needs, none taken from the runs it is compared
 with: the iteration time (the ``none`` rows), each policy's restart time (fault to load
@@ -16,7 +17,8 @@ start of its one-crash run), a storage save call's fixed cost (the median "saved
 checkpoint ... in X s" of pec-dynamic's one-crash run), and the copy and storage
 bandwidths measured here (``moc-plan calibrate``'s functions).
 
-Step 3: predictions, next to the measured ETTR (iterations x clean iteration time / wall):
+Step 3: predictions, next to the measured ETTR (iterations x clean iteration time / wall,
+the clean time of the run's reference; the model uses the same iteration time):
 per run, replaying that run's own crash times through the simulator (on the training
 clock); per policy and MTBF, the mean over seeds against the simulator's expectation at
 that MTBF (500 failure schedules of the injector's kind: exponential from the job start,
@@ -46,12 +48,14 @@ from deepspeed_ext.planning.simulate import Failure, simulate_many, simulate_run
 TOLERANCE = 0.15
 
 
-def run_bench(out: str, mtbfs: str, seeds: str, iters: int) -> str:
+def run_bench(out: str, mtbfs: str, seeds: str, iters: int, ettr_iters: int,
+              reference: int) -> str:
     path = os.path.join(out, "bench.json")
     cmd = [sys.executable, os.path.join(REPO, "benchmarks", "exact_bench.py"),
            "--phases", "overhead,recovery,ettr",
            "--policies", "none,exact,pec-dynamic,two-level-full", "--mtbf", mtbfs,
-           "--seed", seeds, "--iters", str(iters), "--out", os.path.join(out, "bench"),
+           "--seed", seeds, "--iters", str(iters), "--ettr-iters", str(ettr_iters),
+           "--ettr-reference", str(reference), "--out", os.path.join(out, "bench"),
            "--json", path]
     print("running:", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=REPO, check=False)
@@ -156,6 +160,14 @@ def model_and_layout(bench: dict) -> tuple:
     return model_from_config(os.path.join(REPO, opts["config"])), cm.Layout(nproc, nproc, nproc)
 
 
+def at_reference(hw: cm.Hardware, row: dict) -> tuple:
+    """(hardware at the ETTR run's own clean reference speed, the ETTR measured against
+    it); without a reference (``--reference-iters 0``, or it failed), phase 1's."""
+    if row.get("ettr_ref") and row.get("ref_iter_s"):
+        return replace(hw, iteration_s=row["ref_iter_s"]), row["ettr_ref"]
+    return hw, row["ettr"]
+
+
 def compare(bench: dict, hw: cm.Hardware) -> list:
     model, layout = model_and_layout(bench)
     rows = []
@@ -170,18 +182,22 @@ def compare(bench: dict, hw: cm.Hardware) -> list:
         # The policy's restart (fault -> load start: its start-up work differs, e.g. the
         # keeper and the memory agreement of two-level) as measured in the recovery phase.
         phw = replace(hw, restart_s=own) if own else hw
+        # The machine's speed at the time of the run: its clean reference run, if any.
+        phw, measured = at_reference(phw, r)
         sim = simulate_run(policy, model, layout, phw, int(r["iters"]), trace, r["mtbf_s"],
                            uptime_clock=True)
-        common = simulate_run(policy, model, layout, hw, int(r["iters"]), trace, r["mtbf_s"],
+        common = simulate_run(policy, model, layout, replace(hw, iteration_s=phw.iteration_s),
+                              int(r["iters"]), trace, r["mtbf_s"],
                               uptime_clock=True)
         pred = cm.predict(policy, model, layout, phw, r["mtbf_s"])
         rows.append({"policy": r["policy"], "model_policy": policy.label(), "mtbf_s": r["mtbf_s"],
                      "seed": r.get("seed"), "iters": int(r["iters"]), "run_dir": r["run_dir"],
-                     "failures": r["failures"], "measured_ettr": r["ettr"],
+                     "failures": r["failures"], "measured_ettr": measured,
+                     "ettr_phase1_reference": r["ettr"], "iteration_s": phw.iteration_s,
                      "trace_ettr": sim.ettr, "analytic_ettr": pred.ettr,
                      "trace_ettr_median_restart": common.ettr, "restart_s": phw.restart_s,
-                     "trace_error": sim.ettr / r["ettr"] - 1,
-                     "analytic_error": pred.ettr / r["ettr"] - 1,
+                     "trace_error": sim.ettr / measured - 1,
+                     "analytic_error": pred.ettr / measured - 1,
                      "measured_redone": r.get("redone"), "model_redone": sim.redone_iterations})
     return rows
 
@@ -270,7 +286,8 @@ def by_policy_and_mtbf(bench: dict, hw: cm.Hardware, rows: list, schedules: int)
     for (name, mtbf), runs in groups.items():
         policy = policy_of(name, bench, runs[0]["run_dir"])
         own = restart_of(bench, name)
-        phw = replace(hw, restart_s=own) if own else hw
+        phw = replace(hw, restart_s=own or hw.restart_s,
+                      iteration_s=statistics.mean(r["iteration_s"] for r in runs))
         iters = runs[0]["iters"]
         expected = simulate_many(policy, model, layout, phw, mtbf, iters, range(schedules),
                                  downtime_failures=False)
@@ -295,12 +312,19 @@ def main() -> int:
     p.add_argument("--bench-iters", type=int, default=160,
                    help="Iterations of the clean and one-crash runs (more give the call-cost "
                         "calibration more samples: a persisted snapshot comes every 10th).")
+    p.add_argument("--ettr-iters", type=int, default=200,
+                   help="Iterations of each crash run (longer runs make a crash near the end, "
+                        "which the model may put after it, a smaller share of the run).")
+    p.add_argument("--reference-iters", type=int, default=40,
+                   help="A clean none run of this many iterations before each crash run: its "
+                        "iteration time is that run's reference (0: phase 1's none rows).")
     p.add_argument("--schedules", type=int, default=500,
                    help="Simulated failure schedules per policy and MTBF.")
     p.add_argument("--json", help="Write the comparison here.")
     opts = p.parse_args()
     os.makedirs(opts.out, exist_ok=True)
-    path = opts.bench_json or run_bench(opts.out, opts.mtbf, opts.seed, opts.bench_iters)
+    path = opts.bench_json or run_bench(opts.out, opts.mtbf, opts.seed, opts.bench_iters,
+                                             opts.ettr_iters, opts.reference_iters)
     with open(path) as f:
         bench = json.load(f)
     hw, sources = hardware_of(bench, opts.out)
