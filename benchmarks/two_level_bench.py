@@ -96,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="moc-pec: experts per MoE layer snapshotted into memory.")
     g.add_argument("--pec-k-persist", type=int, default=1,
                    help="moc-pec: experts per MoE layer persisted to storage.")
+    g.add_argument("--profile-saves", metavar="FILE",
+                   help="MoC systems: profile rank 0's save calls (cProfile) and write the "
+                        "functions with the most cumulative time to FILE (per system and "
+                        "interval; profiling slows the calls, so stalls of such a run are "
+                        "not comparable).")
     g.add_argument("--json", metavar="FILE", help="Also write the table rows here as JSON.")
     g.add_argument("--plot", metavar="FILE",
                    help="PNG of the stall of every checkpoint (needs matplotlib); "
@@ -161,6 +166,7 @@ class _Bench:
         self.rank, self.world, self.out_dir = rank, world, out_dir
         self.device = get_accelerator().current_device_name()
         self.batch = 0  # synthetic batches drawn so far (any phase)
+        self.save_profiler = None  # rank 0, --profile-saves: a cProfile.Profile of the saves
         # DCP's upload thread runs collectives while the training loop runs its own:
         # a group of its own keeps the two apart.
         self.dcp_group = dist.new_group(backend="gloo")
@@ -472,10 +478,15 @@ class _MoCPeer(_Peer):
 
     def save(self, tag):
         self._collect_stalls()
+        profiler = self.bench.save_profiler if self.bench.rank == 0 else None
         start = time.perf_counter()
         try:
+            if profiler is not None:
+                profiler.enable()
             self.moc.save(self.save_dir, tag=tag, client_state={"benchmark_tag": tag})
         finally:
+            if profiler is not None:
+                profiler.disable()
             self._record(tag, time.perf_counter() - start)
 
     def drain(self):
@@ -662,7 +673,14 @@ def _worker(opts, rank: int, world: int) -> None:
                 out = {"iter_s": [], "records": [], "warmup": None,
                        "errors": [f"not run again: {failed_early[system]}"]}
             else:
+                if opts.profile_saves and rank == 0 and system.startswith("moc"):
+                    import cProfile
+                    bench.save_profiler = cProfile.Profile()
                 out = _run_phase(bench, system, interval, save_dir)
+                if bench.save_profiler is not None:
+                    _write_profile(bench.save_profiler, opts.profile_saves,
+                                   f"{system} every {interval}")
+                    bench.save_profiler = None
             out["turn_s"] = time.perf_counter() - started
             per_rank = gather(out)
             early = [o["errors"][0] for o in per_rank if o.get("failed_early")]
@@ -687,6 +705,16 @@ def _worker(opts, rank: int, world: int) -> None:
     dist.destroy_process_group()
 
 
+def _write_profile(profiler, path: str, title: str, top: int = 40) -> None:
+    """Append the ``top`` functions by cumulative time of rank 0's profiled save calls."""
+    import io
+    import pstats
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(top)
+    with open(path, "a") as f:
+        f.write(f"=== {title}: rank 0's save calls ===\n{text.getvalue()}\n")
+
+
 # ========================================================================= launcher side
 
 def _launch(opts, out_dir: str, shm_root: str) -> tuple:
@@ -697,6 +725,8 @@ def _launch(opts, out_dir: str, shm_root: str) -> tuple:
         argv += ["--" + name.replace("_", "-"), str(getattr(opts, name))]
     if opts.keep:
         argv.append("--keep")
+    if opts.profile_saves:
+        argv += ["--profile-saves", os.path.abspath(opts.profile_saves)]
     return cb.run_rank_processes(argv, opts.nproc, out_dir, opts.timeout)
 
 
