@@ -49,13 +49,13 @@ TOLERANCE = 0.15
 
 
 def run_bench(out: str, mtbfs: str, seeds: str, iters: int, ettr_iters: int,
-              reference: int) -> str:
+              reference: int, save_interval: int) -> str:
     path = os.path.join(out, "bench.json")
     cmd = [sys.executable, os.path.join(REPO, "benchmarks", "exact_bench.py"),
            "--phases", "overhead,recovery,ettr",
            "--policies", "none,exact,pec-dynamic,two-level-full", "--mtbf", mtbfs,
            "--seed", seeds, "--iters", str(iters), "--ettr-iters", str(ettr_iters),
-           "--ettr-reference", str(reference), "--out", os.path.join(out, "bench"),
+           "--ettr-reference", str(reference), "--save-interval", str(save_interval), "--out", os.path.join(out, "bench"),
            "--json", path]
     print("running:", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=REPO, check=False)
@@ -309,9 +309,12 @@ def main() -> int:
     p.add_argument("--bench-json", help="Use this exact_bench.py JSON instead of running it.")
     p.add_argument("--mtbf", default="8,16", help="The MTBFs of the ETTR runs (seconds).")
     p.add_argument("--seed", default="1,2,3", help="Failure seeds of the ETTR runs.")
-    p.add_argument("--bench-iters", type=int, default=160,
+    p.add_argument("--bench-iters", type=int, default=240,
                    help="Iterations of the clean and one-crash runs (more give the call-cost "
-                        "calibration more samples: a persisted snapshot comes every 10th).")
+                        "calibration more samples).")
+    p.add_argument("--save-interval", type=int, default=5,
+                   help="pec-dynamic's checkpoint and two-level's persist interval (a save "
+                        "call varies from 8 to 30 ms here: the medians need many of them).")
     p.add_argument("--ettr-iters", type=int, default=200,
                    help="Iterations of each crash run (longer runs make a crash near the end, "
                         "which the model may put after it, a smaller share of the run).")
@@ -324,7 +327,8 @@ def main() -> int:
     opts = p.parse_args()
     os.makedirs(opts.out, exist_ok=True)
     path = opts.bench_json or run_bench(opts.out, opts.mtbf, opts.seed, opts.bench_iters,
-                                             opts.ettr_iters, opts.reference_iters)
+                                             opts.ettr_iters, opts.reference_iters,
+                                             opts.save_interval)
     with open(path) as f:
         bench = json.load(f)
     hw, sources = hardware_of(bench, opts.out)

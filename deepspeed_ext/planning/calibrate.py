@@ -204,11 +204,20 @@ def warmup_from_log(path: str) -> Optional[float]:
     return max(0.0, (its[4] - start) - (its[9] - its[4]))
 
 
+def _mean_iter_s(row: Dict[str, Any]) -> float:
+    """Mean ``iter_s_mean`` over an exact_bench overhead row's successful rounds (the
+    row's own when it has none)."""
+    rounds = [r["iter_s_mean"] for r in row.get("rounds") or []
+              if r.get("ok") and r.get("iter_s_mean") is not None]
+    return statistics.mean(rounds) if rounds else row["iter_s_mean"]
+
+
 def exact_bench_figures(data: Dict[str, Any]) -> Dict[str, Any]:
     """From an ``exact_bench.py`` JSON's clean (overhead) runs: ``warmup_s`` (median over
     the ``none`` runs' logs, where they are still on disk) and ``background_s_per_gb``
-    (how much slower the two-level run's iterations were than none's, beyond its
-    persisted snapshots' save calls, per GB it copied and wrote per iteration and rank).
+    (how much slower the two-level runs' iterations were than none's, both the mean
+    over their rounds, beyond the persisted snapshots' save calls, per GB a rank copied
+    and wrote per iteration).
     Returns ``{field: (value, why)}``."""
     out: Dict[str, Any] = {}
     clean = {r.get("policy"): r for r in data.get("overhead", []) if r.get("ok")}
@@ -225,10 +234,13 @@ def exact_bench_figures(data: Dict[str, Any]) -> Dict[str, Any]:
             / int(options["nproc"])
         pec = clean.get("pec-dynamic") or {}
         calls = (pec.get("stall_ms_median") or 0) / 1000 / int(options.get("save_interval") or 10)
-        slower = two["iter_s_mean"] - none["iter_s_mean"] - calls
+        # Every round, not the fastest: a round that the machine slowed down says as much
+        # about the background work as one it did not, and the fastest of each policy
+        # may come from different minutes of a machine whose speed drifts.
+        slower = _mean_iter_s(two) - _mean_iter_s(none) - calls
         if moved > 0:
             out["background_s_per_gb"] = (max(0.0, slower) / (moved / GB),
-                                          "clean two-level run's slowdown per GB moved")
+                                          "clean two-level runs' slowdown per GB moved (mean over rounds)")
     return out
 
 

@@ -342,3 +342,32 @@ def test_plot_without_matplotlib_is_a_clear_error(capsys, tmp_path, monkeypatch)
                                              "--iterations", "100", "--plot",
                                              str(tmp_path / "x.png")],
            "--plot needs matplotlib")
+
+
+def test_exact_bench_figures_background_uses_every_round():
+    # none: rounds 0.10 and 0.12 s (mean 0.11); two-level: 0.13 and 0.17 s (mean 0.15);
+    # the fastest of each would give 0.13 - 0.10 instead of 0.15 - 0.11.
+    # PEC: a 20 ms save every 10 iterations = 2 ms per iteration, not background work.
+    # Moved per rank per iteration: (30e6 + 2e6) B / 2 ranks = 16e6 B = 0.016 GB.
+    data = {"options": {"nproc": 2, "save_interval": 10},
+            "overhead": [
+                {"policy": "none", "ok": True, "iter_s_mean": 0.10,
+                 "rounds": [{"ok": True, "iter_s_mean": 0.10}, {"ok": True, "iter_s_mean": 0.12}]},
+                {"policy": "two-level-full", "ok": True, "iter_s_mean": 0.13,
+                 "mem_bytes_per_iter": 30e6, "storage_bytes_per_iter": 2e6,
+                 "rounds": [{"ok": True, "iter_s_mean": 0.13}, {"ok": True, "iter_s_mean": 0.17},
+                            {"ok": False, "iter_s_mean": 9.0}]},
+                {"policy": "pec-dynamic", "ok": True, "stall_ms_median": 20.0}]}
+    found = calibrate.exact_bench_figures(data)
+    assert found["background_s_per_gb"][0] == pytest.approx((0.15 - 0.11 - 0.002) / 0.016)
+    assert "mean over rounds" in found["background_s_per_gb"][1]
+
+
+def test_exact_bench_figures_without_rounds_uses_the_row():
+    data = {"options": {"nproc": 1, "save_interval": 10},
+            "overhead": [{"policy": "none", "ok": True, "iter_s_mean": 0.10},
+                         {"policy": "two-level-full", "ok": True, "iter_s_mean": 0.12,
+                          "mem_bytes_per_iter": 1e9, "storage_bytes_per_iter": 0.0}]}
+    found = calibrate.exact_bench_figures(data)
+    assert found["background_s_per_gb"][0] == pytest.approx(0.02)
+    assert "warmup_s" not in found  # no run directories to read
