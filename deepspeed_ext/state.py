@@ -171,6 +171,42 @@ def _moment_views(opt, mapping) -> Dict[str, torch.Tensor]:
             if k in state and state[k].shape == flat.shape}
 
 
+@dataclass(frozen=True, eq=False)
+class StateIdentity:
+    """What :func:`describe_local_state`'s fragments point into (:func:`state_identity`)."""
+
+    key: Tuple
+    """Ids of every parameter and its ZeRO mapping, addresses and sizes of every optimizer
+    parameter and its moments."""
+    alive: Tuple
+    """The parameters and mappings themselves: while this is kept, none of them can be
+    freed and a new object made under the same id."""
+
+    def same(self, other: Optional["StateIdentity"]) -> bool:
+        return other is not None and self.key == other.key
+
+
+def state_identity(engine) -> StateIdentity:
+    """The identity of the tensors this rank's fragments point into. Two equal identities
+    mean the same fragments describe the same bytes, so a caller may reuse them.
+
+    Moments are compared by address, which is sound only while the caller also keeps the
+    fragments: they are views that keep the old storage alive, so a reload that replaces
+    the optimizer state (``load_state_dict`` makes new tensors) cannot put a new moment
+    at the old address, and the identity changes.
+    """
+    opt = base_optimizer(engine)
+    alive = tuple((p, getattr(p, "_hp_mapping", None)) for p in engine.module.parameters())
+    key = [id(opt)] + [(id(p), id(m), p.data_ptr()) for p, m in alive]
+    for group in opt.param_groups:
+        for p in group["params"]:
+            state = opt.state.get(p, {})
+            key.append((p.data_ptr(), p.numel(),
+                        tuple((k, state[k].data_ptr(), state[k].numel())
+                              for k in MOMENT_KINDS if k in state)))
+    return StateIdentity(tuple(key), alive + (opt,))
+
+
 def _chunks(length: int, chunk_elems: int):
     return [(start, min(chunk_elems, length - start)) for start in range(0, length, chunk_elems)]
 

@@ -41,7 +41,7 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,9 @@ from deepspeed_ext.hostcopy import HostCopier
 from deepspeed_ext.snapshot import SLOTS as SLOTS_FOR_BUDGET
 from deepspeed_ext.snapshot import SlotImage, SnapshotSlots
 from deepspeed_ext.state import FP32
+
+LAYOUT_CACHE = 16
+"""Image layouts a rank keeps (one per set of snapshotted experts and object shapes)."""
 
 
 def _log(message: str) -> None:
@@ -131,6 +134,10 @@ class TwoLevel:
         """Seconds snapshots waited for a slot still being protected (redundancy slower
         than the snapshots)."""
         self._specs: Dict[tuple, Dict[str, Any]] = {}
+        self._described: Optional[tuple] = None
+        """(state identity, fragments, signature) of the last snapshot (:meth:`_fragments`)."""
+        self._layouts: Dict[tuple, tuple] = {}
+        """(keys, shapes, dtypes) -> (image layout, metadata entries) (:meth:`_layout`)."""
         self._wrap_step()
 
     def _check_memory_budget(self, frags) -> None:
@@ -190,9 +197,7 @@ class TwoLevel:
 
     def save(self, save_dir: str, tag: Optional[str], client_state, save_latest: bool) -> bool:
         from deepspeed_ext.checkpointer import _raise_if_failed
-        from deepspeed_ext.image import layout_of
         from deepspeed_ext.objects import encode
-        from deepspeed_ext.state import describe_local_state
         from megatron.training.rng import get_rng_state
         ck, engine = self.ckpt, self.ckpt.engine
         start = time.perf_counter()
@@ -201,7 +206,7 @@ class TwoLevel:
         tag = tag or f"global_step{step}"
         # Everything this rank needs to restore itself (its own partitions), so that
         # recovery from memory never needs another node's memory.
-        fragments = describe_local_state(engine, ck.naming)
+        fragments, signature = self._fragments()
         pieces = ck._gather_pieces(fragments)
         want = self.count % self.cfg.persist_interval == 0
         self.count += 1
@@ -249,13 +254,11 @@ class TwoLevel:
                 tensors[frag.key] = frag.tensor
                 specs[frag.key] = self._spec(frag)
         tensors.update(object_tensors)
-        layout = layout_of(tensors)
+        layout, entries = self._layout(tensors)
         slot = self._free_slot()
         self.slots.invalidate(slot)
         buffer = self.slots.buffer(slot, layout.nbytes)
-        meta = {"step": step, "tag": tag, "signature": self.signature(fragments),
-                "entries": [{"key": e.key, "dtype": e.dtype, "shape": list(e.shape),
-                             "start": e.start, "nbytes": e.nbytes} for e in layout.entries],
+        meta = {"step": step, "tag": tag, "signature": signature, "entries": entries,
                 "specs": specs, "experts": sorted(union) if union is not None else None,
                 "objects_tree": tree}
         self.last = {"slot": slot, "meta": meta, "pieces": pieces, "save_dir": save_dir,
@@ -281,6 +284,36 @@ class TwoLevel:
                      else ", persisting") if persist else ", in memory only")
                  + f"; the save call took {time.perf_counter() - start:.3f} s")
         return True
+
+    def _fragments(self) -> Tuple[list, str]:
+        """This rank's fragments (fp32 master and moments) and their signature, described
+        again only when the tensors they point into changed (a load, a new optimizer
+        state): describing hundreds of parameters took milliseconds of every save call.
+        Keeping the fragments keeps the old tensors alive, which is what makes
+        :func:`~deepspeed_ext.state.state_identity` notice their replacement."""
+        from deepspeed_ext.state import describe_local_state, state_identity
+        identity = state_identity(self.ckpt.engine)
+        if self._described is None or not identity.same(self._described[0]):
+            fragments = describe_local_state(self.ckpt.engine, self.ckpt.naming)
+            self._described = (identity, fragments, self.signature(fragments))
+        return self._described[1], self._described[2]
+
+    def _layout(self, tensors: Dict[str, torch.Tensor]) -> Tuple[Any, List[Dict[str, Any]]]:
+        """The image layout of ``tensors`` and its metadata entries, computed once per
+        set of keys, shapes and dtypes (the same every snapshot unless K's expert choice
+        or the layout changes). The entries are shared by the snapshots' metadata and
+        never modified."""
+        from deepspeed_ext.image import layout_of
+        key = tuple((k, tuple(t.shape), t.dtype) for k, t in tensors.items())
+        hit = self._layouts.get(key)
+        if hit is None:
+            layout = layout_of(tensors)
+            entries = [{"key": e.key, "dtype": e.dtype, "shape": list(e.shape),
+                        "start": e.start, "nbytes": e.nbytes} for e in layout.entries]
+            if len(self._layouts) >= LAYOUT_CACHE:  # bounded: e.g. K's rotation of experts
+                self._layouts.clear()
+            hit = self._layouts[key] = (layout, entries)
+        return hit
 
     def _free_slot(self) -> int:
         """A slot for the next snapshot that neither the keeper nor the redundancy thread
@@ -603,6 +636,9 @@ class TwoLevel:
         from deepspeed_ext.state import describe_local_state, ensure_optimizer_state
         ck, engine = self.ckpt, self.ckpt.engine
         self.join_copy()
+        # A load may replace the optimizer state: the cached fragments would keep the old
+        # tensors alive (on a GPU, a second copy of the moments) until the next snapshot.
+        self._described = None
         start = time.perf_counter()
         # The signature needs only the master weights: a fresh engine has no moments yet,
         # and creating them (ensure_optimizer_state) advances Adam's step counters, which

@@ -7,7 +7,9 @@ Run as N processes by ``tests.launch.run_ranks`` with ``script=`` this file:
 ACTION is ``describe`` (write this rank's fragment metadata), ``train-save`` (train
 ``--train-iters`` steps on synthetic tokens, saving every ``--save-interval`` with
 MoC), ``load-train-save`` (load from ``--load``, then the same) or ``load-resave``
-(load, then save at once under the tag ``resaved`` into ``--save``). Each rank writes
+(load, then save at once under the tag ``resaved`` into ``--save``) or
+``snapshot-identity`` (two-level snapshots after the optimizer's moments were replaced
+by new tensors). Each rank writes
 ``OUT_DIR/rank<R>.json`` with what the test checks.
 """
 
@@ -106,6 +108,38 @@ def _inject_save_failure(engine):
     storage.write_image_file = failing
 
 
+def _snapshot_identity(engine, args):
+    """Snapshots keep describing the live state when the optimizer's moments are replaced
+    by new tensors between two of them (what a torch ``load_state_dict`` does)."""
+    import copy
+    from deepspeed_ext.snapshot import SlotImage
+    from deepspeed_ext.state import base_optimizer, describe_local_state, state_identity
+    two = engine.moc.two_level
+    out = {}
+    _train(engine, args, 0, 1, None)
+    engine.save_checkpoint(args.save)  # describes (and caches) the fragments
+    first = state_identity(engine)
+    _train(engine, args, 1, 2, None)
+    out["same_after_step"] = first.same(state_identity(engine))
+    opt = base_optimizer(engine)
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # new moment tensors
+    for state in opt.state.values():
+        for kind in ("exp_avg", "exp_avg_sq"):
+            if kind in state:
+                state[kind].fill_(0.25 + dist.get_rank())
+    out["changed_after_replace"] = not first.same(state_identity(engine))
+    engine.save_checkpoint(args.save)
+    two.join_copy()
+    image = SlotImage(two.slots.image_path(two.last["slot"]))
+    entries = {e["key"]: e for e in two.last["meta"]["entries"]}
+    live = [f for f in describe_local_state(engine, engine.moc.naming) if f.key in entries]
+    out["moments_in_snapshot"] = sum(f.kind in ("exp_avg", "exp_avg_sq") for f in live)
+    out["snapshot_equals_live_state"] = all(
+        torch.equal(image.read(entries[f.key]), f.tensor.detach().cpu().reshape(-1)) for f in live)
+    image.close()
+    return out
+
+
 def main():
     action, out_dir, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
     args = parse_args(BASE + argv)
@@ -124,6 +158,8 @@ def main():
         frags = describe_local_state(engine, engine.moc.naming)
         result["fragments"] = [(f.name, f.kind, list(f.shape), f.offset, f.length, f.expert,
                                 list(f.holders)) for f in frags]
+    elif action == "snapshot-identity":
+        result.update(_snapshot_identity(engine, args))
     else:
         start = 0
         if action.startswith("load"):

@@ -250,3 +250,21 @@ def test_keeper_persists_to_an_fsspec_url(tmp_path):
         assert [k for k in after if after[k] != saved[k]] == []
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_snapshot_follows_replaced_optimizer_state(tmp_path):
+    # Snapshots reuse the fragment description while the state's tensors are the same;
+    # replacing the moments by new tensors (as torch's load_state_dict does) must be
+    # noticed, or later snapshots would copy the old, dead moments.
+    shm = _shm()
+    try:
+        res, _ = _run(tmp_path, "identity", 2, "snapshot-identity",
+                      _flags(shm, 2, 2, ["--train-iters", "2", "--save", str(tmp_path / "ckpt")]))
+        for r in res:
+            assert r["same_after_step"], r
+            assert r["changed_after_replace"], r
+            assert r["moments_in_snapshot"] > 0, r
+            assert r["snapshot_equals_live_state"], r
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
