@@ -157,7 +157,7 @@ class MoCCheckpointer:
             k = self.config.pec_k or num_experts
             self.policy = make_policy(self.config.pec_policy, self.layout, min(k, num_experts))
             self.ledger = TokenLedger(self.layout.num_moe_layers, num_experts)
-        self._piece_cache: Optional[Tuple[tuple, list]] = None
+        self._piece_cache: Optional[Tuple[tuple, list, list]] = None
         self._previous: Optional[Tuple[str, str]] = None
         """(save_dir, tag) of the checkpoint the current state descends from."""
         self._pending: Optional[_PendingSave] = None
@@ -230,8 +230,11 @@ class MoCCheckpointer:
         """The write-plan pieces of the whole world (cached while the layout holds)."""
         from deepspeed_ext.pec import part_of_kind
         from deepspeed_ext.plan import Piece
+        if self._piece_cache is not None and self._piece_cache[2] is fragments:
+            return self._piece_cache[1]  # the same (never modified) list: two-level's cache
         signature = tuple((f.key, f.length) for f in fragments)
         if self._piece_cache is not None and self._piece_cache[0] == signature:
+            self._piece_cache = (signature, self._piece_cache[1], fragments)
             return self._piece_cache[1]
         local = [(f.key, f.length * f.tensor.element_size(), f.holders, f.expert, f.kind)
                  for f in fragments]
@@ -244,7 +247,7 @@ class MoCCheckpointer:
                                              tuple(expert) if expert is not None else None,
                                              part_of_kind(kind)))
         result = sorted(pieces.values(), key=lambda p: p.key)
-        self._piece_cache = (signature, result)
+        self._piece_cache = (signature, result, fragments)
         return result
 
     def _objects(self, client_state) -> Dict:

@@ -113,6 +113,8 @@ class _Encoder:
     def _container(self, obj: Any, path: str) -> Any:
         t = type(obj)
         if t is list:
+            if _plain(obj):  # the token ledger's long count lists: no path per element
+                return list(obj)
             return [self.encode(v, _join(path, i)) for i, v in enumerate(obj)]
         if t is tuple:
             return {_TAG: "tuple", "items": [self.encode(v, _join(path, i))
@@ -168,6 +170,16 @@ class _Encoder:
             raise TypeError(f"objects: numpy scalar at {path!r} has dtype {value.dtype}; "
                             f"it cannot be stored")
         return {_TAG: "npscalar", "dtype": value.dtype.str, "hex": value.tobytes().hex()}
+
+
+def _plain(items: list) -> bool:
+    """Whether every item encodes as itself (None, bool, int, str, or a finite float)."""
+    for v in items:
+        t = type(v)
+        if not (v is None or t is int or t is bool or t is str
+                or (t is float and math.isfinite(v))):
+            return False
+    return True
 
 
 def _join(path: str, key: Any) -> str:

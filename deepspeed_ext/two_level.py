@@ -135,7 +135,7 @@ class TwoLevel:
         than the snapshots)."""
         self._specs: Dict[tuple, Dict[str, Any]] = {}
         self._described: Optional[tuple] = None
-        """(state identity, fragments, signature) of the last snapshot (:meth:`_fragments`)."""
+        """(state identity, fragments, signature, rows) of the last snapshot (:meth:`_fragments`)."""
         self._layouts: Dict[tuple, tuple] = {}
         """(keys, shapes, dtypes) -> (image layout, metadata entries) (:meth:`_layout`)."""
         self._wrap_step()
@@ -206,7 +206,7 @@ class TwoLevel:
         tag = tag or f"global_step{step}"
         # Everything this rank needs to restore itself (its own partitions), so that
         # recovery from memory never needs another node's memory.
-        fragments, signature = self._fragments()
+        fragments, signature, rows = self._fragments()
         pieces = ck._gather_pieces(fragments)
         want = self.count % self.cfg.persist_interval == 0
         self.count += 1
@@ -249,10 +249,10 @@ class TwoLevel:
                                       if self.snap_policy is not None else None)
         tree, object_tensors = encode(objects)
         tensors, specs = {}, {}
-        for frag in fragments:
-            if frag.expert is None or union is None or tuple(frag.expert) in union:
-                tensors[frag.key] = frag.tensor
-                specs[frag.key] = self._spec(frag)
+        for key, tensor, expert, spec in rows:
+            if expert is None or union is None or expert in union:
+                tensors[key] = tensor
+                specs[key] = spec
         tensors.update(object_tensors)
         layout, entries = self._layout(tensors)
         slot = self._free_slot()
@@ -285,18 +285,21 @@ class TwoLevel:
                  + f"; the save call took {time.perf_counter() - start:.3f} s")
         return True
 
-    def _fragments(self) -> Tuple[list, str]:
-        """This rank's fragments (fp32 master and moments) and their signature, described
-        again only when the tensors they point into changed (a load, a new optimizer
-        state): describing hundreds of parameters took milliseconds of every save call.
-        Keeping the fragments keeps the old tensors alive, which is what makes
+    def _fragments(self) -> Tuple[list, str, list]:
+        """This rank's fragments (fp32 master and moments), their signature, and per
+        fragment ``(key, tensor, expert, manifest spec)``; described again only when the
+        tensors they point into changed (a load, a new optimizer state): describing
+        hundreds of parameters took milliseconds of every save call. Keeping the
+        fragments keeps the old tensors alive, which is what makes
         :func:`~deepspeed_ext.state.state_identity` notice their replacement."""
         from deepspeed_ext.state import describe_local_state, state_identity
         identity = state_identity(self.ckpt.engine)
         if self._described is None or not identity.same(self._described[0]):
             fragments = describe_local_state(self.ckpt.engine, self.ckpt.naming)
-            self._described = (identity, fragments, self.signature(fragments))
-        return self._described[1], self._described[2]
+            rows = [(f.key, f.tensor, tuple(f.expert) if f.expert is not None else None,
+                     self._spec(f)) for f in fragments]
+            self._described = (identity, fragments, self.signature(fragments), rows)
+        return self._described[1:]
 
     def _layout(self, tensors: Dict[str, torch.Tensor]) -> Tuple[Any, List[Dict[str, Any]]]:
         """The image layout of ``tensors`` and its metadata entries, computed once per
