@@ -211,17 +211,25 @@ class TwoLevel:
         want = self.count % self.cfg.persist_interval == 0
         self.count += 1
         rng_state = get_rng_state()
+        prepared = None
         if want:
             self._abandon_persist_of_dead_keeper()  # before the view the decision rests on
-            # The one collective of a snapshot due for storage: copy errors, rank 0's view
-            # of the pending persist, and every rank's RNG state (the persist's objects).
             view = self._persist_view() if self.rank == 0 else None
-            gathered = self.exchanger.exchange((self.copy_error, view, rng_state))
+            if view is not None and self.rank == 0:
+                # This persist will run (nothing pending, or the pending one finished):
+                # rank 0 creates its directory now, and the outcome travels with the
+                # exchange instead of a second collective in the save call.
+                prepared = self._prepare_on_rank0(save_dir, tag)
+            # The one collective of a snapshot due for storage: copy errors, rank 0's view
+            # of the pending persist and of the new directory, and every rank's RNG state
+            # (the persist's objects).
+            gathered = self.exchanger.exchange((self.copy_error, view, rng_state, prepared))
             self.copy_error = None
-            _raise_if_failed([(error is None, error) for error, _, _ in gathered],
+            _raise_if_failed([(error is None, error) for error, _, _, _ in gathered],
                              "MoC snapshot copy")
-            rng_states = [rng for _, _, rng in gathered]
+            rng_states = [rng for _, _, rng, _ in gathered]
             self._settle_persist(gathered[0][1])
+            prepared = gathered[0][3]
         else:
             # No collective at all: memory recovery needs only this rank's own RNG state
             # (other ranks restore theirs from their own snapshots); a copy error is
@@ -242,7 +250,7 @@ class TwoLevel:
         if persist and ck.policy is not None:
             ck.policy.mark_saved(persist_sel, step)
         if persist:
-            self._prepare_dir(save_dir, tag, policy_before)
+            self._raise_if_unprepared(prepared, save_dir, tag, policy_before)
         objects = ck._objects(client_state)
         objects["rng_states"] = rng_states
         objects["snapshot_policy"] = (self.snap_policy.state_dict()
@@ -358,6 +366,28 @@ class TwoLevel:
             if self.ckpt.policy is not None:
                 self.ckpt.policy.load_state_dict(policy_before)
             raise
+
+    @staticmethod
+    def _prepare_on_rank0(save_dir: str, tag: str) -> Tuple[bool, Optional[str]]:
+        """Rank 0: create a persist's tag directory; ``(ok, error)``, never raises."""
+        from deepspeed_ext import manifest as mf
+        try:
+            mf.prepare_checkpoint_dir(save_dir, tag)
+            return True, None
+        except Exception as e:
+            traceback.print_exc()
+            return False, f"{type(e).__name__}: {e}"
+
+    def _raise_if_unprepared(self, prepared, save_dir: str, tag: str, policy_before) -> None:
+        """Every rank, with rank 0's :meth:`_prepare_on_rank0` outcome from the exchange:
+        a failure is raised on every rank and the PEC policy's marks are undone."""
+        from deepspeed_ext.checkpointer import MoCCheckpointError
+        if prepared is None or not prepared[0]:
+            if self.ckpt.policy is not None:
+                self.ckpt.policy.load_state_dict(policy_before)
+            why = prepared[1] if prepared is not None else "rank 0 did not prepare it"
+            raise MoCCheckpointError(f"MoC persist to {os.path.join(save_dir, tag)} failed "
+                                     f"on rank 0: {why}")
 
     def _persist_job(self, snap: Dict[str, Any], selected, policy_before) -> Dict[str, Any]:
         """This rank's persist job for the snapshot ``snap`` (a ``self.last`` record)

@@ -130,6 +130,27 @@ def test_memory_budget_too_small_fails_every_rank_before_training(tmp_path):
         shutil.rmtree(shm, ignore_errors=True)
 
 
+def test_persist_directory_failure_reaches_every_rank(tmp_path):
+    # Rank 0 alone creates a persist's directory (before the snapshot's exchange); a
+    # directory holding someone else's file must stop every rank, not only rank 0.
+    shm, ckpt = _shm(), tmp_path / "ckpt"
+    (ckpt / "global_step1").mkdir(parents=True)
+    (ckpt / "global_step1" / "notes.txt").write_text("not MoC's")
+    try:
+        out = tmp_path / "out"
+        out.mkdir()
+        results = run_ranks(2, ["train-save", str(out)] + _flags(shm, 2, 2) + [
+            "--train-iters", "2", "--save", str(ckpt), "--save-interval", "1"],
+            script=WORKER, timeout=300)
+        for r in results:
+            assert r.returncode != 0, describe(results)
+            assert "MoC persist to" in r.output and "failed on rank 0" in r.output, describe(results)
+            assert "holds files MoC did not write" in r.output, describe(results)
+        assert os.listdir(ckpt / "global_step1") == ["notes.txt"]  # nothing deleted
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+
+
 def _latest(ckpt):
     with open(os.path.join(ckpt, "latest")) as f:
         return f.read().strip()
