@@ -6,16 +6,18 @@ ETTR and stall, for the policies, MTBFs and seeds of one ``benchmarks/exact_benc
     python experiments/plan_validation.py --bench-json runs/plan_validation/bench.json
 
 Step 1 (unless ``--bench-json``): ``exact_bench.py --phases overhead,recovery,ettr
---mtbf A,B --seed 1,2,3`` on 2 CPU ranks (``configs/small.yaml``): clean iteration times
+--mtbf A,B --seed 1,2,3 --iters 240 --save-interval 5`` on 2 CPU ranks (``configs/small.yaml``): clean iteration times
 per policy, one crash per policy (its restart time and save calls), and runs under random
 crashes at each MTBF with each seed (``--ettr-iters``), each right after a short clean run
 (``--reference-iters``) that gives the machine's speed at that time.
 
 Step 2: the hardware figures the model needs, none taken from the runs it is compared
-with: the iteration time (the ``none`` rows), each policy's restart time (fault to load
-start of its one-crash run), a storage save call's fixed cost (the median "saved
-checkpoint ... in X s" of pec-dynamic's one-crash run), and the copy and storage
-bandwidths measured here (``moc-plan calibrate``'s functions).
+with: the iteration time (each crash run's reference; the ``none`` rows without one),
+each policy's restart time (fault to load start of its one-crash run), the save calls'
+fixed costs (medians of the "saved checkpoint ... in X s" lines of the first clean run
+of pec-dynamic and two-level-full), the warm-up of a start and the background cost per GB
+(``moc-plan calibrate --from-json``'s reading of the clean runs), and the copy and
+storage bandwidths measured here (``moc-plan calibrate``'s functions).
 
 Step 3: predictions, next to the measured ETTR (iterations x clean iteration time / wall,
 the clean time of the run's reference; the model uses the same iteration time):
@@ -23,7 +25,7 @@ per run, replaying that run's own crash times through the simulator (on the trai
 clock); per policy and MTBF, the mean over seeds against the simulator's expectation at
 that MTBF (500 failure schedules of the injector's kind: exponential from the job start,
 crashes due during a restart skipped) and MoEtion's formula. Per policy, the model's
-stall per checkpoint against the overhead runs' save calls. Nothing is asserted; the
+stall per checkpoint against the second clean run's save calls. Nothing is asserted; the
 tables say where the model is off by more than 15 %.
 """
 
