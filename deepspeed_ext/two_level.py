@@ -355,17 +355,12 @@ class TwoLevel:
         return spec
 
     def _prepare_dir(self, save_dir: str, tag: str, policy_before) -> None:
-        """Every rank: create the persist's tag directory (one collective); a failure
-        there is raised on every rank and the PEC policy's marks are undone."""
-        from deepspeed_ext import manifest as mf
-        from deepspeed_ext.checkpointer import MoCCheckpointError, _broadcast_outcome
-        try:
-            _broadcast_outcome(lambda: mf.prepare_checkpoint_dir(save_dir, tag),
-                               f"MoC persist to {os.path.join(save_dir, tag)}")
-        except MoCCheckpointError:
-            if self.ckpt.policy is not None:
-                self.ckpt.policy.load_state_dict(policy_before)
-            raise
+        """Every rank: create the persist's tag directory (one broadcast of rank 0's
+        :meth:`_prepare_on_rank0` outcome), then :meth:`_raise_if_unprepared`. For a
+        persist outside a snapshot's exchange (the end of training)."""
+        status = [self._prepare_on_rank0(save_dir, tag) if self.rank == 0 else None]
+        dist.broadcast_object_list(status, src=0)
+        self._raise_if_unprepared(status[0], save_dir, tag, policy_before)
 
     @staticmethod
     def _prepare_on_rank0(save_dir: str, tag: str) -> Tuple[bool, Optional[str]]:
