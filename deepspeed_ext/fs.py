@@ -228,6 +228,24 @@ def write_bytes(url: str, data) -> None:
     whatever reached the store is removed, so no torn file stays under the name."""
     fs, p = _filesystem(url)
     view = memoryview(data).cast("B")
+    if _is_local(fs):
+        # file:// opens the final name and fills it in place: a reader polling for the
+        # file (the committer waiting for reports) could read it half written. A
+        # temporary name in the same directory (the local writers' ``.tmp.<pid>``, which
+        # the tag-directory checks know) and a rename publish it whole.
+        tmp = f"{p}.tmp.{os.getpid()}"
+        _write_chunks(fs, tmp, view)
+        fs.mv(tmp, p)
+        return
+    _write_chunks(fs, p, view)
+
+
+def _is_local(fs) -> bool:
+    protocol = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return "file" in protocol or "local" in protocol
+
+
+def _write_chunks(fs, p: str, view: memoryview) -> None:
     f = fs.open(p, "wb")
     try:
         for start in range(0, len(view), _WRITE_CHUNK):

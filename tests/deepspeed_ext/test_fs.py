@@ -90,6 +90,26 @@ def test_failed_write_leaves_no_object(url, monkeypatch):
     assert calls == [4, 4] and not fs.exists(path)
 
 
+def test_file_url_write_never_shows_a_partial_file(tmp_path, monkeypatch):
+    """On ``file://`` a reader polling for the name (the committer waiting for reports)
+    must never find it half written: the bytes go to a temporary name, then a rename."""
+    import fsspec.implementations.local as local
+    opened = []
+    real_open = local.LocalFileSystem._open
+
+    def recording_open(self, path, mode="rb", *args, **kwargs):
+        opened.append((path, mode, os.path.exists(str(tmp_path / "rank00001.report.json"))))
+        return real_open(self, path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(local.LocalFileSystem, "_open", recording_open)
+    fs.write_bytes(f"file://{tmp_path}/rank00001.report.json", b'{"rank": 1}')
+    writes = [(p, visible) for p, mode, visible in opened if "w" in mode]
+    assert len(writes) == 1 and writes[0][0].endswith(f".tmp.{os.getpid()}"), opened
+    assert writes[0][1] is False  # nothing under the real name while writing
+    assert os.listdir(tmp_path) == ["rank00001.report.json"]
+    assert (tmp_path / "rank00001.report.json").read_bytes() == b'{"rank": 1}'
+
+
 def test_fragment_reader_over_a_url_matches_the_local_file(url, tmp_path):
     tensors = {"a": torch.arange(1000, dtype=torch.float32),
                "b": torch.arange(7, dtype=torch.bfloat16), "c": torch.ones(3, 4)}
