@@ -99,12 +99,20 @@ def test_a_crash_during_the_replay_recovers_again(tmp_path, corpus):
 def test_node_memory_lost_replays_from_storage(tmp_path, corpus):
     """Rank 1's node (2 simulated nodes of 1 rank) loses its keeper and shared memory at
     the top of 9: rank 0 still has its frames in memory, rank 1 reads its own from
-    storage (the keeper copied them there), and the run still ends exactly."""
+    storage (the keeper copied them there), and the run still ends exactly.
+
+    The keeper copies frames in the background; on a loaded machine it once lagged
+    three frames behind when the node died, so storage held rank 1's frames up to 3
+    only and both ranks replayed [1..3] from storage (a correct recovery, but not the
+    one this test is about). Rank 1 sleeps 3 s at the top of 8 and 9 first, which gives
+    its keeper time to copy frames 4..6 (a few KB) before the node is lost."""
     ref = _reference(tmp_path, corpus, [], 2)
     ckpt, out, events = _crashed(tmp_path, corpus, ["--moc-ranks-per-node", "1"], 2,
-                                 ["--moc-fault", "lose-memory@9:rank=1"])
+                                 ["--moc-fault", "slow@8:rank=1:slow=3",
+                                  "--moc-fault", "lose-memory@9:rank=1"])
     recoveries = [e for e in events if e["kind"] == "recovery"]
     assert len(recoveries) == 1, events
+    assert recoveries[0]["iteration"] == 4, recoveries
     assert recoveries[0]["source"] == "exact replay from memory+storage", recoveries
     want, got = _final_tensors(ref), _final_tensors(ckpt)
     assert all(torch.equal(want[k], got[k]) for k in want)
