@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "functions with the most cumulative time to FILE (per system and "
                         "interval; profiling slows the calls, so stalls of such a run are "
                         "not comparable).")
+    g.add_argument("--profile-recovery", metavar="FILE",
+                   help="MoC systems: profile rank 0's recovery from memory (cProfile) and "
+                        "write the functions with the most cumulative time to FILE.")
     g.add_argument("--json", metavar="FILE", help="Also write the table rows here as JSON.")
     g.add_argument("--plot", metavar="FILE",
                    help="PNG of the stall of every checkpoint (needs matplotlib); "
@@ -167,6 +170,7 @@ class _Bench:
         self.device = get_accelerator().current_device_name()
         self.batch = 0  # synthetic batches drawn so far (any phase)
         self.save_profiler = None  # rank 0, --profile-saves: a cProfile.Profile of the saves
+        self.recovery_profiler = None  # rank 0, --profile-recovery: of the memory recovery
         # DCP's upload thread runs collectives while the training loop runs its own:
         # a group of its own keeps the two apart.
         self.dcp_group = dist.new_group(backend="gloo")
@@ -498,7 +502,14 @@ class _MoCPeer(_Peer):
         loaded = {}
 
         def load_memory():
-            loaded["memory"], _ = self.moc.load(self.save_dir)
+            profiler = self.bench.recovery_profiler if self.bench.rank == 0 else None
+            if profiler is not None:
+                profiler.enable()
+            try:
+                loaded["memory"], _ = self.moc.load(self.save_dir)
+            finally:
+                if profiler is not None:
+                    profiler.disable()
 
         out["recovery_memory_s"] = self._timed_load(load_memory, from_storage=False)
         out["recovery_s"] = out["recovery_memory_s"]
@@ -676,11 +687,18 @@ def _worker(opts, rank: int, world: int) -> None:
                 if opts.profile_saves and rank == 0 and system.startswith("moc"):
                     import cProfile
                     bench.save_profiler = cProfile.Profile()
+                if opts.profile_recovery and rank == 0 and system.startswith("moc"):
+                    import cProfile
+                    bench.recovery_profiler = cProfile.Profile()
                 out = _run_phase(bench, system, interval, save_dir)
                 if bench.save_profiler is not None:
                     _write_profile(bench.save_profiler, opts.profile_saves,
-                                   f"{system} every {interval}")
+                                   f"{system} every {interval}: rank 0's save calls")
                     bench.save_profiler = None
+                if bench.recovery_profiler is not None:
+                    _write_profile(bench.recovery_profiler, opts.profile_recovery,
+                                   f"{system} every {interval}: rank 0's memory recovery")
+                    bench.recovery_profiler = None
             out["turn_s"] = time.perf_counter() - started
             per_rank = gather(out)
             early = [o["errors"][0] for o in per_rank if o.get("failed_early")]
@@ -706,13 +724,13 @@ def _worker(opts, rank: int, world: int) -> None:
 
 
 def _write_profile(profiler, path: str, title: str, top: int = 40) -> None:
-    """Append the ``top`` functions by cumulative time of rank 0's profiled save calls."""
+    """Append the ``top`` functions by cumulative time of what ``profiler`` saw."""
     import io
     import pstats
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(top)
     with open(path, "a") as f:
-        f.write(f"=== {title}: rank 0's save calls ===\n{text.getvalue()}\n")
+        f.write(f"=== {title} ===\n{text.getvalue()}\n")
 
 
 # ========================================================================= launcher side
@@ -727,6 +745,8 @@ def _launch(opts, out_dir: str, shm_root: str) -> tuple:
         argv.append("--keep")
     if opts.profile_saves:
         argv += ["--profile-saves", os.path.abspath(opts.profile_saves)]
+    if opts.profile_recovery:
+        argv += ["--profile-recovery", os.path.abspath(opts.profile_recovery)]
     return cb.run_rank_processes(argv, opts.nproc, out_dir, opts.timeout)
 
 

@@ -24,8 +24,17 @@ _LENGTH = struct.Struct("<q")  # pickled length; -1: did not fit
 class Exchanger:
     """Every rank creates one and calls :meth:`exchange` at the same points, in order."""
 
-    def __init__(self, device: Optional[torch.device] = None):
-        self.capacity = 0
+    def __init__(self, device: Optional[torch.device] = None, capacity: int = 0):
+        """Args:
+            device: where the gathered tensor lives (default: the backend's).
+            capacity: bytes per rank to start with (the same on every rank), for a few
+                calls whose values are known to be small: the first call then takes one
+                collective too. 0: learn it on the first call.
+        """
+        if capacity < 0 or 0 < capacity <= _LENGTH.size:  # the length field must fit
+            raise ValueError(f"Exchanger capacity must be 0 or more than {_LENGTH.size} "
+                             f"bytes, got {capacity}")
+        self.capacity = capacity
         """Bytes per rank of the gathered tensor; 0 until the first call."""
         if device is None:  # NCCL gathers device tensors only
             device = (torch.device("cuda", torch.cuda.current_device())

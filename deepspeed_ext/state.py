@@ -126,6 +126,12 @@ def is_partitioned(engine) -> bool:
     return any(hasattr(p, "_hp_mapping") for p in engine.module.parameters())
 
 
+def has_optimizer_state(engine) -> bool:
+    """Whether every (non-empty) parameter of the base optimizer has its moments."""
+    opt = base_optimizer(engine)
+    return all(opt.state.get(p) for g in opt.param_groups for p in g["params"] if p.numel())
+
+
 def ensure_optimizer_state(engine) -> None:
     """Create the optimizer moments if no step has run yet (torch creates them lazily).
 
@@ -133,10 +139,10 @@ def ensure_optimizer_state(engine) -> None:
     zero gradients and learning rate 0 creates them without changing any weight; the
     saved step counters then overwrite the counters it advanced.
     """
+    if has_optimizer_state(engine):
+        return
     opt = base_optimizer(engine)
     params = [p for g in opt.param_groups for p in g["params"]]
-    if all(opt.state.get(p) for p in params if p.numel()):
-        return
     saved_lr = [g["lr"] for g in opt.param_groups]
     saved_grads = [p.grad for p in params]
     try:

@@ -27,8 +27,9 @@ then routes ``save``/``load``/``wait`` here. Every rank calls them, in the same 
 newest snapshot if it was not (gathering the RNG states it lacks), so that the end of a
 job never frees state that storage does not have.
 
-``load``: ranks agree (one ``all_gather_object``) on the newest step every rank holds
-complete in memory with this layout, and restore from memory; experts not in that
+``load``: ranks agree (one ``all_gather`` of a small fixed-size buffer) on the newest
+step every rank holds complete in memory with this layout, and restore from memory
+(one more such ``all_gather`` makes any rank's failure everyone's); experts not in that
 snapshot come from the newest version among older slots and storage. Otherwise they
 load from storage, and ranks whose memory survived then take their experts' newer
 snapshots from memory (two-level recovery). Every load logs where pieces came from.
@@ -55,6 +56,9 @@ from deepspeed_ext.state import FP32
 
 LAYOUT_CACHE = 16
 """Image layouts a rank keeps (one per set of snapshotted experts and object shapes)."""
+LOAD_EXCHANGE_BYTES = 4096
+"""Bytes per rank of a load's exchanges (steps held; outcome with the expert versions
+taken); a value that does not fit costs two more collectives, not an error."""
 
 
 def _log(message: str) -> None:
@@ -661,28 +665,43 @@ class TwoLevel:
 
     def load(self, load_dir: str, tag: Optional[str], load_optimizer_states: bool,
              load_lr_scheduler_states: bool, from_memory: bool = True):
-        from deepspeed_ext.state import describe_local_state, ensure_optimizer_state
+        from deepspeed_ext.state import (describe_local_state, ensure_optimizer_state,
+                                         has_optimizer_state)
         ck, engine = self.ckpt, self.ckpt.engine
         self.join_copy()
         # A load may replace the optimizer state: the cached fragments would keep the old
         # tensors alive (on a GPU, a second copy of the moments) until the next snapshot.
         self._described = None
         start = time.perf_counter()
+        described: List = []
+
+        def fragments(fresh: bool = False):
+            if fresh:  # after a storage load, which may have replaced tensors
+                described.clear()
+            if not described:
+                if load_optimizer_states:
+                    ensure_optimizer_state(engine)
+                described.append(describe_local_state(engine, ck.naming,
+                                                      with_moments=load_optimizer_states))
+            return described[0]
+
         # The signature needs only the master weights: a fresh engine has no moments yet,
         # and creating them (ensure_optimizer_state) advances Adam's step counters, which
-        # must happen only once something is actually loaded into them.
-        signature = self.signature(describe_local_state(engine, ck.naming, with_moments=False))
+        # must happen only once something is actually loaded into them. An engine that
+        # has them (a restart inside the job, the benchmark) is described once.
+        if not load_optimizer_states or has_optimizer_state(engine):
+            signature = self.signature(fragments())
+        else:
+            signature = self.signature(describe_local_state(engine, ck.naming,
+                                                            with_moments=False))
+        # Recovery's two exchanges (the steps held, then every rank's outcome) are small:
+        # one all_gather each instead of all_gather_object's two.
+        self._load_exchanger = Exchanger(capacity=LOAD_EXCHANGE_BYTES)
         rebuilt = False
         if self.redundancy is not None and from_memory and tag is None:
             rebuilt = self._rebuild_from_peers(signature)
         mine = [dict(m, _slot=i, _entries={e["key"]: e for e in m["entries"]})
                 for i, m in self.slots.complete() if m["signature"] == signature]
-
-        def fragments():
-            if load_optimizer_states:
-                ensure_optimizer_state(engine)
-            return describe_local_state(engine, ck.naming, with_moments=load_optimizer_states)
-
         try:
             result = self._load(load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
                                 from_memory, mine, fragments, start)
@@ -758,8 +777,7 @@ class TwoLevel:
     def _load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
               from_memory, mine, fragments, start):
         ck = self.ckpt
-        steps: List = [None] * self.world
-        dist.all_gather_object(steps, sorted({m["step"] for m in mine}))
+        steps = self._load_exchanger.exchange(sorted({m["step"] for m in mine}))
         common = set(steps[0]).intersection(*map(set, steps[1:])) if from_memory and tag is None \
             else set()
         if common:
@@ -776,12 +794,11 @@ class TwoLevel:
                                         load_lr_scheduler_states)
         self.last_load_source = "storage"
         if path is not None:  # every rank: the overlay ends in a collective
-            self._overlay_newer_experts(mine, fragments())
+            self._overlay_newer_experts(mine, fragments(fresh=True))
         return path, client
 
     def _load_memory(self, load_dir, step, mine, fragments, load_optimizer_states,
                      load_lr_scheduler_states, start):
-        from deepspeed_ext.checkpointer import _all_outcomes
         from deepspeed_ext.objects import decode, tensor_keys
         from deepspeed_ext.state import refresh_compute_weights
         ck = self.ckpt
@@ -805,7 +822,7 @@ class TwoLevel:
         except Exception as e:
             traceback.print_exc()
             ok, error = False, f"{type(e).__name__}: {e}"
-        outcomes = _all_outcomes(ok, counts if ok else error)
+        outcomes = self._load_exchanger.exchange((ok, counts if ok else error))
         if not all(o for o, _ in outcomes):
             bad = "; ".join(f"rank {r}: {m}" for r, (o, m) in enumerate(outcomes) if not o)
             _log(f"recovery from memory at step {step} failed ({bad}); loading from storage")

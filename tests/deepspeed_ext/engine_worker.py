@@ -9,7 +9,8 @@ ACTION is ``describe`` (write this rank's fragment metadata), ``train-save`` (tr
 MoC), ``load-train-save`` (load from ``--load``, then the same) or ``load-resave``
 (load, then save at once under the tag ``resaved`` into ``--save``) or
 ``snapshot-identity`` (two-level snapshots after the optimizer's moments were replaced
-by new tensors). Each rank writes
+by new tensors) or ``reload-memory`` (two-level: train on past a snapshot, then load it
+back in the same process). Each rank writes
 ``OUT_DIR/rank<R>.json`` with what the test checks.
 """
 
@@ -140,6 +141,21 @@ def _snapshot_identity(engine, args):
     return out
 
 
+def _reload_memory(engine, args):
+    """Snapshot every step for 3 steps, train 2 more without, then load in the same
+    process (the moments exist: the load describes the state once): the state must be
+    the step-3 snapshot's again, from memory."""
+    states = {}
+    _train(engine, args, 0, 3, args.save, states)
+    engine.moc.two_level.join_copy()
+    _train(engine, args, 3, 5, None)
+    out = {"moved_on": _state(engine) != states[3]}
+    path, client = engine.moc.load(args.save)
+    out.update(loaded=path, client_state=client, load_source=engine.moc.last_load_source,
+               restored=_state(engine) == states[3], global_steps=int(engine.global_steps))
+    return out
+
+
 def main():
     action, out_dir, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
     args = parse_args(BASE + argv)
@@ -160,6 +176,8 @@ def main():
                                 list(f.holders)) for f in frags]
     elif action == "snapshot-identity":
         result.update(_snapshot_identity(engine, args))
+    elif action == "reload-memory":
+        result.update(_reload_memory(engine, args))
     else:
         start = 0
         if action.startswith("load"):

@@ -1,4 +1,5 @@
-"""A rank of the Exchanger test: gathers values of growing size, writes what it got."""
+"""A rank of the Exchanger test: gathers values of growing size, writes what it got
+(then the same with a preset capacity)."""
 
 import json
 import os
@@ -21,6 +22,13 @@ def main():
     for value in [("a", rank), ("b", rank), ("c" * (100000 if rank == 1 else 1), rank), ("d", rank)]:
         got.append(exchanger.exchange(value))
     got.append(exchanger.capacity)
+    # A preset capacity: the first call already takes the fixed-size path (the capacity
+    # stays as set), and a value too large for it still arrives (and regrows it).
+    preset = Exchanger(capacity=64)
+    got.append(preset.exchange(["e", rank]))
+    got.append(preset.capacity)
+    got.append(preset.exchange(["f" * 200, rank]))
+    got.append(preset.capacity)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(got, f)
     dist.destroy_process_group()

@@ -3,6 +3,10 @@ rank's value outgrows the buffer sized by the first call."""
 
 import json
 
+import pytest
+import torch
+
+from deepspeed_ext.exchange import Exchanger
 from tests.launch import describe, run_ranks
 
 
@@ -17,3 +21,11 @@ def test_exchange_fast_and_regrown_paths(tmp_path):
         assert got[2] == [["c", 0], ["c" * 100000, 1], ["c", 2]]
         assert got[3] == [["d", 0], ["d", 1], ["d", 2]]
         assert got[4] > 100000  # regrown for the largest value
+        assert got[5] == [["e", 0], ["e", 1], ["e", 2]] and got[6] == 64
+        assert got[7] == [["f" * 200, 0], ["f" * 200, 1], ["f" * 200, 2]] and got[8] > 200
+
+
+@pytest.mark.parametrize("capacity", [-1, 1, 8])
+def test_exchange_capacity_must_hold_the_length_field(capacity):
+    with pytest.raises(ValueError, match="capacity"):
+        Exchanger(device=torch.device("cpu"), capacity=capacity)

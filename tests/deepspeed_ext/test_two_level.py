@@ -289,3 +289,20 @@ def test_snapshot_follows_replaced_optimizer_state(tmp_path):
     finally:
         shutil.rmtree(shm, ignore_errors=True)
 
+
+
+def test_memory_load_in_a_running_process_restores_the_snapshot(tmp_path):
+    # A load into an engine that already has its moments describes the state once for
+    # both the layout signature and the copy; the state must still be the snapshot's.
+    shm = _shm()
+    try:
+        res, _ = _run(tmp_path, "reload", 2, "reload-memory",
+                      _flags(shm, 2, 2, ["--train-iters", "5", "--save-interval", "1",
+                                         "--save", str(tmp_path / "ckpt")]))
+        for r in res:
+            assert r["moved_on"], r
+            assert r["load_source"] == "memory", r
+            assert r["client_state"] == {"step": 3} and r["global_steps"] == 3, r
+            assert r["restored"], r
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
