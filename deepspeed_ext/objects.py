@@ -113,12 +113,17 @@ class _Encoder:
     def _container(self, obj: Any, path: str) -> Any:
         t = type(obj)
         if t is list:
-            if _plain(obj):  # the token ledger's long count lists: no path per element
-                return list(obj)
+            # The token ledger's count lists and version histories (lists of lists of
+            # ints), encoded at every snapshot: copied whole, no path per element.
+            copied = _copy_plain(obj, _PLAIN_DEPTH)
+            if copied is not None:
+                return copied
             return [self.encode(v, _join(path, i)) for i, v in enumerate(obj)]
-        if t is tuple:
-            return {_TAG: "tuple", "items": [self.encode(v, _join(path, i))
-                                             for i, v in enumerate(obj)]}
+        if t is tuple:  # Python's RNG state holds a tuple of 625 ints
+            items = _copy_plain(obj, _PLAIN_DEPTH)
+            if items is None:
+                items = [self.encode(v, _join(path, i)) for i, v in enumerate(obj)]
+            return {_TAG: "tuple", "items": items}
         plain = t is dict and all(type(k) is str for k in obj) and _TAG not in obj
         if plain:
             return {k: self.encode(v, _join(path, k)) for k, v in obj.items()}
@@ -172,14 +177,28 @@ class _Encoder:
         return {_TAG: "npscalar", "dtype": value.dtype.str, "hex": value.tobytes().hex()}
 
 
-def _plain(items: list) -> bool:
-    """Whether every item encodes as itself (None, bool, int, str, or a finite float)."""
+_PLAIN_DEPTH = 4
+"""Nesting of lists :func:`_copy_plain` copies whole; deeper ones take the general path
+(which also catches a list that contains itself)."""
+
+
+def _copy_plain(items, depth: int) -> Optional[list]:
+    """A list copy of ``items`` (a list or tuple) if it holds only values that encode as themselves (None, bool,
+    int, str, finite floats) and lists of them, nested at most ``depth`` deep; else None."""
+    out = []
     for v in items:
         t = type(v)
-        if not (v is None or t is int or t is bool or t is str
-                or (t is float and math.isfinite(v))):
-            return False
-    return True
+        if t is list:
+            if depth <= 1:
+                return None
+            v = _copy_plain(v, depth - 1)
+            if v is None:
+                return None
+        elif not (v is None or t is int or t is bool or t is str
+                  or (t is float and math.isfinite(v))):
+            return None
+        out.append(v)
+    return out
 
 
 def _join(path: str, key: Any) -> str:

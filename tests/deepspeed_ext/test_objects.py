@@ -122,6 +122,26 @@ def test_cycle_is_refused():
         encode({"loop": loop})
 
 
+def test_nested_plain_lists_are_copies_and_others_take_the_general_path(tmp_path):
+    # Lists of lists of plain values (the token ledger's histories) are copied whole;
+    # one non-plain value anywhere inside must still be encoded (a tensor extracted, a
+    # non-finite float spelled out, an unknown type named with its path).
+    history = [[[1, 10], [2, 30]], [[1, 5]], []]
+    tree, tensors = encode({"h": history})
+    assert tree["h"] == history and tree["h"] is not history and tree["h"][0] is not history[0]
+    assert not tensors
+    mixed = [[[1, 2]], [[3, torch.ones(2)]], [[float("nan")]]]
+    tree, tensors = encode({"m": mixed})
+    assert list(tensors) == ["obj/m/1/0/1"]
+    assert _same(_through_disk(tmp_path, {"m": mixed}), {"m": mixed})
+    with pytest.raises(TypeError, match=r"'d/0/0/0/0/0'"):  # deeper than the fast path
+        encode({"d": [[[[[{1}]]]]]})
+    inner = []
+    inner.append([inner])  # a cycle through a nested list
+    with pytest.raises(ValueError, match="cycle"):
+        encode({"loop": [inner]})
+
+
 def test_colliding_paths_get_distinct_keys(tmp_path):
     obj = {1: torch.zeros(2), "1": torch.ones(2), "a/b": torch.full((2,), 2.0),
            "a": {"b": torch.full((2,), 3.0)}}
