@@ -34,6 +34,16 @@ def _shm():
     return f"/dev/shm/moc-test-{uuid.uuid4().hex[:10]}"
 
 
+def _cleanup(shm):
+    """Stop the keepers a test left (a job that failed leaves its keeper waiting for a
+    restart, up to its 10-minute idle timeout) and remove their memory."""
+    from deepspeed_ext.keeper import shutdown_keeper
+    if os.path.isdir(shm):
+        for node in os.listdir(shm):
+            shutdown_keeper(os.path.join(shm, node), 30)
+    shutil.rmtree(shm, ignore_errors=True)
+
+
 def _keeper_pid(node_dir):
     from deepspeed_ext.keeper import request
     return request(node_dir, {"op": "ping"})["pid"]
@@ -68,7 +78,7 @@ def test_crash_then_recover_from_memory_bitwise(tmp_path):
         assert _latest(ckpt) == "global_step4" and _verify(ckpt, "global_step4") == []
         assert not os.path.exists(shm), os.listdir(shm)  # normal end: memory freed
     finally:
-        shutil.rmtree(shm, ignore_errors=True)
+        _cleanup(shm)
 
 
 def test_node_memory_lost_two_level_recovery(tmp_path):
@@ -110,7 +120,7 @@ def test_node_memory_lost_two_level_recovery(tmp_path):
             newer += saved["3"][key] != saved["1"][key]
         assert node0_experts and newer  # the memory versions really were newer
     finally:
-        shutil.rmtree(shm, ignore_errors=True)
+        _cleanup(shm)
 
 
 def test_memory_budget_too_small_fails_every_rank_before_training(tmp_path):
@@ -127,7 +137,7 @@ def test_memory_budget_too_small_fails_every_rank_before_training(tmp_path):
             assert "--moc-host-memory-gb allows 0.0001" in r.output, describe(results)
         assert not (tmp_path / "ckpt").exists()
     finally:
-        shutil.rmtree(shm, ignore_errors=True)
+        _cleanup(shm)
 
 
 def test_persist_directory_failure_reaches_every_rank(tmp_path):
@@ -148,7 +158,7 @@ def test_persist_directory_failure_reaches_every_rank(tmp_path):
             assert "holds files MoC did not write" in r.output, describe(results)
         assert os.listdir(ckpt / "global_step1") == ["notes.txt"]  # nothing deleted
     finally:
-        shutil.rmtree(shm, ignore_errors=True)
+        _cleanup(shm)
 
 
 def _latest(ckpt):
@@ -196,7 +206,7 @@ def test_sigkill_during_persist_keeps_previous_latest(tmp_path):
         assert _verify(ckpt, "global_step3") == []
         assert not os.path.exists(shm)
     finally:
-        shutil.rmtree(shm, ignore_errors=True)
+        _cleanup(shm)
 
 
 def test_keeper_killed_training_goes_on_persisting_in_process(tmp_path):
@@ -217,7 +227,7 @@ def test_keeper_killed_training_goes_on_persisting_in_process(tmp_path):
         assert _verify(ckpt, "global_step4") == []
         assert not os.path.exists(shm), os.listdir(shm)
     finally:
-        shutil.rmtree(shm, ignore_errors=True)
+        _cleanup(shm)
 
 
 def test_end_of_job_persists_a_snapshot_that_was_not_due(tmp_path):
@@ -243,7 +253,7 @@ def test_end_of_job_persists_a_snapshot_that_was_not_due(tmp_path):
         assert after.keys() == saved.keys()
         assert [k for k in after if after[k] != saved[k]] == []
     finally:
-        shutil.rmtree(shm, ignore_errors=True)
+        _cleanup(shm)
 
 
 def test_keeper_persists_to_an_fsspec_url(tmp_path):
@@ -270,7 +280,7 @@ def test_keeper_persists_to_an_fsspec_url(tmp_path):
         assert after.keys() == saved.keys()
         assert [k for k in after if after[k] != saved[k]] == []
     finally:
-        shutil.rmtree(shm, ignore_errors=True)
+        _cleanup(shm)
 
 
 def test_snapshot_follows_replaced_optimizer_state(tmp_path):
@@ -287,7 +297,7 @@ def test_snapshot_follows_replaced_optimizer_state(tmp_path):
             assert r["moments_in_snapshot"] > 0, r
             assert r["snapshot_equals_live_state"], r
     finally:
-        shutil.rmtree(shm, ignore_errors=True)
+        _cleanup(shm)
 
 
 
@@ -305,4 +315,4 @@ def test_memory_load_in_a_running_process_restores_the_snapshot(tmp_path):
             assert r["client_state"] == {"step": 3} and r["global_steps"] == 3, r
             assert r["restored"], r
     finally:
-        shutil.rmtree(shm, ignore_errors=True)
+        _cleanup(shm)
