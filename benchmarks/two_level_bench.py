@@ -4,7 +4,8 @@
 One run starts ``--nproc`` local ranks (gloo on CPU, NCCL on GPUs) and builds ONE GPT-MoE
 DeepSpeed engine, the model and layout of ``checkpoint_bench.py``. The systems then take
 turns on that engine: for each interval in ``--intervals`` and each system, ``--iters``
-training iterations with a checkpoint every ``interval`` iterations, into the system's own
+training iterations (at least ``--min-saves`` checkpoints' worth, 10 by default) with a
+checkpoint every ``interval`` iterations, into the system's own
 directory. Before the first and after the last turn, ``--iters`` iterations without any
 checkpoint give the reference iteration time. The systems:
 
@@ -61,7 +62,7 @@ BASELINE = "no-checkpoint"
 WORKER_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                 "seq_length", "num_experts", "expert_interval", "topk", "micro_batch_size",
                 "train_steps", "zero_stage", "ep", "seed", "iters", "intervals", "systems",
-                "persist_interval", "pec_k_snapshot", "pec_k_persist")
+                "persist_interval", "pec_k_snapshot", "pec_k_persist", "min_saves")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,8 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Optimizer steps before the first measurement (so Adam state exists).")
     g = p.add_argument_group("measurement and output")
     g.add_argument("--iters", type=int, default=20,
-                   help="Timed training iterations per (system, interval), and of each "
-                        "no-checkpoint reference.")
+                   help="Timed training iterations per (system, interval) (at least "
+                        "--min-saves checkpoints' worth), and of the no-checkpoint rows.")
+    g.add_argument("--min-saves", type=int, default=10,
+                   help="Checkpoints each turn times at least: a turn runs max(--iters, "
+                        "interval x this) timed iterations (and as many reference ones), "
+                        "so that medians are not taken over one or two saves.")
     g.add_argument("--intervals", default="1,10",
                    help="Checkpoint every I iterations, for each I of this comma list.")
     g.add_argument("--systems", default=",".join(SYSTEMS), help="Comma list of systems to run.")
@@ -555,12 +560,19 @@ def _make_peer(bench: _Bench, system: str, save_dir: str) -> _Peer:
     raise ValueError(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
 
 
+def _timed_iters(opts, interval: int) -> int:
+    """Timed iterations of a turn at ``interval``: ``--iters``, or enough for
+    ``--min-saves`` checkpoints."""
+    return max(opts.iters, interval * opts.min_saves)
+
+
 def _run_phase(bench: _Bench, system: str, interval: int, save_dir: str) -> dict:
-    """One system's turn (this rank's view). Iterations: ``--iters`` without checkpoints
-    (the turn's own reference: the machine's speed drifts between turns), a warm-up one
-    with a save and a settling one (neither timed), ``--iters`` timed ones saving after
-    every ``interval``-th, and an untimed tail one, whose step still carries the wait the
-    last save imposes. Errors end the turn and are reported, never raised."""
+    """One system's turn (this rank's view). Iterations: as many without checkpoints as
+    the turn times (its own reference: the machine's speed drifts between turns), a
+    warm-up one with a save and a settling one (neither timed), the timed ones
+    (:func:`_timed_iters`) saving after every ``interval``-th, and an untimed tail one,
+    whose step still carries the wait the last save imposes. Errors end the turn and are
+    reported, never raised."""
     out = {"iter_s": [], "records": [], "errors": [], "warmup": None}
     peer = None
     if bench.rank == 0:
@@ -568,7 +580,8 @@ def _run_phase(bench: _Bench, system: str, interval: int, save_dir: str) -> dict
     bench.barrier()
     stage = "reference iterations"
     try:
-        out["ref_iter_s"] = [bench.iteration() for _ in range(bench.opts.iters)]
+        timed = _timed_iters(bench.opts, interval)
+        out["ref_iter_s"] = [bench.iteration() for _ in range(timed)]
         stage = "setup"
         peer = _make_peer(bench, system, save_dir)
         peer.setup()
@@ -578,7 +591,7 @@ def _run_phase(bench: _Bench, system: str, interval: int, save_dir: str) -> dict
         peer.drain()  # so that no timed iteration pays for the warm-up's background work
         stage = "warm-up"
         bench.iteration(peer)
-        for i in range(bench.opts.iters):
+        for i in range(timed):
             save = (i + 1) % interval == 0
             tag = f"global_step{int(bench.engine.global_steps) + 1}" if save else None
             stage = f"save {tag}" if save else f"iteration {i}"
@@ -651,7 +664,8 @@ def _worker(opts, rank: int, world: int) -> None:
 
     results = {
         "config": {**config, "gradient_accumulation_steps": args.gradient_accumulation_steps,
-                   "iters": opts.iters, "persist_interval": opts.persist_interval,
+                   "iters": opts.iters, "min_saves": opts.min_saves,
+                   "persist_interval": opts.persist_interval,
                    "pec_k_snapshot": opts.pec_k_snapshot, "pec_k_persist": opts.pec_k_persist},
         "baseline": {}, "phases": [], "current": None,
     }
@@ -829,7 +843,7 @@ def _rows(results: dict, launch_error: str, opts) -> list:
             ref_s = _max_per_index([out.get("ref_iter_s") or [] for out in per_rank])
             if ref_s:
                 row["ref_iter_s_mean"] = statistics.mean(ref_s)
-            if len(iter_s) == opts.iters:
+            if len(iter_s) == _timed_iters(opts, interval):
                 row["iter_s_mean"] = statistics.mean(iter_s)
                 row["iter_s"] = iter_s
                 if row.get("ref_iter_s_mean"):
@@ -840,7 +854,8 @@ def _rows(results: dict, launch_error: str, opts) -> list:
                 if row["newest_step"] is None:
                     row["newest_step"] = warm[0]["step"]
             if not stalls and not errors:
-                row["note"] = (f"no checkpoint within the {opts.iters} timed iterations; recovery "
+                row["note"] = (f"no checkpoint within the {_timed_iters(opts, interval)} timed "
+                               f"iterations; recovery "
                                "loaded the warm-up's")
             drains = [out["drain_s"] for out in per_rank if out.get("drain_s") is not None]
             row["drain_s"] = max(drains) if drains else None
@@ -1055,9 +1070,10 @@ def launcher_main(opts) -> int:
               f"{', '.join(SYSTEMS)}", file=sys.stderr)
         return 2
     if (opts.nproc < 1 or opts.ep < 1 or opts.iters < 1 or opts.train_steps < 1
-            or not intervals or min(intervals) < 1 or opts.persist_interval < 1):
-        print("error: --nproc, --ep, --iters, --train-steps, --intervals and --persist-interval "
-              "must be >= 1", file=sys.stderr)
+            or not intervals or min(intervals) < 1 or opts.persist_interval < 1
+            or opts.min_saves < 1):
+        print("error: --nproc, --ep, --iters, --min-saves, --train-steps, --intervals and "
+              "--persist-interval must be >= 1", file=sys.stderr)
         return 2
     if opts.nproc % opts.ep or opts.num_experts % opts.ep:
         print(f"error: --nproc ({opts.nproc}) and --num-experts ({opts.num_experts}) must be "
@@ -1092,7 +1108,8 @@ def launcher_main(opts) -> int:
           f"checkpoint.writer type {'fast' if _has_accelerator() else 'python'}")
     print(f"protocol: {opts.train_steps} training steps, then {opts.iters} reference iterations "
           f"without checkpoints; per interval ({opts.intervals}) and system in turn: 1 warm-up "
-          f"iteration with a save + 1 more, {opts.iters} timed iterations, 1 tail iteration; "
+          f"iteration with a save + 1 more, max({opts.iters}, {opts.min_saves} x interval) timed "
+          f"iterations (after as many reference ones), 1 tail iteration; "
           f"{opts.iters} reference iterations again at the end. Ranks ran {wall:.1f} s.")
     print()
     rows = _rows(results, launch_error, opts)
