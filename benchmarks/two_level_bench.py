@@ -839,7 +839,12 @@ def _rows(results: dict, launch_error: str, opts) -> list:
                            stall_s_max=max(stalls), stall_s_mean=statistics.mean(stalls),
                            save_call_s_median=statistics.median(calls),
                            wait_s_median=statistics.median(waits), stall_s=stalls,
-                           newest_step=records[0][n - 1]["step"])
+                           newest_step=records[0][n - 1]["step"],
+                           # Each rank's own median: against the median of the max over
+                           # ranks, it shows what waiting for the slowest rank adds.
+                           save_call_s_median_per_rank=[
+                               statistics.median(rec[i]["call_s"] for i in range(n))
+                               for rec in records])
             ref_s = _max_per_index([out.get("ref_iter_s") or [] for out in per_rank])
             if ref_s:
                 row["ref_iter_s_mean"] = statistics.mean(ref_s)
@@ -977,6 +982,16 @@ def _print_notes_and_checks(rows: list, opts) -> None:
                                    f"({m['stall_s_median']:.4f} s vs {ds['stall_s_median']:.4f} s)"))
     print("  1. MoC stall / deepspeed sync stall (medians; expected <= 2 %): "
           + ("; ".join(line) if line else "no MoC system run"))
+    own = []
+    for interval in intervals:
+        for moc in mocs:
+            m = by_key.get((moc, interval))
+            if m and m.get("save_call_s_median_per_rank"):
+                ranks = ", ".join(f"{1000 * c:.1f}" for c in m["save_call_s_median_per_rank"])
+                own.append(f"{moc} every {interval}: {ranks} ms (max over ranks: "
+                           f"{1000 * m['save_call_s_median']:.1f} ms)")
+    if own:
+        print("     each rank's own median save call, per rank: " + "; ".join(own))
     line = []
     for interval in intervals:
         for moc in mocs:
