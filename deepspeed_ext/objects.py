@@ -183,8 +183,9 @@ _PLAIN_DEPTH = 4
 
 
 def _copy_plain(items, depth: int) -> Optional[list]:
-    """A list copy of ``items`` (a list or tuple) if it holds only values that encode as themselves (None, bool,
-    int, str, finite floats) and lists of them, nested at most ``depth`` deep; else None."""
+    """A list copy of ``items`` (a list or tuple) if it holds only values that encode as
+    themselves (None, bool, int, str, finite floats) and lists of them, nested at most
+    ``depth`` deep; else None."""
     out = []
     for v in items:
         t = type(v)
