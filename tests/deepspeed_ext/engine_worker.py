@@ -145,6 +145,9 @@ def _reload_memory(engine, args):
     """Snapshot every step for 3 steps, train 2 more without, then load in the same
     process (the moments exist: the load describes the state once): the state must be
     the step-3 snapshot's again, from memory."""
+    from deepspeed_ext import two_level
+    if os.environ.get("MOC_TEST_LOAD_EXCHANGE_BYTES"):  # force the exchanges' slow path
+        two_level.LOAD_EXCHANGE_BYTES = int(os.environ["MOC_TEST_LOAD_EXCHANGE_BYTES"])
     states = {}
     _train(engine, args, 0, 3, args.save, states)
     engine.moc.two_level.join_copy()
@@ -152,7 +155,8 @@ def _reload_memory(engine, args):
     out = {"moved_on": _state(engine) != states[3]}
     path, client = engine.moc.load(args.save)
     out.update(loaded=path, client_state=client, load_source=engine.moc.last_load_source,
-               restored=_state(engine) == states[3], global_steps=int(engine.global_steps))
+               restored=_state(engine) == states[3], global_steps=int(engine.global_steps),
+               exchange_capacity=engine.moc.two_level._load_exchanger.capacity)
     return out
 
 

@@ -10,6 +10,8 @@ import signal
 import time
 import uuid
 
+import pytest
+
 from tests.launch import describe, run_ranks
 
 WORKER = "tests/deepspeed_ext/engine_worker.py"
@@ -301,18 +303,25 @@ def test_snapshot_follows_replaced_optimizer_state(tmp_path):
 
 
 
-def test_memory_load_in_a_running_process_restores_the_snapshot(tmp_path):
+@pytest.mark.parametrize("exchange_bytes", [None, "16"])
+def test_memory_load_in_a_running_process_restores_the_snapshot(tmp_path, exchange_bytes):
     # A load into an engine that already has its moments describes the state once for
     # both the layout signature and the copy; the state must still be the snapshot's.
+    # With 16 bytes the load's exchanges do not fit their preset buffer and regrow.
     shm = _shm()
+    env = {"MOC_TEST_LOAD_EXCHANGE_BYTES": exchange_bytes} if exchange_bytes else None
     try:
         res, _ = _run(tmp_path, "reload", 2, "reload-memory",
                       _flags(shm, 2, 2, ["--train-iters", "5", "--save-interval", "1",
-                                         "--save", str(tmp_path / "ckpt")]))
+                                         "--save", str(tmp_path / "ckpt")]), env=env)
         for r in res:
             assert r["moved_on"], r
             assert r["load_source"] == "memory", r
             assert r["client_state"] == {"step": 3} and r["global_steps"] == 3, r
             assert r["restored"], r
+            if exchange_bytes:  # regrown by the slow path, else the preset size
+                assert r["exchange_capacity"] > int(exchange_bytes), r
+            else:
+                assert r["exchange_capacity"] == 4096, r
     finally:
         _cleanup(shm)
