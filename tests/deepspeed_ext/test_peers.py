@@ -7,22 +7,18 @@ import os
 import shutil
 import signal
 import time
-import uuid
 
 from tests.deepspeed_ext.test_two_level import _flags, _keeper_pid, _run
+from tests.shm import new_shm_dir, stop_keepers
 
 STEPS = 3
-
-
-def _shm():
-    return f"/dev/shm/moc-test-{uuid.uuid4().hex[:10]}"
 
 
 def _crash_then_lose(tmp_path, nproc, ep, extra, lost_nodes):
     """Train STEPS iterations with a snapshot each (only the first persisted), crash once
     every snapshot is protected, then delete the shared memory of ``lost_nodes`` (and
     SIGKILL their keepers), as when those machines die."""
-    shm, ckpt = _shm(), str(tmp_path / "ckpt")
+    shm, ckpt = new_shm_dir(), str(tmp_path / "ckpt")
     flags = _flags(shm, nproc, ep, ["--moc-persist-interval", "100", *extra])
     first, results = _run(tmp_path, "first", nproc, "train-save", flags + [
         "--train-iters", str(STEPS), "--save", ckpt, "--save-interval", "1"],
@@ -66,7 +62,7 @@ def test_replicate_rebuilds_a_lost_node_from_its_peer(tmp_path):
         assert "redundancy (replicate (1 replica))" in results[0].output  # shutdown summary
         assert not os.path.exists(shm)  # normal end: the peers' copies are freed too
     finally:
-        shutil.rmtree(shm, ignore_errors=True)
+        stop_keepers(shm)
 
 
 def test_erasure_rebuilds_a_lost_node_from_parity(tmp_path):
@@ -85,7 +81,7 @@ def test_erasure_rebuilds_a_lost_node_from_parity(tmp_path):
             "--save-interval", "1"])
         _assert_rebuilt_bitwise(second, first, results, [2, 3])
     finally:
-        shutil.rmtree(shm, ignore_errors=True)
+        stop_keepers(shm)
 
 
 def test_more_lost_nodes_than_covered_fall_back_to_storage(tmp_path):
@@ -102,4 +98,4 @@ def test_more_lost_nodes_than_covered_fall_back_to_storage(tmp_path):
         assert second[0]["client_state"] == {"step": 1}  # the one persisted snapshot
         assert {r["load_source"] for r in second} <= {"storage", "storage+memory"}
     finally:
-        shutil.rmtree(shm, ignore_errors=True)
+        stop_keepers(shm)

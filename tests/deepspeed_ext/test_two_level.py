@@ -8,11 +8,11 @@ import os
 import shutil
 import signal
 import time
-import uuid
 
 import pytest
 
 from tests.launch import describe, run_ranks
+from tests.shm import new_shm_dir, stop_keepers
 
 WORKER = "tests/deepspeed_ext/engine_worker.py"
 
@@ -32,27 +32,13 @@ def _run(tmp_path, name, nproc, action, flags, env=None, ok=True):
     return [json.load(open(out / f"rank{r}.json")) for r in range(nproc)], results
 
 
-def _shm():
-    return f"/dev/shm/moc-test-{uuid.uuid4().hex[:10]}"
-
-
-def _cleanup(shm):
-    """Stop the keepers a test left (a job that failed leaves its keeper waiting for a
-    restart, up to its 10-minute idle timeout) and remove their memory."""
-    from deepspeed_ext.keeper import shutdown_keeper
-    if os.path.isdir(shm):
-        for node in os.listdir(shm):
-            shutdown_keeper(os.path.join(shm, node), 30)
-    shutil.rmtree(shm, ignore_errors=True)
-
-
 def _keeper_pid(node_dir):
     from deepspeed_ext.keeper import request
     return request(node_dir, {"op": "ping"})["pid"]
 
 
 def test_crash_then_recover_from_memory_bitwise(tmp_path):
-    shm, ckpt = _shm(), str(tmp_path / "ckpt")
+    shm, ckpt = new_shm_dir(), str(tmp_path / "ckpt")
     try:
         # persist only the first snapshot: steps 2 and 3 exist in memory only
         flags = _flags(shm, 2, 2, ["--moc-persist-interval", "100"])
@@ -80,13 +66,13 @@ def test_crash_then_recover_from_memory_bitwise(tmp_path):
         assert _latest(ckpt) == "global_step4" and _verify(ckpt, "global_step4") == []
         assert not os.path.exists(shm), os.listdir(shm)  # normal end: memory freed
     finally:
-        _cleanup(shm)
+        stop_keepers(shm)
 
 
 def test_node_memory_lost_two_level_recovery(tmp_path):
     """4 ranks as 2 nodes; node 1 loses its keeper and memory: storage for everything but
     the experts node 0 holds newer in memory."""
-    shm, ckpt = _shm(), str(tmp_path / "ckpt")
+    shm, ckpt = new_shm_dir(), str(tmp_path / "ckpt")
     try:
         flags = _flags(shm, 4, 4, ["--moc-persist-interval", "100", "--moc-ranks-per-node", "2"])
         first, results = _run(tmp_path, "first", 4, "train-save", flags + [
@@ -122,11 +108,11 @@ def test_node_memory_lost_two_level_recovery(tmp_path):
             newer += saved["3"][key] != saved["1"][key]
         assert node0_experts and newer  # the memory versions really were newer
     finally:
-        _cleanup(shm)
+        stop_keepers(shm)
 
 
 def test_memory_budget_too_small_fails_every_rank_before_training(tmp_path):
-    shm = _shm()
+    shm = new_shm_dir()
     try:
         out = tmp_path / "out"
         out.mkdir()
@@ -139,13 +125,13 @@ def test_memory_budget_too_small_fails_every_rank_before_training(tmp_path):
             assert "--moc-host-memory-gb allows 0.0001" in r.output, describe(results)
         assert not (tmp_path / "ckpt").exists()
     finally:
-        _cleanup(shm)
+        stop_keepers(shm)
 
 
 def test_persist_directory_failure_reaches_every_rank(tmp_path):
     # Rank 0 alone creates a persist's directory (before the snapshot's exchange); a
     # directory holding someone else's file must stop every rank, not only rank 0.
-    shm, ckpt = _shm(), tmp_path / "ckpt"
+    shm, ckpt = new_shm_dir(), tmp_path / "ckpt"
     (ckpt / "global_step1").mkdir(parents=True)
     (ckpt / "global_step1" / "notes.txt").write_text("not MoC's")
     try:
@@ -160,7 +146,7 @@ def test_persist_directory_failure_reaches_every_rank(tmp_path):
             assert "holds files MoC did not write" in r.output, describe(results)
         assert os.listdir(ckpt / "global_step1") == ["notes.txt"]  # nothing deleted
     finally:
-        _cleanup(shm)
+        stop_keepers(shm)
 
 
 def _latest(ckpt):
@@ -177,7 +163,7 @@ def test_sigkill_during_persist_keeps_previous_latest(tmp_path):
     """The keeper is SIGKILLed in the middle of a persist (a rank file written, no report,
     no manifest): storage still names the previous checkpoint as latest, intact, and a
     restart without memory loads it and saves over the leftovers."""
-    shm, ckpt = _shm(), str(tmp_path / "ckpt")
+    shm, ckpt = new_shm_dir(), str(tmp_path / "ckpt")
     try:
         flags = _flags(shm, 2, 2, ["--moc-persist-interval", "1"])
         _, results = _run(tmp_path, "first", 2, "train-save", flags + [
@@ -208,14 +194,14 @@ def test_sigkill_during_persist_keeps_previous_latest(tmp_path):
         assert _verify(ckpt, "global_step3") == []
         assert not os.path.exists(shm)
     finally:
-        _cleanup(shm)
+        stop_keepers(shm)
 
 
 def test_keeper_killed_training_goes_on_persisting_in_process(tmp_path):
     """The keeper dies after step 2's snapshot: every rank says so once, the pending persist
     ends as failed instead of blocking later ones, steps 3 and 4 are persisted by the
     training processes, the run ends normally and leaves no shared memory."""
-    shm, ckpt = _shm(), str(tmp_path / "ckpt")
+    shm, ckpt = new_shm_dir(), str(tmp_path / "ckpt")
     try:
         flags = _flags(shm, 2, 2, ["--moc-persist-interval", "1"])
         _, results = _run(tmp_path, "run", 2, "train-save", flags + [
@@ -229,7 +215,7 @@ def test_keeper_killed_training_goes_on_persisting_in_process(tmp_path):
         assert _verify(ckpt, "global_step4") == []
         assert not os.path.exists(shm), os.listdir(shm)
     finally:
-        _cleanup(shm)
+        stop_keepers(shm)
 
 
 def test_end_of_job_persists_a_snapshot_that_was_not_due(tmp_path):
@@ -237,7 +223,7 @@ def test_end_of_job_persists_a_snapshot_that_was_not_due(tmp_path):
     collective. The normal end persists step 3 with every rank's RNG state, and a new job
     whose memory is gone loads exactly that state from storage."""
     from deepspeed_ext.objects import read_objects_file
-    shm, ckpt = _shm(), str(tmp_path / "ckpt")
+    shm, ckpt = new_shm_dir(), str(tmp_path / "ckpt")
     try:
         flags = _flags(shm, 2, 2, ["--moc-persist-interval", "100"])
         first, _ = _run(tmp_path, "first", 2, "train-save", flags + [
@@ -255,13 +241,13 @@ def test_end_of_job_persists_a_snapshot_that_was_not_due(tmp_path):
         assert after.keys() == saved.keys()
         assert [k for k in after if after[k] != saved[k]] == []
     finally:
-        _cleanup(shm)
+        stop_keepers(shm)
 
 
 def test_keeper_persists_to_an_fsspec_url(tmp_path):
     """The keeper writes through fsspec (``file://`` here, ``s3://`` in production); after
     the memory is gone, the next job loads the persisted state from the URL exactly."""
-    shm, local = _shm(), tmp_path / "ckpt"
+    shm, local = new_shm_dir(), tmp_path / "ckpt"
     url = "file://" + str(local)
     try:
         flags = _flags(shm, 2, 2, ["--moc-persist-interval", "2"])
@@ -282,14 +268,14 @@ def test_keeper_persists_to_an_fsspec_url(tmp_path):
         assert after.keys() == saved.keys()
         assert [k for k in after if after[k] != saved[k]] == []
     finally:
-        _cleanup(shm)
+        stop_keepers(shm)
 
 
 def test_snapshot_follows_replaced_optimizer_state(tmp_path):
     # Snapshots reuse the fragment description while the state's tensors are the same;
     # replacing the moments by new tensors (as torch's load_state_dict does) must be
     # noticed, or later snapshots would copy the old, dead moments.
-    shm = _shm()
+    shm = new_shm_dir()
     try:
         res, _ = _run(tmp_path, "identity", 2, "snapshot-identity",
                       _flags(shm, 2, 2, ["--train-iters", "2", "--save", str(tmp_path / "ckpt")]))
@@ -299,7 +285,7 @@ def test_snapshot_follows_replaced_optimizer_state(tmp_path):
             assert r["moments_in_snapshot"] > 0, r
             assert r["snapshot_equals_live_state"], r
     finally:
-        _cleanup(shm)
+        stop_keepers(shm)
 
 
 
@@ -308,7 +294,7 @@ def test_memory_load_in_a_running_process_restores_the_snapshot(tmp_path, exchan
     # A load into an engine that already has its moments describes the state once for
     # both the layout signature and the copy; the state must still be the snapshot's.
     # With 16 bytes the load's exchanges do not fit their preset buffer and regrow.
-    shm = _shm()
+    shm = new_shm_dir()
     env = {"MOC_TEST_LOAD_EXCHANGE_BYTES": exchange_bytes} if exchange_bytes else None
     try:
         res, _ = _run(tmp_path, "reload", 2, "reload-memory",
@@ -324,4 +310,4 @@ def test_memory_load_in_a_running_process_restores_the_snapshot(tmp_path, exchan
             else:
                 assert r["exchange_capacity"] == 4096, r
     finally:
-        _cleanup(shm)
+        stop_keepers(shm)

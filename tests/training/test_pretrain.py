@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.launch import REPO, describe, free_port, run_ranks
+from tests.shm import new_shm_dir, stop_keepers
 
 TINY = ["--config", "configs/tiny.yaml", "--split", "90,10,0"]
 
@@ -207,8 +208,7 @@ def test_two_level_run_and_resume_match_an_uninterrupted_run(corpus, tmp_path, u
     """--moc-two-level with a snapshot every iteration changes nothing in training (a
     fresh start included), and stopping after 4 (the end persists step 4, which was not
     due for storage) then resuming gives the uninterrupted run's metrics to the bit."""
-    import uuid
-    shm = f"/dev/shm/moc-test-{uuid.uuid4().hex[:10]}"
+    shm = new_shm_dir()
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     common = TINY + ["--data-path", corpus, "--save", str(ckpt), "--load", str(ckpt),
                      "--metrics-file", str(metrics), "--moc-checkpoint", "--moc-two-level",
@@ -231,7 +231,7 @@ def test_two_level_run_and_resume_match_an_uninterrupted_run(corpus, tmp_path, u
         assert [r for r in records if r["kind"] != "moc"] == _metrics(uninterrupted / "m.jsonl")
         assert not os.path.exists(shm)
     finally:
-        shutil.rmtree(shm, ignore_errors=True)
+        stop_keepers(shm)
 
 
 def test_recovery_reports_plt_and_dynamic_k_doubles(corpus, tmp_path):

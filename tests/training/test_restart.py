@@ -5,13 +5,12 @@ job's event file telling all of it."""
 
 import json
 import os
-import shutil
 import subprocess
-import uuid
 
 import pytest
 
 from tests.launch import REPO, run_ranks
+from tests.shm import new_shm_dir, stop_keepers
 
 TINY = ["--config", "configs/tiny.yaml", "--split", "90,10,0", "--eval-iters", "0"]
 
@@ -84,7 +83,7 @@ def test_two_level_crash_recovers_from_memory(corpus, tmp_path, reference):
     from the keeper's memory at 6 (nothing lost), or at 5 when the crash landed before
     snapshot 6 was published (its copy runs behind the next iteration's start; once in
     a loaded CI run it was not done): storage holds only 4. The run still ends exactly."""
-    shm = f"/dev/shm/moc-test-{uuid.uuid4().hex[:10]}"
+    shm = new_shm_dir()
     try:
         proc, records, events = _elastic(tmp_path, corpus, [
             "--save-interval", "4", "--moc-two-level", "--moc-snapshot-interval", "1",
@@ -98,7 +97,7 @@ def test_two_level_crash_recovers_from_memory(corpus, tmp_path, reference):
         assert _final_loss(records) == _final_loss(reference)
         assert not os.path.exists(shm)  # the normal end freed the keepers' memory
     finally:
-        shutil.rmtree(shm, ignore_errors=True)
+        stop_keepers(shm)
 
 
 def test_hang_is_detected_named_and_the_job_restarts(corpus, tmp_path, reference):
@@ -148,7 +147,7 @@ def test_two_level_faults_in_snapshot_persist_and_node_memory(corpus, tmp_path):
     snapshot must not count: the restart recovers iteration 2 from memory); the keeper
     dies while persisting (training goes on, persisting in process); rank 1's node loses
     its memory at iteration 11 (the restart recovers from storage)."""
-    shm = f"/dev/shm/moc-test-{uuid.uuid4().hex[:10]}"
+    shm = new_shm_dir()
     try:
         proc, records, events = _elastic(tmp_path, corpus, [
             "--train-iters", "14", "--lr-decay-iters", "14", "--moc-two-level",
@@ -169,4 +168,4 @@ def test_two_level_faults_in_snapshot_persist_and_node_memory(corpus, tmp_path):
         assert sorted(fired) == ["lose-memory@11:rank=1", "persist-crash@5:rank=1",
                                  "snapshot-crash@3:rank=0"]
     finally:
-        shutil.rmtree(shm, ignore_errors=True)
+        stop_keepers(shm)
