@@ -463,19 +463,24 @@ class MoCCheckpointer:
 
     # -- load ---------------------------------------------------------------------
 
-    def _choose(self, load_dir: str, tag: Optional[str]) -> Optional[str]:
-        """Rank 0: the tag to load; the newest valid one when ``tag`` is None."""
+    def _choose(self, load_dir: str, tag: Optional[str],
+                exclude: Dict[str, str]) -> Optional[str]:
+        """Rank 0: the tag to load; the newest valid one, not in ``exclude``, when ``tag``
+        is None. Checks the structure (files, sizes, fragments) only: the checksums
+        are verified by each rank on the files it reads (:meth:`_load_storage`), in
+        parallel, rather than here by one rank for the whole checkpoint."""
         from deepspeed_ext import manifest as mf
         from deepspeed_ext.reader import find_loadable
         if tag is not None:
-            problems = mf.verify_checkpoint(load_dir, tag, checksums=self.config.verify_on_load)
+            problems = [exclude[tag]] if tag in exclude else \
+                mf.verify_checkpoint(load_dir, tag, checksums=False)
             if problems:
                 raise MoCCheckpointError(f"checkpoint {tag} in {load_dir} cannot be loaded: "
                                          + "; ".join(problems))
             return tag
         if not fs.isdir(load_dir):
             return None
-        chosen, skipped = find_loadable(load_dir, checksums=self.config.verify_on_load)
+        chosen, skipped = find_loadable(load_dir, checksums=False, exclude=exclude)
         for line in skipped:
             _log(f"WARNING: {line}")
         return chosen
@@ -508,38 +513,35 @@ class MoCCheckpointer:
             MoCCheckpointError: on every rank, when any rank failed (a corrupt file, a
                 tensor this model does not have, ...).
         """
-        from deepspeed_ext.reader import CheckpointReader
         self.wait()  # a save still being written must be committed (or failed) first
         start = time.perf_counter()
-        choice = [None]
-        if dist.get_rank() == 0:
-            try:
-                choice[0] = (True, self._choose(load_dir, tag))
-            except Exception as e:
-                choice[0] = (False, f"{type(e).__name__}: {e}")
-        dist.broadcast_object_list(choice, src=0)
-        ok, chosen = choice[0]
-        if not ok:
-            raise MoCCheckpointError(f"MoC load from {load_dir}: {chosen}")
-        if chosen is None:
-            _log(f"no MoC checkpoint in {load_dir}")
-            return None, None
-        if load_optimizer_states:
-            ensure_optimizer_state(self.engine)
-        fragments = describe_local_state(self.engine, self.naming, with_moments=load_optimizer_states)
-        objects, ok, payload = None, True, None
-        try:
-            # Checksums were verified once, on rank 0, while choosing the checkpoint.
-            with CheckpointReader(load_dir, chosen, verify_checksums=False) as reader, torch.no_grad():
-                for frag in fragments:
-                    data = reader.read(frag.name, frag.kind, frag.offset, frag.length)
-                    frag.tensor.copy_(data.to(device=frag.tensor.device, dtype=frag.tensor.dtype))
-                objects = reader.objects()
-                self.expert_versions_loaded = {k: v[0] for k, v in reader.expert_versions().items()}
-        except Exception as e:  # reported to every rank below
-            ok, payload = False, f"{type(e).__name__}: {e}"
-            traceback.print_exc()
-        _raise_if_failed(_all_outcomes(ok, payload), f"MoC load of {load_dir}/{chosen}")
+        fragments = None
+        unusable: Dict[str, str] = {}  # tag -> the damage some rank found while reading it
+        while True:
+            chosen = self._broadcast_choice(load_dir, tag, unusable)
+            if chosen is None:
+                _log(f"no MoC checkpoint in {load_dir}")
+                return None, None
+            if fragments is None:  # only once there is something to load into them:
+                # creating the moments advances Adam's step counters
+                if load_optimizer_states:
+                    ensure_optimizer_state(self.engine)
+                fragments = describe_local_state(self.engine, self.naming,
+                                                 with_moments=load_optimizer_states)
+            ok, result = self._read_into(load_dir, chosen, fragments)
+            outcomes = _all_outcomes(ok, None if ok else result)  # kind, message
+            damaged = [f"rank {r}: {p[1]}" for r, (ok, p) in enumerate(outcomes)
+                       if not ok and p[0] == "damaged"]
+            if damaged and len(damaged) == sum(not ok for ok, _ in outcomes):
+                # A file failed its checksum (or size) on the rank that read it: every
+                # rank passes this checkpoint over, together, and the next one is tried
+                # (the engine's tensors are overwritten by that load).
+                unusable[chosen] = "; ".join(damaged)
+                continue
+            _raise_if_failed([(ok, p if ok else p[1]) for ok, p in outcomes],
+                             f"MoC load of {load_dir}/{chosen}")
+            objects, self.expert_versions_loaded = result
+            break
         self._restore_objects(objects, load_optimizer_states, load_lr_scheduler_states)
         self.account_recovery(objects, self.expert_versions_loaded)
         refresh_compute_weights(self.engine)
@@ -548,6 +550,48 @@ class MoCCheckpointer:
         _log(f"loaded {os.path.join(load_dir, chosen)} (step {self.engine.global_steps}) "
              f"in {time.perf_counter() - start:.2f} s")
         return os.path.join(load_dir, chosen), objects["client_state"]
+
+    def _broadcast_choice(self, load_dir: str, tag: Optional[str],
+                          unusable: Dict[str, str]) -> Optional[str]:
+        """Every rank: rank 0's :meth:`_choose` (None: nothing to load), or its error
+        raised on every rank."""
+        choice = [None]
+        if dist.get_rank() == 0:
+            try:
+                choice[0] = (True, self._choose(load_dir, tag, unusable))
+            except Exception as e:
+                choice[0] = (False, f"{type(e).__name__}: {e}")
+        dist.broadcast_object_list(choice, src=0)
+        ok, chosen = choice[0]
+        if not ok:
+            raise MoCCheckpointError(f"MoC load from {load_dir}: {chosen}")
+        return chosen
+
+    def _read_into(self, load_dir: str, chosen: str, fragments) -> Tuple[bool, Any]:
+        """This rank's part of a storage load: copy its fragments of checkpoint
+        ``chosen`` into the engine, checksumming each file before its first read (when
+        ``verify_on_load``). Returns ``(True, (objects, expert versions))``, or
+        ``(False, (kind, message))`` with kind ``damaged`` for a file that failed its
+        checks, else ``error``."""
+        from deepspeed_ext.reader import CheckpointReader
+        from deepspeed_ext.storage import CheckpointError
+        try:
+            # Rank 0 checked the structure while choosing; each rank checks the bytes it
+            # reads, so no rank hashes (or opens) the whole checkpoint alone.
+            with CheckpointReader(load_dir, chosen, verify_checksums=self.config.verify_on_load,
+                                  check_structure=False) as reader, torch.no_grad():
+                for frag in fragments:
+                    data = reader.read(frag.name, frag.kind, frag.offset, frag.length)
+                    frag.tensor.copy_(data.to(device=frag.tensor.device, dtype=frag.tensor.dtype))
+                objects = reader.objects()
+                versions = {k: v[0] for k, v in reader.expert_versions().items()}
+            return True, (objects, versions)
+        except CheckpointError as e:
+            traceback.print_exc()
+            return False, ("damaged", str(e))
+        except Exception as e:  # reported to every rank by the caller
+            traceback.print_exc()
+            return False, ("error", f"{type(e).__name__}: {e}")
 
     def account_recovery(self, objects: Dict, versions: Dict[Tuple[int, int], int]) -> None:
         """After a load: restore the token ledger saved with it and record what the load

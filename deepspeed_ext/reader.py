@@ -3,12 +3,15 @@ from the checkpoint that holds its newest version.
 
 Multi-rank call order (the orchestration owns the collectives)::
 
-    rank 0:    tag, skipped = find_loadable(save_dir)     # verifies, checksums included
+    rank 0:    tag, skipped = find_loadable(save_dir, checksums=False)  # structure only
                warn about `skipped`; broadcast tag (None = fresh start)
-    each rank: with CheckpointReader(save_dir, tag, verify_checksums=False) as ckpt:
+    each rank: with CheckpointReader(save_dir, tag, check_structure=False) as ckpt:
                    for name, kind in what this rank owns under the NEW layout:
                        ckpt.read(name, kind, start, length, out=flat_buffer[...])
                    state = ckpt.objects()                 # iteration, RNG, scheduler
+               (each file is checksummed by the rank that reads it, before its first
+               read; a mismatch raises CheckpointError: gather the outcomes, and when
+               any rank failed so, rank 0 chooses again with that tag excluded)
 
 Each rank reads only the element ranges it needs, whatever layout (world size, ZeRO
 partitioning, expert parallel size) the checkpoint was written with.
@@ -56,7 +59,8 @@ class TensorInfo:
         return n
 
 
-def find_loadable(save_dir: str, checksums: bool = True) -> Tuple[Optional[str], List[str]]:
+def find_loadable(save_dir: str, checksums: bool = True,
+                  exclude: Optional[Dict[str, str]] = None) -> Tuple[Optional[str], List[str]]:
     """The checkpoint a restart should load, skipping broken ones.
 
     Tries the tag in ``latest`` first, then every complete checkpoint from the newest
@@ -67,6 +71,8 @@ def find_loadable(save_dir: str, checksums: bool = True) -> Tuple[Optional[str],
     Args:
         save_dir: the checkpoint root.
         checksums: verify SHA-256 of every needed file.
+        exclude: tags already found unusable (tag -> why), passed over with that reason
+            (a load whose ranks found a bad checksum while reading tries the next one).
 
     Returns:
         ``(tag, skipped)``: ``skipped`` has one line per checkpoint passed over (newer
@@ -94,6 +100,9 @@ def find_loadable(save_dir: str, checksums: bool = True) -> Tuple[Optional[str],
         if tag != latest:
             skipped.append(f"skipped checkpoint {tag}: {err}")
     for tag in candidates:
+        if exclude and tag in exclude:
+            skipped.append(f"skipped checkpoint {tag}: {exclude[tag]}")
+            continue
         problems = verify_checkpoint(save_dir, tag, checksums=checksums)
         if not problems:
             return tag, skipped
@@ -116,16 +125,20 @@ class CheckpointReader:
         tag: the checkpoint; None = the one ``latest`` names (no fallback; use
             :func:`find_loadable` for that).
         verify_checksums: hash each file once, right before its first use, and raise
-            :class:`CheckpointError` naming it on a mismatch. That reads whole files,
-            so with many ranks prefer verifying once via :func:`find_loadable` and
-            passing False here.
+            :class:`CheckpointError` naming it on a mismatch (and on a wrong size).
+            That reads each file this reader uses once, whole: every rank checks what
+            it reads itself, in parallel.
+        check_structure: check every file of the checkpoint (sizes, the fragments in
+            each, coverage) when opening. With many ranks let one rank do it (as
+            :func:`find_loadable` does without checksums) and pass False elsewhere:
+            otherwise every rank opens every rank's files.
 
     File handles are cached until :meth:`close` (or the ``with`` block ends). Not
     thread-safe.
     """
 
     def __init__(self, save_dir: str, tag: Optional[str] = None,
-                 verify_checksums: bool = True):
+                 verify_checksums: bool = True, check_structure: bool = True):
         self.save_dir = save_dir
         if tag is None:
             tag = read_latest(save_dir)
@@ -136,7 +149,8 @@ class CheckpointReader:
             self._res = resolve_checkpoint(save_dir, tag)
         except ValueError as err:  # a malformed tag
             raise CheckpointError(str(err)) from None
-        problems = verify_resolution(save_dir, self._res, checksums=False)
+        problems = verify_resolution(save_dir, self._res, checksums=False) \
+            if check_structure else []
         if problems:
             raise CheckpointError(f"checkpoint {tag} in {save_dir} cannot be loaded:\n  "
                                   + "\n  ".join(problems))

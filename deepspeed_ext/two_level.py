@@ -981,7 +981,12 @@ class _StorageVersions:
     def reader(self):
         from deepspeed_ext.reader import CheckpointReader
         if self._reader is None:
-            self._reader = CheckpointReader(self.load_dir, self.tag, verify_checksums=True)
+            # Each file this rank reads is checked (size, checksum) before its first read;
+            # not every rank's files, which would make every rank open the whole
+            # checkpoint. A failure here fails the memory recovery on every rank, and the
+            # storage load that follows checks the structure on rank 0.
+            self._reader = CheckpointReader(self.load_dir, self.tag, verify_checksums=True,
+                                            check_structure=False)
         return self._reader
 
     def close(self) -> None:

@@ -151,6 +151,32 @@ def test_find_loadable_falls_back(run, tmp_path):
         find_loadable(str(tmp_path))
 
 
+def test_without_the_structure_check_only_the_files_read_are_opened(run, tmp_path):
+    # Every rank of a load opening every rank's files is O(world^2) opens on a shared
+    # filesystem: with check_structure=False a reader touches only the files it reads.
+    os.remove(rank_file(tmp_path, "global_step30", 1))
+    with pytest.raises(CheckpointError, match="rank00001.safetensors"):
+        CheckpointReader(str(tmp_path), "global_step30")
+    with CheckpointReader(str(tmp_path), "global_step30", check_structure=False) as ckpt:
+        readable, missing = 0, 0
+        for name, kind in ckpt.keys():
+            try:
+                got = ckpt.read_full(name, kind)
+            except CheckpointError as err:  # its bytes were in the removed file
+                assert "rank00001.safetensors" in str(err)
+                missing += 1
+                continue
+            assert torch.equal(got, run.truth[(name, kind)])
+            readable += 1
+        assert readable and missing
+
+
+def test_find_loadable_passes_over_excluded_tags(run, tmp_path):
+    tag, skipped = find_loadable(str(tmp_path), exclude={"global_step30": "rank 1: bad"})
+    assert tag == "global_step20"
+    assert skipped == ["skipped checkpoint global_step30: rank 1: bad"]
+
+
 def test_find_loadable_empty_dir_is_fresh_start(tmp_path):
     assert find_loadable(str(tmp_path)) == (None, [])
     assert find_loadable(str(tmp_path / "does-not-exist")) == (None, [])
