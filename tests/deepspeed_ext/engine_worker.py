@@ -94,6 +94,18 @@ def _kill_keeper_at(engine, step):
         time.sleep(0.01)
 
 
+def _record_hashed_files():
+    """The files this rank checksums (``storage.sha256_file``), in order."""
+    from deepspeed_ext import storage
+    real, hashed = storage.sha256_file, []
+
+    def recording(path):
+        hashed.append(os.path.relpath(path, os.path.dirname(os.path.dirname(path))))
+        return real(path)
+    storage.sha256_file = recording
+    return hashed
+
+
 def _inject_save_failure(engine):
     """MOC_TEST_FAIL_RANK/MOC_TEST_FAIL_STEP: that rank's file write raises at that step."""
     if os.environ.get("MOC_TEST_FAIL_RANK") != str(dist.get_rank()):
@@ -185,7 +197,9 @@ def main():
     else:
         start = 0
         if action.startswith("load"):
+            hashed = _record_hashed_files()
             path, client = engine.load_checkpoint(args.load)
+            result["hashed_by_load"] = list(hashed)
             result["loaded"] = path
             result["client_state"] = client
             start = client["step"]

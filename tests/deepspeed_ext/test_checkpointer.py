@@ -128,6 +128,25 @@ def test_failure_on_one_rank_is_raised_everywhere_and_keeps_latest(tmp_path):
     assert moc_ckpt(["verify", str(ckpt)]) == 0
 
 
+def test_each_rank_checksums_only_the_files_it_reads(tmp_path):
+    # One rank hashing every file of the checkpoint while the others wait grows with the
+    # world size; each rank verifies what it reads instead.
+    ckpt = tmp_path / "ckpt"
+    _run(tmp_path, "first", 4, "train-save", _layout(4, 4, 2) + [
+        "--train-iters", "2", "--save", str(ckpt), "--save-interval", "2"])
+    loads = _run(tmp_path, "second", 4, "load-train-save", _layout(4, 4, 2) + [
+        "--train-iters", "2", "--load", str(ckpt)])
+    hashed = [r["hashed_by_load"] for r in loads]
+    files = {f"global_step2/{name}" for name in os.listdir(ckpt / "global_step2")
+             if name.endswith((".safetensors", ".json")) and name != "manifest.json"}
+    assert set().union(*hashed) == files, hashed  # every file is checked by a reader
+    for rank, mine in enumerate(hashed):
+        assert len(mine) == len(set(mine)), hashed  # each file once per rank
+    # The write plan spreads a rank's partition over a few files, not all of them: rank
+    # 0 (which used to hash the whole checkpoint while choosing it) checks only those.
+    assert set(hashed[0]) < files, hashed
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_damaged_file_is_detected_and_load_falls_back(tmp_path, damage, capsys):
     ckpt = tmp_path / "ckpt"
