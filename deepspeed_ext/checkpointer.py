@@ -463,27 +463,33 @@ class MoCCheckpointer:
 
     # -- load ---------------------------------------------------------------------
 
-    def _choose(self, load_dir: str, tag: Optional[str],
-                exclude: Dict[str, str]) -> Optional[str]:
-        """Rank 0: the tag to load; the newest valid one, not in ``exclude``, when ``tag``
-        is None. Checks the structure (files, sizes, fragments) only: the checksums
-        are verified by each rank on the files it reads (:meth:`_load_storage`), in
-        parallel, rather than here by one rank for the whole checkpoint."""
+    def _choose(self, load_dir: str, tag: Optional[str], exclude: Dict[str, str]):
+        """Rank 0: the tag to load (the newest valid one, not in ``exclude``, when ``tag``
+        is None) and its resolution, or None. Checks the structure (files, sizes,
+        fragments) only: the checksums are verified by each rank on the files it reads
+        (:meth:`_load_storage`), in parallel, rather than here by one rank for the
+        whole checkpoint; and the resolution goes to the other ranks, so that they do
+        not all read every manifest it names."""
         from deepspeed_ext import manifest as mf
         from deepspeed_ext.reader import find_loadable
+        manifests: Dict = {}
         if tag is not None:
             problems = [exclude[tag]] if tag in exclude else \
-                mf.verify_checkpoint(load_dir, tag, checksums=False)
+                mf.verify_checkpoint(load_dir, tag, checksums=False, cache=manifests)
             if problems:
                 raise MoCCheckpointError(f"checkpoint {tag} in {load_dir} cannot be loaded: "
                                          + "; ".join(problems))
-            return tag
-        if not fs.isdir(load_dir):
-            return None
-        chosen, skipped = find_loadable(load_dir, checksums=False, exclude=exclude)
-        for line in skipped:
-            _log(f"WARNING: {line}")
-        return chosen
+            chosen = tag
+        else:
+            if not fs.isdir(load_dir):
+                return None
+            chosen, skipped = find_loadable(load_dir, checksums=False, exclude=exclude,
+                                            cache=manifests)
+            for line in skipped:
+                _log(f"WARNING: {line}")
+            if chosen is None:
+                return None
+        return chosen, mf.resolve_checkpoint(load_dir, chosen, manifests)
 
     def load(self, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
              load_lr_scheduler_states: bool = True,
@@ -518,17 +524,18 @@ class MoCCheckpointer:
         fragments = None
         unusable: Dict[str, str] = {}  # tag -> the damage some rank found while reading it
         while True:
-            chosen = self._broadcast_choice(load_dir, tag, unusable)
-            if chosen is None:
+            choice = self._broadcast_choice(load_dir, tag, unusable)
+            if choice is None:
                 _log(f"no MoC checkpoint in {load_dir}")
                 return None, None
+            chosen, resolution = choice
             if fragments is None:  # only once there is something to load into them:
                 # creating the moments advances Adam's step counters
                 if load_optimizer_states:
                     ensure_optimizer_state(self.engine)
                 fragments = describe_local_state(self.engine, self.naming,
                                                  with_moments=load_optimizer_states)
-            ok, result = self._read_into(load_dir, chosen, fragments)
+            ok, result = self._read_into(load_dir, chosen, resolution, fragments)
             outcomes = _all_outcomes(ok, None if ok else result)  # kind, message
             damaged = [f"rank {r}: {p[1]}" for r, (ok, p) in enumerate(outcomes)
                        if not ok and p[0] == "damaged"]
@@ -551,10 +558,9 @@ class MoCCheckpointer:
              f"in {time.perf_counter() - start:.2f} s")
         return os.path.join(load_dir, chosen), objects["client_state"]
 
-    def _broadcast_choice(self, load_dir: str, tag: Optional[str],
-                          unusable: Dict[str, str]) -> Optional[str]:
-        """Every rank: rank 0's :meth:`_choose` (None: nothing to load), or its error
-        raised on every rank."""
+    def _broadcast_choice(self, load_dir: str, tag: Optional[str], unusable: Dict[str, str]):
+        """Every rank: rank 0's :meth:`_choose`, ``(tag, resolution)`` or None (nothing
+        to load), or its error raised on every rank."""
         choice = [None]
         if dist.get_rank() == 0:
             try:
@@ -567,10 +573,10 @@ class MoCCheckpointer:
             raise MoCCheckpointError(f"MoC load from {load_dir}: {chosen}")
         return chosen
 
-    def _read_into(self, load_dir: str, chosen: str, fragments) -> Tuple[bool, Any]:
+    def _read_into(self, load_dir: str, chosen: str, resolution, fragments) -> Tuple[bool, Any]:
         """This rank's part of a storage load: copy its fragments of checkpoint
-        ``chosen`` into the engine, checksumming each file before its first read (when
-        ``verify_on_load``). Returns ``(True, (objects, expert versions))``, or
+        ``chosen`` (resolved by rank 0) into the engine, checksumming each file before
+        its first read (when ``verify_on_load``). Returns ``(True, (objects, expert versions))``, or
         ``(False, (kind, message))`` with kind ``damaged`` for a file that failed its
         checks, else ``error``."""
         from deepspeed_ext.reader import CheckpointReader
@@ -579,7 +585,8 @@ class MoCCheckpointer:
             # Rank 0 checked the structure while choosing; each rank checks the bytes it
             # reads, so no rank hashes (or opens) the whole checkpoint alone.
             with CheckpointReader(load_dir, chosen, verify_checksums=self.config.verify_on_load,
-                                  check_structure=False) as reader, torch.no_grad():
+                                  check_structure=False, resolution=resolution) as reader, \
+                    torch.no_grad():
                 for frag in fragments:
                     data = reader.read(frag.name, frag.kind, frag.offset, frag.length)
                     frag.tensor.copy_(data.to(device=frag.tensor.device, dtype=frag.tensor.dtype))

@@ -973,7 +973,8 @@ def _split_or_raw(tkey: str) -> Tuple[str, str]:
         return tkey, ""
 
 
-def verify_checkpoint(save_dir: str, tag: str, checksums: bool = True) -> List[str]:
+def verify_checkpoint(save_dir: str, tag: str, checksums: bool = True,
+                      cache: Optional[Dict[str, Manifest]] = None) -> List[str]:
     """Everything that would make loading ``tag`` fail or load wrong data.
 
     Checks: the manifest (present, readable, consistent); every file of ``tag`` and
@@ -987,13 +988,14 @@ def verify_checkpoint(save_dir: str, tag: str, checksums: bool = True) -> List[s
         save_dir: the checkpoint root.
         tag: the checkpoint.
         checksums: also hash every needed file (reads all their bytes once).
+        cache: tag -> manifest, shared with other calls (:func:`resolve_checkpoint`).
 
     Returns:
         One line per problem, each naming the file, tensor or index entry; empty when
         ``tag`` loads correctly.
     """
     try:
-        res = resolve_checkpoint(save_dir, tag)
+        res = resolve_checkpoint(save_dir, tag, cache)
     except (CheckpointError, ValueError) as err:
         return [str(err)]
     return verify_resolution(save_dir, res, checksums)

@@ -3,9 +3,11 @@ from the checkpoint that holds its newest version.
 
 Multi-rank call order (the orchestration owns the collectives)::
 
-    rank 0:    tag, skipped = find_loadable(save_dir, checksums=False)  # structure only
-               warn about `skipped`; broadcast tag (None = fresh start)
-    each rank: with CheckpointReader(save_dir, tag, check_structure=False) as ckpt:
+    rank 0:    tag, skipped = find_loadable(save_dir, checksums=False, cache=manifests)
+               res = resolve_checkpoint(save_dir, tag, manifests)  # structure checked
+               warn about `skipped`; broadcast (tag, res) (tag None = fresh start)
+    each rank: with CheckpointReader(save_dir, tag, check_structure=False,
+                                     resolution=res) as ckpt:
                    for name, kind in what this rank owns under the NEW layout:
                        ckpt.read(name, kind, start, length, out=flat_buffer[...])
                    state = ckpt.objects()                 # iteration, RNG, scheduler
@@ -24,9 +26,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from deepspeed_ext.manifest import (Manifest, ResolvedTensor, read_latest, resolve_checkpoint,
-                                    scan_checkpoints, tensor_key, verify_checkpoint,
-                                    verify_resolution)
+from deepspeed_ext.manifest import (Manifest, Resolution, ResolvedTensor, read_latest,
+                                    resolve_checkpoint, scan_checkpoints, tensor_key,
+                                    verify_checkpoint, verify_resolution)
 from deepspeed_ext.objects import OBJECTS_FILE, decode, read_objects_file, tensor_keys
 from deepspeed_ext.storage import (CheckpointError, FileRecord, FragmentReader,
                                    dtype_from_name, verify_file)
@@ -60,7 +62,8 @@ class TensorInfo:
 
 
 def find_loadable(save_dir: str, checksums: bool = True,
-                  exclude: Optional[Dict[str, str]] = None) -> Tuple[Optional[str], List[str]]:
+                  exclude: Optional[Dict[str, str]] = None,
+                  cache: Optional[Dict[str, Manifest]] = None) -> Tuple[Optional[str], List[str]]:
     """The checkpoint a restart should load, skipping broken ones.
 
     Tries the tag in ``latest`` first, then every complete checkpoint from the newest
@@ -73,6 +76,8 @@ def find_loadable(save_dir: str, checksums: bool = True,
         checksums: verify SHA-256 of every needed file.
         exclude: tags already found unusable (tag -> why), passed over with that reason
             (a load whose ranks found a bad checksum while reading tries the next one).
+        cache: tag -> manifest, filled with the manifests read (a caller that resolves
+            the chosen tag next reads none of them again).
 
     Returns:
         ``(tag, skipped)``: ``skipped`` has one line per checkpoint passed over (newer
@@ -103,7 +108,7 @@ def find_loadable(save_dir: str, checksums: bool = True,
         if exclude and tag in exclude:
             skipped.append(f"skipped checkpoint {tag}: {exclude[tag]}")
             continue
-        problems = verify_checkpoint(save_dir, tag, checksums=checksums)
+        problems = verify_checkpoint(save_dir, tag, checksums=checksums, cache=cache)
         if not problems:
             return tag, skipped
         skipped.append(f"skipped checkpoint {tag}: " + "; ".join(problems))
@@ -132,23 +137,30 @@ class CheckpointReader:
             each, coverage) when opening. With many ranks let one rank do it (as
             :func:`find_loadable` does without checksums) and pass False elsewhere:
             otherwise every rank opens every rank's files.
+        resolution: ``tag``'s :func:`~deepspeed_ext.manifest.resolve_checkpoint`, when
+            one rank read the manifests and sent it (else every rank reads every
+            manifest the checkpoint's expert index names).
 
     File handles are cached until :meth:`close` (or the ``with`` block ends). Not
     thread-safe.
     """
 
     def __init__(self, save_dir: str, tag: Optional[str] = None,
-                 verify_checksums: bool = True, check_structure: bool = True):
+                 verify_checksums: bool = True, check_structure: bool = True,
+                 resolution: Optional[Resolution] = None):
         self.save_dir = save_dir
         if tag is None:
             tag = read_latest(save_dir)
             if tag is None:
                 raise CheckpointError(f"{os.path.join(save_dir, 'latest')}: missing or empty; "
                                       f"no complete checkpoint is recorded in {save_dir}")
-        try:
-            self._res = resolve_checkpoint(save_dir, tag)
-        except ValueError as err:  # a malformed tag
-            raise CheckpointError(str(err)) from None
+        if resolution is not None and resolution.manifest.tag == tag:
+            self._res = resolution
+        else:
+            try:
+                self._res = resolve_checkpoint(save_dir, tag)
+            except ValueError as err:  # a malformed tag
+                raise CheckpointError(str(err)) from None
         problems = verify_resolution(save_dir, self._res, checksums=False) \
             if check_structure else []
         if problems:

@@ -106,6 +106,18 @@ def _record_hashed_files():
     return hashed
 
 
+def _record_manifest_reads():
+    """The manifests this rank reads (``manifest.read_manifest``), in order."""
+    from deepspeed_ext import manifest
+    real, read = manifest.read_manifest, []
+
+    def recording(ckpt_dir):
+        read.append(os.path.basename(ckpt_dir))
+        return real(ckpt_dir)
+    manifest.read_manifest = recording
+    return read
+
+
 def _inject_save_failure(engine):
     """MOC_TEST_FAIL_RANK/MOC_TEST_FAIL_STEP: that rank's file write raises at that step."""
     if os.environ.get("MOC_TEST_FAIL_RANK") != str(dist.get_rank()):
@@ -197,9 +209,10 @@ def main():
     else:
         start = 0
         if action.startswith("load"):
-            hashed = _record_hashed_files()
+            hashed, manifests = _record_hashed_files(), _record_manifest_reads()
             path, client = engine.load_checkpoint(args.load)
             result["hashed_by_load"] = list(hashed)
+            result["manifests_read_by_load"] = list(manifests)
             result["loaded"] = path
             result["client_state"] = client
             start = client["step"]

@@ -130,7 +130,8 @@ def test_failure_on_one_rank_is_raised_everywhere_and_keeps_latest(tmp_path):
 
 def test_each_rank_checksums_only_the_files_it_reads(tmp_path):
     # One rank hashing every file of the checkpoint while the others wait grows with the
-    # world size; each rank verifies what it reads instead.
+    # world size; each rank verifies what it reads instead. The manifests are read by
+    # rank 0 alone, which sends the resolution (not every rank reading every manifest).
     ckpt = tmp_path / "ckpt"
     _run(tmp_path, "first", 4, "train-save", _layout(4, 4, 2) + [
         "--train-iters", "2", "--save", str(ckpt), "--save-interval", "2"])
@@ -145,6 +146,8 @@ def test_each_rank_checksums_only_the_files_it_reads(tmp_path):
     # The write plan spreads a rank's partition over a few files, not all of them: rank
     # 0 (which used to hash the whole checkpoint while choosing it) checks only those.
     assert set(hashed[0]) < files, hashed
+    read = [r["manifests_read_by_load"] for r in loads]
+    assert "global_step2" in read[0] and not any(read[1:]), read
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
