@@ -537,15 +537,15 @@ class MoCCheckpointer:
                                                  with_moments=load_optimizer_states)
             ok, result = self._read_into(load_dir, chosen, resolution, fragments)
             outcomes = _all_outcomes(ok, None if ok else result)  # kind, message
-            damaged = [f"rank {r}: {p[1]}" for r, (ok, p) in enumerate(outcomes)
-                       if not ok and p[0] == "damaged"]
-            if damaged and len(damaged) == sum(not ok for ok, _ in outcomes):
+            damaged = [f"rank {r}: {why[1]}" for r, (good, why) in enumerate(outcomes)
+                       if not good and why[0] == "damaged"]
+            if damaged and len(damaged) == sum(not good for good, _ in outcomes):
                 # A file failed its checksum (or size) on the rank that read it: every
                 # rank passes this checkpoint over, together, and the next one is tried
                 # (the engine's tensors are overwritten by that load).
                 unusable[chosen] = "; ".join(damaged)
                 continue
-            _raise_if_failed([(ok, p if ok else p[1]) for ok, p in outcomes],
+            _raise_if_failed([(good, why if good else why[1]) for good, why in outcomes],
                              f"MoC load of {load_dir}/{chosen}")
             objects, self.expert_versions_loaded = result
             break
@@ -576,9 +576,12 @@ class MoCCheckpointer:
     def _read_into(self, load_dir: str, chosen: str, resolution, fragments) -> Tuple[bool, Any]:
         """This rank's part of a storage load: copy its fragments of checkpoint
         ``chosen`` (resolved by rank 0) into the engine, checksumming each file before
-        its first read (when ``verify_on_load``). Returns ``(True, (objects, expert versions))``, or
-        ``(False, (kind, message))`` with kind ``damaged`` for a file that failed its
-        checks, else ``error``."""
+        its first read (when ``verify_on_load``).
+
+        Returns:
+            ``(True, (objects, expert versions))``, or ``(False, (kind, message))`` with
+            kind ``damaged`` for a file that failed its checks, else ``error``.
+        """
         from deepspeed_ext.reader import CheckpointReader
         from deepspeed_ext.storage import CheckpointError
         try:
