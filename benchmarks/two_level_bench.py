@@ -107,8 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "interval; profiling slows the calls, so stalls of such a run are "
                         "not comparable).")
     g.add_argument("--profile-recovery", metavar="FILE",
-                   help="MoC systems: profile rank 0's recovery from memory (cProfile) and "
-                        "write the functions with the most cumulative time to FILE.")
+                   help="MoC systems: profile every rank's recovery from memory (cProfile) "
+                        "and write the functions with the most cumulative time to FILE "
+                        "(rank 0) and FILE.rank<R> (the others): every rank waits in the "
+                        "same collectives, so one rank's profile does not show whose work "
+                        "they wait for.")
     g.add_argument("--json", metavar="FILE", help="Also write the table rows here as JSON.")
     g.add_argument("--plot", metavar="FILE",
                    help="PNG of the stall of every checkpoint (needs matplotlib); "
@@ -175,7 +178,7 @@ class _Bench:
         self.device = get_accelerator().current_device_name()
         self.batch = 0  # synthetic batches drawn so far (any phase)
         self.save_profiler = None  # rank 0, --profile-saves: a cProfile.Profile of the saves
-        self.recovery_profiler = None  # rank 0, --profile-recovery: of the memory recovery
+        self.recovery_profiler = None  # --profile-recovery: of this rank's memory recovery
         # DCP's upload thread runs collectives while the training loop runs its own:
         # a group of its own keeps the two apart.
         self.dcp_group = dist.new_group(backend="gloo")
@@ -507,7 +510,7 @@ class _MoCPeer(_Peer):
         loaded = {}
 
         def load_memory():
-            profiler = self.bench.recovery_profiler if self.bench.rank == 0 else None
+            profiler = self.bench.recovery_profiler
             if profiler is not None:
                 profiler.enable()
             try:
@@ -701,7 +704,7 @@ def _worker(opts, rank: int, world: int) -> None:
                 if opts.profile_saves and rank == 0 and system.startswith("moc"):
                     import cProfile
                     bench.save_profiler = cProfile.Profile()
-                if opts.profile_recovery and rank == 0 and system.startswith("moc"):
+                if opts.profile_recovery and system.startswith("moc"):
                     import cProfile
                     bench.recovery_profiler = cProfile.Profile()
                 out = _run_phase(bench, system, interval, save_dir)
@@ -710,8 +713,9 @@ def _worker(opts, rank: int, world: int) -> None:
                                    f"{system} every {interval}: rank 0's save calls")
                     bench.save_profiler = None
                 if bench.recovery_profiler is not None:
-                    _write_profile(bench.recovery_profiler, opts.profile_recovery,
-                                   f"{system} every {interval}: rank 0's memory recovery")
+                    _write_profile(bench.recovery_profiler,
+                                   opts.profile_recovery + (f".rank{rank}" if rank else ""),
+                                   f"{system} every {interval}: rank {rank}'s memory recovery")
                     bench.recovery_profiler = None
             out["turn_s"] = time.perf_counter() - started
             per_rank = gather(out)

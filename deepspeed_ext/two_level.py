@@ -102,6 +102,8 @@ class TwoLevel:
         self._check_memory_budget(frags)
         self.copier = HostCopier(HostCopier.device_of({f.key: f.tensor for f in frags}))
         self.exchanger = Exchanger()
+        self._load_exchanger: Optional[Exchanger] = None
+        """The current load's exchanges (steps held, outcomes), preset to their small size."""
         keeper.ensure_keeper(self.node_dir, cfg.keeper_idle_timeout_s)
         self.slots = SnapshotSlots(self.node_dir, self.rank, on_map=self.copier.register,
                                    on_unmap=self.copier.unregister)
