@@ -57,7 +57,7 @@ def _train(engine, args, start, stop, save_dir, states=None):
             engine.save_checkpoint(save_dir, client_state={"step": step + 1})
             if states is not None:
                 states[step + 1] = _state(engine)
-            if os.environ.get("MOC_TEST_WAIT_AFTER_STEP") == str(step + 1):
+            if str(step + 1) in os.environ.get("MOC_TEST_WAIT_AFTER_STEP", "").split(","):
                 engine.moc.wait()  # that step is committed: the next snapshot persists
             _kill_keeper_at(engine, step + 1)
     return losses

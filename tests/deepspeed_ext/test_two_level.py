@@ -206,11 +206,16 @@ def test_keeper_killed_training_goes_on_persisting_in_process(tmp_path):
         flags = _flags(shm, 2, 2, ["--moc-persist-interval", "1"])
         _, results = _run(tmp_path, "run", 2, "train-save", flags + [
             "--train-iters", "4", "--save", ckpt, "--save-interval", "1"],
-            env={"MOC_TEST_KILL_KEEPER_STEP": "2", "MOC_TEST_WAIT_AFTER_STEP": "1"})
+            # Waiting after step 3 too: without it, on a loaded machine, step 3's in-process
+            # persist can still be running at step 4 (which then stays in memory until the
+            # end), and the test would not show that both are persisted by the processes.
+            env={"MOC_TEST_KILL_KEEPER_STEP": "2", "MOC_TEST_WAIT_AFTER_STEP": "1,3"})
         output = "".join(r.output for r in results)
         for rank in range(2):
             assert output.count(f"rank {rank}: WARNING: the keeper of node 0 is gone") == 1, output
         assert "still running; this snapshot stays in memory only" not in output
+        assert "before returning from wait" not in output  # step 4 persisted when it was taken
+        assert _verify(ckpt, "global_step3") == []
         assert _latest(ckpt) == "global_step4"
         assert _verify(ckpt, "global_step4") == []
         assert not os.path.exists(shm), os.listdir(shm)
