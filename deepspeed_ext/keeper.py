@@ -126,15 +126,18 @@ def ensure_keeper(directory: str, idle_timeout_s: float = 600.0,
     with open(os.path.join(directory, LOCK_NAME), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            if not alive(directory):
+            # Start one only when nothing listens. A keeper that is slow to answer (busy
+            # persisting on a loaded node) is still the node's keeper: a second one would
+            # take over its socket, and the first would later delete the directory.
+            if is_dead(directory):
                 _spawn(directory, idle_timeout_s)
-                deadline = time.monotonic() + start_timeout_s
-                while not alive(directory):
-                    if time.monotonic() > deadline:
-                        raise KeeperError(f"the keeper for {directory} did not start within "
-                                          f"{start_timeout_s:.0f} s; see "
-                                          f"{os.path.join(directory, LOG_NAME)}")
-                    time.sleep(0.05)
+            deadline = time.monotonic() + start_timeout_s
+            while not alive(directory):
+                if time.monotonic() > deadline:
+                    raise KeeperError(f"the keeper for {directory} did not answer within "
+                                      f"{start_timeout_s:.0f} s; see "
+                                      f"{os.path.join(directory, LOG_NAME)}")
+                time.sleep(0.05)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     request(directory, {"op": "hello", "pid": os.getpid()})
