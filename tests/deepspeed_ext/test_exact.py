@@ -104,11 +104,11 @@ def test_node_memory_lost_replays_from_storage(tmp_path, corpus):
     The keeper copies frames in the background; on a loaded machine it once lagged
     three frames behind when the node died, so storage held rank 1's frames up to 3
     only and both ranks replayed [1..3] from storage (a correct recovery, but not the
-    one this test is about). Rank 1 sleeps 3 s at the top of 8 and 9 first, which gives
-    its keeper time to copy frames 4..6 (a few KB) before the node is lost."""
+    one this test is about). Rank 1 sleeps 6 s at the top of 8 first (at 9 the node is
+    lost before any sleep), which gives its keeper time to copy frames 4..6 (a few KB)."""
     ref = _reference(tmp_path, corpus, [], 2)
     ckpt, out, events = _crashed(tmp_path, corpus, ["--moc-ranks-per-node", "1"], 2,
-                                 ["--moc-fault", "slow@8:rank=1:slow=3",
+                                 ["--moc-fault", "slow@8:rank=1:slow=6",
                                   "--moc-fault", "lose-memory@9:rank=1"])
     recoveries = [e for e in events if e["kind"] == "recovery"]
     assert len(recoveries) == 1, events
