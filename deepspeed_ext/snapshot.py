@@ -173,17 +173,39 @@ class SlotImage:
     def __init__(self, image_path: str):
         self.path = image_path
         with open(image_path, "rb") as f:
-            self._map = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+            # A private (copy-on-write) map: writable as torch.frombuffer wants, without
+            # anything written through it ever reaching the snapshot in shared memory.
+            # (Not MAP_POPULATE: on a writable private map it copies every page.)
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
 
     def read(self, entry: Dict[str, Any]) -> torch.Tensor:
         """One tensor, as a new tensor (flat). ``entry`` is its layout record (``dtype``,
         ``start``, ``nbytes``)."""
         dtype = dtype_from_name(entry["dtype"])
+        out = torch.empty(entry["nbytes"] // dtype.itemsize, dtype=dtype)
+        self.read_into(entry, out)
+        return out
+
+    def read_into(self, entry: Dict[str, Any], out: torch.Tensor) -> None:
+        """Copy one tensor straight from the map into ``out`` (flat, as many elements;
+        ``copy_`` converts dtype and device): one copy, where :meth:`read` and a copy
+        into the engine would make two, for a recovery that restores a whole rank.
+
+        Raises:
+            RuntimeError: ``out`` has a different number of elements (from ``copy_``).
+        """
         if entry["nbytes"] == 0:
-            return torch.empty(0, dtype=dtype)
+            if out.numel():
+                raise RuntimeError(f"{self.path}: empty record for a tensor of {out.numel()} elements")
+            return
         first = entry["start"]
-        data = bytearray(self._map[first:first + entry["nbytes"]])  # the one copy
-        return torch.frombuffer(data, dtype=dtype)
+        view = memoryview(self._map)[first:first + entry["nbytes"]]
+        try:
+            src = torch.frombuffer(view, dtype=dtype_from_name(entry["dtype"]))
+            out.copy_(src)
+            del src  # releases its hold on the view, which the map's close needs
+        finally:
+            view.release()
 
     def close(self) -> None:
         self._map.close()

@@ -813,9 +813,13 @@ class TwoLevel:
             try:
                 with torch.no_grad():
                     for frag in fragments:
-                        data = self._newest(frag, base, step, mine, storage, counts, versions)
-                        frag.tensor.copy_(data.to(device=frag.tensor.device,
-                                                  dtype=frag.tensor.dtype))
+                        meta, data = self._newest(frag, base, step, mine, storage, counts,
+                                                  versions)
+                        if meta is not None:  # from memory: straight into the engine
+                            self._read_slot_into(meta, frag.key, frag.tensor)
+                        else:
+                            frag.tensor.copy_(data.to(device=frag.tensor.device,
+                                                      dtype=frag.tensor.dtype))
             finally:
                 storage.close()
             tree = base["objects_tree"]
@@ -847,38 +851,50 @@ class TwoLevel:
         return f"memory:{self.node_dir}@{step}", objects["client_state"]
 
     def _newest(self, frag, base, step, mine, storage, counts, versions):
-        """The newest version (<= step) of one fragment, from memory or storage; records
-        its step in ``versions`` for experts."""
+        """Where the newest version (<= step) of one fragment is; records its step in
+        ``versions`` for experts.
+
+        Returns:
+            ``(meta, None)``: in the memory snapshot ``meta`` (read it with
+            :meth:`_read_slot_into`); ``(None, tensor)``: read from storage.
+        """
         key = frag.key
         if frag.expert is None:
             if key not in base["specs"]:
                 raise RuntimeError(f"snapshot of step {step} lacks {key}")
             counts["memory"] += 1
-            return self._read_slot(base, key)
+            return base, None
         holders = [m for m in mine if m["step"] <= step and key in m["specs"]]
         newest_memory = max(holders, key=lambda m: m["step"]) if holders else None
         if newest_memory is not None and newest_memory["step"] == step:
             # Nothing on storage is newer than the recovered step itself.
             counts["memory"] += 1
             versions[tuple(frag.expert)] = step
-            return self._read_slot(newest_memory, key)
+            return newest_memory, None
         stored = storage.versions.get(tuple(frag.expert))
         if newest_memory is not None and (stored is None or newest_memory["step"] >= stored):
             counts["memory"] += 1
             versions[tuple(frag.expert)] = newest_memory["step"]
-            return self._read_slot(newest_memory, key)
+            return newest_memory, None
         if stored is None:
             raise RuntimeError(f"no version of expert {frag.expert} ({key}) in memory or storage")
         counts["storage"] += 1
         versions[tuple(frag.expert)] = stored
-        return storage.reader().read(frag.name, frag.kind, frag.offset, frag.length)
+        return None, storage.reader().read(frag.name, frag.kind, frag.offset, frag.length)
 
-    def _read_slot(self, meta, key):
-        """One tensor of a complete snapshot of this load's ``mine`` list."""
+    def _image(self, meta) -> SlotImage:
         slot = meta["_slot"]
         if slot not in self._images:
             self._images[slot] = SlotImage(self.slots.image_path(slot))
-        return self._images[slot].read(meta["_entries"][key])
+        return self._images[slot]
+
+    def _read_slot(self, meta, key):
+        """One tensor of a complete snapshot of this load's ``mine`` list, as a new tensor."""
+        return self._image(meta).read(meta["_entries"][key])
+
+    def _read_slot_into(self, meta, key, out) -> None:
+        """One tensor of a complete snapshot of ``mine``, copied straight into ``out``."""
+        self._image(meta).read_into(meta["_entries"][key], out)
 
     def _overlay_newer_experts(self, mine, fragments) -> None:
         """Two-level recovery: after a storage load, take experts whose memory snapshot on

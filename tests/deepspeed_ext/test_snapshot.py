@@ -30,6 +30,28 @@ def test_complete_snapshot_is_found_by_a_restarted_rank(tmp_path):
     image.close()
 
 
+def test_read_into_copies_straight_into_the_target_and_leaves_the_snapshot_alone(tmp_path):
+    """read_into converts into the target's dtype, refuses a target of another size, and
+    neither it nor writing to what read returned changes the snapshot; the image then
+    closes (no view of its map is left behind)."""
+    slots = SnapshotSlots(str(tmp_path), 1)
+    meta = _fill(slots, 0, 7, [1.5, -2.0, 3.25])
+    entry = meta["entries"][0]
+    image = SlotImage(slots.image_path(0))
+    target = torch.zeros(3, dtype=torch.float64)
+    image.read_into(entry, target)
+    assert target.tolist() == [1.5, -2.0, 3.25]
+    with pytest.raises(RuntimeError):
+        image.read_into(entry, torch.zeros(4))
+    first = image.read(entry)
+    first.fill_(9.0)
+    assert image.read(entry).tolist() == [1.5, -2.0, 3.25]
+    image.close()
+    again = SlotImage(slots.image_path(0))  # what another process would map
+    assert again.read(entry).tolist() == [1.5, -2.0, 3.25]
+    again.close()
+
+
 def test_metadata_without_its_bytes_is_not_a_snapshot(tmp_path):
     slots = SnapshotSlots(str(tmp_path), 0)
     _fill(slots, 0, 3, [1.0] * 64)
