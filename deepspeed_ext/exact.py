@@ -284,6 +284,8 @@ class ExactSnapshots:
         self._probe: Optional[Tuple[int, float]] = None
         self._probe_warm = False
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moc-exact")
+        self._side_stream = None
+        """CUDA: the stream frame copies run on (:meth:`_copy_from_gpu`), made on first use."""
         self._copy: Optional[Future] = None
         self._write: Optional[Future] = None
         self.write_error: Optional[str] = None
@@ -472,6 +474,10 @@ class ExactSnapshots:
         from deepspeed_ext.storage import write_fragment_file
         frags = [f for fs in self._fragments_by_op().values() for f in fs]
         nbytes = max(1, sum(f.tensor.numel() * f.tensor.element_size() for f in frags))
+        if self._on_gpu():
+            # The step's kernels may still be queued: the first copy would wait for them,
+            # and the copy would look slower than it is.
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.no_grad():
             copies = {f.key: f.tensor.detach().to("cpu", copy=True) for f in frags}
@@ -557,7 +563,7 @@ class ExactSnapshots:
             self.stall_s.append(time.perf_counter() - start)
         sources = self._frame_sources(t)
         record = self._record(iteration, t, client_state)
-        self._copy = copy = self._pool.submit(self._copy_frame, sources)
+        self._copy = copy = self._pool.submit(self._copy_frame, sources, _compute_done(sources))
         if self.cfg.write_frames:
             self._write = self._pool.submit(self._write_frame, iteration, record, copy)
 
@@ -623,15 +629,51 @@ class ExactSnapshots:
                 "first_expert": list(self.naming.first_expert),
                 "num_experts": list(self.naming.num_experts)}
 
-    def _copy_frame(self, sources: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    def _copy_frame(self, sources: Dict[str, torch.Tensor],
+                    ready: Optional[Tuple[Any, torch.device]] = None) -> Dict[str, torch.Tensor]:
         """Background thread: the frame's bytes into fresh host memory (``copy_`` and
-        ``clone`` release the GIL, so this overlaps the next forward/backward)."""
+        ``clone`` release the GIL, so this overlaps the next forward/backward).
+
+        Args:
+            ready: CUDA: the event that ends the compute stream's work up to the frame
+                (see :func:`_compute_done`), and its device; None elsewhere.
+        """
         start = time.perf_counter()
         with torch.no_grad():
-            copies = {k: v.detach().to("cpu", copy=True) if v.device.type != "cpu"
-                      else v.detach().clone() for k, v in sources.items()}
+            if ready is not None:
+                copies = self._copy_from_gpu(sources, *ready)
+            else:
+                copies = {k: v.detach().to("cpu", copy=True) if v.device.type != "cpu"
+                          else v.detach().clone() for k, v in sources.items()}
         self.copy_s.append(time.perf_counter() - start)
         self.frame_bytes.append(sum(v.numel() * v.element_size() for v in copies.values()))
+        return copies
+
+    def _copy_from_gpu(self, sources: Dict[str, torch.Tensor], ready,
+                       device: torch.device) -> Dict[str, torch.Tensor]:
+        """Background thread, CUDA: the copies run on a side stream into page-locked host
+        memory. A plain ``.to("cpu")`` here would run on the default stream, which the
+        training's kernels use too, so the next forward/backward would wait behind it
+        (and a pageable copy blocks besides); the side stream first waits for ``ready``,
+        so the frame still sees the optimizer step before it."""
+        with torch.cuda.device(device):
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream(device=device)
+            stream = self._side_stream
+            stream.wait_event(ready)
+            copies: Dict[str, torch.Tensor] = {}
+            with torch.cuda.stream(stream):
+                for key, tensor in sources.items():
+                    tensor = tensor.detach()
+                    if tensor.device.type == "cuda":
+                        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                        host.copy_(tensor, non_blocking=True)
+                        copies[key] = host
+                    else:
+                        copies[key] = tensor.clone()
+                done = torch.cuda.Event(blocking=True)  # the waiting thread sleeps
+                done.record(stream)
+            done.synchronize()
         return copies
 
     def _write_frame(self, frame: int, record: Dict[str, Any], copy: Future) -> None:
@@ -874,3 +916,16 @@ class ExactSnapshots:
                       f"(max {s['frame_bytes_max'] / 2**20:.2f}), copy {s['copy_s_median'] * 1e3:.1f} ms, "
                       f"training waited {s['stall_s_median'] * 1e3:.1f} ms median, "
                       f"{s['stall_s_max'] * 1e3:.1f} ms max; host memory {s['host_bytes_peak'] / 2**20:.2f} MiB")
+
+
+def _compute_done(sources: Dict[str, torch.Tensor]) -> Optional[Tuple[Any, torch.device]]:
+    """Main thread, when a frame is taken: on CUDA, an event recorded on the compute
+    stream of the sources' device, which the frame's copies wait for (they run on
+    another stream, see :meth:`ExactSnapshots._copy_from_gpu`); None when no source is on
+    a GPU."""
+    device = next((t.device for t in sources.values() if t.device.type == "cuda"), None)
+    if device is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event, device

@@ -19,6 +19,7 @@ Order, per snapshot (the training process, main thread then copy thread)::
     ... background thread: copier.finish(event, buffer, layout, tensors)  # CPU copies here
 """
 
+import ctypes
 import time
 from typing import Callable, Dict, List, Mapping, Optional
 
@@ -40,12 +41,56 @@ def wait_before_step(engine, pending: Callable[[], bool], join: Callable[[], Non
     original = engine.step
 
     def step(*args, **kwargs):
-        if pending() and engine.is_gradient_accumulation_boundary():
+        if pending() and _is_optimizer_step(engine):
             start = time.perf_counter()
             join()
             stalls.append(time.perf_counter() - start)
         return original(*args, **kwargs)
     engine.step = step
+
+
+def _is_optimizer_step(engine) -> bool:
+    """Whether the ``engine.step`` call about to run steps the optimizer.
+
+    With ``managed_gradient_accumulation`` off, DeepSpeed reports a boundary only while
+    ``step()`` itself runs, so asked before the call it says no; but there every call
+    is a boundary, and skipping the wait would let the optimizer overwrite tensors
+    still being copied.
+    """
+    managed = getattr(engine, "managed_gradient_accumulation", None)
+    if managed is not None and not managed():
+        return True
+    return bool(engine.is_gradient_accumulation_boundary())
+
+
+def _clear_cuda_error() -> bool:
+    """Best effort: reset CUDA's last error after a failed runtime call made through
+    ``torch.cuda.cudart()``, which returns the code but leaves the error set.
+
+    Otherwise the next kernel launch anywhere in the process (PyTorch checks
+    ``cudaGetLastError`` after each) would raise this unrelated error, and the fallback
+    to pageable memory would never run. Uses the libcudart already loaded into the
+    process; a static runtime (none loaded as a library) is left alone.
+
+    Returns:
+        True when ``cudaGetLastError`` was called.
+    """
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart" in line}
+    except OSError:
+        return False
+    for path in sorted(paths):
+        try:
+            ctypes.CDLL(path).cudaGetLastError()  # already loaded: the same handle
+            return True
+        except (OSError, AttributeError):
+            continue
+    return False
+
+
+CUDA_HOST_REGISTER_PORTABLE = 1
+"""``cudaHostRegisterPortable`` (CUDA runtime API)."""
 
 
 class HostCopier:
@@ -80,8 +125,16 @@ class HostCopier:
         if not self.cuda or buffer.data_ptr() in self._registered:
             return
         nbytes = buffer.numel() * buffer.element_size()
-        code = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0))
+        # Portable: page-locked for every CUDA context of the process, not only the
+        # one current on this thread.
+        code = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes,
+                                                        CUDA_HOST_REGISTER_PORTABLE))
         if code != 0:
+            _clear_cuda_error()
+            if self.register_error is None:  # say it once: every later copy is slower
+                print(f"[moc] WARNING: cudaHostRegister of {nbytes} bytes of shared memory "
+                      f"failed (CUDA error {code}); snapshots copy to pageable memory, "
+                      f"which blocks the host", flush=True)
             self.register_error = f"cudaHostRegister of {nbytes} bytes failed (error {code})"
             return
         self._registered[buffer.data_ptr()] = nbytes
@@ -89,7 +142,20 @@ class HostCopier:
     def unregister(self, buffer: torch.Tensor) -> None:
         """Undo :meth:`register` before the mapping is dropped (a grown slot)."""
         if self._registered.pop(buffer.data_ptr(), None) is not None:
-            torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+            self._unregister(buffer.data_ptr())
+
+    def unregister_all(self) -> None:
+        """Undo every :meth:`register` (the end of training, after the last copy): a
+        mapping freed while still registered would leave the range pinned, and a later
+        mapping at the same address could not be registered."""
+        for ptr in list(self._registered):
+            del self._registered[ptr]
+            self._unregister(ptr)
+
+    @staticmethod
+    def _unregister(ptr: int) -> None:
+        if int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:
+            _clear_cuda_error()
 
     def launch(self, buffer: torch.Tensor, layout: ImageLayout,
                tensors: Mapping[str, torch.Tensor]) -> Optional["torch.cuda.Event"]:
@@ -103,11 +169,14 @@ class HostCopier:
             return None
         # The side stream must not read the tensors before the step that produced them
         # has run on the compute stream: without this wait the snapshot could mix
-        # bytes from before and after an optimizer step.
-        self.stream.wait_stream(torch.cuda.current_stream())
+        # bytes from before and after an optimizer step. (That stream is the one of the
+        # fragments' device, whichever device is current on this thread.)
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
         with torch.cuda.stream(self.stream), torch.no_grad():
             fill_image(buffer, layout, tensors, non_blocking=True)
-            event = torch.cuda.Event()
+            # Blocking: the thread that waits for it sleeps instead of spinning a core
+            # for the whole copy.
+            event = torch.cuda.Event(blocking=True)
             event.record(self.stream)
         return event
 
@@ -115,7 +184,10 @@ class HostCopier:
                tensors: Mapping[str, torch.Tensor]) -> None:
         """Background thread: wait for the queued copies (CUDA) or do them (CPU)."""
         if event is not None:
-            event.synchronize()
+            # On the fragments' device: a CUDA call from a thread with no current device
+            # would set up a context on GPU 0 for every rank of the node.
+            with torch.cuda.device(self.stream.device):
+                event.synchronize()
             return
         with torch.no_grad():
             fill_image(buffer, layout, tensors)

@@ -633,6 +633,7 @@ class TwoLevel:
             self.wait()
         finally:
             self.copier_pool.shutdown(wait=True)
+            self.copier.unregister_all()  # CUDA: no copy is in flight any more
             if self.redundancy is not None:
                 self.redundancy.close()
                 _log(self.redundancy.summary())
