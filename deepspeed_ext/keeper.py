@@ -9,9 +9,11 @@ there. The keeper also writes snapshots to storage, so training never waits for 
 Lifecycle:
 
 * :func:`ensure_keeper` is called by every rank of the node at start-up; the first one
-  to get the directory lock starts the keeper (``python -m deepspeed_ext.keeper``, in a
-  new session so the launcher's kill of the workers does not reach it); the others wait
-  until it answers.
+  to get the directory lock starts the keeper when nothing listens on its socket
+  (``python -m deepspeed_ext.keeper``, in a new session so the launcher's kill of the
+  workers does not reach it); the others wait until it answers. A keeper that is only
+  slow to answer is waited for: a second keeper would take over the socket, and the
+  first would later delete the directory under it.
 * Every rank registers its pid (``hello``). The keeper exits on its own when none of
   its registered processes has been alive for ``idle_timeout_s`` (a crashed job
   whose launcher gave up), after finishing its persist queue.
@@ -116,7 +118,8 @@ def ensure_keeper(directory: str, idle_timeout_s: float = 600.0,
     """Make sure a keeper serves ``directory`` and register this process with it.
 
     Every rank of the node calls it; a file lock makes exactly one of them start the
-    keeper when none answers (the others, and later restarts, attach to it).
+    keeper when nothing listens on its socket (the others, and later restarts, attach
+    to it; a keeper that is only slow to answer is waited for, never replaced).
 
     Raises:
         KeeperError: the keeper did not answer within ``start_timeout_s`` (its log is
