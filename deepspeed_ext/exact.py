@@ -711,10 +711,14 @@ class ExactSnapshots:
                "marker": _marker(self.node_dir, frame, self.rank),
                "dst_data": _data(self.save_dir, frame, self.rank),
                "dst_marker": _marker(self.save_dir, frame, self.rank)}
+        job["id"] = f"frame{frame}:rank{self.rank}"
+        why: Exception = keeper.KeeperError(f"it did not take the copy of frame {frame}")
         try:
-            keeper.request(self.node_dir, {"op": "persist", "job": job})
-        except Exception as e:
-            self._keeper_lost(e)
+            handed = keeper.hand_over(self.node_dir, job)
+        except Exception as e:  # not even a socket to try: the same as a dead keeper
+            handed, why = False, e
+        if not handed:
+            self._keeper_lost(why)
             keeper.persist_frame(job)
 
     def _retire_memory(self, window_start: int, window: int) -> None:

@@ -22,7 +22,8 @@ Lifecycle:
 
 Protocol: JSON lines over the Unix socket ``<dir>/keeper.sock`` (never pickle). Requests:
 ``{"op": "ping"}``, ``{"op": "hello", "pid": N}``, ``{"op": "persist", "job": {...}}``
-(see :func:`run_persist_job`), ``{"op": "shutdown"}``. Every reply is a JSON object with
+(see :func:`run_persist_job`; a job with an ``id`` already queued is not queued again),
+``{"op": "shutdown"}``. Every reply is a JSON object with
 ``"ok"``.
 """
 
@@ -85,6 +86,31 @@ def request(directory: str, message: Dict[str, Any], timeout_s: float = 10.0) ->
     if not reply.get("ok"):
         raise KeeperError(f"keeper at {path}: {reply.get('error')}")
     return reply
+
+
+def hand_over(directory: str, job: Dict[str, Any], attempts: int = 2,
+              timeout_s: float = 10.0) -> bool:
+    """Queue a persist job with the keeper of ``directory``; the training process calls
+    it from its copy thread.
+
+    A keeper that does not answer in time but still listens is busy, not dead: the
+    request is sent again (the keeper queues a job ``id`` once, so a first request
+    that did arrive is not persisted twice). Giving it up at the first slow answer
+    would persist everything in the training process from then on, with the keeper
+    possibly writing the same job too.
+
+    Returns:
+        True once the keeper has the job; False when it is dead, or still silent after
+        ``attempts`` requests (the caller persists the job itself).
+    """
+    for _ in range(max(1, attempts)):
+        try:
+            request(directory, {"op": "persist", "job": job}, timeout_s=timeout_s)
+            return True
+        except KeeperError:
+            if is_dead(directory):
+                return False
+    return False
 
 
 def alive(directory: str) -> bool:
@@ -372,6 +398,8 @@ class Keeper:
         self.idle_timeout_s = idle_timeout_s
         self.clients: List[int] = []
         self.jobs: "queue.Queue[Optional[Dict[str, Any]]]" = queue.Queue()
+        self.job_ids: set = set()
+        """``id`` of every persist job queued (see :func:`hand_over`'s retries)."""
         self.busy = threading.Event()
         self.stop = threading.Event()
         self.last_client_seen = time.monotonic()
@@ -385,7 +413,12 @@ class Keeper:
             self.last_client_seen = time.monotonic()
             return {"ok": True}
         if op == "persist":
-            self.jobs.put(message["job"])
+            job = message["job"]
+            if job.get("id") is not None:
+                if job["id"] in self.job_ids:  # a retry of a request that did arrive
+                    return {"ok": True, "queued": self.jobs.qsize(), "duplicate": True}
+                self.job_ids.add(job["id"])
+            self.jobs.put(job)
             return {"ok": True, "queued": self.jobs.qsize()}
         if op == "shutdown":
             self.jobs.join()  # finish every persist already asked for

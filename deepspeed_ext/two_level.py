@@ -512,11 +512,10 @@ class TwoLevel:
 
     def _send(self, job) -> None:
         if not self.keeper_gone:
-            try:
-                keeper.request(self.node_dir, {"op": "persist", "job": job})
+            job["id"] = f"{job['tag']}:rank{self.rank}"
+            if keeper.hand_over(self.node_dir, job):
                 return
-            except keeper.KeeperError as err:
-                self._keeper_died(str(err))
+            self._keeper_died("it did not take the persist of " + job["tag"])
         threading.Thread(target=keeper.run_persist_job, args=(job,),
                          name=f"moc-persist-{job['tag']}").start()
 

@@ -22,6 +22,7 @@ class _FakeKeeper:
         self.server.listen(8)
         self.delay_s = delay_s
         self.ops = []
+        self.lock = threading.Lock()
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self):
@@ -30,22 +31,28 @@ class _FakeKeeper:
                 conn, _ = self.server.accept()
             except OSError:
                 return
-            with conn:
-                data = b""
-                while not data.endswith(b"\n"):
-                    chunk = conn.recv(4096)
-                    if not chunk:
-                        break
-                    data += chunk
-                if not data:
-                    continue  # a connect-only probe (keeper.is_dead), as the keeper allows
+            # A thread per connection, as the keeper does: a slow answer holds up no other.
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn):
+        with conn:
+            data = b""
+            while not data.endswith(b"\n"):
+                chunk = conn.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+            if not data:
+                return  # a connect-only probe (keeper.is_dead), as the keeper allows
+            with self.lock:
                 self.ops.append(json.loads(data)["op"])
-                if len(self.ops) == 1:
-                    time.sleep(self.delay_s)
-                try:
-                    conn.sendall(json.dumps({"ok": True, "pid": os.getpid()}).encode() + b"\n")
-                except OSError:
-                    pass
+                first = len(self.ops) == 1
+            if first:
+                time.sleep(self.delay_s)
+            try:
+                conn.sendall(json.dumps({"ok": True, "pid": os.getpid()}).encode() + b"\n")
+            except OSError:
+                pass
 
     def close(self):
         self.server.close()
@@ -84,3 +91,30 @@ def test_a_dead_keepers_socket_gets_a_new_keeper(tmp_path, monkeypatch):
     finally:
         for fake in started:
             fake.close()
+
+
+def test_a_persist_handed_to_a_slow_keeper_is_sent_again_and_queued_once(tmp_path):
+    """The keeper's first answer comes after the request's timeout: hand_over asks again
+    instead of giving the keeper up, and the keeper queues the job's id once."""
+    fake = _FakeKeeper(str(tmp_path), delay_s=1.0)
+    try:
+        job = {"id": "global_step3:rank0", "tag": "global_step3"}
+        assert keeper.hand_over(str(tmp_path), job, attempts=2, timeout_s=0.3)
+        assert fake.ops == ["persist", "persist"]
+    finally:
+        fake.close()
+    real = keeper.Keeper(str(tmp_path), idle_timeout_s=60)
+    for _ in range(2):
+        assert real.handle({"op": "persist", "job": job})["ok"]
+    assert real.jobs.qsize() == 1
+    assert real.handle({"op": "persist", "job": {"id": "global_step4:rank0"}})["queued"] == 2
+
+
+def test_a_persist_is_not_handed_to_a_dead_keeper(tmp_path):
+    """Nothing listens: hand_over says so at once (the caller persists itself)."""
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(os.path.join(str(tmp_path), keeper.SOCKET_NAME))
+    dead.close()
+    start = time.monotonic()
+    assert not keeper.hand_over(str(tmp_path), {"id": "x"}, attempts=3, timeout_s=5)
+    assert time.monotonic() - start < 5
