@@ -28,6 +28,7 @@ Protocol: JSON lines over the Unix socket ``<dir>/keeper.sock`` (never pickle). 
 """
 
 import argparse
+import collections
 import importlib
 import fcntl
 import json
@@ -46,6 +47,8 @@ from typing import Any, Dict, List, Optional
 SOCKET_NAME = "keeper.sock"
 LOG_NAME = "keeper.log"
 LOCK_NAME = "keeper.lock"
+RECENT_JOB_IDS = 4096
+"""Persist job ids a keeper remembers to drop retried requests (see :func:`hand_over`)."""
 
 
 class KeeperError(RuntimeError):
@@ -398,8 +401,10 @@ class Keeper:
         self.idle_timeout_s = idle_timeout_s
         self.clients: List[int] = []
         self.jobs: "queue.Queue[Optional[Dict[str, Any]]]" = queue.Queue()
-        self.job_ids: set = set()
-        """``id`` of every persist job queued (see :func:`hand_over`'s retries)."""
+        self.job_ids: "collections.OrderedDict[str, None]" = collections.OrderedDict()
+        """``id`` of the last :data:`RECENT_JOB_IDS` persist jobs queued (a retry of
+        :func:`hand_over` comes seconds after its first request; a keeper that lives for
+        weeks must not keep every id)."""
         self.busy = threading.Event()
         self.stop = threading.Event()
         self.last_client_seen = time.monotonic()
@@ -417,7 +422,9 @@ class Keeper:
             if job.get("id") is not None:
                 if job["id"] in self.job_ids:  # a retry of a request that did arrive
                     return {"ok": True, "queued": self.jobs.qsize(), "duplicate": True}
-                self.job_ids.add(job["id"])
+                self.job_ids[job["id"]] = None
+                while len(self.job_ids) > RECENT_JOB_IDS:
+                    self.job_ids.popitem(last=False)
             self.jobs.put(job)
             return {"ok": True, "queued": self.jobs.qsize()}
         if op == "shutdown":

@@ -108,6 +108,9 @@ def test_a_persist_handed_to_a_slow_keeper_is_sent_again_and_queued_once(tmp_pat
         assert real.handle({"op": "persist", "job": job})["ok"]
     assert real.jobs.qsize() == 1
     assert real.handle({"op": "persist", "job": {"id": "global_step4:rank0"}})["queued"] == 2
+    for i in range(keeper.RECENT_JOB_IDS):  # only recent ids are kept
+        real.handle({"op": "persist", "job": {"id": f"later{i}"}})
+    assert len(real.job_ids) == keeper.RECENT_JOB_IDS and job["id"] not in real.job_ids
 
 
 def test_a_persist_is_not_handed_to_a_dead_keeper(tmp_path):
