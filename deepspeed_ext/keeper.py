@@ -61,6 +61,18 @@ def _log(directory: str, message: str) -> None:
 
 # ---------------------------------------------------------------------------- client side
 
+def read_line(sock: socket.socket) -> bytes:
+    """Bytes from ``sock`` up to and including the first newline (a protocol message),
+    or what came before the peer closed (no newline then)."""
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = sock.recv(1 << 20)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
 def request(directory: str, message: Dict[str, Any], timeout_s: float = 10.0) -> Dict[str, Any]:
     """Send one request to the keeper of ``directory`` and return its reply.
 
@@ -74,12 +86,7 @@ def request(directory: str, message: Dict[str, Any], timeout_s: float = 10.0) ->
             sock.settimeout(timeout_s)
             sock.connect(path)
             sock.sendall(json.dumps(message).encode() + b"\n")
-            data = b""
-            while not data.endswith(b"\n"):
-                chunk = sock.recv(65536)
-                if not chunk:
-                    break
-                data += chunk
+            data = read_line(sock)
     except OSError as err:
         raise KeeperError(f"no keeper at {path}: {err}") from None
     try:
@@ -465,12 +472,9 @@ class Keeper:
 
 def _serve_connection(keeper: Keeper, conn: socket.socket) -> None:
     with conn:
-        data = b""
-        while not data.endswith(b"\n"):
-            chunk = conn.recv(1 << 20)
-            if not chunk:
-                return
-            data += chunk
+        data = read_line(conn)
+        if not data.endswith(b"\n"):
+            return  # closed early (a connect-only probe of is_dead, or a client that died)
         try:
             reply = keeper.handle(json.loads(data))
         except Exception as e:

@@ -36,12 +36,7 @@ class _FakeKeeper:
 
     def _answer(self, conn):
         with conn:
-            data = b""
-            while not data.endswith(b"\n"):
-                chunk = conn.recv(4096)
-                if not chunk:
-                    break
-                data += chunk
+            data = keeper.read_line(conn)
             if not data:
                 return  # a connect-only probe (keeper.is_dead), as the keeper allows
             with self.lock:
