@@ -408,6 +408,7 @@ class Keeper:
         self.idle_timeout_s = idle_timeout_s
         self.clients: List[int] = []
         self.jobs: "queue.Queue[Optional[Dict[str, Any]]]" = queue.Queue()
+        self.ids_lock = threading.Lock()
         self.job_ids: "collections.OrderedDict[str, None]" = collections.OrderedDict()
         """``id`` of the last :data:`RECENT_JOB_IDS` persist jobs queued (a retry of
         :func:`hand_over` comes seconds after its first request; a keeper that lives for
@@ -426,13 +427,16 @@ class Keeper:
             return {"ok": True}
         if op == "persist":
             job = message["job"]
-            if job.get("id") is not None:
-                if job["id"] in self.job_ids:  # a retry of a request that did arrive
-                    return {"ok": True, "queued": self.jobs.qsize(), "duplicate": True}
-                self.job_ids[job["id"]] = None
-                while len(self.job_ids) > RECENT_JOB_IDS:
-                    self.job_ids.popitem(last=False)
-            self.jobs.put(job)
+            # Each connection has its own thread: a retry can be handled while the slow
+            # first request still is, so checking and recording an id is one step.
+            with self.ids_lock:
+                if job.get("id") is not None:
+                    if job["id"] in self.job_ids:  # a retry of a request that did arrive
+                        return {"ok": True, "queued": self.jobs.qsize(), "duplicate": True}
+                    self.job_ids[job["id"]] = None
+                    while len(self.job_ids) > RECENT_JOB_IDS:
+                        self.job_ids.popitem(last=False)
+                self.jobs.put(job)
             return {"ok": True, "queued": self.jobs.qsize()}
         if op == "shutdown":
             self.jobs.join()  # finish every persist already asked for
