@@ -4,9 +4,9 @@ Run with ``deepspeed pretrain_gpt_moe.py --config configs/small.yaml ...``,
 ``torchrun --nproc_per_node N pretrain_gpt_moe.py ...`` or plain ``python`` (one rank).
 """
 
-import os
-import sys
 import warnings
+
+from megatron.training.exit import exit_without_teardown
 
 
 def _quiet_known_warnings() -> None:
@@ -36,25 +36,10 @@ def main(argv=None) -> int:
     return 0
 
 
-def _exit(code: int) -> None:
-    """Exit with ``code`` (0: trained, 2: bad input) without the interpreter's teardown.
-
-    By then everything is closed, flushed and the process group destroyed; what is
-    left of the teardown is C++ destructors, and one of them (a thread still joinable)
-    aborts the process now and then: "terminate called without an active exception",
-    exit -6 instead of 2 (1 in 19 runs of the bad-input test) or instead of 0 (once in
-    ten runs of the accuracy experiment, where torchrun then restarted a finished job).
-    The exit code is what tells the user and the launcher what happened.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 def main_cli() -> None:
     """Console-script entry point (``moc-pretrain``)."""
-    _exit(main())
+    exit_without_teardown(main())
 
 
 if __name__ == "__main__":
-    _exit(main())
+    exit_without_teardown(main())

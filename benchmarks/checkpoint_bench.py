@@ -812,4 +812,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Not sys.exit: a worker's clean end must not turn into a teardown abort (-6).
+    sys.path.insert(0, REPO)
+    from megatron.training.exit import exit_without_teardown
+    exit_without_teardown(main())

@@ -67,3 +67,5 @@ def main():
 
 if __name__ == "__main__":
     main()
+    from megatron.training.exit import exit_without_teardown  # noqa: E402
+    exit_without_teardown(0)  # a clean end is exit 0, never a teardown abort (-6)
