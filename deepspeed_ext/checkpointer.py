@@ -386,6 +386,9 @@ class MoCCheckpointer:
         tag_dir = os.path.join(pending.save_dir, pending.tag)
         rank = pending.rank
         try:
+            # Rank 0 claimed the directory before the save's barrier: the claim is this
+            # save's (another job writing into the same save directory would replace it).
+            claim = commit.read_claim(tag_dir) if rank == 0 else None
             record = storage.write_image_file(os.path.join(tag_dir, staged.file_name),
                                               image_view(self._buffer, staged.layout))
             objects_record = None
@@ -406,14 +409,15 @@ class MoCCheckpointer:
             return
         if rank == 0:
             try:
-                shares = commit.wait_for_reports(tag_dir, pending.world, self.config.commit_timeout_s)
+                shares = commit.wait_for_reports(tag_dir, pending.world, self.config.commit_timeout_s,
+                                                 claim=claim)
                 previous = pending.previous
                 commit.commit_checkpoint(
                     pending.save_dir, pending.tag, pending.step, self._layout_record(pending.world, pending.zero_stage),
                     shares, previous[1] if previous and previous[0] == pending.save_dir else None,
                     sorted(pending.selected) if pending.selected is not None else None,
                     pending.pec_k, pending.save_latest, self.config.keep, log=_log,
-                    pec_scope=self.config.pec_scope)
+                    pec_scope=self.config.pec_scope, claim=claim)
                 commit.remove_reports(tag_dir, pending.world)
             except Exception as e:
                 traceback.print_exc()

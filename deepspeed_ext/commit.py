@@ -8,8 +8,20 @@ waits for all reports, with a deadline, before writing the manifest.
 
 Order, per checkpoint directory ``<save_dir>/<tag>``::
 
+    rank 0:        prepare_checkpoint_dir  ->  commit.claim (claim_dir: a fresh random id)
     every writer:  rankNNNNN.safetensors (atomic)  ->  rankNNNNN.report.json (atomic)
-    committer:     wait_for_reports(...)  ->  manifest.json  ->  latest  ->  remove_reports
+    committer:     claim = read_claim  ->  wait_for_reports(..., claim)
+                   ->  manifest.json (if the claim is still there)  ->  latest (only forward)
+                   ->  remove_reports (and the claim)
+
+The claim guards against a committer that outlived its job: a keeper waiting for the
+reports of a node that died keeps polling after the job restarted, and the new attempt
+may meanwhile save the same tag again (emptying the directory and writing its own
+reports) or retention may delete the directory. Without the claim, that old committer
+would take the new attempt's reports, write a manifest with the old attempt's expert
+selection and previous tag, and could mark the directory failed under the new
+attempt's feet. With it, the old committer sees a different (or no) claim and stops
+without writing anything (:class:`Superseded`).
 
 A report that names an error, a missing report at the deadline, or any failure of the
 committer leaves the directory without a manifest: it is not a checkpoint, ``latest``
@@ -19,16 +31,55 @@ still names the previous one, and retention deletes the leftovers later.
 import json
 import os
 import time
+import uuid
 from typing import Any, Dict, List, Mapping, Optional
 
 from deepspeed_ext import fs
 from deepspeed_ext.storage import atomic_write_json
 
 REPORT_SUFFIX = ".report.json"
+CLAIM_NAME = "commit.claim"
 
 
 class CommitError(RuntimeError):
     """A checkpoint could not be committed: a writer failed, or reports did not arrive."""
+
+
+class Superseded(CommitError):
+    """The tag directory is no longer this committer's: another save claimed it (a later
+    attempt saving the same tag) or it was deleted. The committer must write nothing."""
+
+
+def claim_dir(tag_dir: str) -> str:
+    """Rank 0, right after creating a save's directory: write a fresh claim (atomic) that
+    the committer of this save will hold; returns it."""
+    claim = uuid.uuid4().hex
+    atomic_write_json(os.path.join(tag_dir, CLAIM_NAME), {"claim": claim})
+    return claim
+
+
+def read_claim(tag_dir: str) -> Optional[str]:
+    """The claim of the save that last claimed ``tag_dir``; None when there is none (a
+    directory deleted, committed and cleaned, or made before claims existed)."""
+    try:
+        return json.loads(fs.read_text(os.path.join(tag_dir, CLAIM_NAME)))["claim"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CommitError(f"{os.path.join(tag_dir, CLAIM_NAME)}: unreadable ({err})") from None
+
+
+def check_claim(tag_dir: str, claim: Optional[str]) -> None:
+    """Raise :class:`Superseded` when ``tag_dir`` no longer holds ``claim`` (None: no check,
+    for a directory claimed before claims existed)."""
+    if claim is None:
+        return
+    now = read_claim(tag_dir)
+    if now is None:
+        raise Superseded(f"{tag_dir} was deleted (or committed) while this commit waited")
+    if now != claim:
+        raise Superseded(f"{tag_dir} was claimed by another save while this commit waited "
+                         f"(a restarted job saving the same tag); leaving it to that save")
 
 
 def report_name(rank: int) -> str:
@@ -57,13 +108,17 @@ def _read_report(path: str, rank: int) -> Optional[Dict[str, Any]]:
 
 
 def wait_for_reports(tag_dir: str, world_size: int, timeout_s: float,
-                     poll_s: float = 0.01) -> List[Dict[str, Any]]:
+                     poll_s: float = 0.01, claim: Optional[str] = None) -> List[Dict[str, Any]]:
     """The committer: every rank's report payload, in rank order.
 
     Polls the directory (no collective) until every rank's report exists, backing off
     from ``poll_s`` to 0.2 s. Stops early at the first error report.
 
+    Args:
+        claim: the committer's :func:`read_claim`, checked every round (None: no check).
+
     Raises:
+        Superseded: ``tag_dir`` lost ``claim`` (checked before the reports are read).
         CommitError: a rank reported an error (its message is included), or some
             reports were still missing after ``timeout_s`` (the ranks are named: their
             storage is slow or the process died).
@@ -72,6 +127,7 @@ def wait_for_reports(tag_dir: str, world_size: int, timeout_s: float,
     reports: Dict[int, Dict[str, Any]] = {}
     delay = poll_s
     while True:
+        check_claim(tag_dir, claim)
         for rank in range(world_size):
             if rank in reports:
                 continue
@@ -93,10 +149,11 @@ def wait_for_reports(tag_dir: str, world_size: int, timeout_s: float,
 
 
 def remove_reports(tag_dir: str, world_size: int) -> None:
-    """Delete the reports once the manifest holds their content (best effort)."""
-    for rank in range(world_size):
+    """Delete the reports, and the claim, once the manifest holds their content (best
+    effort)."""
+    for name in [report_name(rank) for rank in range(world_size)] + [CLAIM_NAME]:
         try:
-            fs.remove(os.path.join(tag_dir, report_name(rank)))
+            fs.remove(os.path.join(tag_dir, name))
         except OSError:
             pass
 
@@ -104,7 +161,8 @@ def remove_reports(tag_dir: str, world_size: int) -> None:
 def commit_checkpoint(save_dir: str, tag: str, step: int, layout: Mapping[str, Any],
                       shares: List[Mapping[str, Any]], previous_tag: Optional[str],
                       selected: Optional[List], pec_k: Optional[int], save_latest: bool,
-                      keep: int, log=print, pec_scope: str = "wo") -> None:
+                      keep: int, log=print, pec_scope: str = "wo",
+                      claim: Optional[str] = None) -> None:
     """The committer, after :func:`wait_for_reports`: manifest, then ``latest``, then retention.
 
     Run by rank 0's writer thread, or by the keeper process that persists rank 0's
@@ -121,6 +179,10 @@ def commit_checkpoint(save_dir: str, tag: str, step: int, layout: Mapping[str, A
         selected: ``(layer, expert)`` pairs this checkpoint holds; None without MoE.
         keep: retention (0: keep all).
         pec_scope: the PEC variant the save plan used (``--moc-pec-scope``).
+        claim: the committer's claim, checked again right before the manifest is written.
+
+    Raises:
+        Superseded: ``claim`` is no longer the directory's; nothing was written.
     """
     from deepspeed_ext import manifest as mf
     from deepspeed_ext.objects import OBJECTS_FILE
@@ -140,13 +202,20 @@ def commit_checkpoint(save_dir: str, tag: str, step: int, layout: Mapping[str, A
     manifest = mf.assemble_manifest(tag, step, layout["world_size"], layout, reports, index,
                                     extra_files=extra_files,
                                     extra={"pec_k": pec_k, "pec_scope": pec_scope})
+    check_claim(os.path.join(save_dir, tag), claim)
     mf.write_manifest(os.path.join(save_dir, tag), manifest)
     if save_latest:
-        mf.update_latest(save_dir, tag)
+        kept = mf.advance_latest(save_dir, tag, step)
+        if kept is not None:
+            log(f"WARNING: {LATEST_NOTE.format(tag=tag, step=step, kept=kept)}")
     if keep:
         for removed in mf.apply_retention(save_dir, keep):
             log(f"retention: removed {removed}")
 
+
+LATEST_NOTE = ("latest stays at {kept}, which is newer than {tag} (step {step}) committed "
+               "now: a late commit of an earlier attempt, or another run's checkpoints in "
+               "this save directory")
 
 FAILURE_NAME = "commit.failed.json"
 

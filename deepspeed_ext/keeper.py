@@ -373,16 +373,34 @@ _COMMITS: List[threading.Thread] = []
 def _commit_job(job: Dict[str, Any], tag_dir: str, log) -> None:
     from deepspeed_ext import commit
     info = job["commit"]
+    claim = info.get("claim")  # read by rank 0 when it built the job (None: unchecked)
     try:
-        shares = commit.wait_for_reports(tag_dir, info["layout"]["world_size"], info["timeout_s"])
+        shares = commit.wait_for_reports(tag_dir, info["layout"]["world_size"], info["timeout_s"],
+                                         claim=claim)
         commit.commit_checkpoint(job["save_dir"], job["tag"], info["step"], info["layout"],
                                  shares, info["previous_tag"], info["selected"],
-                                 info["pec_k"], info["save_latest"], info["keep"], log=log)
+                                 info["pec_k"], info["save_latest"], info["keep"], log=log,
+                                 claim=claim)
         commit.remove_reports(tag_dir, info["layout"]["world_size"])
         log(f"committed {tag_dir}")
+    except commit.Superseded as e:
+        # A restarted job claimed the tag (or retention removed it) while this commit of
+        # an earlier attempt waited: its directory is not ours to mark failed.
+        log(f"not committing: {e}")
     except Exception as e:
         traceback.print_exc()
-        commit.write_failure(tag_dir, f"{type(e).__name__}: {e}")
+        if _still_ours(tag_dir, claim):
+            commit.write_failure(tag_dir, f"{type(e).__name__}: {e}")
+
+
+def _still_ours(tag_dir: str, claim: Optional[str]) -> bool:
+    """Whether a failed commit may mark ``tag_dir`` failed: it still holds ``claim``."""
+    from deepspeed_ext import commit
+    try:
+        commit.check_claim(tag_dir, claim)
+        return True
+    except commit.CommitError:
+        return False
 
 
 def _remove_quietly(path: Optional[str]) -> None:

@@ -22,7 +22,7 @@ transformer layer number; "expert" is the global expert index within that layer.
 
 Save, multi-rank call order (the orchestration owns the collectives)::
 
-    rank 0:     tag_dir = prepare_checkpoint_dir(save_dir, tag)   # empties a crashed save
+    rank 0:     tag_dir = prepare_checkpoint_dir(save_dir, tag)   # empties a crashed save; claims it
     all:        barrier
     each rank:  specs = [FragmentSpec(...), ...]                    # from the save plan
                 tensors = {spec.key: cpu_snapshot_view, ...}
@@ -39,7 +39,7 @@ Save, multi-rank call order (the orchestration owns the collectives)::
                     tag, step, world_size, layout, [RankReport.from_json(r) for r in gathered],
                     index, extra_files={OBJECTS_FILE: FileEntry.from_record(obj_record, 0)})
                 write_manifest(tag_dir, manifest)                   # the commit point
-                update_latest(save_dir, tag)
+                advance_latest(save_dir, tag, step)                 # never backwards
                 apply_retention(save_dir, keep)
     all:        broadcast rank 0's outcome
 
@@ -47,6 +47,8 @@ Load: :func:`deepspeed_ext.reader.find_loadable` on one rank, broadcast the tag,
 :class:`deepspeed_ext.reader.CheckpointReader` on every rank.
 """
 
+import contextlib
+import fcntl
 import json
 import math
 import os
@@ -72,7 +74,8 @@ TRASH_PREFIX = ".moc-trash."
 """Directories being deleted are renamed to this prefix first (see :func:`remove_checkpoint`)."""
 
 _TAG_DIR_ENTRY = re.compile(
-    r"^(rank\d{5,}\.safetensors|rank\d{5,}\.report\.json|commit\.failed\.json|objects\.json|manifest\.json)(\.tmp\.\d+)?$")
+    r"^(rank\d{5,}\.safetensors|rank\d{5,}\.report\.json|commit\.failed\.json|commit\.claim|"
+    r"objects\.json|manifest\.json)(\.tmp\.\d+)?$")
 """Names MoC writes into a tag directory. A manifest-less directory is deleted by
 retention only if it holds nothing else, so a user's unrelated directory inside
 save_dir (tensorboard/, a copied dataset) is never removed."""
@@ -798,6 +801,57 @@ def update_latest(save_dir: str, tag: str) -> None:
     atomic_write_text(os.path.join(save_dir, LATEST_FILE), tag)
 
 
+def advance_latest(save_dir: str, tag: str, step: int) -> Optional[str]:
+    """The committer's :func:`update_latest`: ``latest`` only moves forward.
+
+    Within a run, steps only grow, and a run that resumes from an older step deletes the
+    newer checkpoints first (:func:`discard_checkpoints_after`). So a ``latest`` naming a
+    complete checkpoint of a higher step than ``step`` means this commit is late (an
+    earlier attempt's keeper finishing after the restarted job committed a newer step)
+    or the directory holds another run's newer checkpoints; either way, pointing
+    ``latest`` back would make the next restart lose that newer work. On a local
+    directory the read and the write are one step under a lock on ``save_dir``, so two
+    committers (the same keeper's threads) cannot interleave.
+
+    Returns:
+        None when ``latest`` now names ``tag``; else the newer tag it keeps naming.
+    """
+    with _locked(save_dir):
+        try:
+            current = read_latest(save_dir)
+        except CheckpointError:
+            current = None  # damaged: this commit repairs it
+        if current is not None and current != tag:
+            try:
+                current_step = read_manifest(os.path.join(save_dir, current)).step
+            except CheckpointError:
+                current_step = None  # names nothing loadable: replace it
+            if current_step is not None and current_step > step:
+                return current
+        update_latest(save_dir, tag)
+        return None
+
+
+@contextlib.contextmanager
+def _locked(path: str):
+    """An exclusive ``flock`` on the local directory ``path`` for the ``with`` block (no
+    lock file left behind); no lock for URLs, or where the filesystem refuses one."""
+    fd = None
+    if not fs.is_url(path):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            if fd is not None:
+                os.close(fd)
+            fd = None
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # closing releases the lock
+
+
 def read_latest(save_dir: str) -> Optional[str]:
     """The tag in ``<save_dir>/latest``, or None when there is no (or an empty) file.
 
@@ -1240,6 +1294,9 @@ def prepare_checkpoint_dir(save_dir: str, tag: str, overwrite: bool = False) -> 
     saving the same step again) is replaced only with ``overwrite``: other checkpoints'
     expert indexes may point to it.
 
+    The new directory is claimed for this save (:func:`deepspeed_ext.commit.claim_dir`):
+    a committer of an earlier attempt still waiting on this tag then stands down.
+
     Raises:
         FileExistsError: a complete checkpoint ``tag`` exists and not ``overwrite``.
     """
@@ -1256,4 +1313,6 @@ def prepare_checkpoint_dir(save_dir: str, tag: str, overwrite: bool = False) -> 
                                   f"refusing to delete it")
         _trash(save_dir, tag)
     ensure_dir(tag_dir)
+    from deepspeed_ext.commit import claim_dir
+    claim_dir(tag_dir)  # an earlier attempt's committer still waiting on this tag stands down
     return tag_dir

@@ -413,7 +413,11 @@ class TwoLevel:
                 "selected": sorted(selected) if selected is not None else None,
                 "pec_k": ck.policy.k if ck.policy is not None else None,
                 "save_latest": snap["save_latest"], "keep": self.cfg.keep,
-                "timeout_s": self.cfg.commit_timeout_s}
+                "timeout_s": self.cfg.commit_timeout_s,
+                # This attempt's claim on the directory (rank 0 prepared it just before):
+                # a keeper still committing this job after a restart re-saved the tag
+                # stands down instead of committing the new attempt's files.
+                "claim": commit.read_claim(os.path.join(save_dir, tag))}
         self.persist = {"save_dir": save_dir, "tag": tag,
                         "selected": selected if selected is not None else frozenset(),
                         "policy_before": policy_before, "slot": snap["slot"],

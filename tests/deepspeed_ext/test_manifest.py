@@ -506,12 +506,12 @@ def test_prepare_checkpoint_dir(tmp_path):
     partial.mkdir()
     (partial / "rank00007.safetensors").write_bytes(b"from a bigger run")
     assert prepare_checkpoint_dir(str(tmp_path), "global_step20") == str(partial)
-    assert os.listdir(partial) == []
+    assert os.listdir(partial) == ["commit.claim"]  # emptied, then claimed for this save
     (partial / "notes.txt").write_text("mine")
     with pytest.raises(FileExistsError, match="did not write"):
         prepare_checkpoint_dir(str(tmp_path), "global_step20")
     prepare_checkpoint_dir(str(tmp_path), "global_step10", overwrite=True)
-    assert os.listdir(tmp_path / "global_step10") == []
+    assert os.listdir(tmp_path / "global_step10") == ["commit.claim"]
 
 
 def test_discard_abandoned_timeline(tmp_path):
