@@ -61,6 +61,16 @@ LOAD_EXCHANGE_BYTES = 4096
 taken); a value that does not fit costs two more collectives, not an error."""
 
 
+def _claim_of(tag_dir: str) -> Optional[str]:
+    """Rank 0, building a persist job: the directory's claim, or None (the commit then
+    goes unchecked) when it cannot be read; never raises, since the job is built
+    between collectives and one rank's exception there would hang the others."""
+    try:
+        return commit.read_claim(tag_dir)
+    except commit.CommitError:
+        return None
+
+
 def _log(message: str) -> None:
     if dist.get_rank() == 0:
         print(f"[moc] {message}", flush=True)
@@ -417,7 +427,7 @@ class TwoLevel:
                 # This attempt's claim on the directory (rank 0 prepared it just before):
                 # a keeper still committing this job after a restart re-saved the tag
                 # stands down instead of committing the new attempt's files.
-                "claim": commit.read_claim(os.path.join(save_dir, tag))}
+                "claim": _claim_of(os.path.join(save_dir, tag))}
         self.persist = {"save_dir": save_dir, "tag": tag,
                         "selected": selected if selected is not None else frozenset(),
                         "policy_before": policy_before, "slot": snap["slot"],

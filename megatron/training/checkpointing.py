@@ -13,8 +13,9 @@ import argparse
 import json
 import os
 import time
+import traceback
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch.distributed as dist
 
@@ -110,6 +111,44 @@ def find_latest_tag(load_dir: str) -> Optional[str]:
     return tag or None
 
 
+def _newest_tag(engine, load_dir: Optional[str]) -> Tuple[Optional[str], Dict]:
+    """Every rank: the tag ``latest`` names under ``load_dir`` and its saved arguments,
+    as rank 0 read them (one broadcast).
+
+    Rank 0 alone reads them: ranks that read ``latest`` themselves could see different
+    tags (a keeper of the previous attempt committing while the job restarts) and take
+    different paths through the load's collectives, and a read error on one rank (an
+    object store's transient failure) would leave the others waiting in the load's
+    first collective. Rank 0's failure is raised on every rank.
+
+    Returns:
+        ``(tag, meta)``: None and ``{}`` when there is no checkpoint.
+
+    Raises:
+        ConfigError: on every rank, when the checkpoint's metadata is missing.
+        RuntimeError: on every rank, when rank 0 could not read them.
+    """
+    outcome = [None]
+    if dist.get_rank() == 0:
+        try:
+            tag = find_latest_tag(load_dir) if load_dir and fs.isdir(load_dir) else None
+            meta = _saved_meta(engine, load_dir, tag) if tag is not None else {}
+            outcome = [("ok", tag, meta)]
+        except ConfigError as e:
+            outcome = [("config", str(e), None)]
+        except Exception as e:
+            traceback.print_exc()
+            outcome = [("error", f"{type(e).__name__}: {e}", None)]
+    dist.broadcast_object_list(outcome, src=0)
+    kind, value, meta = outcome[0]
+    if kind == "config":
+        raise ConfigError(value)
+    if kind == "error":
+        raise RuntimeError(f"--load {load_dir}: rank 0 could not read which checkpoint to "
+                           f"resume from ({fs.join(load_dir, LATEST_FILE)}): {value}")
+    return value, meta
+
+
 def check_compatible(meta: Dict, args: argparse.Namespace, path: str) -> None:
     """Stop with the first model setting that differs between a checkpoint and this run.
 
@@ -189,7 +228,7 @@ def load_checkpoint(engine, args: argparse.Namespace, scheduler, exact=None) -> 
             metadata is missing.
     """
     load_dir = args.load
-    tag = find_latest_tag(load_dir) if load_dir and fs.isdir(load_dir) else None
+    tag, meta = _newest_tag(engine, load_dir)
     if exact is not None:
         resumed = _exact_resume(engine, args, scheduler, exact, tag)
         if resumed is not None:
@@ -200,7 +239,7 @@ def load_checkpoint(engine, args: argparse.Namespace, scheduler, exact=None) -> 
         return ResumeState()
     path = os.path.join(load_dir, tag or "")
     if tag is not None:
-        check_compatible(_saved_meta(engine, load_dir, tag), args, path)
+        check_compatible(meta, args, path)  # the same meta everywhere: all ranks or none raise
     start = time.perf_counter()
     load_path, client_state = engine.load_checkpoint(
         # MoC picks the newest *valid* checkpoint itself (falling back past a corrupt one).
