@@ -821,6 +821,7 @@ class TwoLevel:
         ok, error, objects, counts = True, None, None, {"memory": 0, "storage": 0}
         storage = None
         versions: Dict = {}  # expert -> step of the version taken (lost-token accounting)
+        snap_before = self.snap_policy.state_dict() if self.snap_policy is not None else None
         try:
             base = next(m for m in mine if m["step"] == step)
             storage = _StorageVersions(load_dir, step)
@@ -839,6 +840,12 @@ class TwoLevel:
             tree = base["objects_tree"]
             objects = decode(tree, {k: self._read_slot(base, k) for k in tensor_keys(tree)})
             counts["versions"] = sorted(versions.items())
+            # Before the outcome exchange: it acts on this rank's own slot's objects, and
+            # a failure after the exchange would leave the other ranks in the collective
+            # that follows. If any rank fails, the storage load restores all of it again.
+            ck._restore_objects(objects, load_optimizer_states, load_lr_scheduler_states)
+            if self.snap_policy is not None and objects.get("snapshot_policy"):
+                self.snap_policy.load_state_dict(objects["snapshot_policy"])
         except Exception as e:
             traceback.print_exc()
             ok, error = False, f"{type(e).__name__}: {e}"
@@ -846,13 +853,12 @@ class TwoLevel:
         if not all(o for o, _ in outcomes):
             bad = "; ".join(f"rank {r}: {m}" for r, (o, m) in enumerate(outcomes) if not o)
             _log(f"recovery from memory at step {step} failed ({bad}); loading from storage")
+            if snap_before is not None:  # the storage load does not restore it
+                self.snap_policy.load_state_dict(snap_before)
             return None
-        ck._restore_objects(objects, load_optimizer_states, load_lr_scheduler_states)
         # Each rank knows the versions of its own experts; the ledger needs them all
         # (they came with the outcomes: no extra collective).
         ck.account_recovery(objects, {tuple(k): v for _, c in outcomes for k, v in c["versions"]})
-        if self.snap_policy is not None and objects.get("snapshot_policy"):
-            self.snap_policy.load_state_dict(objects["snapshot_policy"])
         refresh_compute_weights(ck.engine)
         ck._piece_cache = None
         # The next persist's expert index extends the newest checkpoint on storage.

@@ -133,6 +133,22 @@ def _inject_save_failure(engine):
     storage.write_image_file = failing
 
 
+def _inject_restore_failure():
+    """MOC_TEST_FAIL_RESTORE_RANK: that rank's first restore of the optimizer's scalars
+    raises (later ones work), as a rank-local failure in the middle of a recovery."""
+    if os.environ.get("MOC_TEST_FAIL_RESTORE_RANK") != str(dist.get_rank()):
+        return
+    from deepspeed_ext import checkpointer
+    real, calls = checkpointer.set_optimizer_scalars, []
+
+    def failing(engine, scalars):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("optimizer scalars do not fit (injected)")
+        return real(engine, scalars)
+    checkpointer.set_optimizer_scalars = failing
+
+
 def _snapshot_identity(engine, args):
     """Snapshots keep describing the live state when the optimizer's moments are replaced
     by new tensors between two of them (what a torch ``load_state_dict`` does)."""
@@ -195,6 +211,7 @@ def main():
     from deepspeed_ext import enable_moc_checkpointing
     enable_moc_checkpointing(engine, moc_config_from_args(args))
     _inject_save_failure(engine)
+    _inject_restore_failure()
     result = {"rank": dist.get_rank()}
     if action == "describe":
         from deepspeed_ext.state import describe_local_state

@@ -294,6 +294,24 @@ def test_snapshot_follows_replaced_optimizer_state(tmp_path):
 
 
 
+def test_a_rank_failing_to_restore_from_memory_sends_every_rank_to_storage(tmp_path):
+    # Rank 1's restore of the snapshot's objects fails: every rank must hear of it in the
+    # outcome exchange and load from storage, instead of rank 1 raising while rank 0
+    # waits in the collective after the exchange.
+    shm = new_shm_dir()
+    try:
+        res, _ = _run(tmp_path, "reload", 2, "reload-memory",
+                      _flags(shm, 2, 2, ["--train-iters", "5", "--save-interval", "1",
+                                         "--save", str(tmp_path / "ckpt")]),
+                      env={"MOC_TEST_FAIL_RESTORE_RANK": "1"})
+        for r in res:
+            assert r["load_source"] == "storage", r
+        assert res[0]["client_state"] == res[1]["client_state"], res
+        assert res[0]["global_steps"] == res[1]["global_steps"] == res[0]["client_state"]["step"]
+    finally:
+        stop_keepers(shm)
+
+
 @pytest.mark.parametrize("exchange_bytes", [None, "16"])
 def test_memory_load_in_a_running_process_restores_the_snapshot(tmp_path, exchange_bytes):
     # A load into an engine that already has its moments describes the state once for
