@@ -764,7 +764,11 @@ class ExactSnapshots:
             position data and scheduler at the window's start, or None (nothing to
             replay: load normally).
         """
-        mine = self._available_frames(load_dir)
+        try:
+            mine = self._available_frames(load_dir)
+        except OSError as e:  # this rank offers no frames: the ranks agree on none
+            self._log(f"[moc] rank {self.rank}: cannot list its frames ({e})")
+            mine = {}
         gathered: List = [None] * self.world
         dist.all_gather_object(gathered, {f: rec for f, (rec, _) in mine.items()})
         found = agree_window(gathered)
@@ -782,6 +786,13 @@ class ExactSnapshots:
             frames = {f: self._load_frame(mine[f][1], f)
                       for f in range(found.start, found.start + found.window)}
             sources = sorted({"memory" if mine[f][1] != load_dir else "storage" for f in frames})
+            schedule = win.Schedule(found.window, tuple(tuple(g) for g in found.groups))
+            # Rank-local work before the outcome exchange: an error after it (a frame
+            # missing a tensor, scalars that do not fit) would leave the other ranks in
+            # the replay's collectives. If any rank fails, the checkpoint load that
+            # follows restores everything this touched.
+            self._restore_objects(frames[found.start][1])
+            self._check_window(found.start, schedule, {f: t for f, (t, _) in frames.items()})
         except Exception as e:
             error = f"rank {self.rank}: {type(e).__name__}: {e}"
         # One decision for all ranks: a rank that alone fell back to a checkpoint would
@@ -793,13 +804,11 @@ class ExactSnapshots:
             self._log(f"[moc] exact recovery: cannot use the window at {found.start} "
                       f"({'; '.join(bad)}); loading a checkpoint instead")
             return None
-        schedule = win.Schedule(found.window, tuple(tuple(g) for g in found.groups))
         self.replay = _Replay(found.start, schedule, {f: t for f, (t, _) in frames.items()})
         self.schedule, self.base = schedule, found.start
         self._order = [name for group in schedule.groups for name in group]
         objects = frames[found.start][1]
         self.popularity = {(l, e): n for l, e, n in objects.get("popularity", [])}
-        self._restore_objects(objects)
         self._apply_frame(found.start)
         if os.path.abspath(load_dir) == os.path.abspath(self.save_dir):
             self._drop_frames_from(load_dir, self.replay.end)  # the incomplete window after it
@@ -862,6 +871,26 @@ class ExactSnapshots:
         for key, value in objects["engine"].items():
             setattr(engine, key, value)
         set_optimizer_scalars(engine, objects["optimizer_scalars"])
+
+    def _check_window(self, start: int, schedule, frames: Dict[int, Dict[str, torch.Tensor]]) -> None:
+        """This rank: every tensor :meth:`_apply_frame` will take from each frame of the
+        window is there, with this rank's number of elements.
+
+        Raises:
+            RuntimeError: naming the frame and the tensor.
+        """
+        frags, params = self._fragments_by_op(), self._params_by_op()
+        for frame, data in frames.items():
+            snap = win.snapshot_at(schedule, frame - start)
+            wanted = [(frag.key, frag.length) for op in snap.active for frag in frags.get(op, [])]
+            wanted += [(LP_PREFIX + name, param.numel())
+                       for op in snap.frozen for name, param in params.get(op, [])]
+            for key, numel in wanted:
+                if key not in data:
+                    raise RuntimeError(f"frame {frame} lacks {key}")
+                if data[key].numel() != numel:
+                    raise RuntimeError(f"frame {frame}: {key} has {data[key].numel()} elements, "
+                                       f"this rank holds {numel}")
 
     def _apply_frame(self, frame: int) -> None:
         """Every rank together: group ``frame - start`` exact from its active copy, the

@@ -169,6 +169,30 @@ def test_find_window_needs_every_rank_and_every_frame(tmp_path):
     assert ex.list_frames(str(tmp_path)) == [0, 1, 2, 3, 4, 5]
 
 
+def test_a_window_missing_a_tensor_is_refused_before_the_replay_starts():
+    """recover() checks, before its outcome exchange, every tensor the replay will take
+    from each frame: the replay applies frames inside training, where one rank's
+    KeyError would leave the others in a collective."""
+    from types import SimpleNamespace
+
+    from deepspeed_ext import window as win
+    frag = lambda key, n: SimpleNamespace(key=key, length=n)  # noqa: E731
+    param = lambda n: SimpleNamespace(numel=lambda: n)  # noqa: E731
+    me = SimpleNamespace(
+        _fragments_by_op=lambda: {"a": [frag("a|fp32", 4)], "b": [frag("b|fp32", 2)]},
+        _params_by_op=lambda: {"a": [("a", param(4))], "b": [("b", param(2))]})
+    schedule = win.Schedule(2, (("a",), ("b",)))
+    good = {10: {"a|fp32": torch.zeros(4), ex.LP_PREFIX + "b": torch.zeros(2)},  # a active, b frozen
+            11: {"b|fp32": torch.zeros(2)}}
+    ex.ExactSnapshots._check_window(me, 10, schedule, good)
+    missing = {**good, 11: {}}
+    with pytest.raises(RuntimeError, match=r"frame 11 lacks b\|fp32"):
+        ex.ExactSnapshots._check_window(me, 10, schedule, missing)
+    resized = {**good, 10: {**good[10], ex.LP_PREFIX + "b": torch.zeros(3)}}
+    with pytest.raises(RuntimeError, match="frame 10: lp.b has 3 elements, this rank holds 2"):
+        ex.ExactSnapshots._check_window(me, 10, schedule, resized)
+
+
 def test_operator_of():
     assert ex.operator_of("layers.1.mlp.deepspeed_moe.experts.deepspeed_experts.3.w", (0, 3)) \
         == "expert/0/3"
