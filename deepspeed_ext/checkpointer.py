@@ -525,7 +525,20 @@ class MoCCheckpointer:
         """
         self.wait()  # a save still being written must be committed (or failed) first
         start = time.perf_counter()
-        fragments = None
+        described: List = []
+
+        def fragments():
+            if not described:  # only once there is something to load into them:
+                # creating the moments advances Adam's step counters
+                if load_optimizer_states:
+                    ensure_optimizer_state(self.engine)
+                described.append(describe_local_state(self.engine, self.naming,
+                                                      with_moments=load_optimizer_states))
+            return described[0]
+
+        def restore(objects):
+            self._restore_objects(objects, load_optimizer_states, load_lr_scheduler_states)
+
         unusable: Dict[str, str] = {}  # tag -> the damage some rank found while reading it
         while True:
             choice = self._broadcast_choice(load_dir, tag, unusable)
@@ -533,13 +546,7 @@ class MoCCheckpointer:
                 _log(f"no MoC checkpoint in {load_dir}")
                 return None, None
             chosen, resolution = choice
-            if fragments is None:  # only once there is something to load into them:
-                # creating the moments advances Adam's step counters
-                if load_optimizer_states:
-                    ensure_optimizer_state(self.engine)
-                fragments = describe_local_state(self.engine, self.naming,
-                                                 with_moments=load_optimizer_states)
-            ok, result = self._read_into(load_dir, chosen, resolution, fragments)
+            ok, result = self._read_into(load_dir, chosen, resolution, fragments, restore)
             outcomes = _all_outcomes(ok, None if ok else result)  # kind, message
             damaged = [f"rank {r}: {why[1]}" for r, (good, why) in enumerate(outcomes)
                        if not good and why[0] == "damaged"]
@@ -553,7 +560,6 @@ class MoCCheckpointer:
                              f"MoC load of {load_dir}/{chosen}")
             objects, self.expert_versions_loaded = result
             break
-        self._restore_objects(objects, load_optimizer_states, load_lr_scheduler_states)
         self.account_recovery(objects, self.expert_versions_loaded)
         refresh_compute_weights(self.engine)
         self._previous = (load_dir, chosen)
@@ -577,10 +583,17 @@ class MoCCheckpointer:
             raise MoCCheckpointError(f"MoC load from {load_dir}: {chosen}")
         return chosen
 
-    def _read_into(self, load_dir: str, chosen: str, resolution, fragments) -> Tuple[bool, Any]:
+    def _read_into(self, load_dir: str, chosen: str, resolution, fragments,
+                   restore) -> Tuple[bool, Any]:
         """This rank's part of a storage load: copy its fragments of checkpoint
         ``chosen`` (resolved by rank 0) into the engine, checksumming each file before
-        its first read (when ``verify_on_load``).
+        its first read (when ``verify_on_load``), then ``restore`` its objects.
+
+        Everything rank-local happens here, before the caller's outcome exchange: the
+        fragments are described (``fragments()``: creating the optimizer's moments can
+        run out of memory on one rank) and the objects restored (``restore(objects)``),
+        so that a failure on one rank is reported to all instead of leaving the others
+        in the collective after the exchange.
 
         Returns:
             ``(True, (objects, expert versions))``, or ``(False, (kind, message))`` with
@@ -594,11 +607,12 @@ class MoCCheckpointer:
             with CheckpointReader(load_dir, chosen, verify_checksums=self.config.verify_on_load,
                                   check_structure=False, resolution=resolution) as reader, \
                     torch.no_grad():
-                for frag in fragments:
+                for frag in fragments():
                     data = reader.read(frag.name, frag.kind, frag.offset, frag.length)
                     frag.tensor.copy_(data.to(device=frag.tensor.device, dtype=frag.tensor.dtype))
                 objects = reader.objects()
                 versions = {k: v[0] for k, v in reader.expert_versions().items()}
+            restore(objects)
             return True, (objects, versions)
         except CheckpointError as e:
             traceback.print_exc()

@@ -705,11 +705,20 @@ class TwoLevel:
         # and creating them (ensure_optimizer_state) advances Adam's step counters, which
         # must happen only once something is actually loaded into them. An engine that
         # has them (a restart inside the job, the benchmark) is described once.
-        if not load_optimizer_states or has_optimizer_state(engine):
-            signature = self.signature(fragments())
-        else:
-            signature = self.signature(describe_local_state(engine, ck.naming,
-                                                            with_moments=False))
+        try:
+            if not load_optimizer_states or has_optimizer_state(engine):
+                signature = self.signature(fragments())
+            else:
+                signature = self.signature(describe_local_state(engine, ck.naming,
+                                                                with_moments=False))
+        except Exception as e:
+            # Before the first exchange: raising here would leave the other ranks in it.
+            # A rank with no signature offers no snapshot; the storage load that follows
+            # describes the state again and reports a failure to every rank.
+            traceback.print_exc()
+            _log(f"rank {self.rank}: cannot describe its state ({type(e).__name__}: {e}); "
+                 f"it offers no memory snapshot")
+            signature = None
         # Recovery's two exchanges (the steps held, then every rank's outcome) are small:
         # one all_gather each instead of all_gather_object's two.
         self._load_exchanger = Exchanger(capacity=LOAD_EXCHANGE_BYTES)
@@ -798,7 +807,7 @@ class TwoLevel:
             else set()
         if common:
             step = max(common)
-            result = self._load_memory(load_dir, step, mine, fragments(), load_optimizer_states,
+            result = self._load_memory(load_dir, step, mine, fragments, load_optimizer_states,
                                        load_lr_scheduler_states, start)
             if result is not None:
                 return result
@@ -810,7 +819,7 @@ class TwoLevel:
                                         load_lr_scheduler_states)
         self.last_load_source = "storage"
         if path is not None:  # every rank: the overlay ends in a collective
-            self._overlay_newer_experts(mine, fragments(fresh=True))
+            self._overlay_newer_experts(mine, lambda: fragments(fresh=True))
         return path, client
 
     def _load_memory(self, load_dir, step, mine, fragments, load_optimizer_states,
@@ -827,7 +836,7 @@ class TwoLevel:
             storage = _StorageVersions(load_dir, step)
             try:
                 with torch.no_grad():
-                    for frag in fragments:
+                    for frag in fragments():
                         meta, data = self._newest(frag, base, step, mine, storage, counts,
                                                   versions)
                         if meta is not None:  # from memory: straight into the engine
@@ -918,20 +927,26 @@ class TwoLevel:
 
     def _overlay_newer_experts(self, mine, fragments) -> None:
         """Two-level recovery: after a storage load, take experts whose memory snapshot on
-        this rank is newer than what storage gave (every rank calls it)."""
+        this rank is newer than what storage gave (every rank calls it; ``fragments()``
+        describes the state)."""
         from deepspeed_ext.state import refresh_compute_weights
         versions = self.ckpt.expert_versions_loaded or {}
         newer: Dict = {}
         staged = []
-        try:  # read everything first: a failure then leaves the storage state whole
-            for frag in fragments:
+        try:  # read and check everything first: a failure then leaves the storage state whole
+            for frag in fragments():
                 if frag.expert is None:
                     continue
                 loaded = versions.get(tuple(frag.expert), -1)
                 holders = [m for m in mine if frag.key in m["specs"] and m["step"] > loaded]
                 if holders:
                     newest = max(holders, key=lambda m: m["step"])
-                    staged.append((frag, self._read_slot(newest, frag.key), newest["step"]))
+                    data = self._read_slot(newest, frag.key)
+                    if data.numel() != frag.length:
+                        raise RuntimeError(f"{frag.key} in the step-{newest['step']} snapshot "
+                                           f"has {data.numel()} elements, this rank holds "
+                                           f"{frag.length}")
+                    staged.append((frag, data, newest["step"]))
         except Exception as e:  # this rank keeps storage's versions; the others go on
             print(f"[moc] rank {self.rank}: WARNING: cannot read its memory snapshots "
                   f"({type(e).__name__}: {e}); keeping the versions from storage", flush=True)

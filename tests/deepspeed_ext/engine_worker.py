@@ -149,6 +149,18 @@ def _inject_restore_failure():
     checkpointer.set_optimizer_scalars = failing
 
 
+def _inject_describe_failure():
+    """MOC_TEST_FAIL_MOMENTS_RANK: creating the optimizer's moments for a load raises
+    MemoryError on that rank (one rank out of memory while the others load)."""
+    if os.environ.get("MOC_TEST_FAIL_MOMENTS_RANK") != str(dist.get_rank()):
+        return
+    from deepspeed_ext import checkpointer
+
+    def failing(engine):
+        raise MemoryError("cannot allocate the Adam moments (injected)")
+    checkpointer.ensure_optimizer_state = failing
+
+
 def _snapshot_identity(engine, args):
     """Snapshots keep describing the live state when the optimizer's moments are replaced
     by new tensors between two of them (what a torch ``load_state_dict`` does)."""
@@ -212,6 +224,7 @@ def main():
     enable_moc_checkpointing(engine, moc_config_from_args(args))
     _inject_save_failure(engine)
     _inject_restore_failure()
+    _inject_describe_failure()
     result = {"rank": dist.get_rank()}
     if action == "describe":
         from deepspeed_ext.state import describe_local_state

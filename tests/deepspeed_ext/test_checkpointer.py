@@ -128,6 +128,27 @@ def test_failure_on_one_rank_is_raised_everywhere_and_keeps_latest(tmp_path):
     assert moc_ckpt(["verify", str(ckpt)]) == 0
 
 
+@pytest.mark.parametrize("failing", ["objects", "moments"])
+def test_a_load_failing_on_one_rank_is_raised_everywhere(tmp_path, failing):
+    # Rank 1 fails where only it can (restoring the optimizer's scalars; creating the
+    # moments in a fresh engine): every rank must raise the same MoC error, none be left
+    # in the load's collectives (with gloo: "connection closed by peer" on rank 0).
+    ckpt = str(tmp_path / "ckpt")
+    flags = _layout(2, 2, 2)
+    _run(tmp_path, "first", 2, "train-save", flags + ["--train-iters", "2", "--save", ckpt,
+                                                     "--save-interval", "2"])
+    out = tmp_path / "second"
+    out.mkdir()
+    env = ({"MOC_TEST_FAIL_RESTORE_RANK": "1"} if failing == "objects"
+           else {"MOC_TEST_FAIL_MOMENTS_RANK": "1"})
+    results = run_ranks(2, ["load-train-save", str(out)] + flags + [
+        "--train-iters", "4", "--load", ckpt], script=WORKER, timeout=300, env=env)
+    why = "rank 1: ValueError" if failing == "objects" else "rank 1: MemoryError"
+    for r in results:
+        assert r.returncode != 0, describe(results)
+        assert "MoC load of" in r.output and why in r.output, describe(results)
+
+
 def test_each_rank_checksums_only_the_files_it_reads(tmp_path):
     # One rank hashing every file of the checkpoint while the others wait grows with the
     # world size; each rank verifies what it reads instead. The manifests are read by
