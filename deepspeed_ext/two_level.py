@@ -213,7 +213,6 @@ class TwoLevel:
 
     def save(self, save_dir: str, tag: Optional[str], client_state, save_latest: bool) -> bool:
         from deepspeed_ext.checkpointer import _raise_if_failed
-        from deepspeed_ext.objects import encode
         from megatron.training.rng import get_rng_state
         ck, engine = self.ckpt, self.ckpt.engine
         start = time.perf_counter()
@@ -267,6 +266,28 @@ class TwoLevel:
             ck.policy.mark_saved(persist_sel, step)
         if persist:
             self._raise_if_unprepared(prepared, save_dir, tag, policy_before)
+        try:
+            return self._fill_slot(save_dir, tag, step, client_state, save_latest, signature,
+                                   rows, pieces, rng_state, rng_states, want, persist,
+                                   union, persist_sel, policy_before, start)
+        except Exception as e:
+            # Rank-local (shared memory full on this node, say), after this snapshot's
+            # exchange: raising here would leave the other ranks in training's next
+            # collective. Recorded like a copy error instead, and raised on every rank
+            # at the next persisted snapshot or wait().
+            traceback.print_exc()
+            self.copy_error = f"snapshot {tag}: {type(e).__name__}: {e}"
+            print(f"[moc] rank {self.rank}: WARNING: {self.copy_error} (raised on every rank at "
+                  f"the next persisted snapshot)", flush=True)
+            return False
+
+    def _fill_slot(self, save_dir, tag, step, client_state, save_latest, signature, rows,
+                   pieces, rng_state, rng_states, want, persist, union, persist_sel,
+                   policy_before, start) -> bool:
+        """This rank, inside :meth:`save` after its exchange: encode the objects, pick and
+        size a slot, and start the copy into it (and the persist job, when due)."""
+        from deepspeed_ext.objects import encode
+        ck = self.ckpt
         objects = ck._objects(client_state)
         objects["rng_states"] = rng_states
         objects["snapshot_policy"] = (self.snap_policy.state_dict()
@@ -434,14 +455,23 @@ class TwoLevel:
                         "in_process": self.keeper_gone}
         return job
 
-    def _persist_newest(self) -> None:
+    def _persist_newest(self) -> Tuple[bool, Optional[str]]:
         """Every rank (from :meth:`wait`, nothing pending): persist the newest snapshot if
         it was not, with every expert it holds, so that ending a job (which frees the
-        keepers' memory) never loses the last state."""
+        keepers' memory) never loses the last state.
+
+        Returns:
+            This rank's ``(ok, error)`` for the outcome exchange that follows (the hand-over
+            after the last collective here is rank-local: its failure must be reported,
+            not raised past the others' exchange).
+
+        Raises:
+            MoCCheckpointError: on every rank, when preparing the persist failed on one.
+        """
         from deepspeed_ext.checkpointer import _broadcast_outcome
         snap = self.last
         if snap is None or snap["persisted"]:
-            return
+            return True, None
         ck, meta = self.ckpt, snap["meta"]
         selected = frozenset(tuple(e) for e in meta["experts"]) \
             if meta["experts"] is not None else None
@@ -468,12 +498,17 @@ class TwoLevel:
                 snap["persisted"] = False
                 raise
             snap = written
-        job = self._persist_job(snap, selected, policy_before)
-        job.update(extra)
-        job["done_marker"] = self.slots.persist_marker(snap["slot"])
-        _log(f"persisting the newest snapshot {meta['tag']} (step {meta['step']}) before "
-             f"returning from wait")
-        self._send(job)
+        try:
+            job = self._persist_job(snap, selected, policy_before)
+            job.update(extra)
+            job["done_marker"] = self.slots.persist_marker(snap["slot"])
+            _log(f"persisting the newest snapshot {meta['tag']} (step {meta['step']}) before "
+                 f"returning from wait")
+            self._send(job)
+        except Exception as e:  # say, the node's shared memory vanished
+            traceback.print_exc()
+            return False, f"{type(e).__name__}: {e}"
+        return True, None
 
     def _write_objects_with(self, snap: Dict[str, Any], rng_states: List) -> Dict[str, Any]:
         """Rank 0: write the snapshot's objects, with ``rng_states`` of every rank, as
@@ -610,8 +645,8 @@ class TwoLevel:
         outcomes = self._wait_pending(ok, message)
         _raise_if_failed(outcomes, "MoC two-level wait")
         if self.last is not None and not self.last["persisted"]:
-            self._persist_newest()
-            _raise_if_failed(self._wait_pending(True, None), "MoC two-level wait")
+            ok, message = self._persist_newest()
+            _raise_if_failed(self._wait_pending(ok, message), "MoC two-level wait")
 
     def _wait_pending(self, ok: bool, message) -> list:
         """Every rank: wait for the pending persist's commit (or failure); settle it;
@@ -622,10 +657,14 @@ class TwoLevel:
             deadline = time.monotonic() + self.cfg.commit_timeout_s
             delay = 0.01
             while True:
-                # Checked on every poll: a keeper dying meanwhile ends the wait with its
-                # error instead of after the whole commit timeout.
-                self._abandon_persist_of_dead_keeper()
-                outcome = commit.commit_outcome(tag_dir, self.world)
+                try:
+                    # Checked on every poll: a keeper dying meanwhile ends the wait with
+                    # its error instead of after the whole commit timeout.
+                    self._abandon_persist_of_dead_keeper()
+                    outcome = commit.commit_outcome(tag_dir, self.world)
+                except Exception as e:  # storage unreachable: reported, not raised here
+                    traceback.print_exc()
+                    outcome = (False, f"{type(e).__name__}: {e}")
                 if outcome is not None:
                     ok, message = outcome
                     break

@@ -161,6 +161,23 @@ def _inject_describe_failure():
     checkpointer.ensure_optimizer_state = failing
 
 
+def _inject_slot_failure(engine):
+    """MOC_TEST_FAIL_SLOT_RANK: that rank's second snapshot cannot size its shared-memory
+    slot (ENOSPC, as a full /dev/shm on one node)."""
+    if (os.environ.get("MOC_TEST_FAIL_SLOT_RANK") != str(dist.get_rank())
+            or engine.moc.two_level is None):
+        return
+    slots, calls = engine.moc.two_level.slots, []
+    real = slots.buffer
+
+    def failing(slot, nbytes):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device (injected)")
+        return real(slot, nbytes)
+    slots.buffer = failing
+
+
 def _snapshot_identity(engine, args):
     """Snapshots keep describing the live state when the optimizer's moments are replaced
     by new tensors between two of them (what a torch ``load_state_dict`` does)."""
@@ -225,6 +242,7 @@ def main():
     _inject_save_failure(engine)
     _inject_restore_failure()
     _inject_describe_failure()
+    _inject_slot_failure(engine)
     result = {"rank": dist.get_rank()}
     if action == "describe":
         from deepspeed_ext.state import describe_local_state

@@ -294,6 +294,26 @@ def test_snapshot_follows_replaced_optimizer_state(tmp_path):
 
 
 
+def test_a_snapshot_failing_on_one_rank_is_raised_on_every_rank(tmp_path):
+    # Rank 1 cannot size the slot of its second snapshot, after that snapshot's exchange:
+    # it must not raise there while rank 0 goes on into training's collectives; the
+    # error is raised on every rank at the next persisted snapshot or wait().
+    shm = new_shm_dir()
+    try:
+        out = tmp_path / "fail"
+        out.mkdir()
+        results = run_ranks(2, ["train-save", str(out)] + _flags(shm, 2, 2, [
+            "--train-iters", "4", "--save-interval", "1", "--save", str(tmp_path / "ckpt")]),
+            script=WORKER, timeout=300, env={"MOC_TEST_FAIL_SLOT_RANK": "1"})
+        for r in results:
+            assert r.returncode != 0, describe(results)
+            assert "MoC" in r.output and "No space left on device (injected)" in r.output, \
+                describe(results)
+            assert "Connection closed" not in r.output, describe(results)
+    finally:
+        stop_keepers(shm)
+
+
 def test_a_rank_failing_to_restore_from_memory_sends_every_rank_to_storage(tmp_path):
     # Rank 1's restore of the snapshot's objects fails: every rank must hear of it in the
     # outcome exchange and load from storage, instead of rank 1 raising while rank 0
