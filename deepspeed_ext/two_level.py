@@ -592,10 +592,15 @@ class TwoLevel:
         self._keeper_died("it stopped answering while persisting")
         tag_dir = os.path.join(p["save_dir"], p["tag"])
         why = f"the keeper of node {self.node} died while persisting {p['tag']}"
-        if not fs.exists(os.path.join(tag_dir, commit.report_name(self.rank))):
-            commit.write_report(tag_dir, self.rank, None, error=why)
-        if self.rank == 0 and commit.commit_outcome(tag_dir, self.world) is None:
-            commit.write_failure(tag_dir, why)
+        try:  # called before collectives: a storage error is logged, never raised
+            if not fs.exists(os.path.join(tag_dir, commit.report_name(self.rank))):
+                commit.write_report(tag_dir, self.rank, None, error=why)
+            if self.rank == 0 and commit.commit_outcome(tag_dir, self.world) is None:
+                commit.write_failure(tag_dir, why)
+        except Exception as e:
+            print(f"[moc] rank {self.rank}: WARNING: cannot mark {tag_dir} failed "
+                  f"({type(e).__name__}: {e}); its commit ends at the commit timeout instead",
+                  flush=True)
         # The keeper would have removed it once the slot was read: the slot is free again.
         try:
             os.remove(os.path.join(self.slots.dir, f"slot{p['slot']}.persisting"))
@@ -616,8 +621,16 @@ class TwoLevel:
         from deepspeed_ext.commit import commit_outcome
         if self.persist is None:
             return "none"
-        outcome = commit_outcome(os.path.join(self.persist["save_dir"], self.persist["tag"]),
-                                 self.world)
+        try:
+            outcome = commit_outcome(os.path.join(self.persist["save_dir"], self.persist["tag"]),
+                                     self.world)
+        except Exception as e:
+            # Read before the snapshot's exchange, which the other ranks are already in:
+            # a storage error counts as "still running" (the snapshot stays in memory
+            # only, and the next one that is due looks again).
+            _log(f"WARNING: cannot read the outcome of persist {self.persist['tag']} "
+                 f"({type(e).__name__}: {e}); treating it as still running")
+            return None
         return list(outcome) if outcome is not None else None
 
     def _settle_persist(self, view) -> None:
@@ -724,6 +737,10 @@ class TwoLevel:
                                          has_optimizer_state)
         ck, engine = self.ckpt, self.ckpt.engine
         self.join_copy()
+        if self.redundancy is not None:
+            # A load in a running process: a protection still queued would send its
+            # messages over the same group as the rebuild's, and they could pair up.
+            self.redundancy.wait_slots()
         # A load may replace the optimizer state: the cached fragments would keep the old
         # tensors alive (on a GPU, a second copy of the moments) until the next snapshot.
         self._described = None

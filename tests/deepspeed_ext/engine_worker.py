@@ -178,6 +178,22 @@ def _inject_slot_failure(engine):
     slots.buffer = failing
 
 
+def _inject_outcome_failure():
+    """MOC_TEST_FAIL_OUTCOME_RANK: that rank's first look at a persist's outcome on
+    storage raises (a transient storage error), just before a snapshot's exchange."""
+    if os.environ.get("MOC_TEST_FAIL_OUTCOME_RANK") != str(dist.get_rank()):
+        return
+    from deepspeed_ext import commit
+    real, calls = commit.commit_outcome, []
+
+    def failing(tag_dir, world_size):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(5, "Input/output error (injected)", tag_dir)
+        return real(tag_dir, world_size)
+    commit.commit_outcome = failing
+
+
 def _snapshot_identity(engine, args):
     """Snapshots keep describing the live state when the optimizer's moments are replaced
     by new tensors between two of them (what a torch ``load_state_dict`` does)."""
@@ -243,6 +259,7 @@ def main():
     _inject_restore_failure()
     _inject_describe_failure()
     _inject_slot_failure(engine)
+    _inject_outcome_failure()
     result = {"rank": dist.get_rank()}
     if action == "describe":
         from deepspeed_ext.state import describe_local_state

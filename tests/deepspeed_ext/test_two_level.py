@@ -314,6 +314,23 @@ def test_a_snapshot_failing_on_one_rank_is_raised_on_every_rank(tmp_path):
         stop_keepers(shm)
 
 
+def test_a_storage_error_reading_a_persists_outcome_is_not_raised_before_the_exchange(tmp_path):
+    # Rank 0 reads the pending persist's outcome just before a snapshot's exchange; a
+    # transient storage error there counts as "still running" instead of raising on
+    # rank 0 while rank 1 waits in the exchange. The run ends normally, all persisted.
+    shm = new_shm_dir()
+    try:
+        res, results = _run(tmp_path, "run", 2, "train-save",
+                            _flags(shm, 2, 2, ["--moc-persist-interval", "1", "--train-iters",
+                                               "4", "--save-interval", "1",
+                                               "--save", str(tmp_path / "ckpt")]),
+                            env={"MOC_TEST_FAIL_OUTCOME_RANK": "0"})
+        assert "treating it as still running" in results[0].output, describe(results)
+        assert (tmp_path / "ckpt" / "latest").read_text().strip() == "global_step4"
+    finally:
+        stop_keepers(shm)
+
+
 def test_a_rank_failing_to_restore_from_memory_sends_every_rank_to_storage(tmp_path):
     # Rank 1's restore of the snapshot's objects fails: every rank must hear of it in the
     # outcome exchange and load from storage, instead of rank 1 raising while rank 0
