@@ -54,7 +54,9 @@ def claim_dir(tag_dir: str) -> str:
     """Rank 0, right after creating a save's directory: write a fresh claim (atomic) that
     the committer of this save will hold; returns it."""
     claim = uuid.uuid4().hex
-    atomic_write_json(os.path.join(tag_dir, CLAIM_NAME), {"claim": claim})
+    # Not fsynced: it is written inside a snapshot's save call, and a claim lost in a
+    # machine crash does not matter (the committers holding it died with the machine).
+    atomic_write_json(os.path.join(tag_dir, CLAIM_NAME), {"claim": claim}, durable=False)
     return claim
 
 

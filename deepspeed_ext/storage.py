@@ -155,11 +155,16 @@ def _publish(tmp: str, path: str) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
-def atomic_write_bytes(path: str, data: bytes) -> FileRecord:
+def atomic_write_bytes(path: str, data: bytes, durable: bool = True) -> FileRecord:
     """Write ``data`` to ``path`` so that readers see the old file or the whole new one.
 
     Writes ``path.tmp.<pid>``, flushes and fsyncs it, ``os.replace``-s it over ``path``
     and fsyncs the directory. The parent directory is created if missing.
+
+    Args:
+        durable: fsync the file and the directory. False only for coordination files
+            that need not survive a machine crash (nothing that waits on them does),
+            where an fsync would add storage latency to the training loop.
 
     Returns:
         The written file's size and SHA-256 (computed from ``data``, no re-read).
@@ -173,8 +178,12 @@ def atomic_write_bytes(path: str, data: bytes) -> FileRecord:
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
-        _publish(tmp, path)
+            if durable:
+                os.fsync(f.fileno())
+        if durable:
+            _publish(tmp, path)
+        else:
+            os.replace(tmp, path)
     except BaseException:
         # Leave no stray temp file behind on a failed write (disk full, interrupt).
         _remove_quietly(tmp)
@@ -182,16 +191,17 @@ def atomic_write_bytes(path: str, data: bytes) -> FileRecord:
     return FileRecord(nbytes=len(data), sha256=hashlib.sha256(data).hexdigest())
 
 
-def atomic_write_text(path: str, text: str) -> FileRecord:
+def atomic_write_text(path: str, text: str, durable: bool = True) -> FileRecord:
     """:func:`atomic_write_bytes` for UTF-8 text."""
-    return atomic_write_bytes(path, text.encode("utf-8"))
+    return atomic_write_bytes(path, text.encode("utf-8"), durable=durable)
 
 
-def atomic_write_json(path: str, obj: Any, *, sort_keys: bool = False) -> FileRecord:
+def atomic_write_json(path: str, obj: Any, *, sort_keys: bool = False,
+                      durable: bool = True) -> FileRecord:
     """:func:`atomic_write_bytes` for strict JSON (NaN/Infinity are refused: other JSON
     readers reject them, and :mod:`deepspeed_ext.objects` encodes them explicitly)."""
     text = json.dumps(obj, indent=1, sort_keys=sort_keys, allow_nan=False)
-    return atomic_write_text(path, text + "\n")
+    return atomic_write_text(path, text + "\n", durable=durable)
 
 
 def _remove_quietly(path: str) -> None:

@@ -183,3 +183,16 @@ def test_streaming_writer_checks_produced_tensors(tmp_path):
         write_safetensors_streaming(path, [("w", (2,), torch.float32)],
                                     lambda k: torch.zeros(3))
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("durable, syncs", [(True, True), (False, False)])
+def test_atomic_write_fsyncs_only_when_durable(tmp_path, monkeypatch, durable, syncs):
+    from deepspeed_ext import storage
+    calls = []
+    real = os.fsync
+    monkeypatch.setattr(storage.os, "fsync", lambda fd: (calls.append(fd), real(fd)))
+    path = str(tmp_path / "claim.json")  # an existing directory (creating one syncs its parent)
+    storage.atomic_write_json(path, {"claim": "x"}, durable=durable)
+    assert json.loads(open(path).read()) == {"claim": "x"}
+    assert os.listdir(tmp_path) == ["claim.json"]  # no temp file left
+    assert bool(calls) == syncs
