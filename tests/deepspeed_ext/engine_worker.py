@@ -133,20 +133,26 @@ def _inject_save_failure(engine):
     storage.write_image_file = failing
 
 
+def _failing_on_call(real, n, error):
+    """``real``, except that its ``n``-th call raises ``error`` (a one-off fault)."""
+    calls = []
+
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == n:
+            raise error
+        return real(*args, **kwargs)
+    return wrapper
+
+
 def _inject_restore_failure():
     """MOC_TEST_FAIL_RESTORE_RANK: that rank's first restore of the optimizer's scalars
     raises (later ones work), as a rank-local failure in the middle of a recovery."""
     if os.environ.get("MOC_TEST_FAIL_RESTORE_RANK") != str(dist.get_rank()):
         return
     from deepspeed_ext import checkpointer
-    real, calls = checkpointer.set_optimizer_scalars, []
-
-    def failing(engine, scalars):
-        calls.append(1)
-        if len(calls) == 1:
-            raise ValueError("optimizer scalars do not fit (injected)")
-        return real(engine, scalars)
-    checkpointer.set_optimizer_scalars = failing
+    checkpointer.set_optimizer_scalars = _failing_on_call(
+        checkpointer.set_optimizer_scalars, 1, ValueError("optimizer scalars do not fit (injected)"))
 
 
 def _inject_describe_failure():
@@ -167,15 +173,9 @@ def _inject_slot_failure(engine):
     if (os.environ.get("MOC_TEST_FAIL_SLOT_RANK") != str(dist.get_rank())
             or engine.moc.two_level is None):
         return
-    slots, calls = engine.moc.two_level.slots, []
-    real = slots.buffer
-
-    def failing(slot, nbytes):
-        calls.append(1)
-        if len(calls) == 2:
-            raise OSError(28, "No space left on device (injected)")
-        return real(slot, nbytes)
-    slots.buffer = failing
+    slots = engine.moc.two_level.slots
+    slots.buffer = _failing_on_call(slots.buffer, 2,
+                                    OSError(28, "No space left on device (injected)"))
 
 
 def _inject_outcome_failure():
@@ -184,14 +184,8 @@ def _inject_outcome_failure():
     if os.environ.get("MOC_TEST_FAIL_OUTCOME_RANK") != str(dist.get_rank()):
         return
     from deepspeed_ext import commit
-    real, calls = commit.commit_outcome, []
-
-    def failing(tag_dir, world_size):
-        calls.append(1)
-        if len(calls) == 1:
-            raise OSError(5, "Input/output error (injected)", tag_dir)
-        return real(tag_dir, world_size)
-    commit.commit_outcome = failing
+    commit.commit_outcome = _failing_on_call(
+        commit.commit_outcome, 1, OSError(5, "Input/output error (injected)"))
 
 
 def _snapshot_identity(engine, args):

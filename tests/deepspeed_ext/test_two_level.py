@@ -293,7 +293,6 @@ def test_snapshot_follows_replaced_optimizer_state(tmp_path):
         stop_keepers(shm)
 
 
-
 def test_a_snapshot_failing_on_one_rank_is_raised_on_every_rank(tmp_path):
     # Rank 1 cannot size the slot of its second snapshot, after that snapshot's exchange:
     # it must not raise there while rank 0 goes on into training's collectives; the
