@@ -159,6 +159,9 @@ class MoCCheckpointer:
             self.ledger = TokenLedger(self.layout.num_moe_layers, num_experts)
         self._piece_cache: Optional[Tuple[tuple, list, list]] = None
         self._previous: Optional[Tuple[str, str]] = None
+        # When this attempt of the job started (rank 0's is what its committers record):
+        # a committer of an earlier attempt never moves ``latest`` over this one's work.
+        self.attempt_started = time.time()
         """(save_dir, tag) of the checkpoint the current state descends from."""
         self._pending: Optional[_PendingSave] = None
         self._buffer: Optional[torch.Tensor] = None
@@ -417,7 +420,8 @@ class MoCCheckpointer:
                     shares, previous[1] if previous and previous[0] == pending.save_dir else None,
                     sorted(pending.selected) if pending.selected is not None else None,
                     pending.pec_k, pending.save_latest, self.config.keep, log=_log,
-                    pec_scope=self.config.pec_scope, claim=claim)
+                    pec_scope=self.config.pec_scope, claim=claim,
+                    attempt_started=self.attempt_started)
                 commit.remove_reports(tag_dir, pending.world)
             except Exception as e:
                 traceback.print_exc()

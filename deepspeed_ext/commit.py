@@ -11,7 +11,7 @@ Order, per checkpoint directory ``<save_dir>/<tag>``::
     rank 0:        prepare_checkpoint_dir  ->  commit.claim (claim_dir: a fresh random id)
     every writer:  rankNNNNN.safetensors (atomic)  ->  rankNNNNN.report.json (atomic)
     committer:     claim = read_claim  ->  wait_for_reports(..., claim)
-                   ->  manifest.json (if the claim is still there)  ->  latest (only forward)
+                   ->  manifest.json (if the claim is still there)  ->  latest (not over a later attempt)
                    ->  remove_reports (and the claim)
 
 The claim guards against a committer that outlived its job: a keeper waiting for the
@@ -164,7 +164,8 @@ def commit_checkpoint(save_dir: str, tag: str, step: int, layout: Mapping[str, A
                       shares: List[Mapping[str, Any]], previous_tag: Optional[str],
                       selected: Optional[List], pec_k: Optional[int], save_latest: bool,
                       keep: int, log=print, pec_scope: str = "wo",
-                      claim: Optional[str] = None) -> None:
+                      claim: Optional[str] = None,
+                      attempt_started: Optional[float] = None) -> None:
     """The committer, after :func:`wait_for_reports`: manifest, then ``latest``, then retention.
 
     Run by rank 0's writer thread, or by the keeper process that persists rank 0's
@@ -182,6 +183,9 @@ def commit_checkpoint(save_dir: str, tag: str, step: int, layout: Mapping[str, A
         keep: retention (0: keep all).
         pec_scope: the PEC variant the save plan used (``--moc-pec-scope``).
         claim: the committer's claim, checked again right before the manifest is written.
+        attempt_started: when the job attempt that saved it started (rank 0's clock),
+            recorded in the manifest; ``latest`` is not moved over a later attempt's
+            checkpoint (:func:`~deepspeed_ext.manifest.advance_latest`).
 
     Raises:
         Superseded: ``claim`` is no longer the directory's; nothing was written.
@@ -203,11 +207,12 @@ def commit_checkpoint(save_dir: str, tag: str, step: int, layout: Mapping[str, A
                                       scope=pec_scope)
     manifest = mf.assemble_manifest(tag, step, layout["world_size"], layout, reports, index,
                                     extra_files=extra_files,
-                                    extra={"pec_k": pec_k, "pec_scope": pec_scope})
+                                    extra={"pec_k": pec_k, "pec_scope": pec_scope,
+                                           "attempt_started": attempt_started})
     check_claim(os.path.join(save_dir, tag), claim)
     mf.write_manifest(os.path.join(save_dir, tag), manifest)
     if save_latest:
-        kept = mf.advance_latest(save_dir, tag, step)
+        kept = mf.advance_latest(save_dir, tag, attempt_started)
         if kept is not None:
             log(f"WARNING: {LATEST_NOTE.format(tag=tag, step=step, kept=kept)}")
     if keep:
@@ -215,9 +220,8 @@ def commit_checkpoint(save_dir: str, tag: str, step: int, layout: Mapping[str, A
             log(f"retention: removed {removed}")
 
 
-LATEST_NOTE = ("latest stays at {kept}, which is newer than {tag} (step {step}) committed "
-               "now: a late commit of an earlier attempt, or another run's checkpoints in "
-               "this save directory")
+LATEST_NOTE = ("latest stays at {kept}, committed by a later attempt of the job than "
+               "{tag} (step {step}), which an earlier attempt's committer finished only now")
 
 FAILURE_NAME = "commit.failed.json"
 

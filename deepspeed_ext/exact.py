@@ -787,11 +787,10 @@ class ExactSnapshots:
                       for f in range(found.start, found.start + found.window)}
             sources = sorted({"memory" if mine[f][1] != load_dir else "storage" for f in frames})
             schedule = win.Schedule(found.window, tuple(tuple(g) for g in found.groups))
-            # Rank-local work before the outcome exchange: an error after it (a frame
-            # missing a tensor, scalars that do not fit) would leave the other ranks in
-            # the replay's collectives. If any rank fails, the checkpoint load that
-            # follows restores everything this touched.
-            self._restore_objects(frames[found.start][1])
+            # Checked before the outcome exchange, without touching the engine (a failed
+            # recovery must leave it as it was: the fallback may find no checkpoint and
+            # start from scratch): a frame missing a tensor would otherwise raise on one
+            # rank inside the replay's collectives.
             self._check_window(found.start, schedule, {f: t for f, (t, _) in frames.items()})
         except Exception as e:
             error = f"rank {self.rank}: {type(e).__name__}: {e}"
@@ -809,6 +808,7 @@ class ExactSnapshots:
         self._order = [name for group in schedule.groups for name in group]
         objects = frames[found.start][1]
         self.popularity = {(l, e): n for l, e, n in objects.get("popularity", [])}
+        self._restore_objects(objects)
         self._apply_frame(found.start)
         if os.path.abspath(load_dir) == os.path.abspath(self.save_dir):
             self._drop_frames_from(load_dir, self.replay.end)  # the incomplete window after it

@@ -380,7 +380,7 @@ def _commit_job(job: Dict[str, Any], tag_dir: str, log) -> None:
         commit.commit_checkpoint(job["save_dir"], job["tag"], info["step"], info["layout"],
                                  shares, info["previous_tag"], info["selected"],
                                  info["pec_k"], info["save_latest"], info["keep"], log=log,
-                                 claim=claim)
+                                 claim=claim, attempt_started=info.get("attempt_started"))
         commit.remove_reports(tag_dir, info["layout"]["world_size"])
         log(f"committed {tag_dir}")
     except commit.Superseded as e:

@@ -39,7 +39,7 @@ Save, multi-rank call order (the orchestration owns the collectives)::
                     tag, step, world_size, layout, [RankReport.from_json(r) for r in gathered],
                     index, extra_files={OBJECTS_FILE: FileEntry.from_record(obj_record, 0)})
                 write_manifest(tag_dir, manifest)                   # the commit point
-                advance_latest(save_dir, tag, step)                 # never backwards
+                advance_latest(save_dir, tag, attempt_started)      # not over a later attempt
                 apply_retention(save_dir, keep)
     all:        broadcast rank 0's outcome
 
@@ -801,32 +801,38 @@ def update_latest(save_dir: str, tag: str) -> None:
     atomic_write_text(os.path.join(save_dir, LATEST_FILE), tag)
 
 
-def advance_latest(save_dir: str, tag: str, step: int) -> Optional[str]:
-    """The committer's :func:`update_latest`: ``latest`` only moves forward.
+def advance_latest(save_dir: str, tag: str, attempt_started: Optional[float]) -> Optional[str]:
+    """The committer's :func:`update_latest`: never over a later attempt's checkpoint.
 
-    Within a run, steps only grow, and a run that resumes from an older step deletes the
-    newer checkpoints first (:func:`discard_checkpoints_after`). So a ``latest`` naming a
-    complete checkpoint of a higher step than ``step`` means this commit is late (an
-    earlier attempt's keeper finishing after the restarted job committed a newer step)
-    or the directory holds another run's newer checkpoints; either way, pointing
-    ``latest`` back would make the next restart lose that newer work. On a local
-    directory the read and the write are one step under a lock on ``save_dir``, so two
-    committers (the same keeper's threads) cannot interleave.
+    A committer can outlive its job: a keeper waiting for a dead node's reports finishes
+    after the restarted job has committed newer work. Each manifest records when its
+    job attempt started (``extra["attempt_started"]``, rank 0's clock); ``latest`` is
+    left alone when it names a checkpoint committed by an attempt that started later
+    than this one, and moved otherwise (within one attempt steps only grow, and a new
+    attempt may legitimately move it back: it resumed from an older checkpoint, or
+    writes into a directory of an earlier run). On a local directory the read and the
+    write are one step under a lock on ``save_dir``, so two committers (the same
+    keeper's threads) cannot interleave.
+
+    Args:
+        attempt_started: when this committer's attempt started; None (an older
+            caller): always move.
 
     Returns:
-        None when ``latest`` now names ``tag``; else the newer tag it keeps naming.
+        None when ``latest`` now names ``tag``; else the later attempt's tag it keeps.
     """
     with _locked(save_dir):
+        current = None
         try:
             current = read_latest(save_dir)
         except CheckpointError:
-            current = None  # damaged: this commit repairs it
-        if current is not None and current != tag:
+            pass  # damaged: this commit repairs it
+        if attempt_started is not None and current is not None and current != tag:
             try:
-                current_step = read_manifest(os.path.join(save_dir, current)).step
+                theirs = read_manifest(os.path.join(save_dir, current)).extra.get("attempt_started")
             except CheckpointError:
-                current_step = None  # names nothing loadable: replace it
-            if current_step is not None and current_step > step:
+                theirs = None  # names nothing loadable: replace it
+            if isinstance(theirs, (int, float)) and theirs > attempt_started:
                 return current
         update_latest(save_dir, tag)
         return None

@@ -276,6 +276,11 @@ class TwoLevel:
             # collective. Recorded like a copy error instead, and raised on every rank
             # at the next persisted snapshot or wait().
             traceback.print_exc()
+            if (self.copy_job is None and self.redundancy is not None
+                    and (self.count - 1) % self.cfg.redundancy_interval == 0):
+                # The copy thread never started, so it will not take part in this
+                # snapshot's protection: do it here, or the peers' messages stop pairing.
+                self.redundancy.protect(step, -1, None, None)
             self.copy_error = f"snapshot {tag}: {type(e).__name__}: {e}"
             print(f"[moc] rank {self.rank}: WARNING: {self.copy_error} (raised on every rank at "
                   f"the next persisted snapshot)", flush=True)
@@ -448,7 +453,8 @@ class TwoLevel:
                 # This attempt's claim on the directory (rank 0 prepared it just before):
                 # a keeper still committing this job after a restart re-saved the tag
                 # stands down instead of committing the new attempt's files.
-                "claim": _claim_of(os.path.join(save_dir, tag))}
+                "claim": _claim_of(os.path.join(save_dir, tag)),
+                "attempt_started": ck.attempt_started}
         self.persist = {"save_dir": save_dir, "tag": tag,
                         "selected": selected if selected is not None else frozenset(),
                         "policy_before": policy_before, "slot": snap["slot"],
@@ -507,7 +513,13 @@ class TwoLevel:
             self._send(job)
         except Exception as e:  # say, the node's shared memory vanished
             traceback.print_exc()
-            return False, f"{type(e).__name__}: {e}"
+            why = f"{type(e).__name__}: {e}"
+            try:  # the committer stops at this report instead of at its timeout
+                commit.write_report(os.path.join(snap["save_dir"], meta["tag"]), self.rank,
+                                    None, error=why)
+            except Exception:
+                pass
+            return False, why
         return True, None
 
     def _write_objects_with(self, snap: Dict[str, Any], rng_states: List) -> Dict[str, Any]:

@@ -156,7 +156,7 @@ def test_check_claim(tmp_path):
         check_claim(tag_dir, claim)
 
 
-def _commit(save_dir, tag, step, value):
+def _commit(save_dir, tag, step, value, attempt_started=None):
     from deepspeed_ext import manifest as mf
     tag_dir = mf.prepare_checkpoint_dir(save_dir, tag)
     for rank in range(2):
@@ -165,28 +165,37 @@ def _commit(save_dir, tag, step, value):
     claim = read_claim(tag_dir)
     commit_checkpoint(save_dir, tag, step, _commit_job(save_dir, tag, step, claim)["commit"]["layout"],
                       wait_for_reports(tag_dir, 2, timeout_s=5, claim=claim), None, None, None,
-                      True, 0, log=logged.append, claim=claim)
+                      True, 0, log=logged.append, claim=claim, attempt_started=attempt_started)
     return logged
 
 
-def test_latest_only_moves_forward_when_a_commit_is_late(tmp_path):
+def test_latest_is_not_moved_over_a_later_attempts_checkpoint(tmp_path):
     from deepspeed_ext import manifest as mf
     save_dir = str(tmp_path)
-    assert _commit(save_dir, "global_step30", 30, 3.0) == []
-    logged = _commit(save_dir, "global_step20", 20, 2.0)  # an earlier attempt's, late
+    assert _commit(save_dir, "global_step30", 30, 3.0, attempt_started=200.0) == []
+    # The first attempt's keeper finishes its commit of 20 only now.
+    logged = _commit(save_dir, "global_step20", 20, 2.0, attempt_started=100.0)
     assert mf.read_latest(save_dir) == "global_step30"
     assert len(logged) == 1 and "latest stays at global_step30" in logged[0]
     assert mf.read_manifest(os.path.join(save_dir, "global_step20")).step == 20  # still committed
-    assert _commit(save_dir, "global_step40", 40, 4.0) == []
+    assert mf.read_manifest(os.path.join(save_dir, "global_step30")).extra["attempt_started"] == 200.0
+    assert _commit(save_dir, "global_step40", 40, 4.0, attempt_started=200.0) == []
     assert mf.read_latest(save_dir) == "global_step40"
+    # A later attempt may move it back: it resumed from an older checkpoint, or is a new
+    # run writing into this directory.
+    assert _commit(save_dir, "global_step10", 10, 1.0, attempt_started=300.0) == []
+    assert mf.read_latest(save_dir) == "global_step10"
+    # Unknown attempts (a caller that does not say): moved, as before.
+    assert _commit(save_dir, "global_step5", 5, 0.5) == []
+    assert mf.read_latest(save_dir) == "global_step5"
 
 
 def test_latest_naming_nothing_loadable_is_replaced(tmp_path):
     from deepspeed_ext import manifest as mf
     save_dir = str(tmp_path)
-    _commit(save_dir, "global_step30", 30, 3.0)
+    _commit(save_dir, "global_step30", 30, 3.0, attempt_started=200.0)
     os.remove(os.path.join(save_dir, "global_step30", mf.MANIFEST_FILE))
-    _commit(save_dir, "global_step20", 20, 2.0)
+    _commit(save_dir, "global_step20", 20, 2.0, attempt_started=100.0)
     assert mf.read_latest(save_dir) == "global_step20"
 
 

@@ -99,3 +99,26 @@ def test_more_lost_nodes_than_covered_fall_back_to_storage(tmp_path):
         assert {r["load_source"] for r in second} <= {"storage", "storage+memory"}
     finally:
         stop_keepers(shm)
+
+
+def test_a_snapshot_failing_on_one_rank_with_redundancy_reaches_every_rank(tmp_path):
+    """Rank 1 cannot size its second snapshot's slot (after the exchange, before its copy
+    thread starts) while the peers protect each other's snapshots: the error reaches
+    every rank at the next exchange, and no rank hangs on the peers' messages. (Whether
+    the failing rank's stand-in protection keeps later messages paired is not visible
+    here: the job stops at that exchange.)"""
+    from tests.deepspeed_ext.test_two_level import WORKER
+    from tests.launch import describe, run_ranks
+    shm = new_shm_dir()
+    try:
+        out = tmp_path / "fail"
+        out.mkdir()
+        results = run_ranks(4, ["train-save", str(out)] + _flags(shm, 4, 4, [
+            "--moc-ranks-per-node", "2", "--moc-redundancy", "replicate",
+            "--train-iters", "4", "--save-interval", "1", "--save", str(tmp_path / "ckpt")]),
+            script=WORKER, timeout=150, env={"MOC_TEST_FAIL_SLOT_RANK": "1"})
+        for r in results:
+            assert r.returncode != 0, describe(results)
+            assert "No space left on device (injected)" in r.output, describe(results)
+    finally:
+        stop_keepers(shm)
