@@ -873,18 +873,30 @@ class TwoLevel:
         steps = self._load_exchanger.exchange(sorted({m["step"] for m in mine}))
         common = set(steps[0]).intersection(*map(set, steps[1:])) if from_memory and tag is None \
             else set()
+        failed_step = None
         if common:
             step = max(common)
             result = self._load_memory(load_dir, step, mine, fragments, load_optimizer_states,
                                        load_lr_scheduler_states, start)
             if result is not None:
                 return result
-        if from_memory and tag is None:
+            failed_step = step
+        elif from_memory and tag is None:
             held = sum(1 for s in steps if s)
             _log(f"recovery: no step held in memory by every rank ({held} of {self.world} ranks "
                  f"hold snapshots); loading from storage")
         path, client = ck._load_storage(load_dir, tag, load_optimizer_states,
                                         load_lr_scheduler_states)
+        if path is None and failed_step is not None:
+            # The failed memory recovery already wrote into the engine; "no checkpoint:
+            # start from scratch" would train on from those tensors as iteration 0. The
+            # same on every rank (the storage choice is rank 0's, broadcast).
+            from deepspeed_ext.checkpointer import MoCCheckpointError
+            raise MoCCheckpointError(
+                f"recovery from memory at step {failed_step} failed and {load_dir} holds no "
+                f"checkpoint to fall back to; restart to try again, or, to start from "
+                f"scratch, stop the keepers (pkill -f 'deepspeed_ext.keeper --dir "
+                f"{self.cfg.shm_dir}') and remove {self.cfg.shm_dir}")
         self.last_load_source = "storage"
         if path is not None:  # every rank: the overlay ends in a collective
             self._overlay_newer_experts(mine, lambda: fragments(fresh=True))

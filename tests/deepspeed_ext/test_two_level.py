@@ -69,6 +69,34 @@ def test_crash_then_recover_from_memory_bitwise(tmp_path):
         stop_keepers(shm)
 
 
+def test_failed_memory_recovery_with_nothing_on_storage_stops_every_rank(tmp_path):
+    # Memory recovery fails on rank 1 after writing into the engine, and storage holds no
+    # checkpoint: "starting from scratch" would train on from half-restored tensors as
+    # iteration 0. Every rank must stop with the reason instead.
+    shm, ckpt = new_shm_dir(), str(tmp_path / "ckpt")
+    try:
+        flags = _flags(shm, 2, 2, ["--moc-persist-interval", "100"])
+        _, results = _run(tmp_path, "first", 2, "train-save", flags + [
+            "--train-iters", "3", "--save", ckpt, "--save-interval", "1"],
+            env={"MOC_TEST_CRASH": "1"}, ok=False)
+        assert all(r.returncode == -signal.SIGKILL for r in results), describe(results)
+        deadline = time.monotonic() + 120  # the keeper's persist of step 1 lands first
+        while not os.path.exists(os.path.join(ckpt, "global_step1", "manifest.json")):
+            assert time.monotonic() < deadline, "step 1 was never committed"
+            time.sleep(0.1)
+        shutil.rmtree(ckpt)  # storage lost; the snapshots of steps 2-3 are in memory
+        out = tmp_path / "second"
+        out.mkdir()
+        results = run_ranks(2, ["load-train-save", str(out)] + flags + [
+            "--train-iters", "4", "--load", ckpt, "--save", ckpt, "--save-interval", "1"],
+            script=WORKER, timeout=300, env={"MOC_TEST_FAIL_RESTORE_RANK": "1"})
+        for r in results:
+            assert r.returncode != 0, describe(results)
+            assert "holds no checkpoint to fall back to" in r.output, describe(results)
+    finally:
+        stop_keepers(shm)
+
+
 def test_node_memory_lost_two_level_recovery(tmp_path):
     """4 ranks as 2 nodes; node 1 loses its keeper and memory: storage for everything but
     the experts node 0 holds newer in memory."""
