@@ -213,6 +213,7 @@ class TwoLevel:
 
     def save(self, save_dir: str, tag: Optional[str], client_state, save_latest: bool) -> bool:
         from deepspeed_ext.checkpointer import _raise_if_failed
+        from deepspeed_ext.objects import encode
         from megatron.training.rng import get_rng_state
         ck, engine = self.ckpt, self.ckpt.engine
         start = time.perf_counter()
@@ -266,10 +267,48 @@ class TwoLevel:
             ck.policy.mark_saved(persist_sel, step)
         if persist:
             self._raise_if_unprepared(prepared, save_dir, tag, policy_before)
-        try:
-            return self._fill_slot(save_dir, tag, step, client_state, save_latest, signature,
-                                   rows, pieces, rng_state, rng_states, want, persist,
-                                   union, persist_sel, policy_before, start)
+        try:  # rank-local from here on: see the except
+            objects = ck._objects(client_state)
+            objects["rng_states"] = rng_states
+            objects["snapshot_policy"] = (self.snap_policy.state_dict()
+                                          if self.snap_policy is not None else None)
+            tree, object_tensors = encode(objects)
+            tensors, specs = {}, {}
+            for key, tensor, expert, spec in rows:
+                if expert is None or union is None or expert in union:
+                    tensors[key] = tensor
+                    specs[key] = spec
+            tensors.update(object_tensors)
+            layout, entries = self._layout(tensors)
+            slot = self._free_slot()
+            self.slots.invalidate(slot)
+            buffer = self.slots.buffer(slot, layout.nbytes)
+            meta = {"step": step, "tag": tag, "signature": signature, "entries": entries,
+                    "specs": specs, "experts": sorted(union) if union is not None else None,
+                    "objects_tree": tree}
+            self.last = {"slot": slot, "meta": meta, "pieces": pieces, "save_dir": save_dir,
+                         "save_latest": save_latest, "object_keys": list(object_tensors),
+                         "persisted": persist, "rng_state": rng_state, "rng_gathered": want}
+            job = self._persist_job(self.last, persist_sel if union is not None else None,
+                                    policy_before) if persist else None
+            # CUDA: the copies are queued on a side stream now (microseconds); the thread
+            # only waits for them. CPU: the thread does the copy.
+            event = self.copier.launch(buffer, layout, tensors)
+            # Every rank protects the same snapshots (the count is the same everywhere), so
+            # the peers' messages pair up.
+            protect = (self.redundancy is not None
+                       and (self.count - 1) % self.cfg.redundancy_interval == 0)
+            self.copy_job = self.copier_pool.submit(self._copy, slot, event, buffer, layout,
+                                                       tensors, meta, job, protect)
+            if persist or self.count == 1:  # a line per snapshot would flood per-iteration runs
+                _log(f"snapshot {tag} (step {step}) into {self.node_dir}: "
+                     f"{layout.nbytes / 2**20:.2f} MiB on rank 0, "
+                     + (f"{len(union)} of {ck.layout.num_moe_layers * ck.layout.num_experts} "
+                        f"experts" if union is not None else "no MoE")
+                     + ((f", persisting {len(persist_sel)} of them" if union is not None
+                         else ", persisting") if persist else ", in memory only")
+                     + f"; the save call took {time.perf_counter() - start:.3f} s")
+            return True
         except Exception as e:
             # Rank-local (shared memory full on this node, say), after this snapshot's
             # exchange: raising here would leave the other ranks in training's next
@@ -285,55 +324,6 @@ class TwoLevel:
             print(f"[moc] rank {self.rank}: WARNING: {self.copy_error} (raised on every rank at "
                   f"the next persisted snapshot)", flush=True)
             return False
-
-    def _fill_slot(self, save_dir, tag, step, client_state, save_latest, signature, rows,
-                   pieces, rng_state, rng_states, want, persist, union, persist_sel,
-                   policy_before, start) -> bool:
-        """This rank, inside :meth:`save` after its exchange: encode the objects, pick and
-        size a slot, and start the copy into it (and the persist job, when due)."""
-        from deepspeed_ext.objects import encode
-        ck = self.ckpt
-        objects = ck._objects(client_state)
-        objects["rng_states"] = rng_states
-        objects["snapshot_policy"] = (self.snap_policy.state_dict()
-                                      if self.snap_policy is not None else None)
-        tree, object_tensors = encode(objects)
-        tensors, specs = {}, {}
-        for key, tensor, expert, spec in rows:
-            if expert is None or union is None or expert in union:
-                tensors[key] = tensor
-                specs[key] = spec
-        tensors.update(object_tensors)
-        layout, entries = self._layout(tensors)
-        slot = self._free_slot()
-        self.slots.invalidate(slot)
-        buffer = self.slots.buffer(slot, layout.nbytes)
-        meta = {"step": step, "tag": tag, "signature": signature, "entries": entries,
-                "specs": specs, "experts": sorted(union) if union is not None else None,
-                "objects_tree": tree}
-        self.last = {"slot": slot, "meta": meta, "pieces": pieces, "save_dir": save_dir,
-                     "save_latest": save_latest, "object_keys": list(object_tensors),
-                     "persisted": persist, "rng_state": rng_state, "rng_gathered": want}
-        job = self._persist_job(self.last, persist_sel if union is not None else None,
-                                policy_before) if persist else None
-        # CUDA: the copies are queued on a side stream now (microseconds); the thread
-        # only waits for them. CPU: the thread does the copy.
-        event = self.copier.launch(buffer, layout, tensors)
-        # Every rank protects the same snapshots (the count is the same everywhere), so
-        # the peers' messages pair up.
-        protect = (self.redundancy is not None
-                   and (self.count - 1) % self.cfg.redundancy_interval == 0)
-        self.copy_job = self.copier_pool.submit(self._copy, slot, event, buffer, layout,
-                                                   tensors, meta, job, protect)
-        if persist or self.count == 1:  # a line per snapshot would flood per-iteration runs
-            _log(f"snapshot {tag} (step {step}) into {self.node_dir}: "
-                 f"{layout.nbytes / 2**20:.2f} MiB on rank 0, "
-                 + (f"{len(union)} of {ck.layout.num_moe_layers * ck.layout.num_experts} "
-                    f"experts" if union is not None else "no MoE")
-                 + ((f", persisting {len(persist_sel)} of them" if union is not None
-                     else ", persisting") if persist else ", in memory only")
-                 + f"; the save call took {time.perf_counter() - start:.3f} s")
-        return True
 
     def _fragments(self) -> Tuple[list, str, list]:
         """This rank's fragments (fp32 master and moments), their signature, and per
