@@ -209,8 +209,9 @@ def commit_checkpoint(save_dir: str, tag: str, step: int, layout: Mapping[str, A
                                     extra_files=extra_files,
                                     extra={"pec_k": pec_k, "pec_scope": pec_scope,
                                            "attempt_started": attempt_started})
-    check_claim(os.path.join(save_dir, tag), claim)
-    mf.write_manifest(os.path.join(save_dir, tag), manifest)
+    with mf.locked_dir(save_dir):  # a new claim cannot land between the check and the write
+        check_claim(os.path.join(save_dir, tag), claim)
+        mf.write_manifest(os.path.join(save_dir, tag), manifest)
     if save_latest:
         kept = mf.advance_latest(save_dir, tag, attempt_started)
         if kept is not None:

@@ -821,7 +821,7 @@ def advance_latest(save_dir: str, tag: str, attempt_started: Optional[float]) ->
     Returns:
         None when ``latest`` now names ``tag``; else the later attempt's tag it keeps.
     """
-    with _locked(save_dir):
+    with locked_dir(save_dir):
         current = None
         try:
             current = read_latest(save_dir)
@@ -839,7 +839,7 @@ def advance_latest(save_dir: str, tag: str, attempt_started: Optional[float]) ->
 
 
 @contextlib.contextmanager
-def _locked(path: str):
+def locked_dir(path: str):
     """An exclusive ``flock`` on the local directory ``path`` for the ``with`` block (no
     lock file left behind); no lock for URLs, or where the filesystem refuses one."""
     fd = None
@@ -1320,5 +1320,6 @@ def prepare_checkpoint_dir(save_dir: str, tag: str, overwrite: bool = False) -> 
         _trash(save_dir, tag)
     ensure_dir(tag_dir)
     from deepspeed_ext.commit import claim_dir
-    claim_dir(tag_dir)  # an earlier attempt's committer still waiting on this tag stands down
+    with locked_dir(save_dir):  # never between a committer's claim check and its manifest
+        claim_dir(tag_dir)  # an earlier attempt's committer still waiting here stands down
     return tag_dir
