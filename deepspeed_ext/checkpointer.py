@@ -38,7 +38,8 @@ import torch.distributed as dist
 from deepspeed_ext import fs
 from deepspeed_ext.config import MoCConfig
 from deepspeed_ext.image import ImageLayout
-from deepspeed_ext.manifest import FragmentSpec, prepare_checkpoint_dir
+from deepspeed_ext.manifest import (FragmentSpec, prepare_checkpoint_dir,
+                                    set_aside_checkpoints_after)
 from megatron.training.rng import get_rng_state, set_rng_state
 from deepspeed_ext.state import (ExpertNaming, LocalFragment, describe_local_state,
                                  ensure_optimizer_state, expert_naming, optimizer_scalars,
@@ -162,6 +163,7 @@ class MoCCheckpointer:
         # When this attempt of the job started (rank 0's is what its committers record):
         # a committer of an earlier attempt never moves ``latest`` over this one's work.
         self.attempt_started = time.time()
+        self._save_dirs_checked: set = set()  # prepare_save_dir's first-save check, done
         """(save_dir, tag) of the checkpoint the current state descends from."""
         self._pending: Optional[_PendingSave] = None
         self._buffer: Optional[torch.Tensor] = None
@@ -315,7 +317,8 @@ class MoCCheckpointer:
             bytes_per_rank=list(plan.bytes_per_rank), max_over_mean=plan.max_over_mean(),
             started=start, previous=self._previous)
         try:
-            _broadcast_outcome(lambda: prepare_checkpoint_dir(save_dir, tag), f"MoC save to {tag_dir}")
+            _broadcast_outcome(lambda: self.prepare_save_dir(save_dir, tag, step),
+                               f"MoC save to {tag_dir}")
             ok, payload = True, None
             try:
                 staged = self._stage(rank, fragments, plan, rng_states, client_state)
@@ -428,6 +431,28 @@ class MoCCheckpointer:
                 pending.outcome = (False, f"{type(e).__name__}: {e}")
                 return
         pending.outcome = (True, None)
+
+    def prepare_save_dir(self, save_dir: str, tag: str, step: int) -> str:
+        """Rank 0 (the caller sends its outcome to every rank): create ``<save_dir>/<tag>``
+        for a save of ``step``.
+
+        Before this attempt's first save into ``save_dir``, checkpoints of ``step`` or
+        later that an earlier attempt committed are set aside: the run resumed from an older
+        checkpoint (a newer one was damaged, or ``latest`` named an older one), and this
+        run's saves of those steps would otherwise collide with them
+        (:func:`~deepspeed_ext.manifest.set_aside_checkpoints_after`). The checkpoint
+        this run resumed from is never touched: the new expert indexes extend it.
+        """
+        resumed = self._previous[1] if self._previous and self._previous[0] == save_dir else None
+        if save_dir not in self._save_dirs_checked:
+            moved = set_aside_checkpoints_after(save_dir, step, self.attempt_started, resumed)
+            if moved:
+                _log(f"WARNING: set aside checkpoint(s) {', '.join(moved)} of {save_dir}: steps "
+                     f"from this run's {step} on, saved by an earlier attempt (an abandoned "
+                     f"timeline); kept as .moc-set-aside.<tag>.* on a local disk")
+            self._save_dirs_checked.add(save_dir)
+        return prepare_checkpoint_dir(save_dir, tag, attempt_started=self.attempt_started,
+                                      keep=resumed, log=_log)
 
     def _layout_record(self, world: int, zero_stage: int) -> Dict[str, int]:
         """The manifest's layout record."""

@@ -71,6 +71,7 @@ READABLE_VERSIONS = (1, 2)
 MANIFEST_FILE = "manifest.json"
 LATEST_FILE = "latest"
 TRASH_PREFIX = ".moc-trash."
+SET_ASIDE_PREFIX = ".moc-set-aside."
 """Directories being deleted are renamed to this prefix first (see :func:`remove_checkpoint`)."""
 
 _TAG_DIR_ENTRY = re.compile(
@@ -1260,25 +1261,49 @@ def apply_retention(save_dir: str, keep: int) -> List[str]:
     return deleted
 
 
-def discard_checkpoints_after(save_dir: str, step: int) -> List[str]:
-    """Delete every complete checkpoint newer than ``step``, newest first.
+def _earlier_attempt(save_dir: str, tag: str, attempt_started: float) -> bool:
+    """Whether complete checkpoint ``tag`` was committed by an attempt that started before
+    ``attempt_started`` (or by a MoC that did not record attempts)."""
+    theirs = read_manifest(os.path.join(save_dir, tag)).extra.get("attempt_started")
+    return not isinstance(theirs, (int, float)) or theirs < attempt_started
 
-    Rank 0 calls it after resuming from a checkpoint older than the newest complete one
-    (an explicit older tag, or :func:`deepspeed_ext.reader.find_loadable` skipping a
-    broken one), before the first new save. Those checkpoints belong to an abandoned
-    timeline: left alone, retention would keep them as the "newest", and a new save
-    of the same step would collide with them. Deleting them is always safe for the
-    kept ones: an expert index only names checkpoints of its own step or older.
 
-    If ``latest`` named a deleted checkpoint it is pointed at the newest remaining one
-    first, so that it never names a missing checkpoint.
+def _set_aside(save_dir: str, tag: str) -> None:
+    """Move complete checkpoint ``tag`` out of MoC's sight: renamed to a hidden
+    ``.moc-set-aside.<tag>.<ns>`` on a local directory (for a human to inspect or delete;
+    MoC never reads or removes it), deleted behind a URL (no rename there)."""
+    if fs.is_url(save_dir):
+        remove_checkpoint(save_dir, tag)
+        return
+    os.rename(os.path.join(save_dir, tag),
+              os.path.join(save_dir, f"{SET_ASIDE_PREFIX}{tag}.{time.time_ns()}"))
+    fsync_dir(save_dir)
+
+
+def set_aside_checkpoints_after(save_dir: str, step: int, attempt_started: float,
+                                keep: Optional[str] = None) -> List[str]:
+    """Rank 0, before this attempt's first save (of ``step``) into ``save_dir``: set aside
+    (see :func:`_set_aside`) every complete checkpoint of ``step`` or later that an
+    earlier attempt committed, newest first.
+
+    They belong to an abandoned timeline: the run resumed from an older checkpoint
+    (:func:`deepspeed_ext.reader.find_loadable` skipped a damaged newer one, or
+    ``latest`` named an older one). Left alone, this run's save of the same step would
+    collide with them, retention would count them as the newest and delete this run's
+    checkpoints first, and a restart could pick them. Safe for the kept ones: an expert
+    index only names checkpoints of its own step or older. ``latest`` naming one of them
+    is pointed at the newest remaining checkpoint first.
+
+    Args:
+        keep: a tag never set aside (the checkpoint this run resumed from).
 
     Returns:
-        Tags deleted.
+        Tags set aside.
     """
     complete = scan_checkpoints(save_dir).complete
-    doomed = [tag for ckpt_step, tag in reversed(complete) if ckpt_step > step]
-    remaining = [tag for ckpt_step, tag in complete if ckpt_step <= step]
+    doomed = [tag for ckpt_step, tag in reversed(complete)
+              if ckpt_step >= step and tag != keep and _earlier_attempt(save_dir, tag, attempt_started)]
+    remaining = [tag for _, tag in complete if tag not in doomed]
     try:
         latest = read_latest(save_dir)
     except CheckpointError:
@@ -1286,11 +1311,13 @@ def discard_checkpoints_after(save_dir: str, step: int) -> List[str]:
     if remaining and (latest is None or latest in doomed):
         update_latest(save_dir, remaining[-1])
     for tag in doomed:
-        remove_checkpoint(save_dir, tag)
+        _set_aside(save_dir, tag)
     return doomed
 
 
-def prepare_checkpoint_dir(save_dir: str, tag: str, overwrite: bool = False) -> str:
+def prepare_checkpoint_dir(save_dir: str, tag: str, overwrite: bool = False,
+                           attempt_started: Optional[float] = None,
+                           keep: Optional[str] = None, log=None) -> str:
     """Create ``<save_dir>/<tag>`` for a new save and return its path (rank 0, then a
     barrier before any rank writes).
 
@@ -1298,7 +1325,9 @@ def prepare_checkpoint_dir(save_dir: str, tag: str, overwrite: bool = False) -> 
     or its stale rank files (say from a run with more ranks) would linger beside the
     new ones. A complete checkpoint of that name (a run resumed from an older step now
     saving the same step again) is replaced only with ``overwrite``: other checkpoints'
-    expert indexes may point to it.
+    expert indexes may point to it; or, given this run's ``attempt_started``, set aside
+    when an earlier attempt committed it and it is not ``keep`` (the checkpoint this run
+    resumed from), as :func:`set_aside_checkpoints_after` does (and said through ``log``).
 
     The new directory is claimed for this save (:func:`deepspeed_ext.commit.claim_dir`):
     a committer of an earlier attempt still waiting on this tag then stands down.
@@ -1309,10 +1338,17 @@ def prepare_checkpoint_dir(save_dir: str, tag: str, overwrite: bool = False) -> 
     check_tag(tag)
     tag_dir = os.path.join(save_dir, tag)
     if fs.exists(os.path.join(tag_dir, MANIFEST_FILE)):
-        if not overwrite:
+        if overwrite:
+            remove_checkpoint(save_dir, tag)
+        elif (attempt_started is not None and tag != keep
+              and _earlier_attempt(save_dir, tag, attempt_started)):
+            _set_aside(save_dir, tag)  # an abandoned timeline's (say, committed late)
+            if log is not None:
+                log(f"WARNING: set aside checkpoint {tag_dir}, saved by an earlier attempt, "
+                    f"to save this run's {tag}")
+        else:
             raise FileExistsError(f"{tag_dir} is a complete checkpoint; refusing to overwrite "
                                   f"it (other checkpoints may reference its experts)")
-        remove_checkpoint(save_dir, tag)
     elif fs.isdir(tag_dir):
         if not _looks_like_ours(tag_dir):
             raise FileExistsError(f"{tag_dir} exists and holds files MoC did not write; "

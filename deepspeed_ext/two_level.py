@@ -235,7 +235,7 @@ class TwoLevel:
                 # This persist will run (nothing pending, or the pending one finished):
                 # rank 0 creates its directory now, and the outcome travels with the
                 # exchange instead of a second collective in the save call.
-                prepared = self._prepare_on_rank0(save_dir, tag)
+                prepared = self._prepare_on_rank0(save_dir, tag, step)
             # The one collective of a snapshot due for storage: copy errors, rank 0's view
             # of the pending persist and of the new directory, and every rank's RNG state
             # (the persist's objects).
@@ -386,20 +386,18 @@ class TwoLevel:
                 str(frag.tensor.dtype).rsplit(".", 1)[-1], frag.expert).to_json()
         return spec
 
-    def _prepare_dir(self, save_dir: str, tag: str, policy_before) -> None:
+    def _prepare_dir(self, save_dir: str, tag: str, step: int, policy_before) -> None:
         """Every rank: create the persist's tag directory (one broadcast of rank 0's
         :meth:`_prepare_on_rank0` outcome), then :meth:`_raise_if_unprepared`. For a
         persist outside a snapshot's exchange (the end of training)."""
-        status = [self._prepare_on_rank0(save_dir, tag) if self.rank == 0 else None]
+        status = [self._prepare_on_rank0(save_dir, tag, step) if self.rank == 0 else None]
         dist.broadcast_object_list(status, src=0)
         self._raise_if_unprepared(status[0], save_dir, tag, policy_before)
 
-    @staticmethod
-    def _prepare_on_rank0(save_dir: str, tag: str) -> Tuple[bool, Optional[str]]:
+    def _prepare_on_rank0(self, save_dir: str, tag: str, step: int) -> Tuple[bool, Optional[str]]:
         """Rank 0: create a persist's tag directory; ``(ok, error)``, never raises."""
-        from deepspeed_ext import manifest as mf
         try:
-            mf.prepare_checkpoint_dir(save_dir, tag)
+            self.ckpt.prepare_save_dir(save_dir, tag, step)
             return True, None
         except Exception as e:
             traceback.print_exc()
@@ -474,7 +472,7 @@ class TwoLevel:
         policy_before = ck.policy.state_dict() if ck.policy is not None else None
         if ck.policy is not None and selected is not None:
             ck.policy.mark_saved(selected, meta["step"])
-        self._prepare_dir(snap["save_dir"], meta["tag"], policy_before)
+        self._prepare_dir(snap["save_dir"], meta["tag"], meta["step"], policy_before)
         snap["persisted"] = True
         extra = {}
         if not snap["rng_gathered"]:  # the same on every rank: a collective is safe here

@@ -198,6 +198,32 @@ def test_damaged_file_is_detected_and_load_falls_back(tmp_path, damage, capsys):
     assert json.load(open(out / "rank0.json"))["loaded"].endswith("global_step2")
 
 
+def test_resuming_past_a_damaged_checkpoint_saves_its_step_again(tmp_path):
+    # The newest checkpoint (4) is damaged, the load falls back to 2, and the run saves
+    # into the same directory: its save of step 4 must not collide with the damaged one,
+    # which is set aside (kept for a human, out of MoC's sight), not deleted.
+    ckpt = tmp_path / "ckpt"
+    _run(tmp_path, "first", 2, "train-save", _layout(2, 2, 2) + [
+        "--train-iters", "4", "--save", str(ckpt), "--save-interval", "2"])
+    victim = ckpt / "global_step4" / "rank00001.safetensors"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    out = tmp_path / "second"
+    out.mkdir()
+    results = run_ranks(2, ["load-train-save", str(out)] + _layout(2, 2, 2) + [
+        "--train-iters", "6", "--load", str(ckpt), "--save", str(ckpt),
+        "--save-interval", "2"], script=WORKER, timeout=300)
+    assert all(r.returncode == 0 for r in results), describe(results)
+    assert json.load(open(out / "rank0.json"))["loaded"].endswith("global_step2")
+    assert "set aside checkpoint(s) global_step4" in results[0].output
+    aside = [n for n in os.listdir(ckpt) if n.startswith(".moc-set-aside.global_step4.")]
+    assert len(aside) == 1 and (ckpt / aside[0] / "rank00001.safetensors").read_bytes() == data
+    assert (ckpt / "latest").read_text().strip() == "global_step6"
+    from deepspeed_ext.cli import main as moc_ckpt
+    assert moc_ckpt(["verify", str(ckpt)]) == 0  # 2, the new 4 and 6: all sound
+
+
 def test_save_and_load_through_an_fsspec_url(tmp_path):
     """``--save file://...`` goes through fsspec (as ``s3://`` would): asynchronous saves,
     retention and the load are bitwise the same as with a local directory."""

@@ -21,7 +21,7 @@ import torch
 from deepspeed_ext import manifest as mf
 from deepspeed_ext.manifest import (FileEntry, FragmentSpec, Manifest, RankReport,
                                     apply_retention, assemble_manifest, build_expert_index,
-                                    check_tag, discard_checkpoints_after, expert_key,
+                                    check_tag, expert_key, set_aside_checkpoints_after,
                                     fragment_key, list_checkpoints,
                                     prepare_checkpoint_dir, rank_file_name, read_latest,
                                     read_manifest, referenced_tags, remove_checkpoint,
@@ -514,13 +514,47 @@ def test_prepare_checkpoint_dir(tmp_path):
     assert os.listdir(tmp_path / "global_step10") == ["commit.claim"]
 
 
-def test_discard_abandoned_timeline(tmp_path):
-    run = three_checkpoints(tmp_path)
+def _set_aside_tags(tmp_path):
+    return sorted(n.split(".")[2] for n in os.listdir(tmp_path) if n.startswith(".moc-set-aside."))
+
+
+def test_set_aside_abandoned_timeline(tmp_path):
+    run = three_checkpoints(tmp_path)  # FakeRun's manifests record no attempt: earlier ones
     # resumed from global_step10: 20 and 30 are another history
-    assert discard_checkpoints_after(str(tmp_path), 10) == ["global_step30", "global_step20"]
+    assert set_aside_checkpoints_after(str(tmp_path), 11, attempt_started=1e12,
+                                       keep="global_step10") == ["global_step30", "global_step20"]
     assert list_checkpoints(str(tmp_path)) == [(10, "global_step10")]
     assert read_latest(str(tmp_path)) == "global_step10"
+    assert _set_aside_tags(tmp_path) == ["global_step20", "global_step30"]  # kept for a human
     assert verify_checkpoint(str(tmp_path), "global_step10") == []
     run.previous = read_manifest(str(tmp_path / "global_step10"))
     run.save("global_step20", 20, 2, [(1, 1)])  # the same step again, no collision
     assert verify_checkpoint(str(tmp_path), "global_step20") == []
+    apply_retention(str(tmp_path), keep=1)
+    assert _set_aside_tags(tmp_path) == ["global_step20", "global_step30"]  # never deleted
+
+
+def test_prepare_sets_aside_an_earlier_attempts_checkpoint_of_the_same_tag(tmp_path):
+    """A complete checkpoint of the tag being saved, committed late by an earlier attempt
+    (an abandoned timeline), is set aside; this attempt's own, a later attempt's, and the
+    one this run resumed from are refused as before."""
+    save_dir = str(tmp_path)
+    run = FakeRun(tmp_path)
+    run.save("global_step10", 10, 2)
+    run.save("global_step20", 20, 2)
+    manifest = read_manifest(str(tmp_path / "global_step20"))
+    manifest.extra["attempt_started"] = 200.0
+    write_manifest(str(tmp_path / "global_step20"), manifest)
+    for ours in (200.0, 150.0):  # its own attempt, and an attempt older than it
+        with pytest.raises(FileExistsError, match="complete checkpoint"):
+            prepare_checkpoint_dir(save_dir, "global_step20", attempt_started=ours)
+    with pytest.raises(FileExistsError, match="complete checkpoint"):  # resumed from it
+        prepare_checkpoint_dir(save_dir, "global_step10", attempt_started=300.0,
+                               keep="global_step10")
+    prepare_checkpoint_dir(save_dir, "global_step20", attempt_started=300.0)
+    assert os.listdir(tmp_path / "global_step20") == ["commit.claim"]
+    assert _set_aside_tags(tmp_path) == ["global_step20"]
+    # 10 records no attempt (an older MoC): earlier than any
+    assert set_aside_checkpoints_after(save_dir, 5, attempt_started=300.0) == ["global_step10"]
+
+
