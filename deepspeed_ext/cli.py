@@ -17,7 +17,7 @@ import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from deepspeed_ext import fs
-from deepspeed_ext.manifest import (MANIFEST_FILE, Manifest, read_latest,
+from deepspeed_ext.manifest import (MANIFEST_FILE, SET_ASIDE_PREFIX, Manifest, read_latest,
                                     read_manifest, scan_checkpoints, verify_checkpoint)
 from deepspeed_ext.reader import CheckpointReader, find_loadable
 from deepspeed_ext.storage import CheckpointError, write_safetensors_streaming
@@ -129,6 +129,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(f"incomplete (no {MANIFEST_FILE}): {', '.join(scan.incomplete)}")
     for tag, err in scan.corrupt:
         print(f"unreadable: {err}")
+    aside = [n for n in fs.subdirs(args.dir) if n.startswith(SET_ASIDE_PREFIX)]
+    if aside:
+        print(f"set aside (an earlier attempt's abandoned timeline; MoC never reads or "
+              f"deletes them): {', '.join(aside)}")
     if not scan.complete:
         return 0
     manifests = {tag: read_manifest(os.path.join(args.dir, tag)) for _, tag in scan.complete}

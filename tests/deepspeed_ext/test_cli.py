@@ -23,10 +23,13 @@ def ckpt_dir(tmp_path):
 def test_inspect_all(ckpt_dir, capsys):
     path, _ = ckpt_dir
     os.mkdir(os.path.join(path, "global_step40"))  # a save in progress
+    os.mkdir(os.path.join(path, ".moc-set-aside.global_step50.123"))
     assert cli.main(["inspect", path]) == 0
     out = capsys.readouterr().out
     assert "3 complete checkpoints, latest: global_step30" in out
     assert "incomplete (no manifest.json): global_step40" in out
+    assert "set aside (an earlier attempt's abandoned timeline" in out
+    assert ".moc-set-aside.global_step50.123" in out
     assert "global_step20  step 20  world size 3" in out
     assert "experts saved here (step 20): layer 0: 1 | layer 1: 3" in out
     assert "experts saved here (step 10): layer 0: 0 1 2 3 | layer 1: 0 1 2 3" in out
