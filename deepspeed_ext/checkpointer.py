@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext import fs
+from deepspeed_ext import commit, fs
 from deepspeed_ext.config import MoCConfig
 from deepspeed_ext.image import ImageLayout
 from deepspeed_ext.manifest import (FragmentSpec, prepare_checkpoint_dir,
@@ -67,18 +67,19 @@ def _all_outcomes(ok: bool, payload) -> List[Tuple[bool, object]]:
 
 
 def _broadcast_outcome(action, what: str):
-    """Run ``action`` on rank 0 and make its failure every rank's (one broadcast)."""
+    """Run ``action`` on rank 0 and make its failure every rank's (one broadcast);
+    returns what ``action`` returned (picklable), on every rank."""
     status = [None]
     if dist.get_rank() == 0:
         try:
-            action()
-            status[0] = (True, None)
+            status[0] = (True, action())
         except Exception as e:
             traceback.print_exc()
             status[0] = (False, f"{type(e).__name__}: {e}")
     dist.broadcast_object_list(status, src=0)
     if not status[0][0]:
         raise MoCCheckpointError(f"{what} failed on rank 0: {status[0][1]}")
+    return status[0][1]
 
 
 def _raise_if_failed(outcomes, what: str) -> None:
@@ -128,6 +129,8 @@ class _PendingSave:
     """(save_dir, tag) the expert index builds on."""
     staged_s: float = 0.0
     """Seconds the training loop was blocked."""
+    claim: Optional[str] = None
+    """Rank 0's claim on the tag directory, which every rank's report carries."""
     thread: Optional[threading.Thread] = None
     outcome: Optional[Tuple[bool, Optional[str]]] = field(default=None)
     """(ok, error message), set by the writer thread as its last action."""
@@ -317,8 +320,10 @@ class MoCCheckpointer:
             bytes_per_rank=list(plan.bytes_per_rank), max_over_mean=plan.max_over_mean(),
             started=start, previous=self._previous)
         try:
-            _broadcast_outcome(lambda: self.prepare_save_dir(save_dir, tag, step),
-                               f"MoC save to {tag_dir}")
+            # Every rank's report carries rank 0's claim on the directory (commit.py).
+            pending.claim = _broadcast_outcome(
+                lambda: commit.read_claim(self.prepare_save_dir(save_dir, tag, step)),
+                f"MoC save to {tag_dir}")
             ok, payload = True, None
             try:
                 staged = self._stage(rank, fragments, plan, rng_states, client_state)
@@ -384,17 +389,14 @@ class MoCCheckpointer:
 
     def _persist(self, pending: "_PendingSave", staged: "_Staged") -> None:
         """Background thread of every rank: write, fsync, report; rank 0 then commits."""
-        from deepspeed_ext import commit
         from deepspeed_ext import manifest as mf
         from deepspeed_ext import storage
         from deepspeed_ext.image import image_view
         from deepspeed_ext.objects import write_objects_file
         tag_dir = os.path.join(pending.save_dir, pending.tag)
         rank = pending.rank
+        claim = pending.claim
         try:
-            # Rank 0 claimed the directory before the save's barrier: the claim is this
-            # save's (another job writing into the same save directory would replace it).
-            claim = commit.read_claim(tag_dir) if rank == 0 else None
             record = storage.write_image_file(os.path.join(tag_dir, staged.file_name),
                                               image_view(self._buffer, staged.layout))
             objects_record = None
@@ -404,12 +406,13 @@ class MoCCheckpointer:
             report = mf.RankReport(rank, staged.file_name, record.nbytes, record.sha256, staged.specs)
             commit.write_report(tag_dir, rank, {
                 "report": report.to_json(),
-                "objects": objects_record.to_json() if objects_record is not None else None})
+                "objects": objects_record.to_json() if objects_record is not None else None},
+                claim=claim)
         except Exception as e:
             traceback.print_exc()
             pending.outcome = (False, f"{type(e).__name__}: {e}")
             try:  # lets the committer stop waiting at once
-                commit.write_report(tag_dir, rank, None, error=pending.outcome[1])
+                commit.write_report(tag_dir, rank, None, error=pending.outcome[1], claim=claim)
             except Exception:
                 pass
             return

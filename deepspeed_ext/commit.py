@@ -9,8 +9,10 @@ waits for all reports, with a deadline, before writing the manifest.
 Order, per checkpoint directory ``<save_dir>/<tag>``::
 
     rank 0:        prepare_checkpoint_dir  ->  commit.claim (claim_dir: a fresh random id)
-    every writer:  rankNNNNN.safetensors (atomic)  ->  rankNNNNN.report.json (atomic)
-    committer:     claim = read_claim  ->  wait_for_reports(..., claim)
+                   ->  the claim travels to every rank with the save's outcome exchange
+    every writer:  rankNNNNN.safetensors (atomic)  ->  rankNNNNN.report.json (atomic, with
+                   the claim; neither written once the directory holds another claim)
+    committer:     wait_for_reports(..., claim): reports of another claim do not count
                    ->  manifest.json (if the claim is still there)  ->  latest (not over a later attempt)
                    ->  remove_reports (and the claim)
 
@@ -21,7 +23,10 @@ reports) or retention may delete the directory. Without the claim, that old comm
 would take the new attempt's reports, write a manifest with the old attempt's expert
 selection and previous tag, and could mark the directory failed under the new
 attempt's feet. With it, the old committer sees a different (or no) claim and stops
-without writing anything (:class:`Superseded`).
+without writing anything (:class:`Superseded`). The same holds for the other ranks'
+writers of that earlier attempt (a keeper's queued job): each carries its attempt's claim,
+stands down before writing into a directory claimed since, and its report, if it raced
+the new claim, names the old claim, which the new committer does not count.
 
 A report that names an error, a missing report at the deadline, or any failure of the
 committer leaves the directory without a manifest: it is not a checkpoint, ``latest``
@@ -89,12 +94,20 @@ def report_name(rank: int) -> str:
 
 
 def write_report(tag_dir: str, rank: int, payload: Optional[Mapping[str, Any]],
-                 error: Optional[str] = None) -> None:
-    """Publish one writer's outcome (atomic). Exactly one of ``payload``/``error``."""
+                 error: Optional[str] = None, claim: Optional[str] = None) -> None:
+    """Publish one writer's outcome (atomic). Exactly one of ``payload``/``error``;
+    ``claim``: the save's claim (rank 0's, sent to every rank), None when unknown."""
     if (payload is None) == (error is None):
         raise ValueError("a report carries either a payload or an error")
     atomic_write_json(os.path.join(tag_dir, report_name(rank)),
-                      {"rank": rank, "ok": error is None, "payload": payload, "error": error})
+                      {"rank": rank, "ok": error is None, "payload": payload, "error": error,
+                       "claim": claim})
+
+
+def _foreign(record: Mapping[str, Any], claim: Optional[str]) -> bool:
+    """Whether a report (or failure record) belongs to another save of the directory: an
+    earlier attempt's writer that raced the new claim. Unchecked when ``claim`` is None."""
+    return claim is not None and record.get("claim") != claim
 
 
 def _read_report(path: str, rank: int) -> Optional[Dict[str, Any]]:
@@ -114,10 +127,13 @@ def wait_for_reports(tag_dir: str, world_size: int, timeout_s: float,
     """The committer: every rank's report payload, in rank order.
 
     Polls the directory (no collective) until every rank's report exists, backing off
-    from ``poll_s`` to 0.2 s. Stops early at the first error report.
+    from ``poll_s`` to 0.2 s. Stops early at the first error report. A report that names
+    another claim than ``claim`` does not count (as if absent): an earlier attempt's
+    writer left it, and this save's writer will replace it.
 
     Args:
-        claim: the committer's :func:`read_claim`, checked every round (None: no check).
+        claim: the committer's claim (rank 0's, from the save's prepare), checked every
+            round and required in every report (None: no check).
 
     Raises:
         Superseded: ``tag_dir`` lost ``claim`` (checked before the reports are read).
@@ -134,7 +150,7 @@ def wait_for_reports(tag_dir: str, world_size: int, timeout_s: float,
             if rank in reports:
                 continue
             report = _read_report(os.path.join(tag_dir, report_name(rank)), rank)
-            if report is None:
+            if report is None or _foreign(report, claim):
                 continue
             if not report["ok"]:
                 raise CommitError(f"rank {rank}: {report['error']}")
@@ -227,13 +243,17 @@ LATEST_NOTE = ("latest stays at {kept}, committed by a later attempt of the job 
 FAILURE_NAME = "commit.failed.json"
 
 
-def write_failure(tag_dir: str, message: str) -> None:
+def write_failure(tag_dir: str, message: str, claim: Optional[str] = None) -> None:
     """The committer gave up: say why, so that every rank's wait can end and report it."""
-    atomic_write_json(os.path.join(tag_dir, FAILURE_NAME), {"error": message})
+    atomic_write_json(os.path.join(tag_dir, FAILURE_NAME), {"error": message, "claim": claim})
 
 
-def commit_outcome(tag_dir: str, world_size: int) -> Optional[tuple]:
+def commit_outcome(tag_dir: str, world_size: int, claim: Optional[str] = None) -> Optional[tuple]:
     """Non-blocking look at a checkpoint being committed in the background.
+
+    Args:
+        claim: the save's claim: error reports and failure records of another claim (an
+            earlier attempt's, raced into the directory) are not this save's outcome.
 
     Returns:
         ``(True, None)`` once ``manifest.json`` exists, ``(False, reason)`` once the
@@ -244,16 +264,18 @@ def commit_outcome(tag_dir: str, world_size: int) -> Optional[tuple]:
         return True, None
     failure = os.path.join(tag_dir, FAILURE_NAME)
     try:
-        return False, json.loads(fs.read_text(failure))["error"]
+        record = json.loads(fs.read_text(failure))
+        if not _foreign(record, claim):
+            return False, record["error"]
     except FileNotFoundError:
         pass
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False, f"{failure} (unreadable)"
     for rank in range(world_size):
         try:
             report = _read_report(os.path.join(tag_dir, report_name(rank)), rank)
         except CommitError as err:
             return False, str(err)
-        if report is not None and not report["ok"]:
+        if report is not None and not report["ok"] and not _foreign(report, claim):
             return False, f"rank {rank}: {report['error']}"
     return None

@@ -293,7 +293,8 @@ def run_persist_job(job: Dict[str, Any], log=print, background_commit: bool = Fa
 
     ``job`` fields: ``image`` (slot file), ``entries`` (its layout), ``keys`` (the
     tensors to persist, None: all), ``specs`` (their manifest fragment specs),
-    ``save_dir``, ``tag``, ``step``, ``rank``, ``objects_tree`` (rank 0, else None),
+    ``save_dir``, ``tag``, ``step``, ``rank``, ``claim`` (the save's claim on the tag
+    directory, from rank 0; None: unchecked), ``objects_tree`` (rank 0, else None),
     ``objects_in_file``, ``objects_record`` and ``extra_files`` (rank 0, when it wrote the
     objects itself: their records), ``done_marker`` (a file deleted once the slot has been read,
     so the training side may reuse it), and for rank 0 ``commit`` (arguments of
@@ -312,8 +313,12 @@ def run_persist_job(job: Dict[str, Any], log=print, background_commit: bool = Fa
     from deepspeed_ext.objects import write_objects_file
     tag_dir = os.path.join(job["save_dir"], job["tag"])
     rank = job["rank"]
+    claim = job.get("claim")
     file_name = mf.rank_file_name(rank)
     try:
+        # A job of an earlier attempt still queued when the restarted job saved the same
+        # tag again: writing now would put the old attempt's file into the new save.
+        commit.check_claim(tag_dir, claim)
         record = write_image_subset(os.path.join(tag_dir, file_name), job["image"],
                                     job["entries"], job["keys"])
         _remove_quietly(job.get("done_marker"))
@@ -331,12 +336,20 @@ def run_persist_job(job: Dict[str, Any], log=print, background_commit: bool = Fa
                 file_name if job["objects_in_file"] else None).to_json()
         specs = [mf.FragmentSpec.from_json(s) for s in job["specs"]]
         report = mf.RankReport(rank, file_name, record["nbytes"], record["sha256"], specs)
+        commit.check_claim(tag_dir, claim)  # the write took long: still this save's?
         commit.write_report(tag_dir, rank, {"report": report.to_json(), "objects": objects_record,
-                                            "extra_files": job.get("extra_files") or {}})
+                                            "extra_files": job.get("extra_files") or {}},
+                            claim=claim)
+    except commit.Superseded as e:
+        _remove_quietly(job.get("done_marker"))
+        log(f"not persisting rank {rank}'s share of {job['tag']}: {e}")
+        return
     except Exception as e:
         traceback.print_exc()
         _remove_quietly(job.get("done_marker"))
-        commit.write_report(tag_dir, rank, None, error=f"{type(e).__name__}: {e}")
+        if _still_ours(tag_dir, claim):
+            commit.write_report(tag_dir, rank, None, error=f"{type(e).__name__}: {e}",
+                                claim=claim)
         return
     if job.get("commit") is None:
         return
@@ -373,7 +386,7 @@ _COMMITS: List[threading.Thread] = []
 def _commit_job(job: Dict[str, Any], tag_dir: str, log) -> None:
     from deepspeed_ext import commit
     info = job["commit"]
-    claim = info.get("claim")  # read by rank 0 when it built the job (None: unchecked)
+    claim = job.get("claim")  # rank 0's, from preparing the directory (None: unchecked)
     try:
         shares = commit.wait_for_reports(tag_dir, info["layout"]["world_size"], info["timeout_s"],
                                          claim=claim)
@@ -390,7 +403,7 @@ def _commit_job(job: Dict[str, Any], tag_dir: str, log) -> None:
     except Exception as e:
         traceback.print_exc()
         if _still_ours(tag_dir, claim):
-            commit.write_failure(tag_dir, f"{type(e).__name__}: {e}")
+            commit.write_failure(tag_dir, f"{type(e).__name__}: {e}", claim=claim)
 
 
 def _still_ours(tag_dir: str, claim: Optional[str]) -> bool:

@@ -61,16 +61,6 @@ LOAD_EXCHANGE_BYTES = 4096
 taken); a value that does not fit costs two more collectives, not an error."""
 
 
-def _claim_of(tag_dir: str) -> Optional[str]:
-    """Rank 0, building a persist job: the directory's claim, or None (the commit then
-    goes unchecked) when it cannot be read; never raises, since the job is built
-    between collectives and one rank's exception there would hang the others."""
-    try:
-        return commit.read_claim(tag_dir)
-    except commit.CommitError:
-        return None
-
-
 def _log(message: str) -> None:
     if dist.get_rank() == 0:
         print(f"[moc] {message}", flush=True)
@@ -265,8 +255,8 @@ class TwoLevel:
         policy_before = ck.policy.state_dict() if ck.policy is not None else None
         if persist and ck.policy is not None:
             ck.policy.mark_saved(persist_sel, step)
-        if persist:
-            self._raise_if_unprepared(prepared, save_dir, tag, policy_before)
+        claim = self._raise_if_unprepared(prepared, save_dir, tag, policy_before) \
+            if persist else None
         try:  # rank-local from here on: see the except
             objects = ck._objects(client_state)
             objects["rng_states"] = rng_states
@@ -290,7 +280,7 @@ class TwoLevel:
                          "save_latest": save_latest, "object_keys": list(object_tensors),
                          "persisted": persist, "rng_state": rng_state, "rng_gathered": want}
             job = self._persist_job(self.last, persist_sel if union is not None else None,
-                                    policy_before) if persist else None
+                                    policy_before, claim) if persist else None
             # CUDA: the copies are queued on a side stream now (microseconds); the thread
             # only waits for them. CPU: the thread does the copy.
             event = self.copier.launch(buffer, layout, tensors)
@@ -386,26 +376,27 @@ class TwoLevel:
                 str(frag.tensor.dtype).rsplit(".", 1)[-1], frag.expert).to_json()
         return spec
 
-    def _prepare_dir(self, save_dir: str, tag: str, step: int, policy_before) -> None:
+    def _prepare_dir(self, save_dir: str, tag: str, step: int, policy_before) -> Optional[str]:
         """Every rank: create the persist's tag directory (one broadcast of rank 0's
-        :meth:`_prepare_on_rank0` outcome), then :meth:`_raise_if_unprepared`. For a
-        persist outside a snapshot's exchange (the end of training)."""
+        :meth:`_prepare_on_rank0` outcome), then :meth:`_raise_if_unprepared`; returns the
+        directory's claim. For a persist outside a snapshot's exchange (the end of training)."""
         status = [self._prepare_on_rank0(save_dir, tag, step) if self.rank == 0 else None]
         dist.broadcast_object_list(status, src=0)
-        self._raise_if_unprepared(status[0], save_dir, tag, policy_before)
+        return self._raise_if_unprepared(status[0], save_dir, tag, policy_before)
 
-    def _prepare_on_rank0(self, save_dir: str, tag: str, step: int) -> Tuple[bool, Optional[str]]:
-        """Rank 0: create a persist's tag directory; ``(ok, error)``, never raises."""
+    def _prepare_on_rank0(self, save_dir: str, tag: str, step: int) -> Tuple[bool, Optional[str], Optional[str]]:
+        """Rank 0: create a persist's tag directory; ``(ok, error, claim)``, never raises."""
         try:
             self.ckpt.prepare_save_dir(save_dir, tag, step)
-            return True, None
+            return True, None, commit.read_claim(os.path.join(save_dir, tag))
         except Exception as e:
             traceback.print_exc()
-            return False, f"{type(e).__name__}: {e}"
+            return False, f"{type(e).__name__}: {e}", None
 
-    def _raise_if_unprepared(self, prepared, save_dir: str, tag: str, policy_before) -> None:
+    def _raise_if_unprepared(self, prepared, save_dir: str, tag: str, policy_before) -> Optional[str]:
         """Every rank, with rank 0's :meth:`_prepare_on_rank0` outcome from the exchange:
-        a failure is raised on every rank and the PEC policy's marks are undone."""
+        a failure is raised on every rank and the PEC policy's marks are undone. Returns
+        the directory's claim, which every rank's persist job carries."""
         from deepspeed_ext.checkpointer import MoCCheckpointError
         if prepared is None or not prepared[0]:
             if self.ckpt.policy is not None:
@@ -413,11 +404,14 @@ class TwoLevel:
             why = prepared[1] if prepared is not None else "rank 0 did not prepare it"
             raise MoCCheckpointError(f"MoC persist to {os.path.join(save_dir, tag)} failed "
                                      f"on rank 0: {why}")
+        return prepared[2]
 
-    def _persist_job(self, snap: Dict[str, Any], selected, policy_before) -> Dict[str, Any]:
+    def _persist_job(self, snap: Dict[str, Any], selected, policy_before,
+                     claim: Optional[str]) -> Dict[str, Any]:
         """This rank's persist job for the snapshot ``snap`` (a ``self.last`` record)
-        holding ``selected`` experts on storage (None: no MoE); records it as the
-        pending persist. Plain data: the keeper runs it (:func:`keeper.run_persist_job`)."""
+        holding ``selected`` experts on storage (None: no MoE), under rank 0's ``claim``
+        on its directory; records it as the pending persist. Plain data: the keeper runs
+        it (:func:`keeper.run_persist_job`)."""
         from deepspeed_ext.plan import build_write_plan
         ck, meta = self.ckpt, snap["meta"]
         save_dir, tag, step = snap["save_dir"], meta["tag"], meta["step"]
@@ -427,7 +421,11 @@ class TwoLevel:
                "keys": keys, "specs": [meta["specs"][k] for k in keys if k in meta["specs"]],
                "save_dir": save_dir, "tag": tag, "step": step, "rank": self.rank,
                "objects_tree": meta["objects_tree"] if self.rank == 0 else None,
-               "objects_in_file": bool(snap["object_keys"])}
+               "objects_in_file": bool(snap["object_keys"]),
+               # Every rank's writer holds the claim: a keeper still running this job
+               # after a restart re-saved the tag stands down instead of writing this
+               # attempt's file (or report) into the new save.
+               "claim": claim}
         if self.rank == 0:
             previous = ck._previous
             job["commit"] = {
@@ -438,15 +436,11 @@ class TwoLevel:
                 "pec_k": ck.policy.k if ck.policy is not None else None,
                 "save_latest": snap["save_latest"], "keep": self.cfg.keep,
                 "timeout_s": self.cfg.commit_timeout_s,
-                # This attempt's claim on the directory (rank 0 prepared it just before):
-                # a keeper still committing this job after a restart re-saved the tag
-                # stands down instead of committing the new attempt's files.
-                "claim": _claim_of(os.path.join(save_dir, tag)),
                 "attempt_started": ck.attempt_started}
         self.persist = {"save_dir": save_dir, "tag": tag,
                         "selected": selected if selected is not None else frozenset(),
                         "policy_before": policy_before, "slot": snap["slot"],
-                        "in_process": self.keeper_gone}
+                        "in_process": self.keeper_gone, "claim": claim}
         return job
 
     def _persist_newest(self) -> Tuple[bool, Optional[str]]:
@@ -472,7 +466,7 @@ class TwoLevel:
         policy_before = ck.policy.state_dict() if ck.policy is not None else None
         if ck.policy is not None and selected is not None:
             ck.policy.mark_saved(selected, meta["step"])
-        self._prepare_dir(snap["save_dir"], meta["tag"], meta["step"], policy_before)
+        claim = self._prepare_dir(snap["save_dir"], meta["tag"], meta["step"], policy_before)
         snap["persisted"] = True
         extra = {}
         if not snap["rng_gathered"]:  # the same on every rank: a collective is safe here
@@ -493,7 +487,7 @@ class TwoLevel:
                 raise
             snap = written
         try:
-            job = self._persist_job(snap, selected, policy_before)
+            job = self._persist_job(snap, selected, policy_before, claim)
             job.update(extra)
             job["done_marker"] = self.slots.persist_marker(snap["slot"])
             _log(f"persisting the newest snapshot {meta['tag']} (step {meta['step']}) before "
@@ -504,7 +498,7 @@ class TwoLevel:
             why = f"{type(e).__name__}: {e}"
             try:  # the committer stops at this report instead of at its timeout
                 commit.write_report(os.path.join(snap["save_dir"], meta["tag"]), self.rank,
-                                    None, error=why)
+                                    None, error=why, claim=claim)
             except Exception:
                 pass
             return False, why
@@ -594,9 +588,9 @@ class TwoLevel:
         why = f"the keeper of node {self.node} died while persisting {p['tag']}"
         try:  # called before collectives: a storage error is logged, never raised
             if not fs.exists(os.path.join(tag_dir, commit.report_name(self.rank))):
-                commit.write_report(tag_dir, self.rank, None, error=why)
-            if self.rank == 0 and commit.commit_outcome(tag_dir, self.world) is None:
-                commit.write_failure(tag_dir, why)
+                commit.write_report(tag_dir, self.rank, None, error=why, claim=p["claim"])
+            if self.rank == 0 and commit.commit_outcome(tag_dir, self.world, p["claim"]) is None:
+                commit.write_failure(tag_dir, why, claim=p["claim"])
         except Exception as e:
             print(f"[moc] rank {self.rank}: WARNING: cannot mark {tag_dir} failed "
                   f"({type(e).__name__}: {e}); its commit ends at the commit timeout instead",
@@ -623,7 +617,7 @@ class TwoLevel:
             return "none"
         try:
             outcome = commit_outcome(os.path.join(self.persist["save_dir"], self.persist["tag"]),
-                                     self.world)
+                                     self.world, self.persist["claim"])
         except Exception as e:
             # Read before the snapshot's exchange, which the other ranks are already in:
             # a storage error counts as "still running" (the snapshot stays in memory
@@ -674,7 +668,7 @@ class TwoLevel:
                     # Checked on every poll: a keeper dying meanwhile ends the wait with
                     # its error instead of after the whole commit timeout.
                     self._abandon_persist_of_dead_keeper()
-                    outcome = commit.commit_outcome(tag_dir, self.world)
+                    outcome = commit.commit_outcome(tag_dir, self.world, self.persist["claim"])
                 except Exception as e:  # storage unreachable: reported, not raised here
                     traceback.print_exc()
                     outcome = (False, f"{type(e).__name__}: {e}")

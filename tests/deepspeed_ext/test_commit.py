@@ -1,5 +1,6 @@
 """The report-file commit protocol, without processes."""
 
+import json
 import os
 import shutil
 import threading
@@ -58,9 +59,11 @@ def test_a_report_carries_payload_or_error():
 
 # ------------------------------------------------------------------ claims and latest
 
-def _write_share(save_dir, tag, rank, value):
+def _write_share(save_dir, tag, rank, value, claim=None, objects=None):
     """One rank's file and report in ``<save_dir>/<tag>`` as a writer leaves them; rank 0
-    also writes the objects. ``value`` fills the rank's one tensor (tells saves apart)."""
+    also writes the objects (``objects``, default ``{"value": value}``). ``value`` fills
+    the rank's one tensor (tells saves apart); ``claim``: the save's claim the report
+    carries (None: the directory's current one)."""
     import torch
     from deepspeed_ext import manifest as mf
     from deepspeed_ext.objects import encode, write_objects_file
@@ -69,19 +72,20 @@ def _write_share(save_dir, tag, rank, value):
     spec = mf.FragmentSpec("w", "fp32", 2 * rank, 2, (4,), "float32")
     record = write_fragment_file(os.path.join(tag_dir, mf.rank_file_name(rank)),
                                  {spec.key: torch.full((2,), float(value))})
-    objects = None
+    record_of_objects = None
     if rank == 0:
-        tree, _ = encode({"value": value})
-        objects = write_objects_file(tag_dir, tree, None).to_json()
+        tree, _ = encode(objects if objects is not None else {"value": value})
+        record_of_objects = write_objects_file(tag_dir, tree, None).to_json()
     report = mf.RankReport.from_record(rank, mf.rank_file_name(rank), record, [spec])
-    write_report(tag_dir, rank, {"report": report.to_json(), "objects": objects})
+    write_report(tag_dir, rank, {"report": report.to_json(), "objects": record_of_objects},
+                 claim=claim if claim is not None else read_claim(tag_dir))
 
 
 def _commit_job(save_dir, tag, step, claim, timeout_s=30.0):
     """The keeper's commit of rank 0's job (two ranks, no MoE)."""
-    return {"save_dir": save_dir, "tag": tag, "commit": {
+    return {"save_dir": save_dir, "tag": tag, "claim": claim, "commit": {
         "step": step, "previous_tag": None, "selected": None, "pec_k": None,
-        "save_latest": True, "keep": 0, "timeout_s": timeout_s, "claim": claim,
+        "save_latest": True, "keep": 0, "timeout_s": timeout_s,
         "layout": {"world_size": 2, "ep_size": 1, "zero_stage": 2, "num_moe_layers": 0,
                    "num_experts": 0}}}
 
@@ -156,11 +160,12 @@ def test_check_claim(tmp_path):
         check_claim(tag_dir, claim)
 
 
-def _commit(save_dir, tag, step, value, attempt_started=None):
+def _commit(save_dir, tag, step, value, attempt_started=None, objects=None):
+    """A committed two-rank checkpoint (rank 0's objects: ``objects``, see _write_share)."""
     from deepspeed_ext import manifest as mf
     tag_dir = mf.prepare_checkpoint_dir(save_dir, tag)
     for rank in range(2):
-        _write_share(save_dir, tag, rank, value)
+        _write_share(save_dir, tag, rank, value, objects=objects)
     logged = []
     claim = read_claim(tag_dir)
     commit_checkpoint(save_dir, tag, step, _commit_job(save_dir, tag, step, claim)["commit"]["layout"],
@@ -213,3 +218,85 @@ def test_a_crashed_save_with_its_claim_is_removed_by_retention(tmp_path):
     _commit(save_dir, "global_step20", 20, 2.0)
     assert "global_step10" in mf.apply_retention(save_dir, 1)
     assert not os.path.exists(tag_dir)
+
+
+def test_reports_of_another_claim_do_not_count(tmp_path):
+    """An earlier attempt's writer raced the new claim: its report (ok or error) is not
+    this save's, and the committer waits for this save's own."""
+    tag_dir = str(tmp_path)
+    write_report(tag_dir, 0, {"who": 0}, claim="new")
+    write_report(tag_dir, 1, {"who": "old"}, claim="old")
+    with pytest.raises(CommitError, match=r"rank\(s\) 1 within"):
+        _wait_with_claim(tag_dir, "new", timeout_s=0.3)
+    write_report(tag_dir, 1, None, error="OSError: old attempt", claim="old")
+    with pytest.raises(CommitError, match=r"rank\(s\) 1 within"):
+        _wait_with_claim(tag_dir, "new", timeout_s=0.3)
+    write_report(tag_dir, 1, {"who": 1}, claim="new")
+    assert _wait_with_claim(tag_dir, "new", timeout_s=5) == [{"who": 0}, {"who": 1}]
+
+
+def _wait_with_claim(tag_dir, claim, timeout_s):
+    """wait_for_reports holding ``claim`` (the directory's claim file says the same)."""
+    from deepspeed_ext.storage import atomic_write_json
+    atomic_write_json(os.path.join(tag_dir, CLAIM_NAME), {"claim": claim})
+    return wait_for_reports(tag_dir, 2, timeout_s=timeout_s, claim=claim)
+
+
+def test_commit_outcome_ignores_another_claims_errors(tmp_path):
+    from deepspeed_ext.commit import commit_outcome, write_failure
+    tag_dir = str(tmp_path)
+    write_report(tag_dir, 1, None, error="OSError: old attempt", claim="old")
+    write_failure(tag_dir, "old committer gave up", claim="old")
+    assert commit_outcome(tag_dir, 2, claim="new") is None  # still running
+    assert commit_outcome(tag_dir, 2, claim="old") == (False, "old committer gave up")
+    write_failure(tag_dir, "no report from rank(s) 1", claim="new")
+    assert commit_outcome(tag_dir, 2, claim="new") == (False, "no report from rank(s) 1")
+
+
+def _persist_job_of(save_dir, tag, rank, claim, image_dir, done_marker):
+    """A keeper persist job of one rank: a one-tensor slot image in ``image_dir``."""
+    import torch
+    from deepspeed_ext import manifest as mf
+    from deepspeed_ext.image import fill_image, layout_of
+    tensors = {"w": torch.arange(4, dtype=torch.float32) + rank}
+    layout = layout_of(tensors)
+    buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    fill_image(buffer, layout, tensors)
+    image = os.path.join(image_dir, f"slot{rank}.img")
+    with open(image, "wb") as f:
+        f.write(buffer.numpy().tobytes())
+    with open(done_marker, "w"):
+        pass
+    spec = mf.FragmentSpec("w", "fp32", 4 * rank, 4, (8,), "float32")
+    return {"image": image, "keys": None, "specs": [spec.to_json()],
+            "entries": [{"key": e.key, "dtype": e.dtype, "shape": list(e.shape),
+                         "start": e.start, "nbytes": e.nbytes} for e in layout.entries],
+            "save_dir": save_dir, "tag": tag, "step": 20, "rank": rank, "claim": claim,
+            "objects_tree": None, "objects_in_file": False, "done_marker": done_marker}
+
+
+def test_a_keeper_job_of_an_earlier_attempt_writes_nothing_into_the_new_save(tmp_path):
+    """Rank 1's persist job of the crashed attempt, still queued in its node's keeper when
+    the restarted job saved the same tag again: it must not put the old attempt's file or
+    report into the new save (the new committer could take them), and it frees its slot."""
+    from deepspeed_ext import keeper
+    from deepspeed_ext import manifest as mf
+    save_dir, tag = str(tmp_path / "ckpt"), "global_step20"
+    tag_dir = mf.prepare_checkpoint_dir(save_dir, tag)
+    old_claim = read_claim(tag_dir)
+    mf.prepare_checkpoint_dir(save_dir, tag)  # the restarted job's save of the same tag
+    marker = str(tmp_path / "slot1.persisting")
+    logged = []
+    keeper.run_persist_job(_persist_job_of(save_dir, tag, 1, old_claim, str(tmp_path), marker),
+                           log=logged.append)
+    assert sorted(os.listdir(tag_dir)) == [CLAIM_NAME]
+    assert not os.path.exists(marker)
+    assert any("not persisting rank 1's share" in line for line in logged), logged
+    # The same job under the directory's own claim writes its file and a report naming it.
+    new_claim = read_claim(tag_dir)
+    keeper.run_persist_job(_persist_job_of(save_dir, tag, 1, new_claim, str(tmp_path), marker),
+                           log=logged.append)
+    with open(os.path.join(tag_dir, report_name(1))) as f:
+        report = json.load(f)
+    assert report["ok"] and report["claim"] == new_claim
+    assert os.path.exists(os.path.join(tag_dir, mf.rank_file_name(1)))
