@@ -177,9 +177,17 @@ def _saved_meta(engine, load_dir: str, tag: str) -> Dict:
     """The saved arguments (and world size) of checkpoint ``tag``, read without its tensors."""
     path = os.path.join(load_dir, tag)
     if getattr(engine, "moc", None) is not None:
+        from deepspeed_ext.objects import OBJECTS_FILE
         from deepspeed_ext.reader import CheckpointReader
+        from deepspeed_ext.storage import FileRecord, verify_file
         try:
             with CheckpointReader(load_dir, tag, verify_checksums=False) as reader:
+                # The arguments live in objects.json (its tensors, possibly in rank 0's
+                # whole file, are not hashed for this): damage there must not stop the
+                # run with a made-up "was saved with --flag" instead of falling back.
+                entry = reader.manifest.files.get(OBJECTS_FILE)
+                if entry is not None:
+                    verify_file(os.path.join(path, OBJECTS_FILE), FileRecord(entry.nbytes, entry.sha256))
                 objects = reader.objects() or {}
                 world = reader.manifest.world_size
         except Exception as e:  # a broken newest checkpoint: MoC's load falls back past it

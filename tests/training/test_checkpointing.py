@@ -34,3 +34,24 @@ def test_rank_0_failing_to_read_latest_is_an_error_on_every_rank(tmp_path):
     for result in results:
         assert "rank 0 could not read which checkpoint" in result.get("error", ""), results
         assert "Input/output error" in result["error"]
+
+
+def test_saved_arguments_are_read_only_from_an_intact_objects_file(tmp_path):
+    """A damaged objects.json whose text still parses must not decide the compatibility
+    check (stopping the run with a made-up "was saved with --num-layers 7"): it fails its
+    checksum, the arguments count as unknown, and the load falls back past it."""
+    import types
+    from deepspeed_ext.objects import OBJECTS_FILE
+    from megatron.training.checkpointing import _saved_meta
+    from tests.deepspeed_ext.test_commit import _commit
+    save_dir = str(tmp_path)
+    _commit(save_dir, "global_step5", 5, 1.0,
+            objects={"client_state": {"args": {"num_layers": 2}}})
+    engine = types.SimpleNamespace(moc=object())
+    assert _saved_meta(engine, save_dir, "global_step5") == {"args": {"num_layers": 2},
+                                                            "world_size": 2}
+    path = tmp_path / "global_step5" / OBJECTS_FILE
+    text = path.read_text()
+    assert '"num_layers": 2' in text
+    path.write_text(text.replace('"num_layers": 2', '"num_layers": 7'))  # same size
+    assert _saved_meta(engine, save_dir, "global_step5") == {}
