@@ -407,13 +407,17 @@ def _commit_job(job: Dict[str, Any], tag_dir: str, log) -> None:
 
 
 def _still_ours(tag_dir: str, claim: Optional[str]) -> bool:
-    """Whether a failed commit may mark ``tag_dir`` failed: it still holds ``claim``."""
+    """Whether a failed writer or commit may mark ``tag_dir`` failed: it was not claimed
+    by another save since. An unreadable claim counts as ours: saying that the save
+    failed beats leaving the training side to wait for it until the commit timeout."""
     from deepspeed_ext import commit
     try:
         commit.check_claim(tag_dir, claim)
         return True
-    except commit.CommitError:
+    except commit.Superseded:
         return False
+    except commit.CommitError:
+        return True
 
 
 def _remove_quietly(path: Optional[str]) -> None:

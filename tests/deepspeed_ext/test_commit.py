@@ -147,6 +147,30 @@ def test_a_commit_that_fails_on_its_own_directory_is_marked_failed(tmp_path):
     assert "rank(s) 1 within" in open(os.path.join(tag_dir, FAILURE_NAME)).read()
 
 
+def test_a_damaged_claim_ends_the_save_as_failed_instead_of_silently(tmp_path):
+    """The claim file cannot be read (damaged): the writer and the committer still say
+    the save failed, with this save's claim, so the training side's poll ends at once
+    instead of at the commit timeout (a different claim would have made them stand down)."""
+    from deepspeed_ext import keeper
+    from deepspeed_ext import manifest as mf
+    from deepspeed_ext.commit import commit_outcome
+    save_dir, tag = str(tmp_path / "ckpt"), "global_step20"
+    tag_dir = mf.prepare_checkpoint_dir(save_dir, tag)
+    claim = read_claim(tag_dir)
+    with open(os.path.join(tag_dir, CLAIM_NAME), "w") as f:
+        f.write("{damaged")
+    marker = str(tmp_path / "slot1.persisting")
+    keeper.run_persist_job(_persist_job_of(save_dir, tag, 1, claim, str(tmp_path), marker),
+                           log=lambda line: None)
+    keeper._commit_job(_commit_job(save_dir, tag, 20, claim, timeout_s=5), tag_dir,
+                       lambda line: None)
+    ok, why = commit_outcome(tag_dir, 2, claim)
+    assert not ok and "unreadable" in why, why
+    with open(os.path.join(tag_dir, report_name(1))) as f:
+        report = json.load(f)
+    assert not report["ok"] and report["claim"] == claim and "unreadable" in report["error"]
+
+
 def test_check_claim(tmp_path):
     tag_dir = str(tmp_path)
     claim = claim_dir(tag_dir)
