@@ -291,6 +291,11 @@ class ExactSnapshots:
         self.write_error: Optional[str] = None
         self.last_source: Optional[str] = None
         """Where the last recovery's frames came from: memory, storage or both."""
+        self.failed_window: Optional[str] = None
+        """Why the newest complete window could not be replayed (the same on every rank),
+        None when recovery found none or used it: the caller must not then start from
+        scratch, and the frames are set aside, not deleted (:meth:`start`)."""
+        self._failed_in: Optional[str] = None  # the --load directory of failed_window
         self.stall_s: List[float] = []
         self.frame_bytes: List[int] = []
         self.copy_s: List[float] = []
@@ -320,9 +325,14 @@ class ExactSnapshots:
         except Exception as e:
             self._keeper_lost(e)
 
+    @staticmethod
+    def _warn(message: str) -> None:
+        """A line about this rank, printed by every rank (``log`` may be rank 0's only)."""
+        print(message, flush=True)
+
     def _keeper_lost(self, error: Exception) -> None:
         if self.keeper_error is None:
-            self._log(f"[moc] rank {self.rank}: WARNING: no keeper for {self.node_dir} "
+            self._warn(f"[moc] rank {self.rank}: WARNING: no keeper for {self.node_dir} "
                       f"({type(error).__name__}: {error}); exact-recovery frames go straight "
                       f"to storage")
         self.keeper_error = f"{type(error).__name__}: {error}"
@@ -379,9 +389,20 @@ class ExactSnapshots:
                          self.stall_s)
 
     def _join_copy(self) -> None:
-        if self._copy is not None:
-            self._copy.result()
-            self._copy = None
+        """Wait for the frame copy. Its failure (host memory exhausted, say) is recorded,
+        never raised: this runs inside ``engine.step`` on this rank alone, and raising
+        would leave the other ranks in the step's collectives. The frame's writer sees
+        the same error and leaves the window incomplete (recovery uses an older one)."""
+        copy, self._copy = self._copy, None
+        if copy is None:
+            return
+        try:
+            copy.result()
+        except Exception as e:
+            if self.write_error is None:
+                self._warn(f"[moc] rank {self.rank}: WARNING: an exact-recovery frame copy "
+                          f"failed ({type(e).__name__}: {e}); its window stays incomplete")
+            self.write_error = f"{type(e).__name__}: {e}"
 
     # -- window choice -----------------------------------------------------------------
 
@@ -395,6 +416,8 @@ class ExactSnapshots:
         # Frames of an earlier timeline (a run that fell back to a checkpoint, or started
         # afresh) must not mix with this one's: a window assembled from both would replay
         # to a state neither run had, and retention would trust their windows.
+        if self.failed_window is not None and self._failed_in == os.path.abspath(self.save_dir):
+            self._set_aside_frames()  # the only copy of the newest state: kept for a human
         self._drop_frames_from(self.save_dir, 0)
         if self.cfg.window:
             # Check the budget now, before training, on the schedule the grid will use.
@@ -438,7 +461,11 @@ class ExactSnapshots:
         same on every rank (the slowest rank's figures)."""
         first, began = self._probe
         iter_s = (time.perf_counter() - began) / max(1, iteration - first)
-        seconds_per_byte = self._measure_frame_cost()
+        try:
+            seconds_per_byte, failed = self._measure_frame_cost(), None
+        except Exception as e:  # the probe frame could not be written (its memory full)
+            seconds_per_byte, failed = None, f"{type(e).__name__}: {e}"
+            self._warn(f"[moc] rank {self.rank}: ERROR: cannot write a probe frame ({failed})")
         # The background work hides behind compute only where it runs elsewhere (a GPU
         # computes while the host copies); on CPU it takes the training's own cores,
         # so a frame may cost at most a tenth of an iteration.
@@ -446,15 +473,22 @@ class ExactSnapshots:
         budget_s = iter_s * fraction
         # The schedule must be the same everywhere, but what a rank copies is its own
         # share: choose on this rank's bytes, then take the largest W any rank needs.
-        ops, bandwidth = self._local_operators(), 1.0 / seconds_per_byte
         mtbf = self.cfg.expected_mtbf_s
-        if mtbf:
-            hidden_s = iter_s if self._on_gpu() else 0.0
-            choice = win.choose_window_for_failures(ops, bandwidth, iter_s, hidden_s, mtbf)
-        else:
-            choice = win.choose_window(ops, bandwidth, budget_s)
-        figures = torch.tensor([choice.window, iter_s, choice.snapshot_s], dtype=torch.float64)
+        mine = [1.0, iter_s, 0.0, 1.0]  # a failed probe: only its flag counts
+        if failed is None:
+            ops, bandwidth = self._local_operators(), 1.0 / seconds_per_byte
+            if mtbf:
+                hidden_s = iter_s if self._on_gpu() else 0.0
+                choice = win.choose_window_for_failures(ops, bandwidth, iter_s, hidden_s, mtbf)
+            else:
+                choice = win.choose_window(ops, bandwidth, budget_s)
+            mine = [choice.window, iter_s, choice.snapshot_s, 0.0]
+        figures = torch.tensor(mine, dtype=torch.float64)
         dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+        if figures[3]:  # on every rank: one rank raising alone would hang the others
+            raise RuntimeError("exact recovery: a rank could not write a probe frame where its "
+                               "frames go (its node's --moc-shm-dir memory, or --save without "
+                               "a keeper); see that rank's ERROR line")
         window, iter_s, snapshot_s = int(figures[0]), float(figures[1]), float(figures[2])
         fits = snapshot_s <= iter_s * fraction
         why = (f"least time lost to frames and to replays at a failure every {mtbf:g} s"
@@ -698,7 +732,7 @@ class ExactSnapshots:
         except Exception as e:  # this window stays incomplete; recovery uses an older one
             traceback.print_exc()
             if self.write_error is None:
-                self._log(f"[moc] rank {self.rank}: WARNING: exact-recovery frame {frame} not "
+                self._warn(f"[moc] rank {self.rank}: WARNING: exact-recovery frame {frame} not "
                           f"written ({type(e).__name__}: {e})")
             self.write_error = f"{type(e).__name__}: {e}"
 
@@ -759,23 +793,53 @@ class ExactSnapshots:
         (the job's ``--load``), if it ends after iteration ``newer_than`` (the checkpoint
         a normal load would use).
 
+        A window that cannot be used (a frame failing its checksum or unreadable on some
+        rank) is tried again from storage alone when memory supplied any of it; if that
+        fails too, :attr:`failed_window` says why on every rank.
+
         Returns:
             The frame's objects (``client_state``, ``rng``, ``engine``) for the caller to
             position data and scheduler at the window's start, or None (nothing to
             replay: load normally).
         """
+        self.failed_window = None
+        began = time.perf_counter()
+        for memory in (True, False):
+            found, frames, sources, errors = self._try_window(load_dir, newer_than, memory)
+            if found is None:
+                return None
+            if not errors:
+                return self._begin_replay(load_dir, found, frames, sources, began)
+            self._log(f"[moc] exact recovery: cannot use the window at {found.start} "
+                      f"({'; '.join(errors)})")
+            # Every rank knows where every rank read from (gathered with the outcomes).
+            if not memory or "memory" not in set().union(*sources):
+                break
+            self._log("[moc] exact recovery: trying that window again from storage alone")
+        self.failed_window = f"window at iteration {found.start}: {'; '.join(errors)}"
+        self._failed_in = os.path.abspath(load_dir)
+        return None
+
+    def _try_window(self, load_dir: str, newer_than: Optional[int], memory: bool):
+        """Every rank: agree on the newest complete window (frames from the node's memory
+        first when ``memory``, else storage only) and load this rank's frames of it.
+
+        Returns:
+            ``(found, frames, sources, errors)``: the window (None: none to replay), this
+            rank's loaded frames, every rank's set of sources and every rank's error
+            (empty when every rank loaded and checked its frames).
+        """
         try:
-            mine = self._available_frames(load_dir)
+            mine = self._available_frames(load_dir, memory=memory)
         except OSError as e:  # this rank offers no frames: the ranks agree on none
-            self._log(f"[moc] rank {self.rank}: cannot list its frames ({e})")
+            self._warn(f"[moc] rank {self.rank}: cannot list its frames ({e})")
             mine = {}
         gathered: List = [None] * self.world
         dist.all_gather_object(gathered, {f: rec for f, (rec, _) in mine.items()})
         found = agree_window(gathered)
         if found is None or (newer_than is not None and found.start + found.window <= newer_than):
-            return None
-        start = time.perf_counter()
-        frames, error = {}, None
+            return None, {}, [], []
+        frames, error, sources = {}, None, set()
         try:
             # Each rank checks its own records: the frames hold this rank's partitions
             # and experts, which only a run of the same layout can use.
@@ -783,9 +847,9 @@ class ExactSnapshots:
             if record.get("layout") != self._layout():
                 raise RuntimeError(f"frames were taken on another layout ({record.get('layout')}, "
                                    f"this run {self._layout()})")
-            frames = {f: self._load_frame(mine[f][1], f)
-                      for f in range(found.start, found.start + found.window)}
-            sources = sorted({"memory" if mine[f][1] != load_dir else "storage" for f in frames})
+            window = range(found.start, found.start + found.window)
+            sources = {"memory" if mine[f][1] != load_dir else "storage" for f in window}
+            frames = {f: self._load_frame(mine[f][1], f) for f in window}
             schedule = win.Schedule(found.window, tuple(tuple(g) for g in found.groups))
             # Checked before the outcome exchange, without touching the engine (a failed
             # recovery must leave it as it was: the fallback may find no checkpoint and
@@ -794,15 +858,18 @@ class ExactSnapshots:
             self._check_window(found.start, schedule, {f: t for f, (t, _) in frames.items()})
         except Exception as e:
             error = f"rank {self.rank}: {type(e).__name__}: {e}"
+            frames = {}
         # One decision for all ranks: a rank that alone fell back to a checkpoint would
         # wait in a collective the others never join.
         outcomes: List = [None] * self.world
-        dist.all_gather_object(outcomes, error)
-        bad = [e for e in outcomes if e is not None]
-        if bad:
-            self._log(f"[moc] exact recovery: cannot use the window at {found.start} "
-                      f"({'; '.join(bad)}); loading a checkpoint instead")
-            return None
+        dist.all_gather_object(outcomes, (error, sorted(sources)))
+        return (found, frames, [set(src) for _, src in outcomes],
+                [e for e, _ in outcomes if e is not None])
+
+    def _begin_replay(self, load_dir: str, found, frames, sources, start: float) -> Dict[str, Any]:
+        """Every rank, once every rank loaded its frames of ``found``: restore the first
+        frame into the engine and arm the replay; returns the frame's objects."""
+        schedule = win.Schedule(found.window, tuple(tuple(g) for g in found.groups))
         self.replay = _Replay(found.start, schedule, {f: t for f, (t, _) in frames.items()})
         self.schedule, self.base = schedule, found.start
         self._order = [name for group in schedule.groups for name in group]
@@ -814,26 +881,46 @@ class ExactSnapshots:
             self._drop_frames_from(load_dir, self.replay.end)  # the incomplete window after it
         else:  # replaying another run's frames (moc-ckpt densify): leave them as they are
             dist.barrier()
-        where: List = [None] * self.world
-        dist.all_gather_object(where, sources)
-        self.last_source = "+".join(sorted(set().union(*where)))
+        self.last_source = "+".join(sorted(set().union(*sources)))
         self._log(f"[moc] exact recovery: window of {found.window} frames at iteration "
                   f"{found.start} loaded from {self.last_source} in "
                   f"{time.perf_counter() - start:.2f} s; replaying iterations "
                   f"{found.start + 1}..{self.replay.end} to rebuild the exact state")
         return objects
 
-    def _available_frames(self, load_dir: str) -> Dict[int, Tuple[Dict[str, Any], str]]:
-        """This rank's frames: frame -> (record, root it is read from), memory first."""
+    def _available_frames(self, load_dir: str,
+                          memory: bool = True) -> Dict[int, Tuple[Dict[str, Any], str]]:
+        """This rank's frames: frame -> (record, root it is read from), memory first
+        (``memory`` False: storage only)."""
         out: Dict[int, Tuple[Dict[str, Any], str]] = {}
-        roots = [load_dir] + ([self.node_dir] if self.node_dir and os.path.isdir(self.node_dir)
-                              else [])
+        roots = [load_dir] + ([self.node_dir] if memory and self.node_dir
+                              and os.path.isdir(self.node_dir) else [])
         for root in roots:  # later roots win: memory over storage
             for f in list_frames(root):
                 record = read_marker(root, f, self.rank)
                 if record is not None:
                     out[f] = (record, root)
         return out
+
+    def _set_aside_frames(self) -> None:
+        """Rank 0: move the storage frames of a window recovery could not use out of the
+        way (hidden ``.moc-set-aside.exact.<ns>`` beside the checkpoints, listed by
+        ``moc-ckpt inspect``, never read or deleted by MoC), so that the run that fell
+        back to a checkpoint neither mixes its frames with them nor deletes them."""
+        from deepspeed_ext.manifest import SET_ASIDE_PREFIX
+        if self.rank != 0:
+            return
+        root = os.path.join(self.save_dir, EXACT_DIR)
+        aside = os.path.join(self.save_dir, f"{SET_ASIDE_PREFIX}{EXACT_DIR}.{time.time_ns()}")
+        try:
+            os.rename(root, aside)
+        except FileNotFoundError:
+            return
+        except OSError as e:  # then _drop_frames_from deletes them, as before
+            self._log(f"[moc] WARNING: cannot set aside the frames in {root} ({e})")
+            return
+        self._log(f"[moc] WARNING: the frames of the unusable {self.failed_window.split(':')[0]} "
+                  f"were set aside as {aside}")
 
     def _drop_frames_from(self, load_dir: str, first: int) -> None:
         """Every rank together: delete frames ``>= first`` (storage: rank 0; memory:

@@ -210,7 +210,18 @@ def _exact_resume(engine, args, scheduler, exact, tag: Optional[str]) -> Optiona
         newer_than = int(tag[len("global_step"):])
     start = time.perf_counter()
     objects = exact.recover(args.load, newer_than)
+    if objects is None and exact.failed_window is not None and tag is None:
+        # Starting from scratch would also drop the frames at the loop's start: the
+        # next attempt (storage back, memory freed) may well replay them.
+        from deepspeed_ext.checkpointer import MoCCheckpointError
+        raise MoCCheckpointError(
+            f"--load {args.load}: exact recovery cannot replay the newest {exact.failed_window}, "
+            f"and the directory holds no checkpoint to fall back to; the frames are left as "
+            f"they are (move {os.path.join(args.load, 'exact')} away to start from scratch)")
     if objects is None:
+        if exact.failed_window is not None:
+            print_rank_0(f"> exact recovery failed ({exact.failed_window}); loading checkpoint "
+                         f"{tag} instead")
         return None
     client = objects["client_state"]
     scheduler.load_state_dict(client["opt_param_scheduler"])

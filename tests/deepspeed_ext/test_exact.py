@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 
 import pytest
 import torch
@@ -41,7 +42,7 @@ def _crashed(tmp_path, corpus, extra, nproc, faults, restarts=3, ok=True):
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert (proc.returncode == 0) == ok, proc.stdout[-6000:] + proc.stderr[-4000:]
     events = [json.loads(line) for line in open(ckpt / "moc-events.jsonl")]
-    return ckpt, proc.stdout, events
+    return ckpt, proc.stdout + proc.stderr, events
 
 
 def _train_losses(path):
@@ -221,3 +222,82 @@ def test_automatic_window_and_the_memory_budget(tmp_path, corpus):
     assert "--moc-host-memory-gb 1e-05 is below" in results[0].output
     from deepspeed_ext.two_level import default_shm_dir
     assert not os.path.exists(default_shm_dir(str(tmp_path / "b")))  # keeper shut down
+
+
+def _flip_byte(path, offset=-5):
+    with open(path, "r+b") as f:
+        f.seek(offset, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(offset, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_a_damaged_window_is_retried_from_storage_and_never_replaced_by_scratch(tmp_path, corpus):
+    """A job dies at the top of 9 (no restart); rank 1's frame 5 is then damaged in the
+    node's memory and on storage. The next job cannot replay [4..6] from either and has
+    no checkpoint to fall back to: every rank stops with the reason, and the frames stay
+    (starting from scratch would have deleted them). With the storage copy good again,
+    the next job finds the memory copy still damaged, retries the window from storage
+    alone and replays it."""
+    from deepspeed_ext import keeper
+    from deepspeed_ext.two_level import default_shm_dir
+    ckpt = tmp_path / "ckpt"
+    memory = os.path.join(default_shm_dir(str(ckpt)), "node0")
+    try:
+        _crashed(tmp_path, corpus, [], 2, ["--moc-fault", "crash@9:rank=1"], restarts=0, ok=False)
+        deadline = time.monotonic() + 60  # the keeper copies frames to storage
+        while not all(ex.read_marker(str(ckpt), f, r) for f in (4, 5, 6) for r in (0, 1)):
+            assert time.monotonic() < deadline, ex.list_frames(str(ckpt))
+            time.sleep(0.1)
+        stored = ex._data(str(ckpt), 5, 1)
+        good = open(stored, "rb").read()
+        _flip_byte(ex._data(memory, 5, 1))
+        _flip_byte(stored)
+        before = ex.list_frames(str(ckpt))
+        _, out, _ = _crashed(tmp_path, corpus, [], 2, [], restarts=0, ok=False)
+        assert "trying that window again from storage alone" in out, out[-4000:]
+        assert "exact recovery cannot replay the newest window at iteration 4" in out, out[-4000:]
+        assert "holds no checkpoint to fall back to" in out
+        assert "starting from scratch" not in out
+        assert ex.list_frames(str(ckpt)) == before
+        with open(stored, "wb") as f:
+            f.write(good)
+        _, out, events = _crashed(tmp_path, corpus, [], 2, [], restarts=0)
+        recoveries = [e for e in events if e["kind"] == "recovery"]
+        assert recoveries[-1]["source"] == "exact replay from storage", recoveries
+        assert recoveries[-1]["iteration"] == 4 and recoveries[-1]["plt"] == 0.0
+    finally:
+        keeper.shutdown_keeper(memory, 30)
+        shutil.rmtree(default_shm_dir(str(ckpt)), ignore_errors=True)
+
+
+@pytest.mark.parametrize("case", ["ok", "fail"])
+def test_a_probe_frame_failing_on_one_rank_stops_every_rank(tmp_path, case):
+    """The automatic window's probe write fails on rank 1 alone (its node's memory full):
+    both ranks raise the same error after the figures' all_reduce instead of rank 1
+    raising before it and rank 0 waiting there for ever."""
+    from tests.launch import describe
+    results = run_ranks(2, [str(tmp_path), case], script="tests/deepspeed_ext/exact_worker.py",
+                        timeout=60)
+    assert all(r.returncode == 0 for r in results), describe(results)
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    if case == "ok":
+        assert got[0] == got[1] and got[0]["window"] >= 1, got
+    else:
+        assert all("could not write a probe frame" in g.get("error", "") for g in got), got
+        assert "No space left on device (injected)" in results[1].output
+
+
+def test_a_failed_frame_copy_is_recorded_not_raised_inside_the_step():
+    """The frame copy runs beside the next forward/backward and is joined inside
+    engine.step: a failure (host memory exhausted) must not raise there on one rank while
+    the others enter the step's collectives; the window stays incomplete instead."""
+    from concurrent.futures import Future
+    snaps = ex.ExactSnapshots.__new__(ex.ExactSnapshots)
+    snaps.rank, snaps.write_error = 1, None
+    failed = Future()
+    failed.set_exception(MemoryError("cannot allocate (injected)"))
+    snaps._copy = failed
+    snaps._join_copy()
+    assert snaps._copy is None
+    assert snaps.write_error == "MemoryError: cannot allocate (injected)"
