@@ -50,7 +50,7 @@ import torch.distributed as dist
 from deepspeed_ext import commit, fs, keeper
 from deepspeed_ext.exchange import Exchanger
 from deepspeed_ext.hostcopy import HostCopier
-from deepspeed_ext.snapshot import SLOTS as SLOTS_FOR_BUDGET
+from deepspeed_ext.snapshot import SLOTS
 from deepspeed_ext.snapshot import SlotImage, SnapshotSlots
 from deepspeed_ext.state import FP32
 
@@ -97,6 +97,11 @@ class TwoLevel:
                 check_layout(self.spec, self.topo)
             except ValueError as err:  # the same on every rank: every rank raises
                 raise MoCCheckpointError(str(err)) from None
+        # Erasure coding protecting every N-th snapshot rebuilds a lost node from the
+        # survivors' own copies of the newest protected one: a fourth slot keeps it while
+        # the others hold the newest snapshot and the one being persisted.
+        self.num_slots = SLOTS + (1 if self.spec.enabled and self.spec.mode == "erasure"
+                                  and cfg.redundancy_interval > 1 else 0)
         from deepspeed_ext.state import describe_local_state
         frags = describe_local_state(ckpt.engine, ckpt.naming, with_moments=False)
         self._check_memory_budget(frags)
@@ -105,8 +110,8 @@ class TwoLevel:
         self._load_exchanger: Optional[Exchanger] = None
         """The current load's exchanges (steps held, outcomes), preset to their small size."""
         keeper.ensure_keeper(self.node_dir, cfg.keeper_idle_timeout_s)
-        self.slots = SnapshotSlots(self.node_dir, self.rank, on_map=self.copier.register,
-                                   on_unmap=self.copier.unregister)
+        self.slots = SnapshotSlots(self.node_dir, self.rank, slots=self.num_slots,
+                                   on_map=self.copier.register, on_unmap=self.copier.unregister)
         self.snap_policy = None
         if ckpt.layout is not None:
             k = cfg.k_snapshot or ckpt.layout.num_experts
@@ -136,6 +141,9 @@ class TwoLevel:
             from deepspeed_ext.peers import PeerRedundancy
             self.redundancy = PeerRedundancy(self.spec, self.topo, self.node_dir,
                                              cfg.commit_timeout_s)
+        self._protected: Optional[Tuple[int, int]] = None
+        """(slot, step) of the newest snapshot given to the redundancy (erasure keeps it)."""
+        self._evict_warned = False
         self.redundancy_wait_s = 0.0
         """Seconds snapshots waited for a slot still being protected (redundancy slower
         than the snapshots)."""
@@ -156,7 +164,7 @@ class TwoLevel:
         from deepspeed_ext.checkpointer import MoCCheckpointError
         # fp32 master weights plus Adam's two moments, for every slot.
         image = 3 * sum(f.length * 4 for f in frags)
-        needed = SLOTS_FOR_BUDGET * image
+        needed = self.num_slots * image
         if self.spec.enabled:  # what this rank holds for its peers
             from deepspeed_ext.peers import KEEP
             from deepspeed_ext.redundancy import extra_bytes
@@ -164,7 +172,7 @@ class TwoLevel:
         problem = None
         budget = self.cfg.host_memory_gb * 2**30
         if budget and needed > budget:
-            problem = (f"rank {self.rank}: its {SLOTS_FOR_BUDGET} snapshot slots need "
+            problem = (f"rank {self.rank}: its {self.num_slots} snapshot slots need "
                        f"{needed / 2**30:.3f} GiB of host memory"
                        + (f" (with what it holds for its peers: --moc-redundancy "
                           f"{self.spec.describe()})" if self.spec.enabled else "")
@@ -183,7 +191,7 @@ class TwoLevel:
             raise MoCCheckpointError("; ".join(problems))
         self.budget_bytes = needed
         _log(f"two-level checkpointing: up to {max(n for _, n in gathered) / 2**20:.1f} MiB of "
-             f"snapshot memory per rank ({SLOTS_FOR_BUDGET} slots"
+             f"snapshot memory per rank ({self.num_slots} slots"
              + (f" and the peers' redundancy, {self.spec.describe()}" if self.spec.enabled else "")
              + f") under {self.cfg.shm_dir}")
 
@@ -290,6 +298,8 @@ class TwoLevel:
                        and (self.count - 1) % self.cfg.redundancy_interval == 0)
             self.copy_job = self.copier_pool.submit(self._copy, slot, event, buffer, layout,
                                                        tensors, meta, job, protect)
+            if protect:
+                self._protected = (slot, step)
             if persist or self.count == 1:  # a line per snapshot would flood per-iteration runs
                 _log(f"snapshot {tag} (step {step}) into {self.node_dir}: "
                      f"{layout.nbytes / 2**20:.2f} MiB on rank 0, "
@@ -350,19 +360,46 @@ class TwoLevel:
 
     def _free_slot(self) -> int:
         """A slot for the next snapshot that neither the keeper nor the redundancy thread
-        still reads; waits for the redundancy only when no other slot is free."""
+        still reads, nor holds the snapshot erasure coding needs to rebuild a lost node
+        (:meth:`_kept_for_rebuild`); waits for the redundancy only when no other slot is
+        free, and gives up the kept snapshot only when even that leaves none."""
         busy = self.redundancy.busy_slots() if self.redundancy is not None else set()
+        keep = self._kept_for_rebuild()
         try:
-            return self.slots.choose(exclude=busy)
+            return self.slots.choose(exclude=busy | keep)
         except RuntimeError:
-            if not busy:
+            pass
+        if busy:
+            waited = self.redundancy.wait_slots()
+            self.redundancy_wait_s += waited
+            _log(f"WARNING: the next snapshot waited {waited:.3f} s for the redundancy of an "
+                 f"earlier one (snapshots come faster than peers receive them: snapshot less "
+                 f"often, or use --moc-redundancy erasure, which sends less)")
+        try:
+            return self.slots.choose(exclude=keep)
+        except RuntimeError:
+            if not keep:
                 raise
-        waited = self.redundancy.wait_slots()
-        self.redundancy_wait_s += waited
-        _log(f"WARNING: the next snapshot waited {waited:.3f} s for the redundancy of an "
-             f"earlier one (snapshots come faster than peers receive them: snapshot less "
-             f"often, or use --moc-redundancy erasure, which sends less)")
+        if not self._evict_warned:
+            self._evict_warned = True
+            print(f"[moc] rank {self.rank}: WARNING: reusing the slot of step "
+                  f"{self._protected[1]}'s snapshot, the newest one erasure coding protects "
+                  f"(the other slots are newer or still being persisted): a node lost "
+                  f"before the next protected snapshot recovers from storage", flush=True)
         return self.slots.choose()
+
+    def _kept_for_rebuild(self) -> set:
+        """The slot to keep for erasure coding, as a set (empty: none to keep). Rebuilding
+        a lost node's snapshot of step S needs the other stripe members' own snapshots
+        of S besides the parities; with ``--moc-redundancy-interval`` above 1 the slots
+        would otherwise have moved past S before the next protected snapshot (replicas
+        need nothing of the survivors, and with interval 1 the newest is kept anyway)."""
+        if (self.redundancy is None or self.spec.mode != "erasure"
+                or self.cfg.redundancy_interval <= 1 or self._protected is None):
+            return set()
+        slot, step = self._protected
+        meta = self.slots.meta(slot)
+        return {slot} if meta is not None and meta["step"] == step else set()
 
     def _spec(self, frag) -> Dict[str, Any]:
         """The manifest spec of a fragment, built once per fragment (every snapshot needs

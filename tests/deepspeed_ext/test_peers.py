@@ -14,14 +14,14 @@ from tests.shm import new_shm_dir, stop_keepers
 STEPS = 3
 
 
-def _crash_then_lose(tmp_path, nproc, ep, extra, lost_nodes):
-    """Train STEPS iterations with a snapshot each (only the first persisted), crash once
-    every snapshot is protected, then delete the shared memory of ``lost_nodes`` (and
+def _crash_then_lose(tmp_path, nproc, ep, extra, lost_nodes, steps=STEPS):
+    """Train ``steps`` iterations with a snapshot each (only the first persisted), crash
+    once every snapshot is protected, then delete the shared memory of ``lost_nodes`` (and
     SIGKILL their keepers), as when those machines die."""
     shm, ckpt = new_shm_dir(), str(tmp_path / "ckpt")
     flags = _flags(shm, nproc, ep, ["--moc-persist-interval", "100", *extra])
     first, results = _run(tmp_path, "first", nproc, "train-save", flags + [
-        "--train-iters", str(STEPS), "--save", ckpt, "--save-interval", "1"],
+        "--train-iters", str(steps), "--save", ckpt, "--save-interval", "1"],
         env={"MOC_TEST_CRASH": "1"}, ok=False)
     assert all(r.returncode == -signal.SIGKILL for r in results)
     assert "protected" in results[0].output, results[0].output[-3000:]
@@ -36,18 +36,18 @@ def _crash_then_lose(tmp_path, nproc, ep, extra, lost_nodes):
     return shm, ckpt, flags, first
 
 
-def _assert_rebuilt_bitwise(second, first, results, ranks):
+def _assert_rebuilt_bitwise(second, first, results, ranks, step=STEPS, trained=1):
     out = results[0].output
-    assert second[0]["client_state"] == {"step": STEPS}, out[-3000:]
+    assert second[0]["client_state"] == {"step": step}, out[-3000:]
     assert all(r["load_source"] == "memory+peers" for r in second), [r["load_source"] for r in second]
-    assert f"rebuilt the step-{STEPS} snapshots of rank(s) {ranks}" in out
-    assert f"recovered step {STEPS} from memory" in out and "0 from storage" in out
+    assert f"rebuilt the step-{step} snapshots of rank(s) {ranks}" in out
+    assert f"recovered step {step} from memory" in out and "0 from storage" in out
     assert second[0]["recovery"]["plt"] == 0.0
-    snapshot, after = first[0]["saved_states"][str(STEPS)], second[0]["state_after_load"]
+    snapshot, after = first[0]["saved_states"][str(step)], second[0]["state_after_load"]
     assert after.keys() == snapshot.keys()
     assert [k for k in after if after[k] != snapshot[k]] == []
     # and the training went on from there on every rank
-    assert all(len(r["losses"]) == 1 for r in second)
+    assert all(len(r["losses"]) == trained for r in second)
 
 
 def test_replicate_rebuilds_a_lost_node_from_its_peer(tmp_path):
@@ -80,6 +80,22 @@ def test_erasure_rebuilds_a_lost_node_from_parity(tmp_path):
             "--train-iters", str(STEPS + 1), "--load", ckpt, "--save", ckpt,
             "--save-interval", "1"])
         _assert_rebuilt_bitwise(second, first, results, [2, 3])
+    finally:
+        stop_keepers(shm)
+
+
+def test_erasure_with_an_interval_keeps_the_protected_snapshot_for_a_rebuild(tmp_path):
+    """3 ranks as 3 nodes, 2 data + 1 parity, every 4th snapshot protected: at the crash
+    after step 8 the newest protected step is 5, three snapshots back. The survivors kept
+    their own step-5 snapshots (which decoding node 1's needs, beside the parities), so
+    node 1 is rebuilt at 5; before, their slots held 6-8 only and recovery went to storage."""
+    extra = ["--moc-ranks-per-node", "1", "--moc-redundancy", "erasure", "--moc-ec-data", "2",
+             "--moc-redundancy-interval", "4"]
+    shm, ckpt, flags, first = _crash_then_lose(tmp_path, 3, 1, extra, [1], steps=8)
+    try:
+        second, results = _run(tmp_path, "second", 3, "load-train-save", flags + [
+            "--train-iters", "6", "--load", ckpt, "--save", ckpt, "--save-interval", "1"])
+        _assert_rebuilt_bitwise(second, first, results, [1], step=5, trained=1)
     finally:
         stop_keepers(shm)
 
