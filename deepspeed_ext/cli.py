@@ -13,7 +13,10 @@ Exit status: 0 fine, 1 a checkpoint has problems (verify, consolidate), 2 bad in
 
 import argparse
 import os
+import re
+import shutil
 import sys
+import tempfile
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from deepspeed_ext import fs
@@ -235,6 +238,24 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------- densify
 
+def _frames_world_size(save_dir: str) -> Optional[int]:
+    """The world size the newest readable frame marker under ``save_dir`` records. Any
+    rank's will do: after a crash the newest frame often lacks rank 0's marker (its
+    node's keeper had not copied it yet) while complete windows lie behind it."""
+    from deepspeed_ext import exact
+    for frame in reversed(exact.list_frames(save_dir)):
+        try:
+            names = sorted(os.listdir(exact.frame_dir(save_dir, frame)))
+        except OSError:
+            continue
+        for name in names:
+            m = re.match(r"^rank(\d{5,})\.json$", name)
+            record = exact.read_marker(save_dir, frame, int(m.group(1))) if m else None
+            if record is not None and "world_size" in record:
+                return int(record["world_size"])
+    return None
+
+
 def cmd_densify(args: argparse.Namespace) -> int:
     """Replay the newest complete window of exact-mode frames under ``args.dir`` with the
     training command that took them, on one machine, and leave the dense state at the
@@ -242,12 +263,11 @@ def cmd_densify(args: argparse.Namespace) -> int:
     import subprocess
     from deepspeed_ext import exact
     _check_dir(args.dir)
-    frames = exact.list_frames(args.dir)
-    first = exact.read_marker(args.dir, frames[-1], 0) if frames else None
-    if first is None:
+    world_size = _frames_world_size(args.dir)
+    if world_size is None:
         raise UsageError(f"{os.path.join(args.dir, exact.EXACT_DIR)} holds no frames "
                          f"(was the run trained with --moc-mode exact?)")
-    found = exact.find_window(args.dir, int(first["world_size"]))
+    found = exact.find_window(args.dir, world_size)
     if found is None:
         raise UsageError(f"{args.dir}: no window of frames is complete on storage")
     end = found.start + found.window
@@ -263,15 +283,23 @@ def cmd_densify(args: argparse.Namespace) -> int:
                          f"densify needs frames written by pretrain_gpt_moe.py")
     if os.path.exists(args.out) and os.listdir(args.out):
         raise UsageError(f"--out {args.out} is not empty")
+    # Memory of its own: with the run's --moc-shm-dir the replay would attach to that
+    # job's keeper, prefer its memory frames over the storage window chosen here, and
+    # delete that memory at its end while the job may still be restarting.
+    shm = tempfile.mkdtemp(prefix="moc-densify-",
+                           dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node", str(found.world_size), *command,
            "--load", os.path.abspath(args.dir), "--save", os.path.abspath(args.out),
-           "--exit-interval", str(end)]
+           "--moc-shm-dir", shm, "--exit-interval", str(end)]
     print(f"replaying iterations {found.start + 1}..{end} of {args.dir} on "
           f"{found.world_size} local processes:\n  {' '.join(cmd)}", flush=True)
-    if args.dry_run:
-        return 0
-    code = subprocess.call(cmd, cwd=record.get("cwd") or None)  # its relative paths
+    try:
+        if args.dry_run:
+            return 0
+        code = subprocess.call(cmd, cwd=record.get("cwd") or None)  # its relative paths
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
     tag = f"global_step{end}"
     if code != 0 or read_latest(args.out) != tag:
         _stderr(f"error: the replay exited with status {code}; no checkpoint {tag} in {args.out}")

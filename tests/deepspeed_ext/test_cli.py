@@ -132,3 +132,30 @@ def test_main_cli_exits_with_status(ckpt_dir, monkeypatch):
     with pytest.raises(SystemExit) as exit_:
         cli.main_cli()
     assert exit_.value.code == 0
+
+
+def test_densify_finds_the_window_behind_a_frame_rank_0_has_not_written(tmp_path, capsys):
+    """After a crash the newest frame on storage often holds only other ranks' markers
+    (rank 0's keeper had not copied it yet): densify must still find the complete window
+    behind it, and replay it with memory of its own, never the run's --moc-shm-dir."""
+    import json
+    from deepspeed_ext import exact as ex
+    save = tmp_path / "ckpt"
+
+    def mark(frame, rank):
+        os.makedirs(ex.frame_dir(str(save), frame), exist_ok=True)
+        record = {"window_start": 0, "window": 3, "groups": [["a"], ["b"], ["c"]],
+                  "world_size": 2, "layout": {}, "cwd": str(tmp_path),
+                  "command": ["pretrain_gpt_moe.py", "--moc-shm-dir", "/dev/shm/the-runs-own"]}
+        with open(os.path.join(ex.frame_dir(str(save), frame), f"rank{rank:05d}.json"), "w") as f:
+            json.dump(record, f)
+    for frame in range(3):
+        mark(frame, 0), mark(frame, 1)
+    mark(3, 1)  # the newest frame: rank 1's marker only
+    assert cli.main(["densify", str(save), "--out", str(tmp_path / "dense"), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "replaying iterations 1..3" in out, out
+    command = out.split("\n  ", 1)[1].split()
+    shm = command[len(command) - 1 - command[::-1].index("--moc-shm-dir") + 1]
+    assert shm != "/dev/shm/the-runs-own" and "moc-densify-" in shm  # the last one wins
+    assert not os.path.exists(shm)  # removed again
