@@ -182,8 +182,9 @@ class PeerRedundancy:
         return time.perf_counter() - start
 
     def _protect(self, step, image, meta) -> None:
-        if self.failed:
-            return
+        # Every rank takes part in every protection, even after one of its own failed:
+        # a rank that stopped would leave its peers waiting for its messages until the
+        # group's timeout, and their snapshots (and so training) behind them.
         start = time.perf_counter()
         try:
             data = json.dumps(meta).encode() if meta is not None else b""
@@ -192,11 +193,13 @@ class PeerRedundancy:
             else:
                 sent = self._erasure(step, image, data)
             self.store.prune()
-        except Exception as e:  # the peers time out on their side and stop too
+        except Exception as e:
             traceback.print_exc()
+            if self.failed is None:
+                print(f"[moc] rank {self.rank}: WARNING: snapshot redundancy failed at step "
+                      f"{step} ({type(e).__name__}: {e}); what this rank holds for its peers "
+                      f"may lack that step (storage still has what was persisted)", flush=True)
             self.failed = f"{type(e).__name__}: {e}"
-            print(f"[moc] rank {self.rank}: WARNING: snapshot redundancy stopped at step {step} "
-                  f"({self.failed}); later snapshots are protected by storage only", flush=True)
             return
         seconds = time.perf_counter() - start
         with self._lock:
@@ -214,11 +217,22 @@ class PeerRedundancy:
         for work in works:
             work.wait()
 
+    def _landing(self, base: str, nbytes: int, errors: List[str]) -> Tuple[torch.Tensor, bool]:
+        """Where to receive ``nbytes`` for ``base``: the store's buffer, or scratch memory
+        when the store cannot allocate it (its node's memory full), so that the messages
+        the peers send are still received and the pairing of later ones holds; ``errors``
+        collects why (raised once the exchange is done)."""
+        try:
+            return self.store.allocate(base, nbytes), True
+        except Exception as e:
+            errors.append(f"{type(e).__name__}: {e}")
+            return torch.empty(nbytes, dtype=torch.uint8), False
+
     def _replicate(self, step: int, image: Optional[torch.Tensor], data: bytes) -> int:
         nbytes = image.numel() if image is not None else -1
         targets = rd.replica_targets(self.rank, self.topo, self.spec.replicas)
         sources = rd.replica_sources(self.rank, self.topo, self.spec.replicas)
-        sent = 0
+        sent, errors = 0, []
         for dst, src in zip(targets, sources):
             header = torch.tensor([step, nbytes, len(data)], dtype=torch.int64)
             theirs = torch.zeros(3, dtype=torch.int64)
@@ -228,16 +242,19 @@ class PeerRedundancy:
             if nbytes >= 0:
                 sends = [(image, dst), (_blob(data), dst)]
                 sent += nbytes + len(data)
+            stored = False
             if their_bytes >= 0:
                 base = self.store.base("replica", their_step, src)
-                buffer = self.store.allocate(base, their_bytes)
+                buffer, stored = self._landing(base, their_bytes, errors)
                 meta_in = torch.empty(their_meta, dtype=torch.uint8)
                 recvs = [(buffer, src), (meta_in, src)]
             self._exchange(sends, recvs)
-            if their_bytes >= 0:
+            if stored:
                 self.store.publish(base, {"kind": "replica", "source": src, "step": their_step,
                                           "nbytes": their_bytes,
                                           "meta": json.loads(bytes(meta_in.numpy()))})
+        if errors:
+            raise RuntimeError(f"cannot hold a peer's snapshot of step {step}: {errors[0]}")
         return sent
 
     def _erasure(self, step: int, image: Optional[torch.Tensor], data: bytes) -> int:
@@ -260,7 +277,8 @@ class PeerRedundancy:
             return sent  # a member has no snapshot of this step: no parity for it
         chunk = rd.chunk_size([n for _, n, _ in info.values()], d)
         base = self.store.base("parity", step)
-        parity = self.store.allocate(base, chunk)
+        errors: List[str] = []
+        parity, stored = self._landing(base, chunk, errors)
         scratch = torch.empty(chunk, dtype=torch.uint8) if d > 1 else None
         group = d + 1
         for k in range(1, d + 1):
@@ -271,6 +289,8 @@ class PeerRedundancy:
             if k > 1:
                 rd.xor_into(parity, scratch)
             sent += chunk
+        if not stored:
+            raise RuntimeError(f"cannot hold the parity of step {step}: {errors[0]}")
         metas = {str(self.rank): json.loads(data)}
         metas.update({str(r): json.loads(bytes(metas_in[r].numpy())) for r in others})
         self.store.publish(base, {"kind": "parity", "step": step, "nbytes": chunk,

@@ -178,6 +178,17 @@ def _inject_slot_failure(engine):
                                     OSError(28, "No space left on device (injected)"))
 
 
+def _inject_peer_store_failure(engine):
+    """MOC_TEST_FAIL_PEER_STORE_RANK: that rank cannot make room for the second peer
+    snapshot it is sent (ENOSPC, its node's memory full), in the middle of a protection."""
+    if (os.environ.get("MOC_TEST_FAIL_PEER_STORE_RANK") != str(dist.get_rank())
+            or engine.moc.two_level is None or engine.moc.two_level.redundancy is None):
+        return
+    store = engine.moc.two_level.redundancy.store
+    store.allocate = _failing_on_call(store.allocate, 2,
+                                      OSError(28, "No space left on device (injected)"))
+
+
 def _inject_outcome_failure():
     """MOC_TEST_FAIL_OUTCOME_RANK: that rank's first look at a persist's outcome on
     storage raises (a transient storage error), just before a snapshot's exchange."""
@@ -253,6 +264,7 @@ def main():
     _inject_restore_failure()
     _inject_describe_failure()
     _inject_slot_failure(engine)
+    _inject_peer_store_failure(engine)
     _inject_outcome_failure()
     result = {"rank": dist.get_rank()}
     if action == "describe":

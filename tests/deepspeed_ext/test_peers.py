@@ -138,3 +138,27 @@ def test_a_snapshot_failing_on_one_rank_with_redundancy_reaches_every_rank(tmp_p
             assert "No space left on device (injected)" in r.output, describe(results)
     finally:
         stop_keepers(shm)
+
+
+def test_a_peer_that_cannot_hold_a_snapshot_keeps_its_peers_going(tmp_path):
+    """Rank 1 cannot make room for the second snapshot rank 3 sends it (its node's memory
+    full): it still receives it (into scratch), says so, and takes part in the later
+    protections, so rank 3 is not left waiting on it until the group's timeout (600 s)
+    and the job ends normally."""
+    from tests.deepspeed_ext.test_two_level import WORKER
+    from tests.launch import describe, run_ranks
+    shm = new_shm_dir()
+    try:
+        out = tmp_path / "run"
+        out.mkdir()
+        results = run_ranks(4, ["train-save", str(out)] + _flags(shm, 4, 4, [
+            "--moc-ranks-per-node", "2", "--moc-redundancy", "replicate",
+            "--train-iters", "4", "--save-interval", "1", "--save", str(tmp_path / "ckpt")]),
+            script=WORKER, timeout=150, env={"MOC_TEST_FAIL_PEER_STORE_RANK": "1"})
+        assert all(r.returncode == 0 for r in results), describe(results)
+        assert "snapshot redundancy failed at step 2" in results[1].output, describe(results)
+        assert "No space left on device (injected)" in results[1].output
+        assert "4 snapshot(s) protected" in results[0].output, describe(results)
+        assert not os.path.exists(shm)  # a normal end: memory freed
+    finally:
+        stop_keepers(shm)
