@@ -62,6 +62,8 @@ LP_PREFIX = "lp|"
 """Key prefix of a frozen compute weight in a frame file (then the global parameter name)."""
 MOMENTS = ("exp_avg", "exp_avg_sq")
 PROBE_ITERATIONS = 2
+UNCOPIED_WINDOWS = 4
+"""Windows back a memory frame the keeper has not yet copied to storage is kept for it."""
 """Iterations timed (after a first, untimed one) before the automatic window is chosen."""
 BYTES_PER_ACTIVE_ELEMENT = 12
 """fp32 master weight plus Adam's two fp32 moments."""
@@ -296,6 +298,7 @@ class ExactSnapshots:
         None when recovery found none or used it: the caller must not then start from
         scratch, and the frames are set aside, not deleted (:meth:`start`)."""
         self._failed_in: Optional[str] = None  # the --load directory of failed_window
+        self._uncopied_warned = False
         self.stall_s: List[float] = []
         self.frame_bytes: List[int] = []
         self.copy_s: List[float] = []
@@ -756,17 +759,32 @@ class ExactSnapshots:
             keeper.persist_frame(job)
 
     def _retire_memory(self, window_start: int, window: int) -> None:
-        """This rank's memory frames older than the previous window: memory holds the
-        window being written and the one before (complete unless a rank failed it;
-        storage keeps the newest complete one anyway)."""
+        """This rank's memory frames older than the previous window, once the keeper has
+        copied them to storage: memory holds the window being written and the one before
+        (complete unless a rank failed it; storage keeps the newest complete one anyway),
+        and older frames still waiting for the keeper, up to :data:`UNCOPIED_WINDOWS`
+        windows back (deleting them first would leave storage without them for ever)."""
+        from deepspeed_ext.keeper import copied_marker
         for f in list_frames(self.node_dir):
-            if f < window_start - window:
-                self._remove_own_memory_frame(f)
+            if f >= window_start - window:
+                continue
+            if not os.path.exists(copied_marker(_marker(self.node_dir, f, self.rank))):
+                if f >= window_start - UNCOPIED_WINDOWS * window:
+                    continue
+                if not self._uncopied_warned:
+                    self._uncopied_warned = True
+                    self._warn(f"[moc] rank {self.rank}: WARNING: frame {f} is still not on "
+                               f"storage {UNCOPIED_WINDOWS} windows later; dropping its "
+                               f"memory copy (frames come faster than the node's keeper "
+                               f"writes them: a larger --moc-window, or faster storage)")
+            self._remove_own_memory_frame(f)
 
     def _remove_own_memory_frame(self, frame: int) -> None:
         """This rank's files of ``frame`` in the node's memory, the marker first (a frame
         without it does not count); the directory once the node's last rank is done."""
-        for path in (_marker(self.node_dir, frame, self.rank), _data(self.node_dir, frame, self.rank)):
+        from deepspeed_ext.keeper import copied_marker
+        marker = _marker(self.node_dir, frame, self.rank)
+        for path in (marker, _data(self.node_dir, frame, self.rank), copied_marker(marker)):
             try:
                 os.remove(path)
             except FileNotFoundError:

@@ -255,9 +255,11 @@ def persist_frame(job: Dict[str, Any]) -> None:
     (temp file, fsync, rename), then its marker, last (``deepspeed_ext.exact``).
 
     ``job`` fields: ``kind`` ``"frame"``, ``data`` and ``marker`` (the files in memory),
-    ``dst_data`` and ``dst_marker`` (their storage paths). A frame whose memory copy was
-    already deleted (retention, a lost node) is skipped: its window stays incomplete on
-    storage and recovery does not use it.
+    ``dst_data`` and ``dst_marker`` (their storage paths). Once both are on storage, a
+    ``.copied`` file beside the marker in memory tells the rank it may retire the memory
+    copy (``deepspeed_ext.exact``). A frame whose memory copy was already deleted (a lost
+    node, or retired after waiting too long for this copy) is skipped, with a line in the
+    keeper's log: its window stays incomplete on storage and recovery does not use it.
     """
     try:
         with open(job["data"], "rb") as f:
@@ -265,10 +267,22 @@ def persist_frame(job: Dict[str, Any]) -> None:
         with open(job["marker"], "rb") as f:
             marker = f.read()
     except FileNotFoundError:
+        print(f"[moc keeper {os.getpid()}] WARNING: {job['marker']} was gone before it "
+              f"reached storage; its window stays incomplete there", flush=True)
         return
     os.makedirs(os.path.dirname(job["dst_data"]), exist_ok=True)
     _write_durably(job["dst_data"], data)
     _write_durably(job["dst_marker"], marker)
+    try:
+        with open(copied_marker(job["marker"]), "w"):
+            pass
+    except FileNotFoundError:  # retired meanwhile: nothing left to tell
+        pass
+
+
+def copied_marker(marker: str) -> str:
+    """The file that says a frame's memory copy (its marker ``marker``) is on storage."""
+    return marker[:-len(".json")] + ".copied" if marker.endswith(".json") else marker + ".copied"
 
 
 def _write_durably(path: str, data: bytes) -> None:

@@ -301,3 +301,32 @@ def test_a_failed_frame_copy_is_recorded_not_raised_inside_the_step():
     snaps._join_copy()
     assert snaps._copy is None
     assert snaps.write_error == "MemoryError: cannot allocate (injected)"
+
+
+def test_memory_frames_wait_for_the_keepers_copy_before_they_are_retired(tmp_path, capsys):
+    """A keeper lagging behind (slow storage): memory frames it has not copied yet are
+    kept past the usual two windows (else storage would never get them), up to
+    UNCOPIED_WINDOWS windows back; copied ones go as before."""
+    from deepspeed_ext import keeper
+    node, save = str(tmp_path / "node0"), str(tmp_path / "ckpt")
+    for f in range(12):
+        os.makedirs(ex.frame_dir(node, f))
+        for path in (ex._marker(node, f, 0), ex._data(node, f, 0)):
+            with open(path, "w") as out:
+                out.write("{}")
+    for f in (0, 1, 4, 5, 6):  # the keeper's copies, as persist_frame leaves them
+        keeper.persist_frame({"kind": "frame", "data": ex._data(node, f, 0),
+                              "marker": ex._marker(node, f, 0), "dst_data": ex._data(save, f, 0),
+                              "dst_marker": ex._marker(save, f, 0)})
+    assert ex.list_frames(save) == [0, 1, 4, 5, 6]
+    snaps = ex.ExactSnapshots.__new__(ex.ExactSnapshots)
+    snaps.node_dir, snaps.rank, snaps._uncopied_warned = node, 0, False
+    snaps._retire_memory(12, 2)  # W = 2, window [12, 13] being written, [10, 11] before it
+    assert ex.list_frames(node) == [7, 8, 9, 10, 11]
+    assert "frame 2 is still not on storage 4 windows later" in capsys.readouterr().out
+    # A frame retired before the keeper got to it: skipped, and the keeper says so.
+    keeper.persist_frame({"kind": "frame", "data": ex._data(node, 3, 0),
+                          "marker": ex._marker(node, 3, 0), "dst_data": ex._data(save, 3, 0),
+                          "dst_marker": ex._marker(save, 3, 0)})
+    assert "was gone before it reached storage" in capsys.readouterr().out
+    assert 3 not in ex.list_frames(save)
