@@ -117,22 +117,29 @@ def test_more_lost_nodes_than_covered_fall_back_to_storage(tmp_path):
         stop_keepers(shm)
 
 
+def _replicate_with_fault(tmp_path, shm, env):
+    """4 ranks as 2 nodes with one replica, 4 iterations with a snapshot each, under the
+    engine worker's fault ``env``; every rank's result."""
+    from tests.deepspeed_ext.test_two_level import WORKER
+    from tests.launch import run_ranks
+    out = tmp_path / "run"
+    out.mkdir()
+    return run_ranks(4, ["train-save", str(out)] + _flags(shm, 4, 4, [
+        "--moc-ranks-per-node", "2", "--moc-redundancy", "replicate",
+        "--train-iters", "4", "--save-interval", "1", "--save", str(tmp_path / "ckpt")]),
+        script=WORKER, timeout=150, env=env)
+
+
 def test_a_snapshot_failing_on_one_rank_with_redundancy_reaches_every_rank(tmp_path):
     """Rank 1 cannot size its second snapshot's slot (after the exchange, before its copy
     thread starts) while the peers protect each other's snapshots: the error reaches
     every rank at the next exchange, and no rank hangs on the peers' messages. (Whether
     the failing rank's stand-in protection keeps later messages paired is not visible
     here: the job stops at that exchange.)"""
-    from tests.deepspeed_ext.test_two_level import WORKER
-    from tests.launch import describe, run_ranks
+    from tests.launch import describe
     shm = new_shm_dir()
     try:
-        out = tmp_path / "fail"
-        out.mkdir()
-        results = run_ranks(4, ["train-save", str(out)] + _flags(shm, 4, 4, [
-            "--moc-ranks-per-node", "2", "--moc-redundancy", "replicate",
-            "--train-iters", "4", "--save-interval", "1", "--save", str(tmp_path / "ckpt")]),
-            script=WORKER, timeout=150, env={"MOC_TEST_FAIL_SLOT_RANK": "1"})
+        results = _replicate_with_fault(tmp_path, shm, {"MOC_TEST_FAIL_SLOT_RANK": "1"})
         for r in results:
             assert r.returncode != 0, describe(results)
             assert "No space left on device (injected)" in r.output, describe(results)
@@ -145,16 +152,10 @@ def test_a_peer_that_cannot_hold_a_snapshot_keeps_its_peers_going(tmp_path):
     full): it still receives it (into scratch), says so, and takes part in the later
     protections, so rank 3 is not left waiting on it until the group's timeout (600 s)
     and the job ends normally."""
-    from tests.deepspeed_ext.test_two_level import WORKER
-    from tests.launch import describe, run_ranks
+    from tests.launch import describe
     shm = new_shm_dir()
     try:
-        out = tmp_path / "run"
-        out.mkdir()
-        results = run_ranks(4, ["train-save", str(out)] + _flags(shm, 4, 4, [
-            "--moc-ranks-per-node", "2", "--moc-redundancy", "replicate",
-            "--train-iters", "4", "--save-interval", "1", "--save", str(tmp_path / "ckpt")]),
-            script=WORKER, timeout=150, env={"MOC_TEST_FAIL_PEER_STORE_RANK": "1"})
+        results = _replicate_with_fault(tmp_path, shm, {"MOC_TEST_FAIL_PEER_STORE_RANK": "1"})
         assert all(r.returncode == 0 for r in results), describe(results)
         assert "snapshot redundancy failed at step 2" in results[1].output, describe(results)
         assert "No space left on device (injected)" in results[1].output
