@@ -822,20 +822,23 @@ class ExactSnapshots:
         """
         self.failed_window = None
         began = time.perf_counter()
+        failure = None  # (window start, every rank's errors) of the first unusable window
         for memory in (True, False):
             found, frames, sources, errors = self._try_window(load_dir, newer_than, memory)
-            if found is None:
-                return None
+            if found is None:  # storage alone may hold no complete window at all
+                break
             if not errors:
                 return self._begin_replay(load_dir, found, frames, sources, began)
+            failure = failure or (found.start, errors)
             self._log(f"[moc] exact recovery: cannot use the window at {found.start} "
                       f"({'; '.join(errors)})")
             # Every rank knows where every rank read from (gathered with the outcomes).
             if not memory or "memory" not in set().union(*sources):
                 break
             self._log("[moc] exact recovery: trying that window again from storage alone")
-        self.failed_window = f"window at iteration {found.start}: {'; '.join(errors)}"
-        self._failed_in = os.path.abspath(load_dir)
+        if failure is not None:
+            self.failed_window = f"window at iteration {failure[0]}: {'; '.join(failure[1])}"
+            self._failed_in = os.path.abspath(load_dir)
         return None
 
     def _try_window(self, load_dir: str, newer_than: Optional[int], memory: bool):

@@ -234,11 +234,11 @@ def _flip_byte(path, offset=-5):
 
 def test_a_damaged_window_is_retried_from_storage_and_never_replaced_by_scratch(tmp_path, corpus):
     """A job dies at the top of 9 (no restart); rank 1's frame 5 is then damaged in the
-    node's memory and on storage. The next job cannot replay [4..6] from either and has
-    no checkpoint to fall back to: every rank stops with the reason, and the frames stay
-    (starting from scratch would have deleted them). With the storage copy good again,
-    the next job finds the memory copy still damaged, retries the window from storage
-    alone and replays it."""
+    node's memory, and storage's frames are moved away. The next job cannot replay
+    [4..6] from memory, finds no window on storage alone and has no checkpoint to fall
+    back to: every rank stops with the reason, and the frames stay (starting from scratch
+    would have deleted them). With storage's frames back, the next job finds the memory
+    copy still damaged, retries the window from storage alone and replays it."""
     from deepspeed_ext import keeper
     from deepspeed_ext.two_level import default_shm_dir
     ckpt = tmp_path / "ckpt"
@@ -249,19 +249,18 @@ def test_a_damaged_window_is_retried_from_storage_and_never_replaced_by_scratch(
         while not all(ex.read_marker(str(ckpt), f, r) for f in (4, 5, 6) for r in (0, 1)):
             assert time.monotonic() < deadline, ex.list_frames(str(ckpt))
             time.sleep(0.1)
-        stored = ex._data(str(ckpt), 5, 1)
-        good = open(stored, "rb").read()
         _flip_byte(ex._data(memory, 5, 1))
-        _flip_byte(stored)
-        before = ex.list_frames(str(ckpt))
+        stored, away = os.path.join(str(ckpt), ex.EXACT_DIR), str(tmp_path / "exact-away")
+        os.rename(stored, away)
+        in_memory = ex.list_frames(memory)
         _, out, _ = _crashed(tmp_path, corpus, [], 2, [], restarts=0, ok=False)
+        assert "checksum mismatch" in out, out[-4000:]
         assert "trying that window again from storage alone" in out, out[-4000:]
         assert "exact recovery cannot replay the newest window at iteration 4" in out, out[-4000:]
         assert "holds no checkpoint to fall back to" in out
         assert "starting from scratch" not in out
-        assert ex.list_frames(str(ckpt)) == before
-        with open(stored, "wb") as f:
-            f.write(good)
+        assert ex.list_frames(memory) == in_memory
+        os.rename(away, stored)
         _, out, events = _crashed(tmp_path, corpus, [], 2, [], restarts=0)
         recoveries = [e for e in events if e["kind"] == "recovery"]
         assert recoveries[-1]["source"] == "exact replay from storage", recoveries
