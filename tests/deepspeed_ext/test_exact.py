@@ -329,3 +329,22 @@ def test_memory_frames_wait_for_the_keepers_copy_before_they_are_retired(tmp_pat
                           "dst_marker": ex._marker(save, 3, 0)})
     assert "was gone before it reached storage" in capsys.readouterr().out
     assert 3 not in ex.list_frames(save)
+
+
+def test_frames_of_an_unusable_window_are_set_aside_not_deleted(tmp_path):
+    """After a failed replay the run falls back to a checkpoint and starts a new timeline:
+    rank 0 moves the old frames out of its way (hidden, listed by moc-ckpt inspect), so
+    they neither mix with the new frames nor are lost."""
+    from deepspeed_ext.manifest import SET_ASIDE_PREFIX
+    save = str(tmp_path)
+    for f in (4, 5, 6):
+        os.makedirs(ex.frame_dir(save, f))
+    snaps = ex.ExactSnapshots.__new__(ex.ExactSnapshots)
+    snaps.rank, snaps.save_dir, snaps._log = 0, save, lambda message: None
+    snaps.failed_window = "window at iteration 4: rank 1: RuntimeError: checksum mismatch"
+    snaps._set_aside_frames()
+    assert ex.list_frames(save) == []
+    aside = [n for n in os.listdir(save) if n.startswith(SET_ASIDE_PREFIX + ex.EXACT_DIR + ".")]
+    assert len(aside) == 1
+    assert sorted(os.listdir(os.path.join(save, aside[0]))) == [
+        "frame00000004", "frame00000005", "frame00000006"]
