@@ -1309,7 +1309,13 @@ def set_aside_checkpoints_after(save_dir: str, step: int, attempt_started: float
     except CheckpointError:
         latest = None
     if remaining and (latest is None or latest in doomed):
-        update_latest(save_dir, remaining[-1])
+        update_latest(save_dir, keep if keep in remaining else remaining[-1])
+    elif latest in doomed:
+        # Nothing remains (a new run writing into another run's directory): a restart
+        # before this run's first commit would otherwise find `latest` naming a
+        # checkpoint that is gone, and load nothing at all.
+        fs.remove(os.path.join(save_dir, LATEST_FILE))
+        fsync_dir(save_dir)
     for tag in doomed:
         _set_aside(save_dir, tag)
     return doomed

@@ -534,6 +534,18 @@ def test_set_aside_abandoned_timeline(tmp_path):
     assert _set_aside_tags(tmp_path) == ["global_step20", "global_step30"]  # never deleted
 
 
+def test_a_new_run_setting_aside_every_checkpoint_leaves_no_latest_naming_one(tmp_path):
+    """A new run saving into another run's directory sets aside all of its checkpoints:
+    `latest` must not keep naming one of them, or a restart before the new run's first
+    commit finds nothing loadable instead of starting afresh."""
+    from deepspeed_ext.reader import find_loadable
+    three_checkpoints(tmp_path)
+    assert read_latest(str(tmp_path)) == "global_step30"
+    assert len(set_aside_checkpoints_after(str(tmp_path), 5, attempt_started=1e12)) == 3
+    assert read_latest(str(tmp_path)) is None
+    assert find_loadable(str(tmp_path)) == (None, [])  # a fresh start, not an error
+
+
 def test_prepare_sets_aside_an_earlier_attempts_checkpoint_of_the_same_tag(tmp_path):
     """A complete checkpoint of the tag being saved, committed late by an earlier attempt
     (an abandoned timeline), is set aside; this attempt's own, a later attempt's, and the
