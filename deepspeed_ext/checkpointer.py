@@ -428,7 +428,7 @@ class MoCCheckpointer:
                     pending.pec_k, pending.save_latest, self.config.keep, log=_log,
                     pec_scope=self.config.pec_scope, claim=claim,
                     attempt_started=self.attempt_started)
-                commit.remove_reports(tag_dir, pending.world)
+                commit.remove_reports(tag_dir, pending.world, claim)
             except Exception as e:
                 traceback.print_exc()
                 pending.outcome = (False, f"{type(e).__name__}: {e}")

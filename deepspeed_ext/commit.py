@@ -166,14 +166,29 @@ def wait_for_reports(tag_dir: str, world_size: int, timeout_s: float,
         delay = min(0.2, delay * 2)
 
 
-def remove_reports(tag_dir: str, world_size: int) -> None:
+def remove_reports(tag_dir: str, world_size: int, claim: Optional[str] = None) -> None:
     """Delete the reports, and the claim, once the manifest holds their content (best
-    effort)."""
-    for name in [report_name(rank) for rank in range(world_size)] + [CLAIM_NAME]:
+    effort). With ``claim``, only the reports naming it and the claim if it is still
+    ``claim``: a late committer of an earlier attempt must not delete what a restarted
+    job's save of the same tag wrote since (its reports, its claim)."""
+    names = [report_name(rank) for rank in range(world_size)]
+    for name in names:
+        path = os.path.join(tag_dir, name)
         try:
-            fs.remove(os.path.join(tag_dir, name))
-        except OSError:
+            if claim is not None:
+                report = _read_report(path, names.index(name))
+                if report is None or _foreign(report, claim):
+                    continue
+            fs.remove(path)
+        except (OSError, CommitError):
             pass
+    from deepspeed_ext.manifest import locked_dir
+    try:
+        with locked_dir(os.path.dirname(tag_dir)):  # not between a re-claim's check and write
+            if claim is None or read_claim(tag_dir) == claim:
+                fs.remove(os.path.join(tag_dir, CLAIM_NAME))
+    except (OSError, CommitError):
+        pass
 
 
 def commit_checkpoint(save_dir: str, tag: str, step: int, layout: Mapping[str, Any],
@@ -233,8 +248,16 @@ def commit_checkpoint(save_dir: str, tag: str, step: int, layout: Mapping[str, A
         if kept is not None:
             log(f"WARNING: {LATEST_NOTE.format(tag=tag, step=step, kept=kept)}")
     if keep:
-        for removed in mf.apply_retention(save_dir, keep):
-            log(f"retention: removed {removed}")
+        try:
+            for removed in mf.apply_retention(save_dir, keep):
+                log(f"retention: removed {removed}")
+        except Exception as e:
+            # The checkpoint is committed and `latest` names it: a cleanup failing after
+            # that (another attempt's retention removed a directory first, a store's
+            # transient error) must not turn a good save into a failed one, which would
+            # stop training on every rank. The next save's retention tries again.
+            log(f"WARNING: retention after committing {tag} failed ({type(e).__name__}: {e}); "
+                f"older checkpoints stay until the next save's retention")
 
 
 LATEST_NOTE = ("latest stays at {kept}, committed by a later attempt of the job than "

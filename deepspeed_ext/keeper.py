@@ -408,7 +408,7 @@ def _commit_job(job: Dict[str, Any], tag_dir: str, log) -> None:
                                  shares, info["previous_tag"], info["selected"],
                                  info["pec_k"], info["save_latest"], info["keep"], log=log,
                                  claim=claim, attempt_started=info.get("attempt_started"))
-        commit.remove_reports(tag_dir, info["layout"]["world_size"])
+        commit.remove_reports(tag_dir, info["layout"]["world_size"], claim)
         log(f"committed {tag_dir}")
     except commit.Superseded as e:
         # A restarted job claimed the tag (or retention removed it) while this commit of

@@ -324,3 +324,38 @@ def test_a_keeper_job_of_an_earlier_attempt_writes_nothing_into_the_new_save(tmp
         report = json.load(f)
     assert report["ok"] and report["claim"] == new_claim
     assert os.path.exists(os.path.join(tag_dir, mf.rank_file_name(1)))
+
+
+def test_a_retention_failure_after_the_commit_does_not_fail_the_save(tmp_path, monkeypatch):
+    """The manifest and `latest` are written when retention raises (another attempt's
+    retention removed a directory first): the save stays committed, with a warning,
+    instead of being reported failed (which stops training on every rank)."""
+    from deepspeed_ext import manifest as mf
+
+    def failing(save_dir, keep):
+        raise FileNotFoundError(2, "No such file or directory (injected)")
+    monkeypatch.setattr(mf, "apply_retention", failing)
+    save_dir, tag = str(tmp_path), "global_step10"
+    tag_dir = mf.prepare_checkpoint_dir(save_dir, tag)
+    for rank in range(2):
+        _write_share(save_dir, tag, rank, 1.0)
+    claim, logged = read_claim(tag_dir), []
+    commit_checkpoint(save_dir, tag, 10, _commit_job(save_dir, tag, 10, claim)["commit"]["layout"],
+                      wait_for_reports(tag_dir, 2, timeout_s=5, claim=claim), None, None, None,
+                      True, 1, log=logged.append, claim=claim)
+    assert mf.read_latest(save_dir) == tag and mf.read_manifest(tag_dir).step == 10
+    assert any("retention after committing global_step10 failed" in line for line in logged)
+
+
+def test_a_late_committer_removes_only_its_own_reports_and_claim(tmp_path):
+    """An earlier attempt's committer cleaning up after its (late) manifest must leave the
+    reports and the claim of the restarted job's save of the same tag alone."""
+    tag_dir = str(tmp_path)
+    write_report(tag_dir, 0, {"who": 0}, claim="new")
+    write_report(tag_dir, 1, {"who": 1}, claim="old")
+    from deepspeed_ext.storage import atomic_write_json
+    atomic_write_json(os.path.join(tag_dir, CLAIM_NAME), {"claim": "new"})
+    remove_reports(tag_dir, 2, claim="old")
+    assert sorted(os.listdir(tag_dir)) == sorted([CLAIM_NAME, report_name(0)])
+    remove_reports(tag_dir, 2, claim="new")
+    assert os.listdir(tag_dir) == []
