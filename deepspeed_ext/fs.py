@@ -7,7 +7,8 @@ system directly (fsync and rename for atomic writes, see :mod:`deepspeed_ext.sto
 a URL is handed to `fsspec <https://filesystem-spec.readthedocs.io>`_, which must be
 installed together with the protocol's own package (``s3fs`` for ``s3://``, ``gcsfs``
 for ``gs://``). ``file://`` URLs also go through fsspec, which is how the tests exercise
-this path across processes.
+this path across processes; their whole-file writes alone use the operating system
+(temporary name, fsync, rename, directory fsync), as a local path's do.
 
 What the URL path assumes of the store, and nothing more (so object stores qualify):
 
@@ -232,12 +233,35 @@ def write_bytes(url: str, data) -> None:
         # file:// opens the final name and fills it in place: a reader polling for the
         # file (the committer waiting for reports) could read it half written. A
         # temporary name in the same directory (the local writers' ``.tmp.<pid>``, which
-        # the tag-directory checks know) and a rename publish it whole.
+        # the tag-directory checks know) and a rename publish it whole; fsyncs of the
+        # file and then its directory make it survive a power loss, as a local path's
+        # write does (fsspec's own mv syncs neither, and retention deletes the older
+        # checkpoints right after a commit).
         tmp = f"{p}.tmp.{os.getpid()}"
-        _write_chunks(fs, tmp, view)
-        fs.mv(tmp, p)
+        try:
+            with open(tmp, "wb") as f:
+                for start in range(0, len(view), _WRITE_CHUNK):
+                    f.write(view[start:start + _WRITE_CHUNK])
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, p)
+        except BaseException:
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+            raise
+        _fsync_local_dir(os.path.dirname(p) or ".")
         return
     _write_chunks(fs, p, view)
+
+
+def _fsync_local_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _is_local(fs) -> bool:

@@ -90,22 +90,30 @@ def test_failed_write_leaves_no_object(url, monkeypatch):
     assert calls == [4, 4] and not fs.exists(path)
 
 
-def test_file_url_write_never_shows_a_partial_file(tmp_path, monkeypatch):
+def test_file_url_write_never_shows_a_partial_file_and_is_durable(tmp_path, monkeypatch):
     """On ``file://`` a reader polling for the name (the committer waiting for reports)
-    must never find it half written: the bytes go to a temporary name, then a rename."""
-    import fsspec.implementations.local as local
-    opened = []
-    real_open = local.LocalFileSystem._open
+    must never find it half written: the bytes go to a temporary name, then a rename.
+    And it survives a power loss like a local path's write: the file is fsynced before
+    the rename, its directory after it."""
+    import stat
+    final = str(tmp_path / "rank00001.report.json")
+    synced, replaced = [], []
+    real_fsync, real_replace = os.fsync, os.replace
 
-    def recording_open(self, path, mode="rb", *args, **kwargs):
-        opened.append((path, mode, os.path.exists(str(tmp_path / "rank00001.report.json"))))
-        return real_open(self, path, mode, *args, **kwargs)
+    def fsync(fd):
+        synced.append(stat.S_ISDIR(os.fstat(fd).st_mode))
+        real_fsync(fd)
 
-    monkeypatch.setattr(local.LocalFileSystem, "_open", recording_open)
-    fs.write_bytes(f"file://{tmp_path}/rank00001.report.json", b'{"rank": 1}')
-    writes = [(p, visible) for p, mode, visible in opened if "w" in mode]
-    assert len(writes) == 1 and writes[0][0].endswith(f".tmp.{os.getpid()}"), opened
-    assert writes[0][1] is False  # nothing under the real name while writing
+    def replace(src, dst):
+        replaced.append((src, dst, os.path.exists(dst), len(synced)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    fs.write_bytes(f"file://{final}", b'{"rank": 1}')
+    # nothing under the real name while writing; the file synced before the rename
+    assert replaced == [(f"{final}.tmp.{os.getpid()}", final, False, 1)], replaced
+    assert synced == [False, True]  # the file, then its directory
     assert os.listdir(tmp_path) == ["rank00001.report.json"]
     assert (tmp_path / "rank00001.report.json").read_bytes() == b'{"rank": 1}'
 
