@@ -544,7 +544,7 @@ class Watchdog:
                      "reason": f"rendezvous store unreachable: {error}"}
             self._log(f"[monitor] rank {self.rank}: HANG: the rendezvous store has been "
                       f"unreachable for {event['seconds_since_progress']:.1f} s; stopping")
-            self._emit(event)  # no election without the store: every rank emits
+            self._emit_safely(event)  # no election without the store: every rank emits
             self._on_hang(event)
 
     def poll_once(self) -> List[Dict]:
@@ -614,11 +614,21 @@ class Watchdog:
         except Exception:
             first = True  # better twice in the event file than never
         if first:
-            self._emit(event)
+            self._emit_safely(event)
         if event["kind"] == "hang":
             self._on_hang(event)
         else:
             self._on_straggler(event)
+
+    def _emit_safely(self, event: Dict) -> None:
+        """Record an event; a failure to (the event file's disk full) is logged, never
+        raised: the action that follows (stopping this rank at a hang) must still run,
+        or this rank would go on while the others wait for it."""
+        try:
+            self._emit(event)
+        except Exception as e:
+            self._log(f"[monitor] rank {self.rank}: cannot record the {event['kind']} event "
+                      f"({type(e).__name__}: {e}); acting on it anyway")
 
 
 def _ranks(ranks: List[int]) -> str:

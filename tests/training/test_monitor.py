@@ -286,6 +286,30 @@ def test_an_unreachable_store_counts_as_a_hang():
     assert events[0]["rank"] == -1 and "unreachable" in events[0]["reason"]
 
 
+def test_a_hang_whose_event_cannot_be_recorded_still_stops_the_rank():
+    """The event file cannot be written (its disk full) when this rank reports a hang:
+    it must still stop (on_hang), or it would go on while the others wait for it."""
+    store, clock = dist.HashStore(), _Clock()
+    hung, logged = [], []
+
+    def full(event):
+        raise OSError(28, "No space left on device (injected)")
+    hbs = [Heartbeat(store, r) for r in range(2)]
+    dog = Watchdog(store, 0, 2, MonitorConfig(hang_timeout_s=5.0, poll_s=1.0), clock=clock,
+                   emit=full, on_hang=hung.append, log=logged.append)
+    for it in (1, 2):
+        for hb in hbs:
+            hb.beat(it)
+        clock.now += 1
+        dog.poll_once()
+    hbs[0].beat(3)  # rank 1 hangs
+    dog.poll_once()
+    clock.now += 6.0
+    dog.poll_once()
+    assert [e["rank"] for e in hung] == [1]
+    assert any("cannot record the hang event" in line for line in logged), logged
+
+
 # --------------------------------------------------------- real gloo ranks
 
 def _read_json(path):
