@@ -331,7 +331,18 @@ def _check_failure_flags(args: argparse.Namespace, world_size: int) -> None:
     """Fault injection and hang/straggler detection: bad values stop the job here."""
     from megatron.training.faults import faults_from_args
     from megatron.training.monitor import MonitorConfig
-    faults_from_args(args, world_size)
+    kinds = {spec.kind for spec in faults_from_args(args, world_size)}
+    # Checked here, on every rank: the injector finds out only on the fault's own rank,
+    # after the process group exists (the others then hang), or never fires them.
+    two_level = getattr(args, "moc_two_level", False)
+    exact = getattr(args, "moc_mode", "pec") == "exact"
+    if "lose-memory" in kinds and not (two_level or exact):
+        raise ConfigError("--moc-fault lose-memory needs in-memory snapshots (--moc-two-level, "
+                          "or --moc-mode exact's frames): there is nothing to lose")
+    for kind in ("snapshot-crash", "persist-crash"):
+        if kind in kinds and not two_level:
+            raise ConfigError(f"--moc-fault {kind} needs --moc-two-level: without it there is "
+                              f"no snapshot (or keeper persist) for the fault to fire in")
     if (args.moc_fault or args.moc_fault_mtbf is not None) and \
             (not args.save or "://" in args.save):
         raise ConfigError("--moc-fault/--moc-fault-mtbf need a local --save: the record of "

@@ -107,6 +107,12 @@ TWO_LEVEL = ["--moc-checkpoint", "--moc-two-level", "--save", "ck", "--num-exper
      "4 ranks do not split into nodes of 3 (--moc-ranks-per-node)"),
     (TWO_LEVEL + ["--moc-redundancy", "replicate", "--moc-redundancy-interval", "0"], 2,
      "--moc-redundancy-interval must be >= 1"),
+    (["--moc-checkpoint", "--save", "ck", "--moc-fault", "lose-memory@2:rank=1"], 2,
+     "--moc-fault lose-memory needs in-memory snapshots"),
+    (["--save", "ck", "--moc-fault", "persist-crash@2"], 1,
+     "--moc-fault persist-crash needs --moc-two-level"),
+    (["--save", "ck", "--moc-fault", "snapshot-crash@2"], 1,
+     "--moc-fault snapshot-crash needs --moc-two-level"),
 ])
 def test_validation_names_the_flag(extra, world, needle):
     with pytest.raises(ConfigError) as err:
