@@ -20,7 +20,7 @@ from typing import Dict, Optional, Tuple
 import torch.distributed as dist
 
 from deepspeed_ext import fs
-from deepspeed_ext.storage import atomic_write_json
+from deepspeed_ext.storage import atomic_write_json, atomic_write_text
 from megatron.training.arguments import MODEL_SHAPE_ARGS
 from megatron.training.errors import ConfigError
 from megatron.training.log import print_rank_0
@@ -62,7 +62,10 @@ def save_checkpoint(engine, args: argparse.Namespace, scheduler, state: ResumeSt
     """Save through ``engine.save_checkpoint``; all ranks call it. Returns the tag.
 
     Every rank contributes its RNG state (one ``all_gather_object``), DeepSpeed
-    writes its files, then rank 0 writes ``megatron_meta.json`` after a barrier. With
+    writes its files (not ``latest``), then, after a barrier, rank 0 writes
+    ``megatron_meta.json`` and only then ``latest`` (atomically): DeepSpeed writes
+    ``latest`` before its own last barrier, so a rank dying there left ``latest`` naming
+    a checkpoint without its meta file, which stopped every restart with exit 2. With
     MoC the save runs no collective here: MoC keeps every rank's RNG state itself (a
     snapshot per iteration must not pay a gather for it). ``log`` False: no log line.
     """
@@ -77,8 +80,9 @@ def save_checkpoint(engine, args: argparse.Namespace, scheduler, state: ResumeSt
                     "opt_param_scheduler": scheduler.state_dict(),
                     "rng_states": rng_states,
                     "args": args_to_dict(args)}
-    engine.save_checkpoint(args.save, tag=tag, client_state=client_state)
-    if getattr(engine, "moc", None) is not None:
+    moc = getattr(engine, "moc", None) is not None
+    engine.save_checkpoint(args.save, tag=tag, client_state=client_state, save_latest=moc)
+    if moc:
         # MoC's manifest already makes the save atomic and holds the arguments (in the
         # client state); an extra file would only be something for retention to trip on.
         how = ("in host memory; writing in the background" if engine.moc.config.async_save
@@ -91,11 +95,14 @@ def save_checkpoint(engine, args: argparse.Namespace, scheduler, state: ResumeSt
                          f"{time.perf_counter() - start:.3f} s ({how})")
         return tag
     dist.barrier()
-    if dist.get_rank() == 0:
+
+    def finish() -> None:
         atomic_write_json(os.path.join(args.save, tag, META_FILE), {
             "iteration": state.iteration, "consumed_train_samples": state.consumed_train_samples,
             "world_size": dist.get_world_size(), "args": args_to_dict(args)})
-    dist.barrier()
+        atomic_write_text(os.path.join(args.save, LATEST_FILE), tag)  # the checkpoint is whole
+    from deepspeed_ext.checkpointer import _broadcast_outcome
+    _broadcast_outcome(finish, f"saving {os.path.join(args.save, tag)}")  # rank 0's failure: all
     print_rank_0(f"[{time.strftime('%H:%M:%S')}] saved checkpoint at iteration {state.iteration:7d} "
                  f"to {args.save}/{tag} in {time.perf_counter() - start:.2f} s")
     return tag

@@ -55,3 +55,33 @@ def test_saved_arguments_are_read_only_from_an_intact_objects_file(tmp_path):
     assert '"num_layers": 2' in text
     path.write_text(text.replace('"num_layers": 2', '"num_layers": 7'))  # same size
     assert _saved_meta(engine, save_dir, "global_step5") == {}
+
+
+def test_a_baseline_save_names_its_checkpoint_in_latest_only_once_it_is_whole(tmp_path):
+    """DeepSpeed writes `latest` before its own last barrier: a rank dying there left it
+    naming a checkpoint without megatron_meta.json, and every restart stopped with exit 2.
+    The trainer asks DeepSpeed not to write it, and writes it itself after the meta file."""
+    import argparse
+    import types
+    import torch.distributed as dist
+    from megatron.training.checkpointing import LATEST_FILE, ResumeState, save_checkpoint
+    calls = []
+
+    def ds_save(save_dir, tag=None, client_state=None, save_latest=True):
+        calls.append(save_latest)
+        (tmp_path / "ckpt" / tag).mkdir(parents=True)
+        if save_latest:
+            (tmp_path / "ckpt" / LATEST_FILE).write_text(tag)
+    engine = types.SimpleNamespace(save_checkpoint=ds_save)
+    scheduler = types.SimpleNamespace(state_dict=lambda: {})
+    args = argparse.Namespace(save=str(tmp_path / "ckpt"))
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
+                            rank=0, world_size=1)
+    try:
+        tag = save_checkpoint(engine, args, scheduler,
+                              ResumeState(iteration=5, consumed_train_samples=40))
+    finally:
+        dist.destroy_process_group()
+    assert calls == [False]
+    assert (tmp_path / "ckpt" / LATEST_FILE).read_text() == tag == "global_step5"
+    assert json.loads((tmp_path / "ckpt" / tag / META_FILE).read_text())["iteration"] == 5
