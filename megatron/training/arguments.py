@@ -351,6 +351,24 @@ def _check_failure_flags(args: argparse.Namespace, world_size: int) -> None:
         MonitorConfig.from_args(args)
 
 
+def _check_output_file(flag: str, path: Optional[str]) -> None:
+    """A file the job appends to (rank 0, after loading): refused here, on every rank,
+    when it cannot be created, rather than failing on rank 0 alone later while the other
+    ranks wait for it in a collective."""
+    if not path or "://" in path:
+        return
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag} {path} is a directory; name a file")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):  # created when the file is first written
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path}: cannot create it ({parent} is not a writable "
+                          f"directory)")
+    if os.path.exists(path) and not os.access(path, os.W_OK):
+        raise ConfigError(f"{flag} {path}: not writable")
+
+
 def _check_storage_urls(args: argparse.Namespace) -> None:
     """``--save``/``--load`` may be fsspec URLs (``s3://...``) with --moc-checkpoint only,
     and the URL's filesystem package must be importable: fail here, not at the first save
@@ -480,6 +498,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         from megatron.training.events import default_event_file
         args.moc_event_file = default_event_file(args.save) if args.moc_checkpoint else None
     _check_failure_flags(args, world_size)
+    _check_output_file("--metrics-file", args.metrics_file)
+    _check_output_file("--moc-event-file", args.moc_event_file)
     if args.moc_two_level and not (args.save or args.load or args.moc_shm_dir):
         raise ConfigError("--moc-two-level needs --save (or --moc-shm-dir) to name its memory")
     if args.moc_k_snapshot > args.num_experts:

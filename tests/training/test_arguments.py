@@ -161,3 +161,18 @@ def test_checkpoint_policy_fragments_compose_with_a_model_config():
     with pytest.raises(ConfigError, match="--moc-pec-k \\(9\\) exceeds --num-experts \\(8\\)"):
         validate_args(parse_args(["--config", "configs/small.yaml", "--data-path", "x",
                                   "--moc-pec-k", "9"]), world_size=2)
+
+
+def test_an_output_file_that_cannot_be_created_is_refused_on_every_rank(tmp_path):
+    """--metrics-file/--moc-event-file are opened by rank 0 after loading: one that cannot
+    be created must stop every rank here (exit 2, the flag named), not rank 0 alone later
+    while the others wait in a collective."""
+    (tmp_path / "a-file").write_text("")
+    for flag in ("--metrics-file", "--moc-event-file"):
+        with pytest.raises(ConfigError, match=f"{flag} {tmp_path} is a directory"):
+            validate_args(parse_args(BASE + [flag, str(tmp_path)]), world_size=1)
+        bad = str(tmp_path / "a-file" / "m.jsonl")
+        with pytest.raises(ConfigError, match=f"{flag} {bad}: cannot create it"):
+            validate_args(parse_args(BASE + [flag, bad]), world_size=1)
+        fine = str(tmp_path / "new" / "dir" / "m.jsonl")  # created when first written
+        validate_args(parse_args(BASE + [flag, fine]), world_size=1)
