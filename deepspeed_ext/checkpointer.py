@@ -42,8 +42,9 @@ from deepspeed_ext.manifest import (FragmentSpec, prepare_checkpoint_dir,
                                     set_aside_checkpoints_after)
 from megatron.training.rng import get_rng_state, set_rng_state
 from deepspeed_ext.state import (ExpertNaming, LocalFragment, describe_local_state,
-                                 ensure_optimizer_state, expert_naming, optimizer_scalars,
-                                 refresh_compute_weights, set_optimizer_scalars)
+                                 ensure_optimizer_state, expert_naming, loss_scaler_state,
+                                 optimizer_scalars, refresh_compute_weights,
+                                 set_loss_scaler_state, set_optimizer_scalars)
 
 
 class MoCCheckpointError(RuntimeError):
@@ -261,9 +262,6 @@ class MoCCheckpointer:
     def _objects(self, client_state) -> Dict:
         """Non-tensor state of the engine and of MoC (rank 0 writes it)."""
         engine = self.engine
-        scaler = getattr(engine.optimizer, "loss_scaler", None)
-        scaler_state = ({k: v for k, v in vars(scaler).items() if isinstance(v, (int, float, bool))}
-                        if scaler is not None else None)
         return {"client_state": client_state or {},
                 "engine": {"global_steps": engine.global_steps,
                            "global_samples": engine.global_samples,
@@ -271,7 +269,7 @@ class MoCCheckpointer:
                 "optimizer_scalars": optimizer_scalars(engine),
                 "lr_scheduler": (engine.lr_scheduler.state_dict()
                                  if getattr(engine, "lr_scheduler", None) is not None else None),
-                "loss_scaler": scaler_state,
+                "loss_scaler": loss_scaler_state(engine),
                 "pec_policy": self.policy.state_dict() if self.policy is not None else None,
                 "token_ledger": self.ledger.state_dict() if self.ledger is not None else None}
 
@@ -683,10 +681,7 @@ class MoCCheckpointer:
             setattr(engine, key, value)
         if load_optimizer_states:
             set_optimizer_scalars(engine, objects["optimizer_scalars"])
-            scaler = getattr(engine.optimizer, "loss_scaler", None)
-            for key, value in (objects.get("loss_scaler") or {}).items():
-                if scaler is not None and hasattr(scaler, key):
-                    setattr(scaler, key, value)
+            set_loss_scaler_state(engine, objects.get("loss_scaler"))
         if self.policy is not None and objects.get("pec_policy") is not None:
             k = self.policy.k
             saved = dict(objects["pec_policy"])

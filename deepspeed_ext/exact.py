@@ -641,7 +641,7 @@ class ExactSnapshots:
 
     def _record(self, iteration: int, t: int, client_state: Dict[str, Any]) -> Dict[str, Any]:
         from deepspeed_ext.objects import encode
-        from deepspeed_ext.state import optimizer_scalars
+        from deepspeed_ext.state import loss_scaler_state, optimizer_scalars
         from megatron.training.rng import get_rng_state
         engine = self.engine
         objects = {"rng": get_rng_state(), "client_state": client_state,
@@ -649,6 +649,9 @@ class ExactSnapshots:
                               "global_samples": engine.global_samples,
                               "skipped_steps": engine.skipped_steps},
                    "optimizer_scalars": optimizer_scalars(engine),
+                   # fp16: the scale and its hysteresis decide which replayed steps
+                   # overflow and are skipped, as in the original run
+                   "loss_scaler": loss_scaler_state(engine),
                    "popularity": [[l, e, n] for (l, e), n in sorted(self.popularity.items())]}
         tree, tensors = encode(objects)
         layout = self._layout()
@@ -972,13 +975,15 @@ class ExactSnapshots:
         return {k: v for k, v in tensors.items() if not k.startswith("obj/")}, objects
 
     def _restore_objects(self, objects: Dict[str, Any]) -> None:
-        from deepspeed_ext.state import ensure_optimizer_state, set_optimizer_scalars
+        from deepspeed_ext.state import (ensure_optimizer_state, set_loss_scaler_state,
+                                         set_optimizer_scalars)
         engine = self.engine
         ensure_optimizer_state(engine)
         self._fragments = None  # moments may have just been created
         for key, value in objects["engine"].items():
             setattr(engine, key, value)
         set_optimizer_scalars(engine, objects["optimizer_scalars"])
+        set_loss_scaler_state(engine, objects.get("loss_scaler"))
 
     def _check_window(self, start: int, schedule, frames: Dict[int, Dict[str, torch.Tensor]]) -> None:
         """This rank: every tensor :meth:`_apply_frame` will take from each frame of the

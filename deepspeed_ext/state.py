@@ -320,6 +320,24 @@ def set_optimizer_scalars(engine, scalars: List[Dict]) -> None:
                               if torch.is_tensor(old) else value)
 
 
+def loss_scaler_state(engine) -> Optional[Dict]:
+    """The fp16 loss scaler's scalar fields (scale, hysteresis, iterations since the last
+    overflow); None without a scaler. Part of what makes a resumed run skip the same
+    overflowing steps as an uninterrupted one."""
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    if scaler is None:
+        return None
+    return {k: v for k, v in vars(scaler).items() if isinstance(v, (int, float, bool))}
+
+
+def set_loss_scaler_state(engine, saved: Optional[Dict]) -> None:
+    """Restore what :func:`loss_scaler_state` returned (fields this scaler lacks are skipped)."""
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    for key, value in (saved or {}).items():
+        if scaler is not None and hasattr(scaler, key):
+            setattr(scaler, key, value)
+
+
 def refresh_compute_weights(engine) -> None:
     """After fp32 master fragments changed: rebuild the (low-precision) compute weights.
 

@@ -348,3 +348,27 @@ def test_frames_of_an_unusable_window_are_set_aside_not_deleted(tmp_path):
     assert len(aside) == 1
     assert sorted(os.listdir(os.path.join(save, aside[0]))) == [
         "frame00000004", "frame00000005", "frame00000006"]
+
+
+def test_a_frame_carries_the_fp16_loss_scaler(monkeypatch):
+    """With --fp16 the loss scale and its hysteresis decide which steps overflow and are
+    skipped: a replay starting from a fresh scaler (2^16) would skip other steps than the
+    original run did. A frame's objects restore it, as a checkpoint's do."""
+    import types
+    from deepspeed_ext import state as st
+
+    class Scaler:
+        def __init__(self, scale, since):
+            self.cur_scale, self.cur_iter, self.last_overflow_iter = scale, since, since - 3
+            self.dynamic = True
+    original = types.SimpleNamespace(optimizer=types.SimpleNamespace(loss_scaler=Scaler(512.0, 40)))
+    saved = st.loss_scaler_state(original)
+    assert saved == {"cur_scale": 512.0, "cur_iter": 40, "last_overflow_iter": 37, "dynamic": True}
+    monkeypatch.setattr(st, "ensure_optimizer_state", lambda engine: None)
+    monkeypatch.setattr(st, "set_optimizer_scalars", lambda engine, scalars: None)
+    fresh = types.SimpleNamespace(optimizer=types.SimpleNamespace(loss_scaler=Scaler(65536.0, 0)))
+    snaps = ex.ExactSnapshots.__new__(ex.ExactSnapshots)
+    snaps.engine = fresh
+    snaps._restore_objects({"engine": {"global_steps": 40}, "optimizer_scalars": [],
+                            "loss_scaler": saved})
+    assert st.loss_scaler_state(fresh) == saved and fresh.global_steps == 40
