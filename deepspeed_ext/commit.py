@@ -171,12 +171,11 @@ def remove_reports(tag_dir: str, world_size: int, claim: Optional[str] = None) -
     effort). With ``claim``, only the reports naming it and the claim if it is still
     ``claim``: a late committer of an earlier attempt must not delete what a restarted
     job's save of the same tag wrote since (its reports, its claim)."""
-    names = [report_name(rank) for rank in range(world_size)]
-    for name in names:
-        path = os.path.join(tag_dir, name)
+    for rank in range(world_size):
+        path = os.path.join(tag_dir, report_name(rank))
         try:
             if claim is not None:
-                report = _read_report(path, names.index(name))
+                report = _read_report(path, rank)
                 if report is None or _foreign(report, claim):
                     continue
             fs.remove(path)
