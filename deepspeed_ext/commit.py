@@ -243,7 +243,7 @@ def commit_checkpoint(save_dir: str, tag: str, step: int, layout: Mapping[str, A
         check_claim(os.path.join(save_dir, tag), claim)
         mf.write_manifest(os.path.join(save_dir, tag), manifest)
     if save_latest:
-        kept = mf.advance_latest(save_dir, tag, attempt_started)
+        kept = mf.advance_latest(save_dir, tag, attempt_started, step)
         if kept is not None:
             log(f"WARNING: {LATEST_NOTE.format(tag=tag, step=step, kept=kept)}")
     if keep:
@@ -260,7 +260,8 @@ def commit_checkpoint(save_dir: str, tag: str, step: int, layout: Mapping[str, A
 
 
 LATEST_NOTE = ("latest stays at {kept}, committed by a later attempt of the job than "
-               "{tag} (step {step}), which an earlier attempt's committer finished only now")
+               "{tag} (step {step}) or later in the same attempt; the commit of {tag} "
+               "finished only now")
 
 FAILURE_NAME = "commit.failed.json"
 

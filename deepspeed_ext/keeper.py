@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 SOCKET_NAME = "keeper.sock"
 LOG_NAME = "keeper.log"
@@ -368,9 +368,11 @@ def run_persist_job(job: Dict[str, Any], log=print, background_commit: bool = Fa
     if job.get("commit") is None:
         return
     if background_commit:
-        thread = threading.Thread(target=_commit_job, args=(job, tag_dir, log), daemon=True,
-                                  name=f"commit-{job['tag']}")
-        _COMMITS.append(thread)
+        reports_in = threading.Event()
+        thread = threading.Thread(target=_commit_job, args=(job, tag_dir, log, reports_in),
+                                  daemon=True, name=f"commit-{job['tag']}")
+        _COMMITS[:] = [c for c in _COMMITS if c[0].is_alive()]  # a keeper lives for weeks
+        _COMMITS.append((thread, reports_in))
         thread.start()
     else:
         _commit_job(job, tag_dir, log)
@@ -393,17 +395,22 @@ def _hang(message: str) -> None:
         time.sleep(3600)
 
 
-_COMMITS: List[threading.Thread] = []
-"""The keeper's background commits; :func:`serve` decides at exit which to wait for."""
+_COMMITS: List[Tuple[threading.Thread, threading.Event]] = []
+"""The keeper's background commits, each with the event set once every report is in (it
+is then writing the manifest, ``latest`` and retention); :func:`serve` decides at exit
+which to wait for."""
 
 
-def _commit_job(job: Dict[str, Any], tag_dir: str, log) -> None:
+def _commit_job(job: Dict[str, Any], tag_dir: str, log,
+                reports_in: Optional[threading.Event] = None) -> None:
     from deepspeed_ext import commit
     info = job["commit"]
     claim = job.get("claim")  # rank 0's, from preparing the directory (None: unchecked)
     try:
         shares = commit.wait_for_reports(tag_dir, info["layout"]["world_size"], info["timeout_s"],
                                          claim=claim)
+        if reports_in is not None:
+            reports_in.set()
         commit.commit_checkpoint(job["save_dir"], job["tag"], info["step"], info["layout"],
                                  shares, info["previous_tag"], info["selected"],
                                  info["pec_k"], info["save_latest"], info["keep"], log=log,
@@ -418,6 +425,22 @@ def _commit_job(job: Dict[str, Any], tag_dir: str, log) -> None:
         traceback.print_exc()
         if _still_ours(tag_dir, claim):
             commit.write_failure(tag_dir, f"{type(e).__name__}: {e}", claim=claim)
+
+
+def join_commits(waiting_too: bool) -> None:
+    """Wait for the keeper's background commits (before it exits).
+
+    Args:
+        waiting_too: also those still waiting for reports. On a requested shutdown the
+            training processes have seen the manifest of every commit they asked for, so
+            a commit still waiting belongs to an attempt that crashed, and would hold the
+            exiting keeper for its whole timeout; but a commit goes on after its manifest
+            (``latest``, retention), and exiting under it left ``latest`` at the previous
+            checkpoint and a stray ``latest.tmp.<pid>``: those are always waited for.
+    """
+    for thread, reports_in in list(_COMMITS):
+        if waiting_too or reports_in.is_set():
+            thread.join()
 
 
 def _still_ours(tag_dir: str, claim: Optional[str]) -> bool:
@@ -489,6 +512,7 @@ class Keeper:
             return {"ok": True, "queued": self.jobs.qsize()}
         if op == "shutdown":
             self.jobs.join()  # finish every persist already asked for
+            join_commits(waiting_too=False)
             self.stop.set()
             return {"ok": True}
         return {"ok": False, "error": f"unknown op {op!r}"}
@@ -569,11 +593,7 @@ def serve(directory: str, idle_timeout_s: float) -> int:
     if not keeper.stop.is_set():
         # Idle exit: other nodes' keepers may still be writing the reports a commit of
         # ours waits for; let them finish (each is bounded by its commit timeout).
-        for thread in _COMMITS:
-            thread.join()
-    # On a requested shutdown the training processes have waited for every commit
-    # they asked for; a commit still waiting belongs to an attempt that crashed and
-    # would hold the exited keeper's process for the whole commit timeout.
+        join_commits(waiting_too=True)
     server.close()
     _log(directory, f"exiting ({reason}); removing {directory}")
     shutil.rmtree(directory, ignore_errors=True)

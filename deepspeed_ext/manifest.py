@@ -53,6 +53,7 @@ import json
 import math
 import os
 import re
+import threading
 import time
 from collections import abc
 from dataclasses import dataclass, field
@@ -802,22 +803,25 @@ def update_latest(save_dir: str, tag: str) -> None:
     atomic_write_text(os.path.join(save_dir, LATEST_FILE), tag)
 
 
-def advance_latest(save_dir: str, tag: str, attempt_started: Optional[float]) -> Optional[str]:
-    """The committer's :func:`update_latest`: never over a later attempt's checkpoint.
+def advance_latest(save_dir: str, tag: str, attempt_started: Optional[float],
+                   step: Optional[int] = None) -> Optional[str]:
+    """The committer's :func:`update_latest`: never over a later checkpoint.
 
     A committer can outlive its job: a keeper waiting for a dead node's reports finishes
     after the restarted job has committed newer work. Each manifest records when its
     job attempt started (``extra["attempt_started"]``, rank 0's clock); ``latest`` is
     left alone when it names a checkpoint committed by an attempt that started later
-    than this one, and moved otherwise (within one attempt steps only grow, and a new
-    attempt may legitimately move it back: it resumed from an older checkpoint, or
-    writes into a directory of an earlier run). On a local directory the read and the
-    write are one step under a lock on ``save_dir``, so two committers (the same
-    keeper's threads) cannot interleave.
+    than this one, or by this attempt at a later step (a commit that finished late:
+    the training side moves on once a manifest exists, while its committer still
+    writes ``latest``), and moved otherwise (a new attempt may legitimately move it
+    back: it resumed from an older checkpoint, or writes into a directory of an earlier
+    run). The read and the write are one step under :func:`locked_dir`, so two
+    committers (the same keeper's threads) cannot interleave.
 
     Args:
         attempt_started: when this committer's attempt started; None (an older
             caller): always move.
+        step: the step of ``tag``; None: compared by attempt only.
 
     Returns:
         None when ``latest`` now names ``tag``; else the later attempt's tag it keeps.
@@ -830,33 +834,58 @@ def advance_latest(save_dir: str, tag: str, attempt_started: Optional[float]) ->
             pass  # damaged: this commit repairs it
         if attempt_started is not None and current is not None and current != tag:
             try:
-                theirs = read_manifest(os.path.join(save_dir, current)).extra.get("attempt_started")
+                theirs = read_manifest(os.path.join(save_dir, current))
             except CheckpointError:
                 theirs = None  # names nothing loadable: replace it
-            if isinstance(theirs, (int, float)) and theirs > attempt_started:
+            if theirs is not None and _committed_later(theirs, attempt_started, step):
                 return current
         update_latest(save_dir, tag)
         return None
 
 
+def _committed_later(current: Manifest, attempt_started: float, step: Optional[int]) -> bool:
+    theirs = current.extra.get("attempt_started")
+    if not isinstance(theirs, (int, float)):
+        return False
+    if theirs > attempt_started:
+        return True
+    return theirs == attempt_started and step is not None and current.step > step
+
+
 @contextlib.contextmanager
 def locked_dir(path: str):
-    """An exclusive ``flock`` on the local directory ``path`` for the ``with`` block (no
-    lock file left behind); no lock for URLs, or where the filesystem refuses one."""
-    fd = None
-    if not fs.is_url(path):
+    """An exclusive lock on the directory ``path`` for the ``with`` block: within this
+    process always (the keeper's commit threads), across processes by ``flock`` on a
+    local directory (no lock file left behind; none for URLs, or where the filesystem
+    refuses one)."""
+    with _process_lock(path):
+        fd = None
+        if not fs.is_url(path):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError:
+                if fd is not None:
+                    os.close(fd)
+                fd = None
         try:
-            fd = os.open(path, os.O_RDONLY)
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except OSError:
+            yield
+        finally:
             if fd is not None:
-                os.close(fd)
-            fd = None
-    try:
-        yield
-    finally:
-        if fd is not None:
-            os.close(fd)  # closing releases the lock
+                os.close(fd)  # closing releases the lock
+
+
+_PROCESS_LOCKS: Dict[str, threading.Lock] = {}
+_PROCESS_LOCKS_GUARD = threading.Lock()
+
+
+def _process_lock(path: str) -> threading.Lock:
+    # Two commit threads of one keeper writing into a URL (no flock there) interleaved
+    # their read of ``latest`` and their write of it; the same writer's temporary name
+    # (``latest.tmp.<pid>``) was then shared by both.
+    key = fs.identity(path) if fs.is_url(path) else os.path.realpath(path)
+    with _PROCESS_LOCKS_GUARD:
+        return _PROCESS_LOCKS.setdefault(key, threading.Lock())
 
 
 def read_latest(save_dir: str) -> Optional[str]:

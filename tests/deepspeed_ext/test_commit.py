@@ -219,6 +219,57 @@ def test_latest_is_not_moved_over_a_later_attempts_checkpoint(tmp_path):
     assert mf.read_latest(save_dir) == "global_step5"
 
 
+def test_a_late_commit_of_an_earlier_step_of_the_same_attempt_keeps_latest(tmp_path):
+    """The training side starts the next persist once a manifest exists, while that
+    commit still writes ``latest``: a commit of step 20 finishing after step 30's must
+    not move ``latest`` back (a restart would lose ten steps)."""
+    from deepspeed_ext import manifest as mf
+    save_dir = str(tmp_path)
+    assert _commit(save_dir, "global_step30", 30, 3.0, attempt_started=200.0) == []
+    logged = _commit(save_dir, "global_step20", 20, 2.0, attempt_started=200.0)
+    assert mf.read_latest(save_dir) == "global_step30"
+    assert len(logged) == 1 and "latest stays at global_step30" in logged[0]
+    assert _commit(save_dir, "global_step40", 40, 4.0, attempt_started=200.0) == []
+    assert mf.read_latest(save_dir) == "global_step40"
+
+
+def test_committers_of_one_process_take_turns_on_a_url(tmp_path, monkeypatch):
+    """No flock on a URL: two commit threads of one keeper must still not interleave
+    their read and write of ``latest`` (they share the writer's temporary name too)."""
+    from deepspeed_ext import manifest as mf
+    url = "file://" + str(tmp_path)
+    inside, overlapped = [], []
+    real = mf.update_latest
+
+    def slow_update(save_dir, tag):
+        inside.append(tag)
+        if len(inside) > 1:
+            overlapped.append(tag)
+        time.sleep(0.2)
+        real(save_dir, tag)
+        inside.remove(tag)
+
+    for step in (10, 20):
+        tag_dir = mf.prepare_checkpoint_dir(url, f"global_step{step}")
+        for rank in range(2):
+            _write_share(url, f"global_step{step}", rank, step)
+        mf.write_manifest(tag_dir, mf.assemble_manifest(
+            f"global_step{step}", step, 2, _commit_job(url, "x", step, None)["commit"]["layout"],
+            [mf.RankReport.from_json(s["report"]) for s in wait_for_reports(tag_dir, 2, 5)], {},
+            extra={"attempt_started": 1.0}))
+    monkeypatch.setattr(mf, "update_latest", slow_update)
+    threads = [threading.Thread(target=mf.advance_latest, args=(url, f"global_step{step}", 1.0, step))
+               for step in (20, 10)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.05)
+    for thread in threads:
+        thread.join()
+    assert overlapped == []
+    assert mf.read_latest(url) == "global_step20"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step10", "global_step20", "latest"]
+
+
 def test_latest_naming_nothing_loadable_is_replaced(tmp_path):
     from deepspeed_ext import manifest as mf
     save_dir = str(tmp_path)

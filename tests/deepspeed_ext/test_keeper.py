@@ -122,3 +122,45 @@ def test_a_persist_is_not_handed_to_a_dead_keeper(tmp_path, monkeypatch):
     monkeypatch.setattr(keeper, "request", counting)
     assert not keeper.hand_over(str(tmp_path), {"id": "x"}, attempts=3, timeout_s=5)
     assert sent == ["persist"]
+
+
+def test_a_shutdown_waits_for_commits_past_their_reports_only(tmp_path, monkeypatch):
+    """The training side asks for the shutdown once it has seen its last manifest, but the
+    commit goes on after it (``latest``, retention): the keeper answers only when that
+    commit is done. A commit still waiting for reports (a crashed attempt's) is not
+    waited for: it would hold the shutdown for its whole timeout."""
+    from deepspeed_ext import commit
+    finished = []
+
+    def slow_commit(save_dir, tag, *args, **kwargs):
+        time.sleep(0.5)  # writing latest, running retention
+        finished.append(tag)
+
+    monkeypatch.setattr(commit, "commit_checkpoint", slow_commit)
+    monkeypatch.setattr(keeper, "_COMMITS", [])
+
+    def job(tag):
+        os.makedirs(tmp_path / tag, exist_ok=True)
+        return {"save_dir": str(tmp_path), "tag": tag, "claim": None, "commit": {
+            "step": 1, "previous_tag": None, "selected": None, "pec_k": None,
+            "save_latest": True, "keep": 0, "timeout_s": 60.0,
+            "layout": {"world_size": 1, "ep_size": 1, "zero_stage": 2, "num_moe_layers": 0,
+                       "num_experts": 0}}}
+
+    for tag in ("global_step1", "global_step2"):
+        reports_in = threading.Event()
+        thread = threading.Thread(target=keeper._commit_job,
+                                  args=(job(tag), str(tmp_path / tag), print, reports_in),
+                                  daemon=True)
+        keeper._COMMITS.append((thread, reports_in))
+        thread.start()
+    commit.write_report(str(tmp_path / "global_step1"), 0, {"report": None})  # step 2 never
+    for _ in range(200):
+        if keeper._COMMITS[0][1].is_set():
+            break
+        time.sleep(0.01)
+    start = time.monotonic()
+    reply = keeper.Keeper(str(tmp_path), 60.0).handle({"op": "shutdown"})
+    assert reply == {"ok": True}
+    assert finished == ["global_step1"]
+    assert time.monotonic() - start < 30
