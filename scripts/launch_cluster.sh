@@ -57,9 +57,13 @@ while true; do
     excluded="$(suspects)"
     [ -n "$excluded" ] && exclude=(--exclude "$excluded")
     status=0
-    MOC_RESTART_COUNT="$attempt" "${DEEPSPEED:-deepspeed}" --hostfile "$HOSTFILE" --num_nodes "$NODES" \
+    # The attempt number as a flag: the launcher carries only some of its environment
+    # (NCCL_*, PYTHON*, ...) to other nodes' ranks, which then all counted as attempt 0
+    # and ETTR covered only the last attempt.
+    "${DEEPSPEED:-deepspeed}" --hostfile "$HOSTFILE" --num_nodes "$NODES" \
         --num_gpus "$GPUS" "${exclude[@]}" pretrain_gpt_moe.py --config "$CONFIG" \
-        --data-path "$DATA_PATH" --moe-expert-parallel-size "$EP" "$@" || status=$?
+        --data-path "$DATA_PATH" --moe-expert-parallel-size "$EP" "$@" \
+        --moc-restart-count "$attempt" || status=$?
     if [ "$status" = 0 ] || [ "$status" = 2 ] || [ "$attempt" -ge "$MAX_RESTARTS" ]; then
         exit "$status"  # done, bad input (a restart would fail the same way), or out of restarts
     fi

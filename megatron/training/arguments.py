@@ -189,6 +189,10 @@ def _add_moc_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moc-event-file", default=None,
                    help="JSON-lines file of failures, detections and recoveries (PLT, K, "
                         "iterations lost); default: <save>/moc-events.jsonl for a local --save.")
+    g.add_argument("--moc-restart-count", type=int, default=None,
+                   help="Which attempt of the job this is (0: the first), for the event file "
+                        "and ETTR; default: TORCHELASTIC_RESTART_COUNT or MOC_RESTART_COUNT "
+                        "from the environment (scripts/launch_cluster.sh passes this flag).")
     g.add_argument("--moc-sync-save", action="store_true",
                    help="Wait until each checkpoint is written and committed; by default a "
                         "save returns once the state is in host memory and is written in "
@@ -492,6 +496,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _check_storage_urls(args)
     if args.moc_dynamic_k and not args.moc_checkpoint:
         raise ConfigError("--moc-dynamic-k needs --moc-checkpoint")
+    if args.moc_restart_count is not None and args.moc_restart_count < 0:
+        raise ConfigError(f"--moc-restart-count must be >= 0, got {args.moc_restart_count}")
     if not 0.0 < args.moc_plt_threshold < 1.0:
         raise ConfigError(f"--moc-plt-threshold must be in (0, 1), got {args.moc_plt_threshold}")
     if args.moc_event_file is None:

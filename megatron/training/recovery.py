@@ -97,7 +97,7 @@ def _rank0_report(moc, args, iteration: int, load_s: float) -> RecoveryReport:
     everything = log.read() if log is not None else []
     earlier = [e for e in everything if e.get("kind") == "recovery"]
     report = RecoveryReport(iteration=iteration, source=moc.last_load_source,
-                            failure=_failure(everything))
+                            failure=_failure(everything, restart_count(args)))
     progress = Progress(progress_path(args.moc_event_file)).read() if log is not None else None
     if progress is not None:
         report.iterations_lost = max(0, int(progress["iteration"]) - iteration)
@@ -126,7 +126,7 @@ def _rank0_report(moc, args, iteration: int, load_s: float) -> RecoveryReport:
                 print_rank_0(f"[moc] dynamic K: accumulated PLT {100 * report.cumulative_plt:.2f} % "
                              f"> {100 * args.moc_plt_threshold:.2f} % (--moc-plt-threshold): "
                              f"K {before} -> {k} experts per MoE layer")
-    _log_recovery(report, load_s, loss)
+    _log_recovery(report, load_s, loss, restart_count(args))
     if log is not None:
         event = {"kind": "recovery", "iteration": iteration, "source": report.source,
                  "load_s": load_s, "plt": report.plt, "cumulative_plt": report.cumulative_plt,
@@ -135,7 +135,7 @@ def _rank0_report(moc, args, iteration: int, load_s: float) -> RecoveryReport:
                  "seconds_since_progress": report.seconds_since_progress,
                  "failed_run": progress.get("run") if progress else None,
                  "failure": report.failure,
-                 "restart": restart_count(),
+                 "restart": restart_count(args),
                  "loss": loss.to_json() if loss is not None else None}
         log.append(event)
     return report
@@ -146,7 +146,7 @@ def record_start(args: argparse.Namespace, iteration: int) -> None:
     iteration it starts from), from which :func:`report_ettr` finds the job's start."""
     if not getattr(args, "moc_event_file", None) or dist.get_rank() != 0:
         return
-    EventLog(args.moc_event_file).append({"kind": "start", "restart": restart_count(),
+    EventLog(args.moc_event_file).append({"kind": "start", "restart": restart_count(args),
                                           "iteration": iteration})
 
 
@@ -183,9 +183,14 @@ def report_ettr(args: argparse.Namespace, iteration: int,
     return event
 
 
-def restart_count() -> int:
-    """Which attempt of the job this is: torchrun's elastic agent says it in
-    ``TORCHELASTIC_RESTART_COUNT``, scripts/launch_cluster.sh in ``MOC_RESTART_COUNT``."""
+def restart_count(args: Optional[argparse.Namespace] = None) -> int:
+    """Which attempt of the job this is: ``--moc-restart-count`` (scripts/launch_cluster.sh
+    passes it: the DeepSpeed launcher does not carry its own environment to other
+    nodes' ranks), else torchrun's elastic agent's ``TORCHELASTIC_RESTART_COUNT``, else
+    ``MOC_RESTART_COUNT``."""
+    given = getattr(args, "moc_restart_count", None)
+    if given is not None:
+        return int(given)
     for key in ("TORCHELASTIC_RESTART_COUNT", "MOC_RESTART_COUNT"):
         if os.environ.get(key, "").isdigit():
             return int(os.environ[key])
@@ -199,7 +204,7 @@ def _ended_the_run(event: Dict) -> bool:
     return kind in ("fault", "hang") or (kind == "straggler" and event.get("action") == "stop")
 
 
-def _failure(events: List[Dict]) -> Optional[str]:
+def _failure(events: List[Dict], restart: int) -> Optional[str]:
     """The newest failure event since the last recovery, in words."""
     failures = []
     for event in events:
@@ -215,15 +220,15 @@ def _failure(events: List[Dict]) -> Optional[str]:
         what = "injected " + str(e.get("fault")) if e["kind"] == "fault" else \
             "straggler stopped the job"
         return f"{what} on rank {e.get('rank')} at iteration {e.get('iteration')}"
-    if restart_count() > 0:
+    if restart > 0:
         return "unknown (no event recorded: see the launcher's log)"
     return None
 
 
-def _log_recovery(report: RecoveryReport, load_s: float, loss) -> None:
+def _log_recovery(report: RecoveryReport, load_s: float, loss, restart: int) -> None:
     parts = [f"recovered iteration {report.iteration} from {report.source} in {load_s:.2f} s"]
     if report.failure is not None:
-        parts.insert(0, f"restart {restart_count()} after failure: {report.failure}")
+        parts.insert(0, f"restart {restart} after failure: {report.failure}")
     if report.iterations_lost is not None:
         parts.append(f"{report.iterations_lost} iteration(s) lost, "
                      f"{report.seconds_since_progress:.1f} s since the last finished iteration")

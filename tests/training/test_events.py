@@ -50,16 +50,30 @@ def test_event_file_default_and_threshold_checks(tmp_path):
     assert json.dumps(vars(args), default=str)  # the arguments stay serialisable
 
 
-def test_failure_named_at_a_restart_is_the_newest_since_the_last_recovery(monkeypatch):
+def test_failure_named_at_a_restart_is_the_newest_since_the_last_recovery():
     from megatron.training.recovery import _failure
-    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     crash = {"kind": "fault", "fault": "crash", "rank": 1, "iteration": 6}
     reported = {"kind": "straggler", "rank": 0, "iteration": 9, "action": "report"}
     stopped = dict(reported, action="stop")
-    assert _failure([crash]) == "injected crash on rank 1 at iteration 6"
+    assert _failure([crash], 2) == "injected crash on rank 1 at iteration 6"
     # recovered from the crash; a straggler that was only reported stopped nothing
-    assert _failure([crash, {"kind": "recovery"}, reported]).startswith("unknown")
-    assert _failure([crash, {"kind": "recovery"}, stopped]) == \
+    assert _failure([crash, {"kind": "recovery"}, reported], 2).startswith("unknown")
+    assert _failure([crash, {"kind": "recovery"}, stopped], 2) == \
         "straggler stopped the job on rank 0 at iteration 9"
-    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
-    assert _failure([crash, {"kind": "recovery"}]) is None  # a planned restart
+    assert _failure([crash, {"kind": "recovery"}], 0) is None  # a planned restart
+
+
+def test_restart_count_comes_from_the_flag_before_the_environment(monkeypatch):
+    """The DeepSpeed launcher does not carry MOC_RESTART_COUNT to other nodes' ranks:
+    scripts/launch_cluster.sh passes --moc-restart-count, which wins."""
+    from megatron.training.recovery import restart_count
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    monkeypatch.delenv("MOC_RESTART_COUNT", raising=False)
+    assert restart_count(parse_args(BASE)) == 0
+    monkeypatch.setenv("MOC_RESTART_COUNT", "3")
+    assert restart_count(parse_args(BASE)) == 3
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert restart_count(parse_args(BASE)) == 2
+    assert restart_count(parse_args(BASE + ["--moc-restart-count", "5"])) == 5
+    with pytest.raises(ConfigError, match="--moc-restart-count must be >= 0"):
+        validate_args(parse_args(BASE + ["--moc-restart-count", "-1"]), 1)
