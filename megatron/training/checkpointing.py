@@ -24,7 +24,7 @@ from deepspeed_ext.storage import atomic_write_json, atomic_write_text
 from megatron.training.arguments import MODEL_SHAPE_ARGS
 from megatron.training.errors import ConfigError
 from megatron.training.log import print_rank_0
-from megatron.training.rng import get_rng_state
+from megatron.training.rng import get_rng_state, set_rng_state
 
 META_FILE = "megatron_meta.json"
 LATEST_FILE = "latest"
@@ -267,6 +267,7 @@ def load_checkpoint(engine, args: argparse.Namespace, scheduler, exact=None) -> 
     if tag is not None:
         check_compatible(meta, args, path)  # the same meta everywhere: all ranks or none raise
     start = time.perf_counter()
+    seeded = get_rng_state() if args.no_load_rng else None
     load_path, client_state = engine.load_checkpoint(
         # MoC picks the newest *valid* checkpoint itself (falling back past a corrupt one).
         load_dir, tag=None if getattr(args, "moc_checkpoint", False) else tag,
@@ -281,6 +282,8 @@ def load_checkpoint(engine, args: argparse.Namespace, scheduler, exact=None) -> 
     scheduler.load_state_dict(client_state["opt_param_scheduler"])
     rng_states = client_state.get("rng_states") or []
     rng_state = None
+    if seeded is not None and getattr(engine, "moc", None) is not None and engine.moc.rng_restored:
+        set_rng_state(seeded)  # MoC's load restored the saved states: --no-load-rng undoes it
     if not args.no_load_rng and client_state.get("rng_states") is None \
             and getattr(engine, "moc", None) is not None and engine.moc.rng_restored:
         rng_state = get_rng_state()  # MoC has just restored this rank's saved state

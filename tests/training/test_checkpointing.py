@@ -3,6 +3,7 @@ that would read ``latest`` differently (or fail to read it) cannot send the rank
 different paths through the load's collectives."""
 
 import json
+import os
 
 import pytest
 
@@ -89,3 +90,44 @@ def test_a_baseline_save_names_its_checkpoint_in_latest_only_once_it_is_whole(tm
     assert calls == [False]
     assert (tmp_path / "ckpt" / LATEST_FILE).read_text() == tag == "global_step5"
     assert json.loads((tmp_path / "ckpt" / tag / META_FILE).read_text())["iteration"] == 5
+
+
+@pytest.mark.parametrize("no_load_rng", [True, False])
+def test_no_load_rng_keeps_the_seeded_state_after_a_moc_load(tmp_path, monkeypatch, no_load_rng):
+    """MoC's load restores every rank's saved RNG state itself: --no-load-rng must undo it
+    (it was ignored: the run went on with the checkpoint's random stream)."""
+    import argparse
+    import types
+    import torch
+    import torch.distributed as dist
+    from megatron.training import checkpointing, recovery
+    from tests.deepspeed_ext.test_commit import _commit
+    save_dir = str(tmp_path / "ckpt")
+    _commit(save_dir, "global_step5", 5, 1.0, objects={"client_state": {"args": {}}})
+
+    def moc_load(load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True):
+        torch.manual_seed(999)  # the saved state, as MoC's load sets it
+        return os.path.join(load_dir, "global_step5"), {
+            "opt_param_scheduler": {}, "iteration": 5, "consumed_train_samples": 40}
+    engine = types.SimpleNamespace(moc=types.SimpleNamespace(rng_restored=True),
+                                   load_checkpoint=moc_load)
+    scheduler = types.SimpleNamespace(load_state_dict=lambda state: None)
+    monkeypatch.setattr(recovery, "account_recovery", lambda *a, **k: None)
+    args = argparse.Namespace(load=save_dir, no_load_optim=False, no_load_rng=no_load_rng,
+                              moc_checkpoint=True, moc_two_level=False,
+                              moe_expert_parallel_size=1)
+    ours = not dist.is_initialized()  # tests/model leaves a one-rank world for the session
+    if ours:
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
+                                rank=0, world_size=1)
+    try:
+        torch.manual_seed(1234)  # this run's --seed
+        state = checkpointing.load_checkpoint(engine, args, scheduler)
+        drawn = torch.rand(3)
+    finally:
+        if ours:
+            dist.destroy_process_group()
+    assert state.iteration == 5
+    torch.manual_seed(1234 if no_load_rng else 999)
+    assert torch.equal(drawn, torch.rand(3))
+    assert (state.rng_state is None) == no_load_rng
