@@ -9,8 +9,11 @@ blocked in a collective still finds it: gloo's collectives release the GIL while
 wait (``tests/training/test_monitor.py`` checks that with ranks blocked in
 ``all_reduce`` and ``all_to_all_single``).
 
-**Hang.** Once every rank has beaten at least once, the job hangs when no rank that is
-not finished has made progress (a new heartbeat) for ``hang_timeout_s`` seconds. In
+**Hang.** Once every rank has beaten at least once (each publishes a *ready* beat of the
+iteration it resumes from before the loop: start-up and loading are not watched), the
+job hangs when no rank that is not finished has made progress (a new heartbeat; a
+*touch* after each evaluation step and before a save counts) for ``hang_timeout_s``
+seconds. In
 synchronous training a rank cannot run more than one iteration ahead of the others, so
 the hung rank is the one whose heartbeat lags: it last beat at the start of iteration
 ``i`` and never started ``i + 1``, while the others beat ``i + 1`` and then blocked in
@@ -51,6 +54,7 @@ Call order on every rank (the training loop wires it)::
     heartbeat = Heartbeat(store, rank, window=config.straggler_window)
     watchdog = Watchdog(store, rank, world_size, config, emit=...).start()
     clock = CollectiveClock().install()               # times every collective
+    heartbeat.ready(state.iteration)                  # after the load, before the loop
     last_top = None
     while state.iteration < train_iters:
         injector.before_iteration(state.iteration + 1)   # a hang or slow fault acts here
@@ -61,6 +65,8 @@ Call order on every rank (the training loop wires it)::
                        own_s=iter_s - comm_s if iter_s else None, comm_s=comm_s, ...)
         last_top = top
         ...                                           # the iteration, evaluation, saves
+                                                      # (heartbeat.touch() per eval step
+                                                      # and before each save)
     heartbeat.finish()                                # this rank will beat no more
     watchdog.stop()
     clock.uninstall()
@@ -122,7 +128,7 @@ class MonitorConfig:
 
     hang_timeout_s: float = 300.0
     """The job hangs once no rank made progress for this long (``--moc-hang-timeout``);
-    must exceed the longest legitimate iteration, evaluation or synchronous save."""
+    must exceed the longest legitimate iteration, evaluation step or synchronous save."""
     straggler_factor: float = 2.0
     """A rank slowing iterations down more than this is a straggler (``--moc-straggler-factor``)."""
     straggler_window: int = 5
@@ -331,6 +337,23 @@ class Heartbeat:
             self._own.push(own_s)
         self._last = {"iteration": iteration, "iter_s": iter_s, "own_s": own_s,
                       "comm_s": comm_s, "collectives": collectives}
+        self._publish(done=False)
+
+    def ready(self, iteration: int) -> None:
+        """Every rank, once, before the loop: a beat of the last finished ``iteration``.
+
+        Without it a rank that hung before its first :meth:`beat` (in the fault injector,
+        or in work between the load and the loop) left the job unwatched: no hang is
+        found before every rank has beaten once, and the others waited in their first
+        collective forever. With it that rank lags at ``iteration`` while the others
+        beat ``iteration + 1``."""
+        self._last = {"iteration": iteration, "iter_s": None, "own_s": None}
+        self._publish(done=False)
+
+    def touch(self) -> None:
+        """Progress inside an iteration (an evaluation step, the start of a save): the
+        same beat again with a new time, so that the hang timeout counts each phase on
+        its own instead of the iteration, evaluation and save together."""
         self._publish(done=False)
 
     def finish(self) -> None:

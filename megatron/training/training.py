@@ -14,7 +14,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Deque, Dict, Iterator, List, Tuple
+from typing import Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -214,8 +214,13 @@ def train_step(engine, data_iterator: Iterator, args: argparse.Namespace) -> Ste
 
 
 @torch.no_grad()
-def evaluate(engine, data_iterator: Iterator, args: argparse.Namespace) -> float:
-    """Mean LM loss over ``--eval-iters`` global batches of validation data (all ranks)."""
+def evaluate(engine, data_iterator: Iterator, args: argparse.Namespace,
+             on_step: Optional[Callable[[], None]] = None) -> float:
+    """Mean LM loss over ``--eval-iters`` global batches of validation data (all ranks).
+
+    Args:
+        on_step: called after each micro batch (the monitor's progress touch).
+    """
     engine.eval()
     total = torch.zeros(1, dtype=torch.float64, device=engine.device)
     steps = args.eval_iters * args.gradient_accumulation_steps
@@ -224,6 +229,8 @@ def evaluate(engine, data_iterator: Iterator, args: argparse.Namespace) -> float
         lm_loss, _, _ = engine(batch["tokens"], batch["position_ids"], batch["labels"],
                                batch["loss_mask"])
         total += lm_loss.detach().double()
+        if on_step is not None:
+            on_step()
     engine.train()
     total /= steps * dist.get_world_size()
     dist.all_reduce(total)
@@ -408,6 +415,16 @@ class _Watch:
                             collectives=calls if iter_s is not None else None)
         self._last_top = top
 
+    def ready(self, iteration: int) -> None:
+        """Before the loop: a beat of the iteration it resumes from (see Heartbeat.ready)."""
+        if self.heartbeat is not None:
+            self.heartbeat.ready(iteration)
+
+    def touch(self) -> None:
+        """Progress inside an iteration: after each evaluation step, before a save."""
+        if self.heartbeat is not None:
+            self.heartbeat.touch()
+
     def stop(self) -> None:
         """After the loop, before the final save (a long save must not look like a hang)."""
         if self.heartbeat is not None:
@@ -464,6 +481,7 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
         writer.write("moc", state.iteration, state.recovery.metrics())
     progress = _progress_recorder(args)
     watch = watch or _Watch(args)
+    watch.ready(state.iteration)
     if injector is not None:
         injector.training_starts()
     from megatron.training.recovery import record_start, report_ettr
@@ -520,7 +538,8 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
             window, window_start, paused = [], time.perf_counter(), 0.0
         if valid_iter is not None and state.iteration % args.eval_interval == 0:
             began = time.perf_counter()
-            loss = evaluate(engine, valid_iter, args)
+            watch.touch()
+            loss = evaluate(engine, valid_iter, args, on_step=watch.touch)
             result.valid_losses.append(loss)
             print_rank_0(eval_log_line(f"validation loss at iteration {state.iteration}", loss))
             writer.write("valid", state.iteration, {"lm_loss": loss})
@@ -541,6 +560,7 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
                      and state.iteration != args.train_iters
                      and not (args.exit_interval and state.iteration % args.exit_interval == 0))
             began = time.perf_counter()
+            watch.touch()
             checkpointing.save_checkpoint(engine, args, scheduler, state, log=not quiet)
             last_saved = state.iteration
             paused += time.perf_counter() - began

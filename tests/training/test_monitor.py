@@ -208,6 +208,54 @@ def test_watchdog_finds_the_lagging_rank_and_one_rank_emits():
     assert len(calls["hang"]) == 3  # reported once per watchdog
 
 
+def test_a_rank_hanging_before_its_first_beat_is_found():
+    """Each rank beats *ready* (the iteration it resumes from) before the loop: a rank
+    that hangs before its first iteration's beat (a fault injected there, work between
+    the load and the loop) lags behind the others, which beat and wait in their first
+    collective. Without the ready beat the job was never watched and waited forever."""
+    store, clock = dist.HashStore(), _Clock()
+    hbs = [Heartbeat(store, r) for r in range(3)]
+    dogs, calls = _watchdogs(store, 3, MonitorConfig(hang_timeout_s=5.0, poll_s=1.0), clock)
+    for hb in hbs:
+        hb.ready(10)  # resumed from iteration 10
+    for d in dogs:
+        d.poll_once()
+    hbs[0].beat(11)
+    hbs[2].beat(11)
+    for d in dogs:
+        d.poll_once()
+    clock.now += 6.0
+    for d in dogs:
+        d.poll_once()
+    assert [e["rank"] for e in calls["hang"]] == [1, 1, 1]
+    assert calls["emit"][0]["iteration"] == 10 and calls["emit"][0]["waiting"] == [0, 2]
+    assert "never started iteration 11" in calls["log"][0]
+
+
+def test_progress_touches_split_the_timeout_between_phases():
+    """An evaluation of many steps after an iteration (each step a touch) is progress: the
+    hang timeout bounds each step, not the iteration and the evaluation together. Once
+    the touches stop, the hang is found."""
+    store, clock = dist.HashStore(), _Clock()
+    hbs = [Heartbeat(store, r, window=3) for r in range(2)]
+    dogs, calls = _watchdogs(store, 2, MonitorConfig(hang_timeout_s=5.0, poll_s=1.0), clock)
+    for hb in hbs:
+        hb.beat(1)
+    for _ in range(10):  # 30 s of evaluation in 3 s steps
+        clock.now += 3.0
+        for hb in hbs:
+            hb.touch()
+        for d in dogs:
+            d.poll_once()
+    assert calls["hang"] == []
+    beat = Beat.from_json(0, store.get(monitor.heartbeat_key(0)))
+    assert beat.iteration == 1 and beat.iter_s is None  # a touch is not an iteration
+    clock.now += 5.5
+    for d in dogs:
+        d.poll_once()
+    assert len(calls["hang"]) == 2
+
+
 def test_watchdog_ignores_finished_ranks():
     store, clock = dist.HashStore(), _Clock()
     hbs = [Heartbeat(store, r) for r in range(2)]
