@@ -243,10 +243,14 @@ def commit_checkpoint(save_dir: str, tag: str, step: int, layout: Mapping[str, A
         check_claim(os.path.join(save_dir, tag), claim)
         mf.write_manifest(os.path.join(save_dir, tag), manifest)
     if save_latest:
-        kept = mf.advance_latest(save_dir, tag, attempt_started, step)
-        if kept is not None:
-            log(f"WARNING: {LATEST_NOTE.format(tag=tag, step=step, kept=kept)}")
-    if keep:
+        why = mf.advance_latest(save_dir, tag, attempt_started, step)
+        if why is not None:
+            log(f"WARNING: {tag} (step {step}) committed late: {why}")
+    if keep and mf.later_attempt_started(save_dir, attempt_started):
+        # The later attempt may have resumed from a checkpoint this retention would
+        # delete; its own commits run retention.
+        log(f"retention after committing {tag} left to the later attempt of the job")
+    elif keep:
         try:
             for removed in mf.apply_retention(save_dir, keep):
                 log(f"retention: removed {removed}")
@@ -258,10 +262,6 @@ def commit_checkpoint(save_dir: str, tag: str, step: int, layout: Mapping[str, A
             log(f"WARNING: retention after committing {tag} failed ({type(e).__name__}: {e}); "
                 f"older checkpoints stay until the next save's retention")
 
-
-LATEST_NOTE = ("latest stays at {kept}, committed by a later attempt of the job than "
-               "{tag} (step {step}) or later in the same attempt; the commit of {tag} "
-               "finished only now")
 
 FAILURE_NAME = "commit.failed.json"
 

@@ -39,8 +39,9 @@ Save, multi-rank call order (the orchestration owns the collectives)::
                     tag, step, world_size, layout, [RankReport.from_json(r) for r in gathered],
                     index, extra_files={OBJECTS_FILE: FileEntry.from_record(obj_record, 0)})
                 write_manifest(tag_dir, manifest)                   # the commit point
-                advance_latest(save_dir, tag, attempt_started)      # not over a later attempt
-                apply_retention(save_dir, keep)
+                advance_latest(save_dir, tag, attempt_started, step)  # not over later work
+                if not later_attempt_started(save_dir, attempt_started):
+                    apply_retention(save_dir, keep)
     all:        broadcast rank 0's outcome
 
 Load: :func:`deepspeed_ext.reader.find_loadable` on one rank, broadcast the tag, then
@@ -71,6 +72,10 @@ VERSION = 2
 READABLE_VERSIONS = (1, 2)
 MANIFEST_FILE = "manifest.json"
 LATEST_FILE = "latest"
+ATTEMPT_FILE = "moc-attempt.json"
+"""``{"attempt_started": t}`` of the newest job attempt training into a save directory
+(rank 0 writes it before reading ``latest`` to load): an earlier attempt's committer that
+finishes later leaves ``latest`` and retention to it (:func:`later_attempt_started`)."""
 TRASH_PREFIX = ".moc-trash."
 SET_ASIDE_PREFIX = ".moc-set-aside."
 """Directories being deleted are renamed to this prefix first (see :func:`remove_checkpoint`)."""
@@ -805,18 +810,22 @@ def update_latest(save_dir: str, tag: str) -> None:
 
 def advance_latest(save_dir: str, tag: str, attempt_started: Optional[float],
                    step: Optional[int] = None) -> Optional[str]:
-    """The committer's :func:`update_latest`: never over a later checkpoint.
+    """The committer's :func:`update_latest`: never over later work.
 
     A committer can outlive its job: a keeper waiting for a dead node's reports finishes
-    after the restarted job has committed newer work. Each manifest records when its
-    job attempt started (``extra["attempt_started"]``, rank 0's clock); ``latest`` is
-    left alone when it names a checkpoint committed by an attempt that started later
-    than this one, or by this attempt at a later step (a commit that finished late:
-    the training side moves on once a manifest exists, while its committer still
-    writes ``latest``), and moved otherwise (a new attempt may legitimately move it
-    back: it resumed from an older checkpoint, or writes into a directory of an earlier
-    run). The read and the write are one step under :func:`locked_dir`, so two
-    committers (the same keeper's threads) cannot interleave.
+    after the restarted job has loaded, or committed newer work. Each manifest records
+    when its job attempt started (``extra["attempt_started"]``, rank 0's clock), and a
+    restarted attempt records its start in :data:`ATTEMPT_FILE` before it loads.
+    ``latest`` is left alone when a later attempt has started (moving it then could
+    make that attempt's restart load another timeline, and the retention that follows
+    delete the checkpoint it resumed from), when it names a checkpoint committed by a
+    later attempt, or by this attempt at a later step (a commit that finished late: the
+    training side moves on once a manifest exists, while its committer still writes
+    ``latest``); it is moved otherwise (a new attempt may legitimately move it back: it
+    resumed from an older checkpoint, or writes into a directory of an earlier run).
+    The reads and the write are one step under :func:`locked_dir`, so two committers
+    (the same keeper's threads), or a committer and a starting attempt, cannot
+    interleave.
 
     Args:
         attempt_started: when this committer's attempt started; None (an older
@@ -824,7 +833,7 @@ def advance_latest(save_dir: str, tag: str, attempt_started: Optional[float],
         step: the step of ``tag``; None: compared by attempt only.
 
     Returns:
-        None when ``latest`` now names ``tag``; else the later attempt's tag it keeps.
+        None when ``latest`` now names ``tag``; else why it was left alone.
     """
     with locked_dir(save_dir):
         current = None
@@ -832,15 +841,44 @@ def advance_latest(save_dir: str, tag: str, attempt_started: Optional[float],
             current = read_latest(save_dir)
         except CheckpointError:
             pass  # damaged: this commit repairs it
+        if attempt_started is not None and later_attempt_started(save_dir, attempt_started):
+            return (f"latest stays at {current}: a later attempt of the job started "
+                    f"({ATTEMPT_FILE}) and resumes from it")
         if attempt_started is not None and current is not None and current != tag:
             try:
                 theirs = read_manifest(os.path.join(save_dir, current))
             except CheckpointError:
                 theirs = None  # names nothing loadable: replace it
             if theirs is not None and _committed_later(theirs, attempt_started, step):
-                return current
+                return (f"latest stays at {current}, committed by a later attempt of the job "
+                        f"or later in the same attempt")
         update_latest(save_dir, tag)
         return None
+
+
+def record_attempt(save_dir: str, attempt_started: float) -> None:
+    """Rank 0 of a job attempt, before it reads ``latest`` to load: write
+    :data:`ATTEMPT_FILE`, so that committers of earlier attempts still running leave
+    ``latest`` and retention alone (see :func:`advance_latest`). Under
+    :func:`locked_dir`: a committer either moved ``latest`` before (and this attempt
+    loads what it committed) or sees the record."""
+    ensure_dir(save_dir)
+    with locked_dir(save_dir):
+        atomic_write_json(os.path.join(save_dir, ATTEMPT_FILE),
+                          {"attempt_started": attempt_started})
+
+
+def later_attempt_started(save_dir: str, attempt_started: Optional[float]) -> bool:
+    """Whether :data:`ATTEMPT_FILE` names an attempt that started after
+    ``attempt_started`` (False for None, or without a readable record: an unreadable
+    one is not a reason to stop committing)."""
+    if attempt_started is None:
+        return False
+    try:
+        theirs = json.loads(fs.read_text(os.path.join(save_dir, ATTEMPT_FILE)))["attempt_started"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return isinstance(theirs, (int, float)) and theirs > attempt_started
 
 
 def _committed_later(current: Manifest, attempt_started: float, step: Optional[int]) -> bool:

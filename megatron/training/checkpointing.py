@@ -242,6 +242,27 @@ def _exact_resume(engine, args, scheduler, exact, tag: Optional[str]) -> Optiona
     return state
 
 
+def record_attempt(engine, args: argparse.Namespace) -> None:
+    """Every rank, before :func:`load_checkpoint` (rank 0 writes): record this attempt's
+    start in ``--save`` (:data:`deepspeed_ext.manifest.ATTEMPT_FILE`), so that a committer
+    of an earlier attempt finishing late neither moves ``latest`` under this attempt's
+    load nor runs a retention that could delete the checkpoint it resumes from.
+
+    A failure is a warning: the record only guards against that race, and a ``--save``
+    that cannot be written fails the first save with its own error.
+    """
+    moc = getattr(engine, "moc", None)
+    if moc is None or not args.save or dist.get_rank() != 0:
+        return
+    from deepspeed_ext.manifest import ATTEMPT_FILE, record_attempt as write_record
+    try:
+        write_record(args.save, moc.attempt_started)
+    except Exception as e:
+        print_rank_0(f"WARNING: cannot write {os.path.join(args.save, ATTEMPT_FILE)} "
+                     f"({type(e).__name__}: {e}); a late commit of an earlier attempt may "
+                     f"still move latest")
+
+
 def load_checkpoint(engine, args: argparse.Namespace, scheduler, exact=None) -> ResumeState:
     """Resume from the newest checkpoint under ``--load``; all ranks call it.
 

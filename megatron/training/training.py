@@ -307,6 +307,7 @@ def pretrain(args: argparse.Namespace, extra_setup=None) -> TrainResult:
     if extra_setup is not None:
         extra_setup(engine, args)
     state = checkpointing.ResumeState()
+    checkpointing.record_attempt(engine, args)
     if args.load:
         state = checkpointing.load_checkpoint(engine, args, scheduler, exact=exact)
     train_iter, valid_iter = _build_loaders(args, datasets, state)

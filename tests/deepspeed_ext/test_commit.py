@@ -115,7 +115,11 @@ def test_a_committer_of_an_earlier_attempt_stands_down_when_the_tag_is_saved_aga
     assert not old.is_alive()  # it noticed, long before its 30 s timeout
     assert not os.path.exists(os.path.join(tag_dir, FAILURE_NAME))
     assert not os.path.exists(os.path.join(tag_dir, mf.MANIFEST_FILE))
-    assert any("claimed by another save" in line for line in logged), logged
+    # It stood down: seeing the new claim, or (polling between the old save's removal
+    # and the new claim) the directory without one.
+    assert any(line.startswith("not committing: ") and ("claimed by another save" in line
+                                                        or "was deleted" in line)
+               for line in logged), logged
     keeper._commit_job(_commit_job(save_dir, tag, 20, new_claim), tag_dir, logged.append)
     manifest = mf.read_manifest(tag_dir)
     assert manifest.step == 20 and mf.read_latest(save_dir) == tag
@@ -268,6 +272,43 @@ def test_committers_of_one_process_take_turns_on_a_url(tmp_path, monkeypatch):
     assert overlapped == []
     assert mf.read_latest(url) == "global_step20"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step10", "global_step20", "latest"]
+
+
+def _commit_keep(save_dir, tag, step, value, attempt_started, keep):
+    """:func:`_commit` with retention ``keep``."""
+    from deepspeed_ext import manifest as mf
+    tag_dir = mf.prepare_checkpoint_dir(save_dir, tag)
+    for rank in range(2):
+        _write_share(save_dir, tag, rank, value)
+    logged, claim = [], read_claim(tag_dir)
+    commit_checkpoint(save_dir, tag, step, _commit_job(save_dir, tag, step, claim)["commit"]["layout"],
+                      wait_for_reports(tag_dir, 2, timeout_s=5, claim=claim), None, None, None,
+                      True, keep, log=logged.append, claim=claim, attempt_started=attempt_started)
+    return logged
+
+
+def test_a_late_commit_of_an_earlier_attempt_leaves_latest_and_retention_to_a_started_one(tmp_path):
+    """The restarted attempt records its start before it reads ``latest``; the first
+    attempt's committer finishing only then must not move ``latest`` (the restart loads
+    another checkpoint than the one it named) nor run a retention that deletes the
+    checkpoint the restart resumes from (with keep=1 and full saves nothing references it)."""
+    from deepspeed_ext import manifest as mf
+    save_dir = str(tmp_path)
+    assert _commit_keep(save_dir, "global_step20", 20, 2.0, 100.0, keep=1) == []
+    mf.record_attempt(save_dir, 200.0)  # the restart, about to load global_step20
+    logged = _commit_keep(save_dir, "global_step30", 30, 3.0, 100.0, keep=1)
+    assert mf.read_latest(save_dir) == "global_step20"
+    assert mf.read_manifest(os.path.join(save_dir, "global_step20")).step == 20
+    assert any("a later attempt of the job started" in line for line in logged), logged
+    assert any("retention after committing global_step30 left to the later" in line
+               for line in logged), logged
+    # The restarted attempt's own commits move latest and run retention.
+    assert _commit_keep(save_dir, "global_step25", 25, 2.5, 200.0, keep=1) == [
+        "retention: removed global_step20"]
+    assert mf.read_latest(save_dir) == "global_step25"
+    assert mf.later_attempt_started(save_dir, 100.0) and not mf.later_attempt_started(save_dir, 200.0)
+    (tmp_path / mf.ATTEMPT_FILE).write_text("{")  # damaged: commits go on as before
+    assert not mf.later_attempt_started(save_dir, 100.0)
 
 
 def test_latest_naming_nothing_loadable_is_replaced(tmp_path):

@@ -195,8 +195,15 @@ def test_moc_checkpoint_resumes_on_another_layout(corpus, tmp_path):
     assert (ckpt / "latest").read_text().strip() == "global_step4"
     manifest = json.load(open(ckpt / "global_step4" / "manifest.json"))
     assert sorted(v["step"] for v in manifest["expert_index"].values()).count(4) == 1
+    first_attempt = json.load(open(ckpt / "moc-attempt.json"))["attempt_started"]
+    assert first_attempt == manifest["extra"]["attempt_started"]  # rank 0's, recorded at start
     second = run_ranks(4, common + ["--moe-expert-parallel-size", "4", "--load", str(ckpt)])
     _assert_ok(second)
+    # the second job's start is recorded: the first one's late committers stand down
+    second_attempt = json.load(open(ckpt / "moc-attempt.json"))["attempt_started"]
+    assert second_attempt > first_attempt
+    assert second_attempt == json.load(open(ckpt / "global_step8" / "manifest.json"))[
+        "extra"]["attempt_started"]
     assert "loaded checkpoint" in second[0].output and "at iteration 4" in second[0].output
     assert " iteration        8/       8 |" in second[0].output
     # The resumed run's arguments differ in layout only; a model change is still refused.
