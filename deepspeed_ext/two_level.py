@@ -53,6 +53,7 @@ from deepspeed_ext.hostcopy import HostCopier
 from deepspeed_ext.snapshot import SLOTS
 from deepspeed_ext.snapshot import SlotImage, SnapshotSlots
 from deepspeed_ext.state import FP32
+from deepspeed_ext.storage import CheckpointError
 
 LAYOUT_CACHE = 16
 """Image layouts a rank keeps (one per set of snapshotted experts and object shapes)."""
@@ -64,6 +65,20 @@ taken); a value that does not fit costs two more collectives, not an error."""
 def _log(message: str) -> None:
     if dist.get_rank() == 0:
         print(f"[moc] {message}", flush=True)
+
+
+def _newest_stored_step(load_dir: str) -> Optional[int]:
+    """Rank 0, before recovery's first exchange (never raises): the step of the
+    checkpoint ``latest`` names under ``load_dir``; None when there is none or it cannot
+    be read (the storage load would then fall back to an older one: memory wins)."""
+    from deepspeed_ext import manifest as mf
+    try:
+        tag = mf.read_latest(load_dir) if fs.isdir(load_dir) else None
+        return mf.read_manifest(os.path.join(load_dir, tag)).step if tag else None
+    except Exception as e:
+        _log(f"recovery: cannot read the newest checkpoint of {load_dir} ({type(e).__name__}: "
+             f"{e}); memory decides")
+        return None
 
 
 def default_shm_dir(save_dir: str) -> str:
@@ -889,9 +904,21 @@ class TwoLevel:
     def _load(self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
               from_memory, mine, fragments, start):
         ck = self.ckpt
-        steps = self._load_exchanger.exchange(sorted({m["step"] for m in mine}))
+        stored = _newest_stored_step(load_dir) if self.rank == 0 and from_memory and tag is None \
+            else None
+        exchanged = self._load_exchanger.exchange((sorted({m["step"] for m in mine}), stored))
+        steps, stored = [held for held, _ in exchanged], exchanged[0][1]  # rank 0's view
         common = set(steps[0]).intersection(*map(set, steps[1:])) if from_memory and tag is None \
             else set()
+        newer_on_storage = bool(common) and stored is not None and stored > max(common)
+        if newer_on_storage:
+            # A rank rebuilt from its peers holds only the protected step (with
+            # --moc-redundancy-interval > 1), or lost its newer slots: recovering that
+            # older step would throw away persisted progress, and the next persist's
+            # expert index could not extend the newer checkpoint.
+            _log(f"recovery: storage holds a newer checkpoint (step {stored}) than every "
+                 f"rank's memory (step {max(common)}); loading from storage")
+            common = set()
         failed_step = None
         if common:
             step = max(common)
@@ -900,7 +927,7 @@ class TwoLevel:
             if result is not None:
                 return result
             failed_step = step
-        elif from_memory and tag is None:
+        elif from_memory and tag is None and not newer_on_storage:
             held = sum(1 for s in steps if s)
             _log(f"recovery: no step held in memory by every rank ({held} of {self.world} ranks "
                  f"hold snapshots); loading from storage")
@@ -943,6 +970,9 @@ class TwoLevel:
                         else:
                             frag.tensor.copy_(data.to(device=frag.tensor.device,
                                                       dtype=frag.tensor.dtype))
+                # What the next persist's expert index extends: read here, before the
+                # outcome exchange (a damaged manifest must not raise after it on one rank).
+                extends = storage.base_tag()
             finally:
                 storage.close()
             tree = base["objects_tree"]
@@ -969,8 +999,10 @@ class TwoLevel:
         ck.account_recovery(objects, {tuple(k): v for _, c in outcomes for k, v in c["versions"]})
         refresh_compute_weights(ck.engine)
         ck._piece_cache = None
-        # The next persist's expert index extends the newest checkpoint on storage.
-        ck._previous = (load_dir, storage.latest) if storage.latest else None
+        # The next persist's expert index extends the newest readable checkpoint of this
+        # step or older (``latest`` unless it is damaged: extending a checkpoint whose
+        # manifest cannot be read failed every later persist).
+        ck._previous = (load_dir, extends) if extends else None
         memory = sum(c["memory"] for _, c in outcomes)
         stored = sum(c["storage"] for _, c in outcomes)
         _log(f"recovered step {step} from memory in {time.perf_counter() - start:.2f} s: "
@@ -1101,6 +1133,17 @@ class _StorageVersions:
         else:  # no or a dangling ``latest``: the newest complete checkpoint is it
             complete = mf.scan_checkpoints(load_dir).complete
             self.latest = complete[-1][1] if complete else None
+
+    def base_tag(self) -> Optional[str]:
+        """The newest checkpoint of the step or older whose expert index can be read
+        (None: none); the versions are resolved for it."""
+        try:
+            self.versions
+        except (CheckpointError, OSError, ValueError) as e:
+            _log(f"WARNING: no readable checkpoint at or before step {self.step} in "
+                 f"{self.load_dir} ({type(e).__name__}: {e}); the next persist saves on its own")
+            return None
+        return self.tag
 
     @property
     def versions(self) -> Dict:

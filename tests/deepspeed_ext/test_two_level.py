@@ -69,6 +69,37 @@ def test_crash_then_recover_from_memory_bitwise(tmp_path):
         stop_keepers(shm)
 
 
+def test_storage_newer_than_every_ranks_memory_wins(tmp_path):
+    """Rank 1's memory lacks the newest step (a rank rebuilt from peers holds only the
+    protected step; a slot lost): recovering the older step all ranks hold would throw
+    persisted progress away, and the next persist's index could not extend the newer
+    checkpoint. Storage's newer checkpoint is loaded instead."""
+    shm, ckpt = new_shm_dir(), str(tmp_path / "ckpt")
+    try:
+        flags = _flags(shm, 2, 2, ["--moc-persist-interval", "1"])
+        first, results = _run(tmp_path, "first", 2, "train-save", flags + [
+            "--train-iters", "4", "--save", ckpt, "--save-interval", "1"],
+            env={"MOC_TEST_CRASH": "1", "MOC_TEST_PERSIST_FIRST": "1"}, ok=False)
+        assert all(r.returncode == -signal.SIGKILL for r in results), describe(results)
+        assert _latest(ckpt) == "global_step4"
+        rank1 = os.path.join(shm, "node0", "rank00001")
+        held = {}
+        for name in os.listdir(rank1):
+            if name.endswith(".json"):
+                held[json.load(open(os.path.join(rank1, name)))["step"]] = name
+        assert 4 in held and 3 in held, held  # steps 3 and 4 in memory on both ranks
+        os.remove(os.path.join(rank1, held[4]))
+        second, results = _run(tmp_path, "second", 2, "load-train-save", flags + [
+            "--train-iters", "6", "--load", ckpt, "--save", ckpt, "--save-interval", "1"])
+        assert second[0]["client_state"] == {"step": 4}
+        assert all(r["load_source"] == "storage" for r in second)
+        assert "storage holds a newer checkpoint (step 4) than every rank's memory (step 3)" \
+            in results[0].output
+        assert _latest(ckpt) == "global_step6" and _verify(ckpt, "global_step6") == []
+    finally:
+        stop_keepers(shm)
+
+
 def test_failed_memory_recovery_with_nothing_on_storage_stops_every_rank(tmp_path):
     # Memory recovery fails on rank 1 after writing into the engine, and storage holds no
     # checkpoint: "starting from scratch" would train on from half-restored tensors as
