@@ -197,11 +197,18 @@ def restart_count(args: Optional[argparse.Namespace] = None) -> int:
     return 0
 
 
+_FAULTS_TRAINED_THROUGH = ("slow", "slow-compute", "persist-crash")
+"""Injected faults after which the run goes on (a slow rank; a keeper that died, whose
+persists the training process takes over): never named as what ended a run."""
+
+
 def _ended_the_run(event: Dict) -> bool:
-    """Whether an event stops a run: a fault, a hang, or a straggler with action stop (a
-    reported straggler trains on)."""
+    """Whether an event stops a run: a fault the run does not train through, a hang, or a
+    straggler with action stop (a reported straggler trains on)."""
     kind = event.get("kind")
-    return kind in ("fault", "hang") or (kind == "straggler" and event.get("action") == "stop")
+    if kind == "fault":
+        return event.get("fault") not in _FAULTS_TRAINED_THROUGH
+    return kind == "hang" or (kind == "straggler" and event.get("action") == "stop")
 
 
 def _failure(events: List[Dict], restart: int) -> Optional[str]:

@@ -61,6 +61,11 @@ def test_failure_named_at_a_restart_is_the_newest_since_the_last_recovery():
     assert _failure([crash, {"kind": "recovery"}, stopped], 2) == \
         "straggler stopped the job on rank 0 at iteration 9"
     assert _failure([crash, {"kind": "recovery"}], 0) is None  # a planned restart
+    # faults the run trains through never ended it
+    for kind in ("slow", "slow-compute", "persist-crash"):
+        through = {"kind": "fault", "fault": kind, "rank": 0, "iteration": 8}
+        assert _failure([crash, through], 1) == "injected crash on rank 1 at iteration 6"
+        assert _failure([through], 1).startswith("unknown")
 
 
 def test_restart_count_comes_from_the_flag_before_the_environment(monkeypatch):
