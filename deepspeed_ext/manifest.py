@@ -50,6 +50,7 @@ Load: :func:`deepspeed_ext.reader.find_loadable` on one rank, broadcast the tag,
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import math
 import os
@@ -743,7 +744,25 @@ def write_manifest(ckpt_dir: str, manifest: Manifest) -> None:
     problems = manifest.validate()
     if problems:
         raise ValueError("refusing to write an invalid manifest:\n  " + "\n  ".join(problems))
-    atomic_write_json(os.path.join(ckpt_dir, MANIFEST_FILE), manifest.to_json())
+    atomic_write_json(os.path.join(ckpt_dir, MANIFEST_FILE), sign_manifest(manifest.to_json()))
+
+
+MANIFEST_CHECKSUM = "sha256"
+"""The manifest's own checksum field: SHA-256 of its other fields as canonical JSON. The
+manifest holds every other file's checksum, but a flipped digit in a fragment's offset
+still parses and would load the wrong bytes; manifests written before it have none and
+are read unchecked."""
+
+
+def _manifest_digest(data: Mapping[str, Any]) -> str:
+    body = {k: v for k, v in data.items() if k != MANIFEST_CHECKSUM}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def sign_manifest(data: Dict[str, Any]) -> Dict[str, Any]:
+    """``data`` (a manifest's JSON) with its :data:`MANIFEST_CHECKSUM` (re)computed."""
+    return dict(data, **{MANIFEST_CHECKSUM: _manifest_digest(data)})
 
 
 def read_manifest(ckpt_dir: str) -> Manifest:
@@ -769,6 +788,10 @@ def read_manifest(ckpt_dir: str) -> Manifest:
     if manifest.tag != dirname:
         raise CheckpointError(f"{path}: records tag {manifest.tag!r} but lies in {dirname!r} "
                               f"(renamed checkpoint directories break expert indexes)")
+    recorded = data.get(MANIFEST_CHECKSUM)
+    if recorded is not None and recorded != _manifest_digest(data):
+        raise CheckpointError(f"{path}: checksum mismatch (the manifest is damaged; its "
+                              f"{MANIFEST_CHECKSUM} does not match its contents)")
     return manifest
 
 

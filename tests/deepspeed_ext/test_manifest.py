@@ -140,11 +140,12 @@ def flip_last_byte(path: str) -> None:
 
 
 def edit_manifest(save_dir, tag, change) -> None:
-    """Rewrite a manifest as raw JSON (bypassing write_manifest's validation)."""
+    """Rewrite a manifest as raw JSON (bypassing write_manifest's validation), signed
+    again: what a writer's bug would leave, not storage damage."""
     path = os.path.join(str(save_dir), tag, mf.MANIFEST_FILE)
     data = json.load(open(path))
     change(data)
-    atomic_write_json(path, data)
+    atomic_write_json(path, mf.sign_manifest(data))
 
 
 @pytest.fixture(autouse=True)
@@ -294,6 +295,30 @@ def test_read_manifest_errors_name_the_file(tmp_path):
         with pytest.raises(CheckpointError, match=message) as err:
             read_manifest(tag_dir)
         assert path in str(err.value)
+
+
+def test_a_damaged_manifest_that_still_parses_fails_its_own_checksum(tmp_path):
+    """Every other file's checksum is in the manifest; its own covers a flipped digit
+    that still parses (an offset, a step), which would otherwise load the wrong bytes.
+    Manifests written before the checksum existed are read unchecked."""
+    run = FakeRun(tmp_path)
+    run.save("global_step10", 10, 2)
+    tag_dir = str(tmp_path / "global_step10")
+    path = os.path.join(tag_dir, mf.MANIFEST_FILE)
+    data = json.load(open(path))
+    assert data[mf.MANIFEST_CHECKSUM] == mf.sign_manifest(data)[mf.MANIFEST_CHECKSUM]
+    frag = next(iter(data["tensors"].values()))["fragments"][0]
+    damaged = dict(data, tensors=json.loads(json.dumps(data["tensors"])))
+    next(iter(damaged["tensors"].values()))["fragments"][0]["offset"] = frag["offset"] + 1
+    with open(path, "w") as f:
+        json.dump(damaged, f)
+    with pytest.raises(CheckpointError, match="checksum mismatch") as err:
+        read_manifest(tag_dir)
+    assert path in str(err.value)
+    del damaged[mf.MANIFEST_CHECKSUM]  # an older manifest: no checksum, read as before
+    with open(path, "w") as f:
+        json.dump(damaged, f)
+    assert read_manifest(tag_dir).step == 10
 
 
 def test_assemble_manifest_refuses_bad_plans():
