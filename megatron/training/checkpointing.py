@@ -118,6 +118,31 @@ def find_latest_tag(load_dir: str) -> Optional[str]:
     return tag or None
 
 
+def _moc_newest_tag(load_dir: str) -> Optional[str]:
+    """Rank 0, MoC checkpoints: the tag ``latest`` names if it is complete, else the
+    newest complete checkpoint (what MoC's own load would pick); None when there is none.
+
+    Without the fallback, a ``latest`` lost or damaged (a crash between a first commit's
+    manifest and ``latest``, a copy without it) started the run from scratch, and its
+    first save then set every existing checkpoint aside as an abandoned timeline.
+    """
+    from deepspeed_ext import manifest as mf
+    try:
+        tag = mf.read_latest(load_dir)
+    except mf.CheckpointError as e:
+        print_rank_0(f"WARNING: {e}; resuming from the newest complete checkpoint instead")
+        tag = None
+    if tag is not None and fs.isfile(os.path.join(load_dir, tag, mf.MANIFEST_FILE)):
+        return tag
+    complete = mf.scan_checkpoints(load_dir).complete
+    if complete:
+        print_rank_0(f"WARNING: {fs.join(load_dir, LATEST_FILE)} "
+                     f"{'names ' + repr(tag) + ', not a complete checkpoint' if tag else 'is missing'}; "
+                     f"resuming from the newest complete checkpoint, {complete[-1][1]}")
+        return complete[-1][1]
+    return None
+
+
 def _newest_tag(engine, load_dir: Optional[str]) -> Tuple[Optional[str], Dict]:
     """Every rank: the tag ``latest`` names under ``load_dir`` and its saved arguments,
     as rank 0 read them (one broadcast).
@@ -138,7 +163,10 @@ def _newest_tag(engine, load_dir: Optional[str]) -> Tuple[Optional[str], Dict]:
     outcome = [None]
     if dist.get_rank() == 0:
         try:
-            tag = find_latest_tag(load_dir) if load_dir and fs.isdir(load_dir) else None
+            tag = None
+            if load_dir and fs.isdir(load_dir):
+                tag = (_moc_newest_tag(load_dir) if getattr(engine, "moc", None) is not None
+                       else find_latest_tag(load_dir))
             meta = _saved_meta(engine, load_dir, tag) if tag is not None else {}
             outcome = [("ok", tag, meta)]
         except ConfigError as e:
@@ -303,8 +331,10 @@ def load_checkpoint(engine, args: argparse.Namespace, scheduler, exact=None) -> 
     scheduler.load_state_dict(client_state["opt_param_scheduler"])
     rng_states = client_state.get("rng_states") or []
     rng_state = None
-    if seeded is not None and getattr(engine, "moc", None) is not None and engine.moc.rng_restored:
-        set_rng_state(seeded)  # MoC's load restored the saved states: --no-load-rng undoes it
+    if seeded is not None:
+        # MoC's load restores the saved states (also those of a damaged checkpoint it
+        # fell back past, on some ranks): --no-load-rng undoes whatever it did.
+        set_rng_state(seeded)
     if not args.no_load_rng and client_state.get("rng_states") is None \
             and getattr(engine, "moc", None) is not None and engine.moc.rng_restored:
         rng_state = get_rng_state()  # MoC has just restored this rank's saved state

@@ -131,3 +131,45 @@ def test_no_load_rng_keeps_the_seeded_state_after_a_moc_load(tmp_path, monkeypat
     torch.manual_seed(1234 if no_load_rng else 999)
     assert torch.equal(drawn, torch.rand(3))
     assert (state.rng_state is None) == no_load_rng
+
+
+def test_a_lost_or_damaged_latest_resumes_from_the_newest_complete_checkpoint(tmp_path):
+    """A crash between a first commit's manifest and ``latest``, or a copy without it:
+    the run started from scratch, and its first save set every checkpoint aside. MoC
+    resumes from the newest complete checkpoint instead, as its own load would."""
+    import types
+    import torch.distributed as dist
+    from deepspeed_ext import manifest as mf
+    from megatron.training.checkpointing import _newest_tag
+    from tests.deepspeed_ext.test_commit import _commit
+    save_dir = str(tmp_path / "ckpt")
+    for step in (10, 20):
+        _commit(save_dir, f"global_step{step}", step, float(step),
+                objects={"client_state": {"args": {"num_layers": 2}}})
+    (tmp_path / "ckpt" / "global_step30").mkdir()  # a save that never finished
+    latest = tmp_path / "ckpt" / mf.LATEST_FILE
+    engine = types.SimpleNamespace(moc=object())
+    ours = not dist.is_initialized()  # tests/model leaves a one-rank world for the session
+    if ours:
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1),
+                                rank=0, world_size=1)
+    try:
+        found = {}
+        for case, content in [("intact", b"global_step10"), ("missing", None),
+                              ("not utf-8", b"\xff\xfe"), ("incomplete", b"global_step30")]:
+            if content is None:
+                latest.unlink()
+            else:
+                latest.write_bytes(content)
+            found[case] = _newest_tag(engine, save_dir)
+        latest.unlink()
+        for tag in ("global_step10", "global_step20"):
+            os.remove(os.path.join(save_dir, tag, mf.MANIFEST_FILE))
+        found["none complete"] = _newest_tag(engine, save_dir)
+    finally:
+        if ours:
+            dist.destroy_process_group()
+    meta = {"args": {"num_layers": 2}, "world_size": 2}
+    assert found == {"intact": ("global_step10", meta), "missing": ("global_step20", meta),
+                     "not utf-8": ("global_step20", meta), "incomplete": ("global_step20", meta),
+                     "none complete": (None, {})}
