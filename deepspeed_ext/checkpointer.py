@@ -47,6 +47,15 @@ from deepspeed_ext.state import (ExpertNaming, LocalFragment, describe_local_sta
                                  set_loss_scaler_state, set_optimizer_scalars)
 
 
+def extended_tag(previous: Optional[Tuple[str, str]], save_dir: str) -> Optional[str]:
+    """The tag a new checkpoint in ``save_dir`` extends (its expert index starts from
+    that one's): ``previous`` (``(directory, tag)`` of the last checkpoint saved or
+    loaded) when it lies in ``save_dir``, however the two directories are spelled."""
+    if previous is None or not fs.same_location(previous[0], save_dir):
+        return None
+    return previous[1]
+
+
 class MoCCheckpointError(RuntimeError):
     """A save or load failed on some rank; raised on every rank."""
 
@@ -164,6 +173,7 @@ class MoCCheckpointer:
             self.ledger = TokenLedger(self.layout.num_moe_layers, num_experts)
         self._piece_cache: Optional[Tuple[tuple, list, list]] = None
         self._previous: Optional[Tuple[str, str]] = None
+        self._warned_new_dir = False
         # When this attempt of the job started (rank 0's is what its committers record):
         # a committer of an earlier attempt never moves ``latest`` over this one's work.
         self.attempt_started = time.time()
@@ -300,7 +310,7 @@ class MoCCheckpointer:
                                          chunk_elems=self.config.chunk_bytes // 4)
         pieces = self._gather_pieces(fragments)
         # Identical on every rank (same policy state); None: no MoE layer.
-        selected = self.policy.select() if self.policy is not None else None
+        selected = self.select_experts(save_dir)
         plan = build_write_plan(pieces, world, selected, self.config.pec_scope)
         # The saved policy state must already count this checkpoint's experts as saved;
         # if the save fails, that is undone so the next save includes them again.
@@ -418,10 +428,9 @@ class MoCCheckpointer:
             try:
                 shares = commit.wait_for_reports(tag_dir, pending.world, self.config.commit_timeout_s,
                                                  claim=claim)
-                previous = pending.previous
                 commit.commit_checkpoint(
                     pending.save_dir, pending.tag, pending.step, self._layout_record(pending.world, pending.zero_stage),
-                    shares, previous[1] if previous and previous[0] == pending.save_dir else None,
+                    shares, extended_tag(pending.previous, pending.save_dir),
                     sorted(pending.selected) if pending.selected is not None else None,
                     pending.pec_k, pending.save_latest, self.config.keep, log=_log,
                     pec_scope=self.config.pec_scope, claim=claim,
@@ -432,6 +441,23 @@ class MoCCheckpointer:
                 pending.outcome = (False, f"{type(e).__name__}: {e}")
                 return
         pending.outcome = (True, None)
+
+    def select_experts(self, save_dir: str):
+        """Every rank, identically: the experts the next checkpoint into ``save_dir``
+        holds (None: no MoE). The policy's choice, or every expert when no earlier
+        checkpoint of this run is in ``save_dir`` for its index to extend (a run resumed
+        from another directory, ``--load`` and ``--save`` differing): an expert index only
+        names checkpoints of its own directory, and the committer would otherwise refuse
+        every save ("saved in no checkpoint")."""
+        if self.policy is None:
+            return None
+        if extended_tag(self._previous, save_dir) is None:
+            if self._previous is not None and not self._warned_new_dir:
+                self._warned_new_dir = True
+                _log(f"first checkpoint into {save_dir}: it holds every expert (the run "
+                     f"resumed from {self._previous[0]}, which its expert index cannot name)")
+            return self.policy.layout.all_experts()
+        return self.policy.select()
 
     def prepare_save_dir(self, save_dir: str, tag: str, step: int) -> str:
         """Rank 0 (the caller sends its outcome to every rank): create ``<save_dir>/<tag>``
@@ -444,7 +470,7 @@ class MoCCheckpointer:
         (:func:`~deepspeed_ext.manifest.set_aside_checkpoints_after`). The checkpoint
         this run resumed from is never touched: the new expert indexes extend it.
         """
-        resumed = self._previous[1] if self._previous and self._previous[0] == save_dir else None
+        resumed = extended_tag(self._previous, save_dir)
         if save_dir not in self._save_dirs_checked:
             moved = set_aside_checkpoints_after(save_dir, step, self.attempt_started, resumed)
             if moved:

@@ -92,6 +92,14 @@ def identity(path: str) -> str:
     return path.rstrip("/") if is_url(path) else os.path.abspath(path)
 
 
+def same_location(a: str, b: str) -> bool:
+    """Whether two spellings name the same directory (``ckpt`` and ``./ckpt/``, a
+    symlink and its target, a URL with and without its trailing slash)."""
+    if is_url(a) or is_url(b):
+        return identity(a) == identity(b)
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
 # ------------------------------------------------------------------------- queries
 
 def exists(path: str) -> bool:

@@ -270,7 +270,8 @@ class TwoLevel:
             _log(f"snapshot at step {step}: the previous persist ({self.persist['tag']}) is "
                  f"still running; this snapshot stays in memory only")
         snap_sel = self.snap_policy.select() if self.snap_policy is not None else None
-        persist_sel = ck.policy.select() if (persist and ck.policy is not None) else frozenset()
+        persist_sel = ck.select_experts(save_dir) if (persist and ck.policy is not None) \
+            else frozenset()
         union = (snap_sel | persist_sel) if snap_sel is not None else None
         if self.snap_policy is not None:
             self.snap_policy.mark_saved(union, step)
@@ -479,11 +480,11 @@ class TwoLevel:
                # attempt's file (or report) into the new save.
                "claim": claim}
         if self.rank == 0:
-            previous = ck._previous
+            from deepspeed_ext.checkpointer import extended_tag
             job["commit"] = {
                 "step": step,
                 "layout": ck._layout_record(self.world, int(ck.engine.zero_optimization_stage())),
-                "previous_tag": previous[1] if previous and previous[0] == save_dir else None,
+                "previous_tag": extended_tag(ck._previous, save_dir),
                 "selected": sorted(selected) if selected is not None else None,
                 "pec_k": ck.policy.k if ck.policy is not None else None,
                 "save_latest": snap["save_latest"], "keep": self.cfg.keep,

@@ -69,6 +69,30 @@ def test_pec_restores_each_expert_from_its_newest_version(tmp_path, scope):
     assert (older["o"] > 0) == (scope in ("wo", "o")), older
 
 
+def test_pec_saves_after_resuming_from_another_spelling_or_directory(tmp_path):
+    """PEC K=1, resumed with ``--save`` spelled differently from ``--load`` (a trailing
+    slash), then into another directory: the expert index must extend the loaded
+    checkpoint in the first case, and hold every expert in the second (an index names
+    only its own directory's checkpoints). Each save failed before ("saved in no
+    checkpoint"), and so did every later one."""
+    from deepspeed_ext.manifest import read_manifest, verify_checkpoint
+    ckpt, other = str(tmp_path / "ckpt"), str(tmp_path / "other")
+    flags = _layout(2, 2, 2) + ["--moc-pec-k", "1"]
+    _run(tmp_path, "first", 2, "train-save", flags + [
+        "--train-iters", "3", "--save", ckpt, "--save-interval", "1"])
+    _run(tmp_path, "slash", 2, "load-train-save", flags + [
+        "--train-iters", "4", "--load", ckpt, "--save", ckpt + "/", "--save-interval", "1"])
+    fourth = read_manifest(os.path.join(ckpt, "global_step4"))
+    assert len(fourth.held_experts()) == 1  # K=1: the index extends global_step3
+    assert {v.step for v in fourth.expert_versions().values()} > {4}
+    assert verify_checkpoint(ckpt, "global_step4") == []
+    _run(tmp_path, "moved", 2, "load-train-save", flags + [
+        "--train-iters", "6", "--load", ckpt, "--save", other, "--save-interval", "1"])
+    fifth, sixth = (read_manifest(os.path.join(other, f"global_step{s}")) for s in (5, 6))
+    assert len(fifth.held_experts()) == 4 and len(sixth.held_experts()) == 1
+    assert verify_checkpoint(other, "global_step6") == []
+
+
 @pytest.mark.parametrize("save_layout, load_layout, precision", [
     ((4, 4, 2), (2, 2, 2), []),
     ((4, 2, 2), (4, 4, 2), []),
