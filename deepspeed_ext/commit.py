@@ -301,4 +301,21 @@ def commit_outcome(tag_dir: str, world_size: int, claim: Optional[str] = None) -
             return False, str(err)
         if report is not None and not report["ok"] and not _foreign(report, claim):
             return False, f"rank {rank}: {report['error']}"
-    return None
+    return _superseded(tag_dir, claim)
+
+
+def _superseded(tag_dir: str, claim: Optional[str]) -> Optional[tuple]:
+    """``(False, why)`` when ``tag_dir`` no longer holds ``claim`` and has no manifest:
+    its committer stood down (the tag was saved again, or the directory deleted), and
+    nothing else would ever end the wait. None otherwise (or unchecked: no claim)."""
+    from deepspeed_ext.manifest import MANIFEST_FILE
+    if claim is None:
+        return None
+    try:
+        now = read_claim(tag_dir)
+    except CommitError:
+        return None  # unreadable: the committer decides (it marks the save failed)
+    if now == claim or fs.exists(os.path.join(tag_dir, MANIFEST_FILE)):
+        return None if now == claim else (True, None)  # committed, claim just cleaned up
+    return False, (f"{tag_dir} was claimed by another save" if now is not None else
+                   f"{tag_dir} (or its claim) is gone") + "; this save's commit stood down"

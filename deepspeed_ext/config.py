@@ -25,7 +25,8 @@ class MoCConfig:
     """Return from a save once the state is copied to host memory; write and commit in the
     background (``--moc-sync-save`` turns it off: the save returns once committed)."""
     commit_timeout_s: float = 600.0
-    """Rank 0 gives up committing a checkpoint when a rank's file is not durable by then."""
+    """Rank 0 gives up committing a checkpoint when a rank's file is not durable by then
+    (``--moc-commit-timeout``)."""
     two_level: bool = False
     """Saves are snapshots into a per-node keeper's shared memory, persisted to storage in
     the background (``--moc-two-level``)."""

@@ -751,7 +751,7 @@ class ExactSnapshots:
                "marker": _marker(self.node_dir, frame, self.rank),
                "dst_data": _data(self.save_dir, frame, self.rank),
                "dst_marker": _marker(self.save_dir, frame, self.rank)}
-        job["id"] = f"frame{frame}:rank{self.rank}"
+        job["id"] = keeper.job_id(f"frame{frame}", self.rank)
         why: Exception = keeper.KeeperError(f"it did not take the copy of frame {frame}")
         try:
             handed = keeper.hand_over(self.node_dir, job)

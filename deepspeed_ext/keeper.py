@@ -42,6 +42,7 @@ import sys
 import threading
 import time
 import traceback
+import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
 SOCKET_NAME = "keeper.sock"
@@ -98,29 +99,49 @@ def request(directory: str, message: Dict[str, Any], timeout_s: float = 10.0) ->
     return reply
 
 
-def hand_over(directory: str, job: Dict[str, Any], attempts: int = 2,
+def hand_over(directory: str, job: Dict[str, Any], patience_s: float = 600.0,
               timeout_s: float = 10.0) -> bool:
     """Queue a persist job with the keeper of ``directory``; the training process calls
     it from its copy thread.
 
     A keeper that does not answer in time but still listens is busy, not dead: the
-    request is sent again (the keeper queues a job ``id`` once, so a first request
-    that did arrive is not persisted twice). Giving it up at the first slow answer
-    would persist everything in the training process from then on, with the keeper
-    possibly writing the same job too.
+    request is sent again until ``patience_s`` (the keeper queues a job ``id`` once, so
+    a first request that did arrive is not persisted twice). Only a dead keeper lets
+    the caller persist the job itself: a busy one may still have it queued, and two
+    writers of one slot let the slower one read a slot the next snapshot had already
+    reused, publishing wrong bytes under a matching checksum.
 
     Returns:
-        True once the keeper has the job; False when it is dead, or still silent after
-        ``attempts`` requests (the caller persists the job itself).
+        True once the keeper has the job; False when it is dead (nothing listens).
+
+    Raises:
+        KeeperError: it still listens but took no request within ``patience_s``: the
+            job may be in its queue, so the caller must fail this persist, not write it.
     """
-    for _ in range(max(1, attempts)):
+    deadline = time.monotonic() + patience_s
+    while True:
         try:
             request(directory, {"op": "persist", "job": job}, timeout_s=timeout_s)
             return True
-        except KeeperError:
+        except KeeperError as e:
             if is_dead(directory):
                 return False
-    return False
+            if time.monotonic() >= deadline:
+                raise KeeperError(f"the keeper of {directory} still listens but took no "
+                                  f"request within {patience_s:.0f} s ({e})") from None
+
+
+PROCESS_TOKEN = uuid.uuid4().hex[:12]
+"""Part of every job ``id`` a training process sends (:func:`job_id`)."""
+
+
+def job_id(name: str, rank: int) -> str:
+    """The ``id`` of a job (``name``: a tag or frame) this process hands over: the same
+    for its retries, new in every process. Names repeat across attempts (a restarted
+    job saving a tag, or taking a frame, again), and the keeper, which outlives them,
+    dropped the new attempt's job as a retry of the old one: that save never
+    committed, and every later persist waited behind it."""
+    return f"{name}:{PROCESS_TOKEN}:rank{rank}"
 
 
 def alive(directory: str) -> bool:
@@ -205,7 +226,11 @@ def shutdown_keeper(directory: str, timeout_s: float = 600.0) -> bool:
     try:
         request(directory, {"op": "shutdown"}, timeout_s=timeout_s)
     except KeeperError:
-        shutil.rmtree(directory, ignore_errors=True)
+        if is_dead(directory):
+            shutil.rmtree(directory, ignore_errors=True)
+        # else: alive but slow (its queue or a commit outlasted the timeout): deleting the
+        # directory under it would remove the snapshots it is still persisting; it exits
+        # on its own once no training process is alive.
         return False
     # The keeper deletes the directory right after answering; wait for it, so that a
     # caller checking for leftovers (or starting the next job) sees it gone.

@@ -493,7 +493,8 @@ class TwoLevel:
         self.persist = {"save_dir": save_dir, "tag": tag,
                         "selected": selected if selected is not None else frozenset(),
                         "policy_before": policy_before, "slot": snap["slot"],
-                        "in_process": self.keeper_gone, "claim": claim}
+                        "in_process": self.keeper_gone, "claim": claim,
+                        "started": time.monotonic()}
         return job
 
     def _persist_newest(self) -> Tuple[bool, Optional[str]]:
@@ -608,12 +609,32 @@ class TwoLevel:
 
     def _send(self, job) -> None:
         if not self.keeper_gone:
-            job["id"] = f"{job['tag']}:rank{self.rank}"
-            if keeper.hand_over(self.node_dir, job):
+            job["id"] = keeper.job_id(job["tag"], self.rank)
+            try:
+                if keeper.hand_over(self.node_dir, job, patience_s=self.cfg.commit_timeout_s):
+                    return
+            except keeper.KeeperError as e:
+                self._fail_unsent(job, str(e))
                 return
             self._keeper_died("it did not take the persist of " + job["tag"])
         threading.Thread(target=keeper.run_persist_job, args=(job,),
                          name=f"moc-persist-{job['tag']}").start()
+
+    def _fail_unsent(self, job, why: str) -> None:
+        """Copy thread: a live keeper never took this rank's job. It may still run it
+        (the slot stays marked as persisting until it has read it), so this process
+        does not write it too: the persist ends as failed (rank 0 also marks the
+        commit failed, having no committer) and training goes on."""
+        tag_dir = os.path.join(job["save_dir"], job["tag"])
+        print(f"[moc] rank {self.rank}: WARNING: persist of {job['tag']} abandoned: {why}",
+              flush=True)
+        try:
+            commit.write_report(tag_dir, self.rank, None, error=why, claim=job.get("claim"))
+            if job.get("commit") is not None:
+                commit.write_failure(tag_dir, why, claim=job.get("claim"))
+        except Exception as e:  # the pending persist then ends at its deadline
+            print(f"[moc] rank {self.rank}: WARNING: cannot mark {tag_dir} failed "
+                  f"({type(e).__name__}: {e})", flush=True)
 
     def _keeper_died(self, why: str) -> None:
         """Switch to persisting in this process; say so once per rank."""
@@ -668,9 +689,16 @@ class TwoLevel:
         from deepspeed_ext.commit import commit_outcome
         if self.persist is None:
             return "none"
+        tag_dir = os.path.join(self.persist["save_dir"], self.persist["tag"])
         try:
-            outcome = commit_outcome(os.path.join(self.persist["save_dir"], self.persist["tag"]),
-                                     self.world, self.persist["claim"])
+            outcome = commit_outcome(tag_dir, self.world, self.persist["claim"])
+            if outcome is None and time.monotonic() - self.persist["started"] > \
+                    self.cfg.commit_timeout_s:
+                # A commit that ends with neither a manifest nor a failure record (a
+                # committer that died, a job dropped) would otherwise defer every later
+                # persist for the rest of the run.
+                outcome = (False, f"{tag_dir} not committed within "
+                                  f"{self.cfg.commit_timeout_s:.0f} s")
         except Exception as e:
             # Read before the snapshot's exchange, which the other ranks are already in:
             # a storage error counts as "still running" (the snapshot stays in memory
@@ -740,9 +768,14 @@ class TwoLevel:
         return outcomes
 
     def shutdown(self) -> None:
-        """Every rank, at the end of training: persist finished, keeper stopped, memory freed."""
+        """Every rank, at the end of training: persist finished, keeper stopped, memory
+        freed. When the last persist failed (raised on every rank), the keeper and its
+        memory are left: the newest snapshots exist nowhere else, and a restart before the
+        keeper's idle exit recovers from them."""
+        persisted = False
         try:
             self.wait()
+            persisted = True
         finally:
             self.copier_pool.shutdown(wait=True)
             self.copier.unregister_all()  # CUDA: no copy is in flight any more
@@ -750,8 +783,13 @@ class TwoLevel:
                 self.redundancy.close()
                 _log(self.redundancy.summary())
             dist.barrier()
-            if self.first_of_node:
+            if self.first_of_node and persisted:
                 keeper.shutdown_keeper(self.node_dir, self.cfg.commit_timeout_s)
+            elif self.first_of_node:
+                print(f"[moc] rank {self.rank}: WARNING: the newest snapshots are not all on "
+                      f"storage: leaving them in {self.node_dir}; its keeper exits "
+                      f"{self.cfg.keeper_idle_timeout_s:.0f} s after the last training "
+                      f"process, and a restart before that recovers from them", flush=True)
             dist.barrier()
             if self.rank == 0:
                 try:

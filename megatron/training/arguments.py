@@ -189,6 +189,10 @@ def _add_moc_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moc-event-file", default=None,
                    help="JSON-lines file of failures, detections and recoveries (PLT, K, "
                         "iterations lost); default: <save>/moc-events.jsonl for a local --save.")
+    g.add_argument("--moc-commit-timeout", type=float, default=600.0,
+                   help="Seconds a checkpoint may take to be written and committed before "
+                        "the save counts as failed (every rank's file durable, the "
+                        "manifest written).")
     g.add_argument("--moc-restart-count", type=int, default=None,
                    help="Which attempt of the job this is (0: the first), for the event file "
                         "and ETTR; default: TORCHELASTIC_RESTART_COUNT or MOC_RESTART_COUNT "
@@ -496,6 +500,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _check_storage_urls(args)
     if args.moc_dynamic_k and not args.moc_checkpoint:
         raise ConfigError("--moc-dynamic-k needs --moc-checkpoint")
+    if not args.moc_commit_timeout > 0:
+        raise ConfigError(f"--moc-commit-timeout must be > 0 seconds, got {args.moc_commit_timeout}")
     if args.moc_restart_count is not None and args.moc_restart_count < 0:
         raise ConfigError(f"--moc-restart-count must be >= 0, got {args.moc_restart_count}")
     if not 0.0 < args.moc_plt_threshold < 1.0:
@@ -548,7 +554,7 @@ def moc_config_from_args(args: argparse.Namespace):
         shm_dir = args.moc_shm_dir or default_shm_dir(args.save or args.load)
     pec_k = args.moc_k_persist if args.moc_k_persist is not None else args.moc_pec_k
     return MoCConfig(pec_k=pec_k, pec_policy=args.moc_pec_policy, pec_scope=args.moc_pec_scope,
-                     keep=args.moc_keep,
+                     keep=args.moc_keep, commit_timeout_s=args.moc_commit_timeout,
                      async_save=not args.moc_sync_save, two_level=args.moc_two_level,
                      k_snapshot=args.moc_k_snapshot, persist_interval=args.moc_persist_interval,
                      shm_dir=shm_dir, ranks_per_node=args.moc_ranks_per_node,

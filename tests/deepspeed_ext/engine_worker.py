@@ -295,7 +295,9 @@ def main():
             engine.save_checkpoint(args.save, tag="resaved", client_state=client)
             args.train_iters = start
         result["losses"] = _train(engine, args, start, args.train_iters, args.save, states)
-        if os.environ.get("MOC_TEST_CRASH") != "1" or os.environ.get("MOC_TEST_PERSIST_FIRST"):
+        if os.environ.get("MOC_TEST_END_BY_SHUTDOWN"):
+            engine.moc.shutdown()  # the trainer's end: shutdown waits for the persists itself
+        elif os.environ.get("MOC_TEST_CRASH") != "1" or os.environ.get("MOC_TEST_PERSIST_FIRST"):
             engine.moc.wait()  # with a crash: every snapshot on storage, memory kept
         elif engine.moc.two_level is not None:
             # The crash comes once the last snapshot is complete (and protected): its copy

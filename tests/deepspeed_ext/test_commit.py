@@ -361,12 +361,34 @@ def _wait_with_claim(tag_dir, claim, timeout_s):
 def test_commit_outcome_ignores_another_claims_errors(tmp_path):
     from deepspeed_ext.commit import commit_outcome, write_failure
     tag_dir = str(tmp_path)
+    (tmp_path / CLAIM_NAME).write_text(json.dumps({"claim": "new"}))
     write_report(tag_dir, 1, None, error="OSError: old attempt", claim="old")
     write_failure(tag_dir, "old committer gave up", claim="old")
     assert commit_outcome(tag_dir, 2, claim="new") is None  # still running
     assert commit_outcome(tag_dir, 2, claim="old") == (False, "old committer gave up")
     write_failure(tag_dir, "no report from rank(s) 1", claim="new")
     assert commit_outcome(tag_dir, 2, claim="new") == (False, "no report from rank(s) 1")
+
+
+def test_commit_outcome_ends_when_the_save_was_superseded(tmp_path):
+    """Its committer stood down (the tag saved again under another claim, or the
+    directory deleted) and writes no failure record: nothing else would end the wait,
+    and every later persist was deferred behind it for the rest of the run."""
+    from deepspeed_ext import manifest as mf
+    from deepspeed_ext.commit import commit_outcome
+    save_dir = str(tmp_path)
+    tag_dir = mf.prepare_checkpoint_dir(save_dir, "global_step5")
+    mine = read_claim(tag_dir)
+    assert commit_outcome(tag_dir, 2, claim=mine) is None  # running
+    mf.prepare_checkpoint_dir(save_dir, "global_step5")  # a restarted job claims it
+    ok, why = commit_outcome(tag_dir, 2, claim=mine)
+    assert not ok and "claimed by another save" in why
+    shutil.rmtree(tag_dir)
+    ok, why = commit_outcome(tag_dir, 2, claim=mine)
+    assert not ok and "is gone" in why
+    assert commit_outcome(tag_dir, 2, claim=None) is None  # unchecked without a claim
+    _commit(save_dir, "global_step6", 6, 6.0)  # committed: the claim is cleaned up after
+    assert commit_outcome(os.path.join(save_dir, "global_step6"), 2, claim=mine) == (True, None)
 
 
 def _persist_job_of(save_dir, tag, rank, claim, image_dir, done_marker):

@@ -6,6 +6,8 @@ import socket
 import threading
 import time
 
+import pytest
+
 from deepspeed_ext import keeper
 
 
@@ -94,7 +96,7 @@ def test_a_persist_handed_to_a_slow_keeper_is_sent_again_and_queued_once(tmp_pat
     fake = _FakeKeeper(str(tmp_path), delay_s=1.0)
     try:
         job = {"id": "global_step3:rank0", "tag": "global_step3"}
-        assert keeper.hand_over(str(tmp_path), job, attempts=2, timeout_s=0.3)
+        assert keeper.hand_over(str(tmp_path), job, patience_s=30, timeout_s=0.3)
         assert fake.ops == ["persist", "persist"]
     finally:
         fake.close()
@@ -120,7 +122,7 @@ def test_a_persist_is_not_handed_to_a_dead_keeper(tmp_path, monkeypatch):
         sent.append(message["op"])
         return real(directory, message, timeout_s)
     monkeypatch.setattr(keeper, "request", counting)
-    assert not keeper.hand_over(str(tmp_path), {"id": "x"}, attempts=3, timeout_s=5)
+    assert not keeper.hand_over(str(tmp_path), {"id": "x"}, patience_s=30, timeout_s=5)
     assert sent == ["persist"]
 
 
@@ -164,3 +166,37 @@ def test_a_shutdown_waits_for_commits_past_their_reports_only(tmp_path, monkeypa
     assert reply == {"ok": True}
     assert finished == ["global_step1"]
     assert time.monotonic() - start < 30
+
+
+def test_a_keeper_that_listens_but_never_answers_fails_the_hand_over(tmp_path):
+    """Alive but silent past the patience: the job may sit in its queue, so the caller
+    must fail the persist instead of writing the slot itself as well (two writers of one
+    slot let the slower read a slot the next snapshot reused). Before, hand_over
+    returned False after two requests and the caller persisted in-process."""
+    stuck = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # listens, never accepts
+    stuck.bind(os.path.join(str(tmp_path), keeper.SOCKET_NAME))
+    stuck.listen(64)
+    try:
+        start = time.monotonic()
+        with pytest.raises(keeper.KeeperError, match="still listens but took no request"):
+            keeper.hand_over(str(tmp_path), {"id": "x"}, patience_s=0.5, timeout_s=0.2)
+        assert time.monotonic() - start < 10
+    finally:
+        stuck.close()
+
+
+def test_job_ids_repeat_for_retries_but_not_across_processes(tmp_path):
+    """A restarted attempt saving a tag (or taking a frame) again: the keeper that
+    outlived the first attempt must queue its job, not drop it as a retry."""
+    import subprocess
+    import sys
+    ours = keeper.job_id("global_step150", 3)
+    assert keeper.job_id("global_step150", 3) == ours  # a retry of this process
+    theirs = subprocess.run([sys.executable, "-c", "from deepspeed_ext import keeper; "
+                             "print(keeper.job_id('global_step150', 3))"],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    assert theirs.startswith("global_step150:") and theirs != ours
+    real = keeper.Keeper(str(tmp_path), idle_timeout_s=60)
+    for job_id in (theirs, ours, ours):
+        assert real.handle({"op": "persist", "job": {"id": job_id}})["ok"]
+    assert real.jobs.qsize() == 2

@@ -208,6 +208,31 @@ def test_persist_directory_failure_reaches_every_rank(tmp_path):
         stop_keepers(shm)
 
 
+def test_a_job_ending_with_a_failed_persist_keeps_the_snapshots_in_memory(tmp_path):
+    """The last persist never commits (the keeper stalls in it; --moc-commit-timeout
+    ends the wait): every rank reports the failure, and the node's memory, the only copy
+    of the newest snapshots, stays for a restart. Before, the end of the job asked the
+    keeper to shut down, and on its slow answer deleted the directory under it."""
+    shm, ckpt = new_shm_dir(), str(tmp_path / "ckpt")
+    try:
+        out = tmp_path / "out"
+        out.mkdir()
+        results = run_ranks(2, ["train-save", str(out)] + _flags(shm, 2, 2, [
+            "--moc-persist-interval", "1", "--moc-commit-timeout", "6"]) + [
+            "--train-iters", "2", "--save", ckpt, "--save-interval", "1"],
+            script=WORKER, timeout=300,
+            env={"MOC_TEST_END_BY_SHUTDOWN": "1", "MOC_FAULT_HANG_PERSIST_STEP": "2"})
+        for r in results:
+            assert r.returncode != 0 and "not committed within 6 s" in r.output, describe(results)
+        assert "leaving them in" in results[0].output, describe(results)
+        rank0 = os.path.join(shm, "node0", "rank00000")
+        steps = {json.load(open(os.path.join(rank0, n)))["step"]
+                 for n in os.listdir(rank0) if n.endswith(".json")}
+        assert 2 in steps, steps
+    finally:
+        stop_keepers(shm)
+
+
 def _latest(ckpt):
     with open(os.path.join(ckpt, "latest")) as f:
         return f.read().strip()
@@ -429,3 +454,22 @@ def test_memory_load_in_a_running_process_restores_the_snapshot(tmp_path, exchan
                 assert r["exchange_capacity"] == 4096, r
     finally:
         stop_keepers(shm)
+
+
+def test_a_pending_persist_counts_as_failed_after_the_commit_timeout(tmp_path):
+    """Rank 0's view of a persist whose directory shows no outcome (a committer that died
+    without a failure record): still running until --moc-commit-timeout, then failed.
+    Before, every later persist was deferred behind it for the rest of the run."""
+    import types
+    from deepspeed_ext import manifest as mf
+    from deepspeed_ext.commit import read_claim
+    from deepspeed_ext.two_level import TwoLevel
+    tag_dir = mf.prepare_checkpoint_dir(str(tmp_path), "global_step2")
+    two = types.SimpleNamespace(world=2, cfg=types.SimpleNamespace(commit_timeout_s=30.0),
+                                persist={"save_dir": str(tmp_path), "tag": "global_step2",
+                                         "claim": read_claim(tag_dir),
+                                         "started": time.monotonic()})
+    assert TwoLevel._persist_view(two) is None  # running
+    two.persist["started"] -= 31
+    ok, why = TwoLevel._persist_view(two)
+    assert not ok and why == f"{tag_dir} not committed within 30 s"
