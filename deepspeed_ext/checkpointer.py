@@ -47,6 +47,19 @@ from deepspeed_ext.state import (ExpertNaming, LocalFragment, describe_local_sta
                                  set_loss_scaler_state, set_optimizer_scalars)
 
 
+def _check_shape(reader, frag: LocalFragment, load_dir: str, tag: str) -> None:
+    """Refuse a tensor saved with another shape: reads go by flat element ranges, so a
+    smaller model (say, another --ffn-hidden-size) would load the first elements of each
+    saved tensor, laid out wrongly, without an error (the trainer's check of the saved
+    arguments is skipped when it falls back past a damaged newest checkpoint)."""
+    saved = tuple(reader.info(frag.name, frag.kind).shape)
+    if saved != tuple(frag.shape):
+        raise MoCCheckpointError(
+            f"{os.path.join(load_dir, tag)}: {frag.name} ({frag.kind}) was saved with shape "
+            f"{list(saved)}, this model's is {list(frag.shape)}: the checkpoint belongs to "
+            f"another model configuration (compare the model flags with the run that saved it)")
+
+
 def extended_tag(previous: Optional[Tuple[str, str]], save_dir: str) -> Optional[str]:
     """The tag a new checkpoint in ``save_dir`` extends (its expert index starts from
     that one's): ``previous`` (``(directory, tag)`` of the last checkpoint saved or
@@ -664,6 +677,7 @@ class MoCCheckpointer:
                                   check_structure=False, resolution=resolution) as reader, \
                     torch.no_grad():
                 for frag in fragments():
+                    _check_shape(reader, frag, load_dir, chosen)
                     data = reader.read(frag.name, frag.kind, frag.offset, frag.length)
                     frag.tensor.copy_(data.to(device=frag.tensor.device, dtype=frag.tensor.dtype))
                 objects = reader.objects()

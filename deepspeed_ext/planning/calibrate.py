@@ -13,6 +13,7 @@ fields plus what each came from.
 """
 
 import json
+import math
 import os
 import re
 import statistics
@@ -132,6 +133,8 @@ def measure_training(config: str, data_path: str, nproc: int, iters: int,
         tail = "\n".join(output.splitlines()[-20:])
         raise RuntimeError(f"the calibration run failed ({result.returncode}):\n{tail}")
     times = [float(m) / 1000 for m in ITER_MS.findall(output)]
+    if not times:
+        raise RuntimeError(f"the calibration run logged no iteration times ({' '.join(cmd)})")
     out = {"iteration_s": statistics.median(times[2:] or times)}
     restarts = [float(m) for m in RESTART.findall(output)]
     if with_restart and restarts:
@@ -149,35 +152,92 @@ def _rows_of(data) -> List[Dict[str, Any]]:
     return [r for v in data.values() if isinstance(v, list) for r in v if isinstance(r, dict)]
 
 
+def _read_benchmark(path: str):
+    """A benchmark's JSON: an object or a list of rows.
+
+    Raises:
+        ValueError: naming ``--from-json`` and the file.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--from-json {path}: {err}") from None
+    if not isinstance(data, (dict, list)):
+        raise ValueError(f"--from-json {path}: expected a benchmark's JSON object or list of "
+                         f"rows, got {type(data).__name__}")
+    return data
+
+
+def _figure(path: str, row: Dict[str, Any], key: str) -> Optional[float]:
+    """``row[key]`` as a positive number; None when absent, null or 0 (not measured).
+
+    Raises:
+        ValueError: naming the file, the row and the field.
+    """
+    value = row.get(key)
+    if value is None or (isinstance(value, (int, float)) and value == 0):
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or value < 0:
+        name = row.get("system") or row.get("mode") or row.get("policy")
+        raise ValueError(f"--from-json {path}: row {name!r}: {key} must be a positive "
+                         f"number, got {value!r}")
+    return float(value)
+
+
+def _ranks_per_node(path: str, data) -> int:
+    """The benchmark's ranks per node (``config.ranks_per_node``; 1 when absent)."""
+    config = data.get("config") if isinstance(data, dict) else None
+    value = (config if isinstance(config, dict) else {}).get("ranks_per_node", 1)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"--from-json {path}: config.ranks_per_node must be an integer >= 1, "
+                         f"got {value!r}")
+    return value
+
+
+def _figures_of(path: str, data, restarts: List[tuple]) -> Dict[str, Any]:
+    """One benchmark's figures, ``{field: (value, source)}``; its restarts go to
+    ``restarts``."""
+    found: Dict[str, Any] = {}
+    for row in _rows_of(data):
+        system = row.get("system") or row.get("mode") or row.get("policy")
+        iter_s, bandwidth = _figure(path, row, "iter_s_mean"), _figure(path, row, "bandwidth_mib_s")
+        restart, stall = _figure(path, row, "restart_s"), _figure(path, row, "stall_ms_median")
+        if system == "no-checkpoint" and iter_s:
+            found["iteration_s"] = (iter_s, f"{path}: no-checkpoint iterations")
+        if system in ("replicate", "erasure") and bandwidth:
+            # Each rank's share of its node's link: times the ranks per node.
+            found["network_gbps"] = (bandwidth * 2**20 * _ranks_per_node(path, data) / GB,
+                                     f"{path}: {system} protection bandwidth")
+        if system == "none" and iter_s:
+            found["iteration_s"] = (iter_s, f"{path}: none iterations")
+        if restart:
+            restarts.append((restart, f"{path}: {system}"))
+        # exact_bench: pec-dynamic's median save call (storage-bound, asynchronous)
+        if system == "pec-dynamic" and stall:
+            found["save_call_s"] = (stall / 1000, f"{path}: pec-dynamic median save call")
+    if isinstance(data, dict) and isinstance(data.get("overhead"), list):
+        try:
+            figures = exact_bench_figures(data)
+        except (AttributeError, KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"--from-json {path}: its overhead rows cannot be read "
+                             f"({type(err).__name__}: {err})") from None
+        found.update({k: (v, f"{path}: {why}") for k, (v, why) in figures.items()})
+    return found
+
+
 def from_benchmark_json(paths: List[str]) -> Dict[str, Any]:
     """Figures from benchmark JSON files (any of ``two_level_bench.py``,
-    ``redundancy_bench.py``, ``exact_bench.py``); returns ``{field: (value, source)}``."""
+    ``redundancy_bench.py``, ``exact_bench.py``); returns ``{field: (value, source)}``.
+
+    Raises:
+        ValueError: a file that cannot be read or holds a malformed figure, naming it.
+    """
     found: Dict[str, Any] = {}
     restarts: List[tuple] = []
     for path in paths:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        for row in _rows_of(data):
-            system = row.get("system") or row.get("mode") or row.get("policy")
-            if system == "no-checkpoint" and row.get("iter_s_mean"):
-                found["iteration_s"] = (row["iter_s_mean"], f"{path}: no-checkpoint iterations")
-            if system in ("replicate", "erasure") and row.get("bandwidth_mib_s"):
-                # Each rank's share of its node's link: times the ranks per node.
-                config = data.get("config") if isinstance(data, dict) else None
-                per_node = (config or {}).get("ranks_per_node", 1)
-                found["network_gbps"] = (row["bandwidth_mib_s"] * 2**20 * per_node / GB,
-                                         f"{path}: {system} protection bandwidth")
-            if system == "none" and row.get("iter_s_mean"):
-                found["iteration_s"] = (row["iter_s_mean"], f"{path}: none iterations")
-            if row.get("restart_s"):
-                restarts.append((row["restart_s"], f"{path}: {system}"))
-            # exact_bench: pec-dynamic's median save call (storage-bound, asynchronous)
-            if system == "pec-dynamic" and row.get("stall_ms_median"):
-                found["save_call_s"] = (row["stall_ms_median"] / 1000,
-                                        f"{path}: pec-dynamic median save call")
-        if isinstance(data, dict) and isinstance(data.get("overhead"), list):
-            found.update({k: (v, f"{path}: {why}")
-                          for k, (v, why) in exact_bench_figures(data).items()})
+        found.update(_figures_of(path, _read_benchmark(path), restarts))
     if restarts:
         found["restart_s"] = (statistics.median(v for v, _ in restarts),
                               "median restart of " + ", ".join(w for _, w in restarts))
@@ -250,8 +310,19 @@ def calibrate(storage_dir: str, config: Optional[str], data_path: Optional[str],
     """Measure (or read) the figures; returns ``{"hardware": {...}, "sources": {...}}``.
 
     Figures neither measured nor read keep ``base``'s (or the defaults), and their
-    source says so.
+    source says so. The inputs (the benchmark files, the run's flags) are checked before
+    anything is measured.
+
+    Raises:
+        ValueError: a bad input, naming its flag or file.
+        RuntimeError: the training run failed.
     """
+    if config and not data_path:
+        raise ValueError("--config needs --data-path (a prepared dataset prefix)")
+    read = from_benchmark_json(json_paths)
+    if "iteration_s" not in read and not config and base is None:
+        raise ValueError("no iteration time: give --config and --data-path (a short run), "
+                         "a benchmark --from-json, or --iteration-time")
     measured: Dict[str, Any] = {}
     copy = measure_copy_gbps()
     measured["d2h_gbps"] = (copy, "copy into pinned/shared host memory")
@@ -260,18 +331,13 @@ def calibrate(storage_dir: str, config: Optional[str], data_path: Optional[str],
     measured["storage_write_gbps"] = (storage["write_gbps"], f"write+fsync under {storage_dir}")
     measured["storage_read_gbps"] = (storage["read_gbps"], f"cold read under {storage_dir}")
     if config:
-        if not data_path:
-            raise ValueError("--config needs --data-path (a prepared dataset prefix)")
         with tempfile.TemporaryDirectory(prefix="moc-calibrate-run-") as out:
             run = measure_training(config, data_path, nproc, iters, with_restart, out)
         measured["iteration_s"] = (run["iteration_s"], f"{iters} iterations of {config} on "
                                                        f"{nproc} ranks")
         if "restart_s" in run:
             measured["restart_s"] = (run["restart_s"], "one injected crash under torchrun")
-    measured.update(from_benchmark_json(json_paths))
-    if "iteration_s" not in measured and base is None:
-        raise ValueError("no iteration time: give --config and --data-path (a short run), "
-                         "a benchmark --from-json, or --iteration-time")
+    measured.update(read)
     values = asdict(base) if base is not None else {}
     values.update({k: v for k, (v, _) in measured.items()})
     hardware = Hardware(**values)

@@ -7,12 +7,14 @@
     moc-plan calibrate --dir /path/to/checkpoints --out hw.json \\
         [--config configs/tiny.yaml --data-path data/x_text_document] [--from-json bench.json]
 
-Exit codes: 0 done, 2 bad input (the message names the flag).
+Exit codes: 0 done, 2 bad input (the message names the flag or file), or a calibration
+run or an output file that failed.
 """
 
 import argparse
 import importlib.util
 import json
+import math
 import os
 import sys
 from dataclasses import asdict, fields, replace
@@ -20,7 +22,7 @@ from typing import List, Optional
 
 from deepspeed_ext.planning import costs as cm
 from deepspeed_ext.planning.search import Constraints, recommend
-from deepspeed_ext.planning.simulate import parse_trace, simulate_many
+from deepspeed_ext.planning.simulate import MAX_FAILURES, load_trace, simulate_many
 
 VOCAB = {"GPT2BPETokenizer": 50257, "ByteLevelTokenizer": 257}
 
@@ -29,11 +31,16 @@ class PlanError(ValueError):
     """Bad input; the message names the flag or file."""
 
 
-def model_from_config(path: str, ep_override: int = 0) -> cm.ModelShape:
+def model_from_config(path: str, ep_override: int = 0, gpus: int = 0) -> cm.ModelShape:
     """The model of a training YAML config (the trainer's own parser and parameter count).
 
+    Args:
+        gpus: the data-parallel size (every rank); 0: not checked, and an unset global
+            batch is one micro-batch.
+
     Raises:
-        PlanError: the file is missing or is not a model config.
+        PlanError: the file is missing or is not a model config, or its batch does not
+            split over ``gpus`` ranks (the trainer refuses that too).
     """
     from megatron.model.gpt_moe import count_parameters
     from megatron.training.arguments import (ConfigError, model_config_from_args,
@@ -58,10 +65,33 @@ def model_from_config(path: str, ep_override: int = 0) -> cm.ModelShape:
     except ValueError as err:
         raise PlanError(f"--config {path}: {err}") from None
     counts = count_parameters(config)
-    batch = args.global_batch_size or args.micro_batch_size
+    batch = _global_batch(path, args.global_batch_size, args.micro_batch_size, gpus)
     return cm.ModelShape(os.path.splitext(os.path.basename(path))[0], counts["non_expert"],
                          counts["expert"], args.num_experts, len(config.moe_layer_indices),
                          batch * args.seq_length)
+
+
+def _global_batch(path: str, global_batch: Optional[int], micro_batch: Optional[int],
+                  gpus: int) -> int:
+    """The global batch the trainer runs with ``gpus`` data-parallel ranks
+    (``megatron.training.arguments.validate_args``: unset, one micro-batch per rank; else
+    a multiple of micro-batch x data-parallel size).
+
+    Raises:
+        PlanError: naming the config, its batch flags and --gpus.
+    """
+    micro = micro_batch or 1
+    if not gpus:
+        return global_batch or micro
+    per_step = micro * gpus
+    if global_batch is None:
+        return per_step
+    if global_batch % per_step:
+        raise PlanError(f"--gpus {gpus}: --config {path} has --global-batch-size "
+                        f"{global_batch}, which the trainer requires to be divisible by "
+                        f"--micro-batch-size x data-parallel size ({micro} x {gpus} = "
+                        f"{per_step})")
+    return global_batch
 
 
 def _hardware(opts) -> cm.Hardware:
@@ -84,9 +114,12 @@ def _hardware(opts) -> cm.Hardware:
 
 
 def _cluster(opts):
-    model = model_from_config(opts.config)
     try:
         layout = cm.Layout(opts.gpus, opts.gpus_per_node, opts.ep)
+    except ValueError as err:
+        raise PlanError(str(err)) from None
+    model = model_from_config(opts.config, gpus=opts.gpus)
+    try:
         layout.expert_parallel(model)
     except ValueError as err:
         raise PlanError(str(err)) from None
@@ -108,8 +141,8 @@ def _mtbfs(text: str) -> List[float]:
         values = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise PlanError(f"--mtbf: expected seconds, comma-separated, got {text!r}") from None
-    if not values or any(not v > 0 for v in values):
-        raise PlanError(f"--mtbf must be > 0 seconds, got {text!r}")
+    if not values or any(not (math.isfinite(v) and v > 0) for v in values):
+        raise PlanError(f"--mtbf must be > 0 seconds and finite, got {text!r}")
     return values
 
 
@@ -130,7 +163,32 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def _check_output(flag: str, path: Optional[str]) -> None:
+    """Before any work: an output file's directory exists and the path is no directory.
+
+    Raises:
+        PlanError: naming the flag and the path.
+    """
+    if not path:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise PlanError(f"{flag} {path}: is a directory, not a file")
+    if not os.path.isdir(parent):
+        raise PlanError(f"{flag} {path}: the directory {parent} does not exist")
+
+
+def _write_json(flag: str, path: str, data) -> None:
+    """Write ``data`` to ``path``; an OSError becomes a PlanError naming the flag."""
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1)
+    except OSError as err:
+        raise PlanError(f"{flag} {path}: {err}") from None
+
+
 def cmd_recommend(opts) -> int:
+    _check_output("--json", opts.json)
     model, layout, hw = _cluster(opts)
     constraints = _constraints(opts)
     mtbf = _mtbfs(opts.mtbf)
@@ -168,10 +226,9 @@ def cmd_recommend(opts) -> int:
         print(f"\nrecommended: {p.label()} (predicted ETTR {best.best.ettr:.3f})")
         print("  trainer flags: " + " ".join(training_flags(p)))
     if opts.json:
-        with open(opts.json, "w") as f:
-            json.dump({"model": asdict(model), "layout": asdict(layout), "hardware": asdict(hw),
-                       "mtbf_s": mtbf[0], "constraints": asdict(constraints), "rows": rows}, f,
-                      indent=1)
+        _write_json("--json", opts.json, {
+            "model": asdict(model), "layout": asdict(layout), "hardware": asdict(hw),
+            "mtbf_s": mtbf[0], "constraints": asdict(constraints), "rows": rows})
     return 0
 
 
@@ -225,6 +282,8 @@ def parse_policy(text: str) -> cm.Policy:
 
 
 def cmd_simulate(opts) -> int:
+    _check_output("--json", opts.json)
+    _check_output("--plot", opts.plot)
     model, layout, hw = _cluster(opts)
     mtbfs = _mtbfs(opts.mtbf)
     if opts.plot and importlib.util.find_spec("matplotlib") is None:
@@ -233,12 +292,9 @@ def cmd_simulate(opts) -> int:
     trace = None
     if opts.trace:
         try:
-            with open(opts.trace, encoding="utf-8") as f:
-                trace = parse_trace(f.read())
-        except OSError as err:
-            raise PlanError(f"--trace: {err}") from None
+            trace = load_trace(opts.trace)
         except ValueError as err:
-            raise PlanError(f"--trace {opts.trace}: {err}") from None
+            raise PlanError(f"--trace {err}") from None
     constraints = _constraints(opts)
     explicit = [parse_policy(p) for p in opts.policy or []]
     for text, p in zip(opts.policy or [], explicit):
@@ -263,7 +319,7 @@ def cmd_simulate(opts) -> int:
                           "settings": asdict(p), "ettr": s.ettr, "ettr_ci": s.ettr_ci,
                           "ettr_model": pred.ettr, "plt": s.plt, "plt_ci": s.plt_ci,
                           "goodput_tokens_s": s.goodput_tokens_s, "failures": s.failures,
-                          "final_k": s.final_k, "runs": s.runs})
+                          "final_k": s.final_k, "runs": s.runs, "unfinished": s.unfinished})
     head = (f"{'MTBF s':>8} {'policy':<12} {'ETTR (sim)':>16} {'ETTR (model)':>12} "
             f"{'PLT':>8} {'failures':>8} {'goodput tok/s':>14}  settings")
     print(head)
@@ -271,14 +327,18 @@ def cmd_simulate(opts) -> int:
     for r in table:
         print(f"{r['mtbf_s']:>8g} {r['policy']:<12} {r['ettr']:>9.3f} ±{r['ettr_ci']:.3f} "
               f"{r['ettr_model']:>12.3f} {r['plt']:>8.2%} {r['failures']:>8.1f} "
-              f"{r['goodput_tokens_s']:>14.0f}  {r['label']}")
+              f"{r['goodput_tokens_s']:>14.0f}  {r['label']}"
+              + (f"  [{r['unfinished']} run(s) unfinished after {MAX_FAILURES} failures]"
+                 if r["unfinished"] else ""))
     if opts.json:
-        with open(opts.json, "w") as f:
-            json.dump({"model": asdict(model), "layout": asdict(layout), "hardware": asdict(hw),
-                       "iterations": opts.iterations, "seeds": seeds, "rows": table}, f,
-                      indent=1)
+        _write_json("--json", opts.json, {
+            "model": asdict(model), "layout": asdict(layout), "hardware": asdict(hw),
+            "iterations": opts.iterations, "seeds": seeds, "rows": table})
     if opts.plot:
-        plot_sweep(table, opts.plot, f"{model.name} on {layout.gpus} GPUs")
+        try:
+            plot_sweep(table, opts.plot, f"{model.name} on {layout.gpus} GPUs")
+        except OSError as err:
+            raise PlanError(f"--plot {opts.plot}: {err}") from None
         print(f"plot: {opts.plot}")
     return 0
 
@@ -305,12 +365,15 @@ def plot_sweep(table, path: str, title: str) -> None:
 
 def cmd_calibrate(opts) -> int:
     from deepspeed_ext.planning.calibrate import calibrate
+    _check_output("--out", opts.out)
     base = None
     if opts.iteration_time is not None:
         base = cm.Hardware(iteration_s=opts.iteration_time)
     for path in opts.from_json or []:
         if not os.path.isfile(path):
             raise PlanError(f"--from-json: file not found: {path}")
+    if opts.nproc < 1 or opts.iters < 1:
+        raise PlanError(f"--nproc and --iters must be >= 1, got {opts.nproc} and {opts.iters}")
     try:
         result = calibrate(opts.dir, opts.config, opts.data_path, opts.nproc, opts.iters,
                            opts.with_restart, opts.from_json or [], base)
@@ -318,8 +381,7 @@ def cmd_calibrate(opts) -> int:
         raise PlanError(str(err)) from None
     for name, value in result["hardware"].items():
         print(f"{name:<20} {value:>12.4g}   ({result['sources'][name]})")
-    with open(opts.out, "w") as f:
-        json.dump(result, f, indent=1)
+    _write_json("--out", opts.out, result)
     print(f"written: {opts.out} (use it with --hardware)")
     return 0
 
@@ -339,17 +401,53 @@ def _add_cluster(p: argparse.ArgumentParser) -> None:
     g.add_argument("--plt-limit", type=float, default=0.0375,
                    help="Accumulated proportion of lost tokens a policy may reach.")
     g.add_argument("--host-memory-gb", type=float, default=0.0,
-                   help="Host memory per rank for snapshots, frames and redundancy; 0: unlimited.")
+                   help="Host memory per rank for snapshots, frames and redundancy, in GiB "
+                        "(2**30 bytes, the unit of the trainer's --moc-host-memory-gb); "
+                        "0: unlimited.")
     g.add_argument("--policies", default=",".join(cm.POLICIES),
                    help="Policy families to consider, comma-separated.")
-    g = p.add_argument_group("hardware (defaults: --hardware file, else the model's defaults)")
+    g = p.add_argument_group(
+        "hardware (defaults: --hardware file, else the model's defaults); bandwidths in "
+        "decimal GB/s (1 GB/s = 1e9 bytes/s, not gigabits)")
     g.add_argument("--hardware", help="A JSON file from moc-plan calibrate.")
-    g.add_argument("--iteration-time", type=float, help="Seconds per training iteration.")
+    g.add_argument("--iteration-time", type=float,
+                   help="Seconds per training iteration without checkpointing, on the "
+                        "target cluster.")
     for f in fields(cm.Hardware):
         if f.name == "iteration_s":
             continue
         g.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=float, default=None,
-                       help=f"(default {f.default})")
+                       help=f"{HARDWARE_HELP[f.name].rstrip('.')} (default {f.default:g}).")
+
+
+HARDWARE_HELP = {
+    "d2h_gbps": "Device-to-host copy bandwidth (the snapshot copy), GB/s = 1e9 bytes/s, "
+                "per rank.",
+    "h2d_gbps": "Host-to-device bandwidth (a restore from host memory), GB/s = 1e9 "
+                "bytes/s, per rank.",
+    "storage_write_gbps": "Write bandwidth to checkpoint storage, GB/s = 1e9 bytes/s, per "
+                          "node (its ranks share it).",
+    "storage_read_gbps": "Read bandwidth from checkpoint storage, GB/s = 1e9 bytes/s, per "
+                         "node (its ranks share it).",
+    "storage_total_gbps": "The storage system's aggregate bandwidth over all nodes, GB/s = "
+                          "1e9 bytes/s; 0: no limit beyond the nodes' own.",
+    "network_gbps": "Bandwidth between nodes (snapshot redundancy and its rebuild), GB/s = "
+                    "1e9 bytes/s, per node (its ranks share it).",
+    "fwd_bwd_fraction": "Share of an iteration a snapshot copy can hide behind (forward "
+                        "and backward), in (0, 1].",
+    "restart_s": "Seconds from a failure to training again, before loading (detection, "
+                 "restart, initialisation, rendezvous), per failure.",
+    "node_replace_s": "Extra seconds a node failure costs (a replacement node joining), "
+                      "per node failure.",
+    "warmup_s": "Extra seconds the first iterations of every (re)start take.",
+    "background_s_per_gb": "Seconds the training loop loses per GB (1e9 bytes) a rank "
+                           "copies or writes in the background; 0 where copies are DMA.",
+    "snapshot_call_s": "Seconds of the training loop per two-level snapshot call, per rank.",
+    "persist_call_s": "Extra seconds of a two-level snapshot that is due for storage.",
+    "save_call_s": "Seconds of the training loop per save that goes to storage, besides "
+                   "its copy.",
+}
+"""``--help`` of each hardware flag: its unit and scope (per rank, per node, aggregate)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -398,7 +496,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                     raise PlanError(f"--{name} must be >= 1")
         return {"recommend": cmd_recommend, "simulate": cmd_simulate,
                 "calibrate": cmd_calibrate}[opts.command](opts)
-    except (PlanError, ValueError) as err:
+    except (PlanError, ValueError, OSError, RuntimeError) as err:
+        # OSError: a file or directory that cannot be read or written; RuntimeError: the
+        # calibration's training run failed (its message carries the log's tail).
         print(f"moc-plan: error: {err}", file=sys.stderr)
         return 2
 

@@ -17,22 +17,38 @@ MoC paper's overhead model, Eq. 3-16, and MoEtion's ETTR):
   version is on average ``I (N/K - 1) / 2`` iterations older than the checkpoint, so a
   failure loses that many iterations of its updates; over a run with ``lambda = T_iter /
   MTBF`` failures per iteration the accumulated PLT is ``lambda * I (N/K - 1) / 2``.
+* Two-level recovery from memory: each rank keeps ``snapshot.SLOTS`` (three) snapshots
+  of ``Ks`` experts per layer, so memory holds ``min(N, 3 Ks)`` experts (ages 0, I, 2I);
+  the others come from storage, as old as its rotation (``I_p (N/K_p - 1) / 2``) plus the
+  distance from the resumed snapshot back to the newest durable persist, and are read
+  from storage during the recovery.
 * ETTR (MoEtion): ``1 / (1 + overhead/T_iter) * 1 / (1 + E[R] / MTBF)``, ``E[R]`` the
   expected downtime plus redone work of a failure, mixed over failure kinds (software:
   the processes die, host memory survives; node: a node's memory is lost too).
 """
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import List, Optional, Tuple
+
+from deepspeed_ext import plt as trainer_plt
+from deepspeed_ext import redundancy as rd
+from deepspeed_ext.config import MoCConfig
+from deepspeed_ext.snapshot import SLOTS
 
 STATE_BYTES = 12
 """fp32 master weight and Adam's two moments, per parameter."""
 WEIGHT_BYTES = 2
 """bf16 compute weights, per parameter."""
-SNAPSHOT_SLOTS_KEPT = 3
-"""Two-level snapshots held per rank (triple buffering)."""
+SNAPSHOT_SLOTS_KEPT = SLOTS
+"""Two-level snapshots held per rank (triple buffering; the trainer's ``snapshot.SLOTS``)."""
+PEER_STEPS_KEPT = 2
+"""Protected steps a rank keeps of its peers' snapshots (the trainer's ``peers.KEEP``; not
+imported: :mod:`deepspeed_ext.peers` needs torch.distributed)."""
 GB = 1e9
+"""Bandwidths are decimal: 1 GB/s = 1e9 bytes per second."""
+GIB = 2**30
+"""Host-memory budgets are binary, as the trainer's ``--moc-host-memory-gb``."""
 
 POLICIES = ("full-sync", "full-async", "pec", "pec-dynamic", "two-level", "exact")
 REDUNDANCY = ("none", "replicate", "erasure")
@@ -149,18 +165,22 @@ class Hardware:
     (``moc-plan calibrate --from-json`` reads it from a benchmark; 20 ms was measured for
     configs/small.yaml on 2 CPU ranks)."""
 
+    POSITIVE = ("iteration_s", "d2h_gbps", "h2d_gbps", "storage_write_gbps",
+                "storage_read_gbps", "network_gbps", "fwd_bwd_fraction")
+    """Fields that must be > 0 (the others >= 0); every field must be finite."""
+
     def __post_init__(self):
-        for name in ("iteration_s", "d2h_gbps", "h2d_gbps", "storage_write_gbps",
-                     "storage_read_gbps", "network_gbps"):
-            if not getattr(self, name) > 0:
-                flag = "--iteration-time" if name == "iteration_s" else \
-                    "--" + name.replace("_", "-")
-                raise ValueError(f"{name} ({flag}) must be > 0, got {getattr(self, name)}")
-        for name in ("storage_total_gbps", "restart_s", "node_replace_s", "save_call_s",
-                     "warmup_s", "background_s_per_gb", "snapshot_call_s", "persist_call_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be >= 0, got "
-                                 f"{getattr(self, name)}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            flag = "--iteration-time" if f.name == "iteration_s" else \
+                "--" + f.name.replace("_", "-")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not math.isfinite(value):
+                raise ValueError(f"{f.name} ({flag}) must be a finite number, got {value!r}")
+            if f.name in self.POSITIVE and not value > 0:
+                raise ValueError(f"{f.name} ({flag}) must be > 0, got {value}")
+            if value < 0:
+                raise ValueError(f"{f.name} ({flag}) must be >= 0, got {value}")
         if not 0 < self.fwd_bwd_fraction <= 1:
             raise ValueError(f"fwd_bwd_fraction must be in (0, 1], got {self.fwd_bwd_fraction}")
 
@@ -183,7 +203,13 @@ class Hardware:
 
 @dataclass(frozen=True)
 class Policy:
-    """A checkpoint policy and its settings."""
+    """A checkpoint policy and its settings; only settings the trainer accepts.
+
+    Raises (on construction):
+        ValueError: an unknown kind or redundancy, a count out of range, or settings
+            the trainer refuses (``k`` above ``k_snapshot``, a PLT threshold outside
+            (0, 1)), in the trainer's own words.
+    """
 
     kind: str
     """One of :data:`POLICIES`."""
@@ -198,11 +224,12 @@ class Policy:
     window: int = 0
     """Exact: iterations per window (W)."""
     redundancy: str = "none"
-    """In-memory snapshots (two-level, exact) also in peers' memory: none/replicate/erasure."""
+    """Two-level snapshots also in peers' memory: none/replicate/erasure (the trainer's
+    ``--moc-redundancy`` protects two-level snapshots only)."""
     ec_data: int = 4
     """Erasure: data nodes per parity."""
     plt_threshold: float = 0.0375
-    """pec-dynamic: accumulated PLT above which K doubles."""
+    """pec-dynamic: accumulated PLT above which K doubles; in (0, 1)."""
 
     def __post_init__(self):
         if self.kind not in POLICIES:
@@ -220,6 +247,29 @@ class Policy:
             raise ValueError(f"redundancy protects two-level snapshots: not with {self.kind}")
         if self.ec_data < 1:
             raise ValueError("ec_data must be >= 1")
+        try:
+            trainer_plt.check_threshold(self.plt_threshold)
+            if self.kind == "two-level":
+                self.trainer_config()
+        except ValueError as err:
+            raise ValueError(f"the trainer refuses it: {err}") from None
+
+    def trainer_config(self) -> MoCConfig:
+        """The trainer's :class:`~deepspeed_ext.config.MoCConfig` of a two-level policy
+        (its checks are the trainer's: ``--moc-k-persist`` at most ``--moc-k-snapshot``,
+        the redundancy's counts).
+
+        Raises:
+            ValueError: what the trainer says.
+        """
+        return MoCConfig(pec_k=self.k, two_level=True, k_snapshot=self.k_snapshot,
+                         persist_interval=self.persist_interval, shm_dir="(planned)",
+                         redundancy=self.redundancy, ec_data=self.ec_data)
+
+    def redundancy_spec(self) -> rd.RedundancySpec:
+        """The trainer's redundancy of this policy (one replica, one XOR parity: the
+        flags :func:`deepspeed_ext.planning.cli.training_flags` gives)."""
+        return rd.RedundancySpec(self.redundancy, 1, self.ec_data, 1)
 
     def label(self) -> str:
         parts = [self.kind]
@@ -274,7 +324,9 @@ class PolicyCosts:
     protect_s: float
     """Redundancy: seconds until a snapshot is in the peers' memory (0: none)."""
     host_bytes_per_rank: float
-    """Host memory held per rank (snapshots, frames, peers' redundancy)."""
+    """Host memory per rank: two-level, what the trainer reserves (every slot a full
+    image, plus the peers' redundancy); exact, two windows of frames; async saves, one
+    checkpoint's buffer."""
     software: FailureRecovery
     node: FailureRecovery
     storage_every: int = 0
@@ -339,6 +391,7 @@ def policy_costs(policy: Policy, model: ModelShape, layout: Layout, hw: Hardware
     for name in ("k", "k_snapshot"):
         if getattr(policy, name) > n:
             raise ValueError(f"{name}={getattr(policy, name)} exceeds the {n} experts")
+    _check_redundancy_layout(policy, layout)
     t = hw.iteration_s
     fb = hw.fwd_bwd_fraction * t
     wbps, rbps = hw.write_bps(layout), hw.read_bps(layout)
@@ -392,65 +445,138 @@ def policy_costs(policy: Policy, model: ModelShape, layout: Layout, hw: Hardware
     return _exact(policy, model, layout, hw, full, fb, wbps, rbps, d2h, h2d, notes)
 
 
+def _check_redundancy_layout(policy: Policy, layout: Layout) -> None:
+    """The trainer's own check of a redundancy against the node layout.
+
+    Raises:
+        ValueError: what :func:`deepspeed_ext.redundancy.check_layout` says.
+    """
+    if policy.redundancy == "none":
+        return
+    try:
+        rd.check_layout(policy.redundancy_spec(),
+                        rd.Topology(layout.gpus, min(layout.gpus, layout.gpus_per_node)))
+    except ValueError as err:
+        raise ValueError(f"the trainer refuses it on this layout: {err}") from None
+
+
+def two_level_host_bytes(policy: Policy, full: float) -> float:
+    """Host memory the trainer reserves per rank for two-level checkpointing
+    (``TwoLevel._check_memory_budget``): every one of its ``snapshot.SLOTS`` slots is a
+    full image (fp32 weights and both Adam moments of every expert it holds, whatever
+    ``Ks``), plus what it keeps of its peers' snapshots (``redundancy.extra_bytes``).
+
+    The trainer adds a fourth slot for erasure coding with ``--moc-redundancy-interval``
+    above 1; the planner proposes only the default interval 1.
+    """
+    image = math.ceil(full)
+    return SNAPSHOT_SLOTS_KEPT * image + rd.extra_bytes(policy.redundancy_spec(), image,
+                                                        PEER_STEPS_KEPT)
+
+
 def _redundancy(policy: Policy, layout: Layout, hw: Hardware, size: float,
-                interval_s: float, notes: List[str]) -> Tuple[float, float, float]:
-    """(protect seconds, extra host bytes, rebuild seconds) of one rank's snapshot."""
-    if policy.redundancy == "none" or layout.nodes < 2:
-        if policy.redundancy != "none":
-            notes.append("one node: no peer to protect the snapshots")
-        return 0.0, 0.0, 0.0
+                interval_s: float, notes: List[str]) -> Tuple[float, float]:
+    """(protect seconds, rebuild seconds) of one rank's snapshot of ``size`` bytes (both
+    modes send about one image per rank; a rebuild reads about one)."""
+    if policy.redundancy == "none":
+        return 0.0, 0.0
     net = hw.network_bps(layout)
-    protect = size / net  # both modes send about one image per rank
+    protect = size / net
     if protect > interval_s:
         notes.append(f"redundancy needs {protect:.2f} s per snapshot, more than the "
                      f"{interval_s:.2f} s between snapshots: protection lags")
-    if policy.redundancy == "replicate":
-        return protect, 2 * size, size / net
-    # erasure: parities of size/D, kept two deep; a rebuild reads D chunks of size/D each
-    return protect, 2 * size / policy.ec_data, size / net
+    return protect, size / net
+
+
+def _slot_staleness(interval: float, n: int, ks: int, slots: int,
+                    storage_age: float) -> float:
+    """Mean iterations an expert's newest version lags a recovery from memory.
+
+    Args:
+        interval: iterations between snapshots.
+        n: experts per layer.
+        ks: experts per snapshot (sequential rotation); 0: all.
+        slots: snapshots held, of ages 0 .. ``slots - 1`` intervals.
+        storage_age: the age of the experts in none of them (read from storage).
+    """
+    ks = ks or n
+    covered = min(n, slots * ks)
+    if covered >= n:
+        return _staleness(interval, n, ks)
+    return (covered * interval * (slots - 1) / 2 + (n - covered) * storage_age) / n
+
+
+def _memory_recovery(model: ModelShape, layout: Layout, hw: Hardware, interval: int,
+                     ks: int, slots: int, storage_age: float) -> Tuple[float, float]:
+    """(PLT per failure, load seconds) of a rank restoring from ``slots`` snapshots of
+    ``ks`` experts: what they hold from host memory, the other experts from storage."""
+    n = model.num_experts
+    in_memory = _rank_state(model, layout, min(n, slots * (ks or n)))
+    from_storage = _rank_state(model, layout, 0) - in_memory
+    load = in_memory / (hw.h2d_gbps * GB) + from_storage / hw.read_bps(layout)
+    return _slot_staleness(interval, n, ks, slots, storage_age), load
+
+
+def _persist_every(persist_s: float, every: int, persist_every: int, t: float,
+                   notes: List[str]) -> int:
+    """Iterations between persists: a persist due while the previous one is still being
+    written is skipped (the snapshot stays in memory only)."""
+    if persist_s <= persist_every * t:
+        return persist_every
+    effective = math.ceil(persist_s / (every * t)) * every
+    notes.append(f"storage needs {persist_s:.1f} s per persist: one every {effective} "
+                 f"iterations, not {persist_every}")
+    return effective
 
 
 def _two_level(policy, model, layout, hw, full, fb, wbps, rbps, d2h, h2d, notes):
     n = model.num_experts
     t = hw.iteration_s
     ks = policy.k_snapshot or n
-    kp = min(policy.k or n, ks)
+    kp = policy.k or n  # the trainer's pec_k 0 persists every expert, whatever Ks
     snap = _rank_state(model, layout, ks)
     persisted = _rank_state(model, layout, kp)
+    # A persisted snapshot also holds the experts being persisted (more than Ks only
+    # when every expert is persisted).
+    persisted_snap = _rank_state(model, layout, max(ks, kp))
     copy = snap / d2h
     stall = hw.snapshot_call_s + max(0.0, copy - fb)
+    stall_persisted = hw.snapshot_call_s + max(0.0, persisted_snap / d2h - fb)
     every = policy.interval
-    persist_every = every * policy.persist_interval
     persist = persisted / wbps
-    if persist > persist_every * t:
-        effective = math.ceil(persist / (every * t)) * every
-        notes.append(f"storage needs {persist:.1f} s per persist: one every {effective} "
-                     f"iterations, not {persist_every}")
-        persist_every = effective
-    protect, extra, rebuild = _redundancy(policy, layout, hw, snap, every * t, notes)
-    host = SNAPSHOT_SLOTS_KEPT * snap + extra
-    # Software failure: memory survives; the newest snapshot is complete one copy later.
+    persist_every = _persist_every(persist, every, every * policy.persist_interval, t, notes)
+    protect, rebuild = _redundancy(policy, layout, hw, snap, every * t, notes)
+    start = hw.restart_s + hw.warmup_s
+    # Software failure: back to the newest complete snapshot (complete one copy after
+    # it); experts in none of the slots come from the newest durable persist, which is
+    # that much older (on average) than the snapshot, plus its own rotation's age.
     mem_lost = every / 2 + copy / t
-    mem_plt = _staleness(every, n, ks) if ks < n else 0.0
-    software = FailureRecovery(hw.restart_s + hw.warmup_s + snap / h2d, mem_lost, mem_plt, "memory")
-    if policy.redundancy != "none" and layout.nodes >= 2:
-        lag = max(copy, protect)
-        node = FailureRecovery(hw.restart_s + hw.warmup_s + hw.node_replace_s + rebuild + snap / h2d,
-                               every / 2 + lag / t, mem_plt, "peers")
+    stored_lost = persist_every / 2 + persist / t
+    rotation = _staleness(persist_every, n, kp)
+    storage_age = rotation + max(0.0, stored_lost - mem_lost)
+    mem_plt, mem_load = _memory_recovery(model, layout, hw, every, ks, SNAPSHOT_SLOTS_KEPT,
+                                         storage_age)
+    software = FailureRecovery(start + mem_load, mem_lost, mem_plt, "memory")
+    share = _lost_share(model, layout)
+    if policy.redundancy != "none":
+        # The lost node's ranks hold only the snapshot rebuilt from their peers.
+        lost_plt, lost_load = _memory_recovery(model, layout, hw, every, ks, 1, storage_age)
+        node = FailureRecovery(start + hw.node_replace_s + rebuild + max(lost_load, mem_load),
+                               every / 2 + max(copy, protect) / t,
+                               share * lost_plt + (1 - share) * mem_plt, "peers")
     else:
         # Two-level recovery: the lost node's ranks load from storage, the others take
         # their experts' newer snapshots from memory; everyone goes back to the persist.
-        lost = persist_every / 2 + persist / t
-        share = _lost_share(model, layout)
-        plt = share * _staleness(persist_every, n, kp) + (1 - share) * mem_plt
-        node = FailureRecovery(hw.restart_s + hw.warmup_s + hw.node_replace_s + full / rbps, lost, plt,
-                               "storage+memory")
+        survivors, _ = _memory_recovery(model, layout, hw, every, ks, SNAPSHOT_SLOTS_KEPT,
+                                        rotation)
+        node = FailureRecovery(start + hw.node_replace_s + full / rbps, stored_lost,
+                               share * rotation + (1 - share) * survivors, "storage+memory")
     # Memory-only snapshots run no collective; a persisted one pays for its collectives.
-    overhead = stall / every + hw.persist_call_s / persist_every \
-        + _background(hw, snap / every + persisted / persist_every)
+    overhead = stall / every + (stall_persisted - stall + hw.persist_call_s) / persist_every \
+        + _background(hw, snap / every + (persisted_snap - snap + persisted) / persist_every)
     return PolicyCosts(policy, kp, snap, persisted, copy, persist, stall, overhead,
-                       protect, host, software, node, storage_every=persist_every,
-                       memory_every=every, notes=tuple(notes))
+                       protect, two_level_host_bytes(policy, full), software, node,
+                       storage_every=persist_every, memory_every=every, notes=tuple(notes))
 
 
 def _exact(policy, model, layout, hw, full, fb, wbps, rbps, d2h, h2d, notes):
@@ -467,23 +593,17 @@ def _exact(policy, model, layout, hw, full, fb, wbps, rbps, d2h, h2d, notes):
         # Every frame goes to storage: a backlog that only grows.
         raise Infeasible(f"exact W={w}: storage needs {write:.2f} s per frame, more than an "
                          f"iteration ({t:g} s)")
-    protect, extra, rebuild = _redundancy(policy, layout, hw, frame * w, w * t, notes)
-    host = 2 * w * frame + extra  # the current and the previous window
+    host = 2 * w * frame  # the current and the previous window
     replay = 1.5 * w  # from the start of the last complete window
     window_bytes = frame * w
-    software = FailureRecovery(hw.restart_s + hw.warmup_s + window_bytes / h2d, replay + copy / t, 0.0,
-                               "memory")
-    if policy.redundancy != "none" and layout.nodes >= 2:
-        node = FailureRecovery(hw.restart_s + hw.warmup_s + hw.node_replace_s + rebuild + window_bytes / h2d,
-                               replay + max(copy, protect) / t, 0.0, "peers")
-    else:
-        node = FailureRecovery(hw.restart_s + hw.warmup_s + hw.node_replace_s + window_bytes / rbps,
-                               replay + max(copy, write) / t, 0.0, "storage")
+    start = hw.restart_s + hw.warmup_s
+    software = FailureRecovery(start + window_bytes / h2d, replay + copy / t, 0.0, "memory")
+    node = FailureRecovery(start + hw.node_replace_s + window_bytes / rbps,
+                           replay + max(copy, write) / t, 0.0, "storage")
     # Every frame is copied, then written to storage.
     return PolicyCosts(policy, model.num_experts, frame, frame, copy, write, stall,
-                       stall + _background(hw, 2 * frame),
-                       protect, host, software, node, storage_every=w, memory_every=w,
-                       notes=tuple(notes))
+                       stall + _background(hw, 2 * frame), 0.0, host, software, node,
+                       storage_every=w, memory_every=w, notes=tuple(notes))
 
 
 @dataclass(frozen=True)
@@ -507,8 +627,8 @@ def predict(policy: Policy, model: ModelShape, layout: Layout, hw: Hardware, mtb
     Raises:
         ValueError: MTBF <= 0, or ``node_fraction`` outside [0, 1].
     """
-    if not mtbf_s > 0:
-        raise ValueError(f"the MTBF must be > 0 seconds, got {mtbf_s}")
+    if not (math.isfinite(mtbf_s) and mtbf_s > 0):
+        raise ValueError(f"the MTBF must be > 0 seconds and finite, got {mtbf_s}")
     if not 0 <= node_fraction <= 1:
         raise ValueError(f"the node-failure fraction must be in [0, 1], got {node_fraction}")
     costs = policy_costs(policy, model, layout, hw, mtbf_s)

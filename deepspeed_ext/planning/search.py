@@ -6,11 +6,12 @@ accumulated PLT exceeds the limit, or that holds more host memory per rank than 
 is out. The best of each family is returned, best family first.
 """
 
+import math
 from dataclasses import dataclass
 from typing import Iterable, List, Optional, Sequence
 
-from deepspeed_ext.planning.costs import (POLICIES, Hardware, Layout, ModelShape, Policy,
-                                          Prediction, predict)
+from deepspeed_ext.planning.costs import (GIB, POLICIES, Hardware, Layout, ModelShape,
+                                          Policy, Prediction, predict)
 
 INTERVALS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 WINDOWS = (1, 2, 4, 8, 16, 32, 64)
@@ -24,15 +25,17 @@ class Constraints:
     plt_limit: float = 0.0375
     """Accumulated PLT a policy may reach (the MoC paper's accuracy bound)."""
     host_memory_gb: float = 0.0
-    """Host memory per rank for snapshots/frames/redundancy; 0: unlimited."""
+    """Host memory per rank for snapshots/frames/redundancy, GiB (2**30 bytes, the unit
+    of the trainer's ``--moc-host-memory-gb``); 0: unlimited."""
     node_fraction: float = 0.0
     """Share of failures that lose a node's memory."""
 
     def __post_init__(self):
         if not 0 <= self.plt_limit <= 1:
             raise ValueError(f"--plt-limit must be in [0, 1], got {self.plt_limit}")
-        if self.host_memory_gb < 0:
-            raise ValueError("--host-memory-gb must be >= 0")
+        if not (math.isfinite(self.host_memory_gb) and self.host_memory_gb >= 0):
+            raise ValueError(f"--host-memory-gb must be a finite number >= 0 (GiB; 0: "
+                             f"unlimited), got {self.host_memory_gb}")
         if not 0 <= self.node_fraction <= 1:
             raise ValueError(f"--node-failure-fraction must be in [0, 1], got {self.node_fraction}")
 
@@ -100,8 +103,8 @@ def best_of(kind: str, model: ModelShape, layout: Layout, hw: Hardware, mtbf_s: 
             reasons.add(f"PLT above {constraints.plt_limit:.2%}")
             continue
         if constraints.host_memory_gb and \
-                pred.costs.host_bytes_per_rank > constraints.host_memory_gb * 1e9:
-            reasons.add(f"more than {constraints.host_memory_gb:g} GB of host memory per rank")
+                pred.costs.host_bytes_per_rank > constraints.host_memory_gb * GIB:
+            reasons.add(f"more than {constraints.host_memory_gb:g} GiB of host memory per rank")
             continue
         # Ties (common: many settings reach the same ETTR) go to the cheaper one.
         key = (round(pred.ettr, 6), -pred.costs.host_bytes_per_rank, -pred.plt)
@@ -119,7 +122,7 @@ def recommend(model: ModelShape, layout: Layout, hw: Hardware, mtbf_s: float,
     Raises:
         ValueError: MTBF <= 0 or an unknown family.
     """
-    if not mtbf_s > 0:
-        raise ValueError(f"--mtbf must be > 0 seconds, got {mtbf_s}")
+    if not (math.isfinite(mtbf_s) and mtbf_s > 0):
+        raise ValueError(f"--mtbf must be > 0 seconds and finite, got {mtbf_s}")
     choices = [best_of(k, model, layout, hw, mtbf_s, constraints) for k in kinds]
     return sorted(choices, key=lambda c: -(c.best.ettr if c.best else -1.0))

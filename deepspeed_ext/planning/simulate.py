@@ -2,29 +2,50 @@
 
 A run is simulated segment by segment: training resumes at some iteration and advances
 at one iteration per ``T_iter + overhead`` seconds until the next failure; then the
-policy's newest durable state decides where it resumes (a checkpoint becomes durable a
-copy, persist or protection lag after its iteration), the failure costs the policy's
-downtime (restart and load; a failure during the downtime starts the recovery over),
-and the iterations between the resumed point and the failure are done again. Failures
-come from an exponential process with mean ``mtbf_s`` (seeded) or from a trace of
-``(time_s, kind)``; a failure is a node failure with probability ``node_fraction``
-(traces say so per failure). ``pec-dynamic`` doubles K whenever the accumulated PLT
-exceeds its threshold, as the trainer does; its costs change with it.
+policy's newest state that a failure of that kind leaves usable decides where it
+resumes, the failure costs the policy's downtime (restart and load; a failure during
+the downtime starts the recovery over, and a node failure during a software recovery
+turns it into a node recovery), and the iterations between the resumed point and the
+failure are done again.
+
+The state is tracked in absolute iterations, as the trainer keeps it: the newest
+checkpoint durable on storage (a checkpoint becomes durable a copy or persist lag after
+its iteration) and the newest complete snapshot in host memory. A software failure
+keeps host memory; a node failure loses one node's, so without redundancy it goes back
+to the newest durable persist, which may lie before the point the current segment
+resumed from (a memory snapshot). Two-level persists follow the trainer: the first
+snapshot after every (re)start is persisted, then every ``persist_interval``-th.
+
+Failures come from an exponential process with mean ``mtbf_s`` (a seeded generator,
+drawn lazily so a run never runs out of them) or from a trace of ``(time_s, kind)``; a
+failure is a node failure with probability ``node_fraction`` (traces say so per
+failure). ``pec-dynamic`` doubles K whenever the accumulated PLT exceeds its threshold,
+as the trainer does; its costs change with it. A run that cannot finish (failures
+faster than its recoveries) stops after :data:`MAX_FAILURES` failures with the progress
+made so far.
 
 Results: ETTR (useful iteration time over wall time), goodput (tokens per second),
 accumulated PLT, failures; :func:`simulate_many` repeats over seeds and gives 95 %
-confidence intervals. Pure and deterministic for a seed.
+confidence intervals (Student's t). Pure and deterministic for a seed.
 """
 
 import math
 import random
 import statistics
 from dataclasses import dataclass, replace
-from typing import List, Optional, Sequence, Tuple
+from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
 
-from deepspeed_ext.planning.costs import Hardware, Layout, ModelShape, Policy, policy_costs
+from deepspeed_ext.planning.costs import (Hardware, Layout, ModelShape, Policy, PolicyCosts,
+                                          policy_costs)
 
 KINDS = ("software", "node")
+MAX_FAILURES = 100_000
+"""Failures after which a run that has not finished stops (its ETTR is the progress so
+far over the time so far)."""
+T_95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+        2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+        2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+"""Two-sided 95 % quantiles of Student's t for 1 .. 30 degrees of freedom."""
 
 
 @dataclass(frozen=True)
@@ -33,8 +54,9 @@ class Failure:
     kind: str = "software"
 
     def __post_init__(self):
-        if self.time_s < 0:
-            raise ValueError(f"a failure time must be >= 0, got {self.time_s}")
+        if not (math.isfinite(self.time_s) and self.time_s >= 0):
+            raise ValueError(f"a failure time must be a finite number of seconds >= 0, got "
+                             f"{self.time_s}")
         if self.kind not in KINDS:
             raise ValueError(f"a failure kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
 
@@ -51,53 +73,163 @@ class RunResult:
     useful_iterations: int
     redone_iterations: float
     final_k: int
+    finished: bool = True
+    """False when the run stopped after :data:`MAX_FAILURES` failures."""
+
+
+def failure_stream(mtbf_s: float, node_fraction: float, seed: int) -> Iterator[Failure]:
+    """Failures of a Poisson process of mean gap ``mtbf_s``, without end (seeded)."""
+    if not (math.isfinite(mtbf_s) and mtbf_s > 0):
+        raise ValueError(f"the MTBF must be > 0 seconds and finite, got {mtbf_s}")
+    rng = random.Random(seed)
+    t = 0.0
+    while True:
+        t += rng.expovariate(1.0 / mtbf_s)
+        yield Failure(t, "node" if rng.random() < node_fraction else "software")
 
 
 def exponential_failures(mtbf_s: float, horizon_s: float, node_fraction: float,
                          seed: int) -> List[Failure]:
-    """Failure times of a Poisson process of mean gap ``mtbf_s`` up to ``horizon_s``."""
-    if not mtbf_s > 0:
-        raise ValueError(f"the MTBF must be > 0 seconds, got {mtbf_s}")
-    rng = random.Random(seed)
-    out, t = [], 0.0
-    while True:
-        t += rng.expovariate(1.0 / mtbf_s)
-        if t > horizon_s:
+    """The failures of :func:`failure_stream` up to ``horizon_s``."""
+    out = []
+    for failure in failure_stream(mtbf_s, node_fraction, seed):
+        if failure.time_s > horizon_s:
             return out
-        out.append(Failure(t, "node" if rng.random() < node_fraction else "software"))
+        out.append(failure)
+    return out  # never reached: the stream has no end
 
 
-def parse_trace(text: str) -> List[Failure]:
+def parse_trace(text: str, source: str = "trace") -> List[Failure]:
     """A trace file: one failure per line, ``SECONDS [software|node]``; ``#`` comments.
 
+    Args:
+        source: what the errors call the text (the file's name).
+
     Raises:
-        ValueError: naming the line.
+        ValueError: naming ``source`` and the line.
     """
     out = []
     for number, line in enumerate(text.splitlines(), 1):
         line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        parts = line.replace(",", " ").split()
-        try:
-            out.append(Failure(float(parts[0]), parts[1] if len(parts) > 1 else "software"))
-        except (ValueError, IndexError) as err:
-            raise ValueError(f"trace line {number}: {line!r}: {err}") from None
+        if line:
+            try:
+                out.append(_trace_line(line))
+            except ValueError as err:
+                raise ValueError(f"{source} line {number}: {line!r}: {err}") from None
     return sorted(out, key=lambda f: f.time_s)
 
 
-def _durable(progress: float, interval: float, lag_iterations: float) -> float:
-    """Iterations since the resume point covered by the newest durable checkpoint, taken
-    every ``interval`` iterations and durable ``lag_iterations`` after it."""
-    if progress < lag_iterations:
-        return 0.0
-    return math.floor((progress - lag_iterations) / interval) * interval
+def _trace_line(line: str) -> Failure:
+    parts = line.replace(",", " ").split()
+    if len(parts) > 2:
+        raise ValueError(f"expected 'SECONDS [{'|'.join(KINDS)}]', got {len(parts)} fields")
+    try:
+        seconds = float(parts[0])
+    except ValueError:
+        raise ValueError(f"{parts[0]!r} is not a number of seconds") from None
+    return Failure(seconds, parts[1] if len(parts) > 1 else "software")
+
+
+def load_trace(path: str) -> List[Failure]:
+    """:func:`parse_trace` of a file.
+
+    Raises:
+        ValueError: naming the file (and the line, or why it cannot be read).
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: {err}") from None
+    return parse_trace(text, path)
+
+
+def _newest(progress: float, first: float, period: float, lag: float) -> Optional[float]:
+    """Offset from the resume point of the newest checkpoint usable ``progress``
+    iterations after it: taken at ``first``, ``first + period``, ..., usable ``lag``
+    iterations after it; None when none is yet."""
+    if progress < first + lag:
+        return None
+    return first + math.floor((progress - lag - first) / period) * period
+
+
+@dataclass(frozen=True)
+class _Points:
+    """Where a failure could resume from, in absolute iterations."""
+
+    storage: float
+    """The newest checkpoint durable on storage."""
+    memory: Optional[float]
+    """The newest complete snapshot in host memory (two-level; None: none usable)."""
+    peers: Optional[float]
+    """The newest snapshot protected in the peers' memory (two-level with redundancy)."""
+    exact: Optional[float]
+    """Exact mode: the start of the newest complete window."""
+
+
+def _points(costs: PolicyCosts, t_iter: float, start: float, progress: float,
+            storage: float, memory: Optional[float]) -> _Points:
+    """The resume candidates of a failure ``progress`` iterations after ``start``, given
+    the newest durable checkpoint and snapshot from before that segment."""
+    p = costs.policy
+    if p.kind == "exact":
+        # The start of the last complete window: complete one copy after its last frame
+        # (its replay then covers the rest, counted as redone iterations). Every frame
+        # is on storage too: the resume point is durable.
+        window = _newest(progress, 0.0, p.window, p.window + costs.copy_s / t_iter)
+        point = start + (window if window is not None else 0.0)
+        return _Points(point, point, None, point)
+    if p.kind == "two-level":
+        every = float(costs.memory_every)
+        # The trainer persists the first snapshot after every start, then every N-th.
+        stored = _newest(progress, every, costs.storage_every, costs.persist_s / t_iter)
+        snap = _newest(progress, every, every, costs.copy_s / t_iter)
+        protected = _newest(progress, every, every,
+                            max(costs.copy_s, costs.protect_s) / t_iter)
+        memory_now = start + snap if snap is not None else memory
+        peers = start + protected if protected is not None else memory
+        return _Points(max(storage, start + stored) if stored is not None else storage,
+                       memory_now, peers if p.redundancy != "none" else None, None)
+    lag = 0.0 if p.kind == "full-sync" else costs.persist_s / t_iter
+    stored = _newest(progress, costs.storage_every, costs.storage_every, lag)
+    return _Points(max(storage, start + stored) if stored is not None else storage,
+                   None, None, None)
+
+
+def _resume(kind: str, points: _Points, costs: PolicyCosts) -> Tuple[float, Optional[float]]:
+    """(resume iteration, the snapshot in host memory after it) of a failure of ``kind``."""
+    if points.exact is not None:
+        return points.exact, points.exact
+    source = (costs.node if kind == "node" else costs.software).source
+    if source == "memory" and points.memory is not None:
+        point = max(points.memory, points.storage)
+        return point, point
+    if source == "peers" and points.peers is not None:
+        point = max(points.peers, points.storage)
+        return point, point
+    # From storage: a replaced node has no snapshot; the first one after the restart
+    # is the next usable one.
+    return points.storage, None
+
+
+class _Failures:
+    """A failure source with one failure of look-ahead (a list or an endless stream)."""
+
+    def __init__(self, failures: Iterable[Failure]):
+        self._it = iter(failures)
+        self.next: Optional[Failure] = next(self._it, None)
+
+    def pop(self) -> Failure:
+        failure, self.next = self.next, next(self._it, None)
+        return failure
 
 
 def simulate_run(policy: Policy, model: ModelShape, layout: Layout, hw: Hardware,
-                 iterations: int, failures: Sequence[Failure], mtbf_s: float,
-                 downtime_failures: bool = True, uptime_clock: bool = False) -> RunResult:
-    """Simulate ``iterations`` useful iterations under ``failures`` (sorted by time).
+                 iterations: int, failures: Iterable[Failure], mtbf_s: float,
+                 downtime_failures: bool = True, uptime_clock: bool = False,
+                 max_failures: int = MAX_FAILURES) -> RunResult:
+    """Simulate ``iterations`` useful iterations under ``failures`` (sorted by time; a
+    list or an endless iterator such as :func:`failure_stream`).
 
     ``mtbf_s`` is used only for pec-dynamic's starting costs (its K then follows the
     simulated PLT, not the formula). ``downtime_failures=False``: failures that fall
@@ -105,86 +237,92 @@ def simulate_run(policy: Policy, model: ModelShape, layout: Layout, hw: Hardware
     clock only fires inside the training loop) instead of restarting the recovery.
     ``uptime_clock``: failure times count seconds of training (downtime excluded), so a
     trace measured on a real run keeps each failure at the same point of its training
-    segment even when the simulated downtimes differ from the real ones.
+    segment even when the simulated downtimes differ from the real ones. A run still
+    unfinished after ``max_failures`` failures stops there (``finished`` False).
     """
     if iterations < 1:
         raise ValueError("iterations must be >= 1")
+    if max_failures < 1:
+        raise ValueError("max_failures must be >= 1")
     k = policy.k or model.num_experts
     dynamic = policy.kind == "pec-dynamic"
     current = replace(policy, kind="pec", k=k) if dynamic else policy
     costs = policy_costs(current, model, layout, hw, mtbf_s)
     t_iter = hw.iteration_s
     wall = hw.warmup_s  # the first start's slower first iterations
-    done = 0.0  # iterations completed and durable-or-not, of the useful run
+    done = 0.0  # the iteration training has reached (absolute)
+    storage, memory = 0.0, None  # the newest durable checkpoint; the newest snapshot
     redone = 0.0
     lost_expert = 0.0  # iterations' worth of lost expert updates (PLT numerator)
     count = 0
-    queue = list(failures)
-    index = 0
+    queue = _Failures(failures)
     uptime = 0.0  # seconds spent training so far (the uptime clock)
+    finished = True
     while True:
         step = t_iter + costs.overhead_per_iteration_s
-        start_iteration = done
-        if index >= len(queue):
+        if queue.next is None:
             next_failure = math.inf
         elif uptime_clock:
-            next_failure = wall + max(0.0, queue[index].time_s - uptime)
+            next_failure = wall + max(0.0, queue.next.time_s - uptime)
         else:
-            next_failure = queue[index].time_s
+            next_failure = queue.next.time_s
         finish = wall + (iterations - done) * step
         if finish <= next_failure:
-            wall = finish
-            done = iterations
+            uptime += finish - wall
+            wall, done = finish, float(iterations)
             break
-        failure = queue[index]
-        index += 1
-        progress = (next_failure - wall) / step
-        uptime += next_failure - wall
+        if count >= max_failures:
+            finished = False
+            break
+        failure = queue.pop()
+        # A failure during the first start's warm-up makes no progress (never negative).
+        progress = max(0.0, (next_failure - wall) / step)
+        uptime += max(0.0, next_failure - wall)
         wall = next_failure
         count += 1
-        rec = costs.node if failure.kind == "node" else costs.software
-        interval, lag = _checkpoint_grid(costs, failure.kind, t_iter)
-        kept = _durable(progress, interval, lag)
-        done = start_iteration + kept
-        redone += progress - kept
-        if rec.plt:
-            lost_expert += rec.plt
-        # Downtime; failures inside it start the recovery over.
+        points = _points(costs, t_iter, done, progress, storage, memory)
+        kind = failure.kind
+        rec = costs.node if kind == "node" else costs.software
+        resumed, memory = _resume(kind, points, costs)
+        storage = points.storage
+        redone += done + progress - resumed
+        done = resumed
+        lost_expert += rec.plt
+        # Downtime; failures inside it start the recovery over, and a node failure
+        # during a software recovery makes it a node recovery.
         end = wall + rec.downtime_s
-        while not uptime_clock and index < len(queue) and queue[index].time_s < end:
-            if downtime_failures:
-                count += 1
-                wall = queue[index].time_s
-                end = wall + rec.downtime_s
-            index += 1
+        while not uptime_clock and queue.next is not None and queue.next.time_s < end \
+                and count < max_failures:
+            failure = queue.pop()
+            if not downtime_failures:
+                continue
+            count += 1
+            wall = failure.time_s
+            if failure.kind == "node" and kind != "node":
+                kind, old = "node", rec
+                rec = costs.node
+                resumed, memory = _resume(kind, points, costs)
+                redone += done - resumed
+                done = resumed
+                lost_expert += rec.plt - old.plt
+            end = wall + rec.downtime_s
         wall = end
         if dynamic and done > 0 and lost_expert / max(done, 1.0) > policy.plt_threshold \
                 and k < model.num_experts:
             k = min(model.num_experts, 2 * k)
             current = replace(current, k=k)
             costs = policy_costs(current, model, layout, hw, mtbf_s)
-    useful = iterations * t_iter
-    return RunResult(ettr=useful / wall if wall else 1.0,
-                     goodput_tokens_s=iterations * model.tokens_per_iteration / wall if wall else 0.0,
-                     plt=lost_expert / iterations, failures=count, wall_s=wall,
-                     useful_iterations=iterations, redone_iterations=redone, final_k=k)
+    return _result(iterations if finished else done, wall, t_iter, model, lost_expert, count,
+                   redone, k, finished)
 
 
-def _checkpoint_grid(costs, kind: str, t_iter: float) -> Tuple[float, float]:
-    """(interval, durability lag) in iterations of the state a failure of ``kind`` resumes
-    from, counted from the resume point."""
-    p = costs.policy
-    source = (costs.node if kind == "node" else costs.software).source
-    if p.kind == "exact":
-        # The last complete window: complete one copy after its last frame (its replay
-        # then covers the rest, counted as redone iterations).
-        return float(p.window), p.window + costs.copy_s / t_iter
-    if source == "memory":
-        return float(costs.memory_every), costs.copy_s / t_iter
-    if source == "peers":
-        return float(costs.memory_every), max(costs.copy_s, costs.protect_s) / t_iter
-    lag = 0.0 if p.kind == "full-sync" else costs.persist_s / t_iter
-    return float(costs.storage_every), lag
+def _result(useful: float, wall: float, t_iter: float, model: ModelShape, lost_expert: float,
+            count: int, redone: float, k: int, finished: bool) -> RunResult:
+    return RunResult(ettr=useful * t_iter / wall if wall else 1.0,
+                     goodput_tokens_s=useful * model.tokens_per_iteration / wall if wall else 0.0,
+                     plt=lost_expert / max(useful, 1.0), failures=count, wall_s=wall,
+                     useful_iterations=int(useful), redone_iterations=redone, final_k=k,
+                     finished=finished)
 
 
 @dataclass(frozen=True)
@@ -201,12 +339,23 @@ class Summary:
     plt_ci: float
     failures: float
     final_k: float
+    unfinished: int = 0
+    """Runs stopped after :data:`MAX_FAILURES` failures."""
+
+
+def t_quantile(dof: int) -> float:
+    """Two-sided 95 % quantile of Student's t with ``dof`` degrees of freedom (the normal
+    1.96 beyond 30)."""
+    if dof < 1:
+        raise ValueError(f"degrees of freedom must be >= 1, got {dof}")
+    return T_95[dof - 1] if dof <= len(T_95) else 1.96
 
 
 def _ci(values: List[float]) -> float:
+    """Half-width of the 95 % confidence interval of the mean of ``values``."""
     if len(values) < 2:
         return 0.0
-    return 1.96 * statistics.stdev(values) / math.sqrt(len(values))
+    return t_quantile(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
 
 
 def simulate_many(policy: Policy, model: ModelShape, layout: Layout, hw: Hardware,
@@ -220,11 +369,8 @@ def simulate_many(policy: Policy, model: ModelShape, layout: Layout, hw: Hardwar
     if not seeds:
         raise ValueError("at least one seed")
     results: List[RunResult] = []
-    # A horizon long enough for the slowest policy: failures beyond it never matter.
-    horizon = iterations * hw.iteration_s * 50 + 10 * mtbf_s
     for seed in seeds:
-        failures = trace if trace is not None else exponential_failures(
-            mtbf_s, horizon, node_fraction, seed)
+        failures = trace if trace is not None else failure_stream(mtbf_s, node_fraction, seed)
         results.append(simulate_run(policy, model, layout, hw, iterations, failures, mtbf_s,
                                     downtime_failures))
         if trace is not None:
@@ -234,4 +380,5 @@ def simulate_many(policy: Policy, model: ModelShape, layout: Layout, hw: Hardwar
     return Summary(policy, mtbf_s, len(results), statistics.mean(ettr), _ci(ettr),
                    statistics.mean(r.goodput_tokens_s for r in results), statistics.mean(plt),
                    _ci(plt), statistics.mean(r.failures for r in results),
-                   statistics.mean(r.final_k for r in results))
+                   statistics.mean(r.final_k for r in results),
+                   sum(not r.finished for r in results))

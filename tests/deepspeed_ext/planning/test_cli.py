@@ -304,7 +304,7 @@ def test_malformed_trace(capsys, tmp_path):
     trace.write_text("100 software\nnot-a-number node\n")
     _error(capsys, ["simulate"] + CLUSTER + ["--iteration-time", "1.2", "--trace", str(trace),
                                              "--policy", "full-async"],
-           f"--trace {trace}", "trace line 2")
+           f"--trace {trace} line 2: 'not-a-number node'")
     _error(capsys, ["simulate"] + CLUSTER + ["--iteration-time", "1.2",
                                              "--trace", str(tmp_path / "none.txt"),
                                              "--policy", "full-async"], "--trace")

@@ -191,18 +191,17 @@ def test_two_level_partial_snapshots_and_persists(model, layout, hw):
     assert c.persist_bytes_per_rank == approx(4.5e6)       # (1e6 + 2e6) * 1.5
     assert c.copy_s == approx(0.0075)
     assert c.persist_s == approx(0.045)
-    assert c.host_bytes_per_rank == approx(3 * 7.5e6)
-    # memory staleness: 1 * (8/4 - 1) / 2 = 0.5
+    # the trainer reserves a full image per slot, whatever Ks
+    assert c.host_bytes_per_rank == approx(3 * 13.5e6)
+    # memory staleness: 1 * (8/4 - 1) / 2 = 0.5 (the three slots hold all 8 experts)
     assert c.software.plt == approx(0.5)
     assert c.software.lost_iterations == approx(0.5075)
-    assert c.software.downtime_s == approx(10 + 7.5e6 / 2e9)
+    # every expert is in one of the slots: all of the state loads from memory
+    assert c.software.downtime_s == approx(10 + 13.5e6 / 2e9)
     # node: the node holds 4 of EP 8 experts (share 0.5): 0.5 * 10 * (8/2 - 1)/2 + 0.5 * 0.5
     assert c.node.plt == approx(7.75)
     assert c.node.lost_iterations == approx(5.045)         # 10/2 + 0.045
     assert c.node.downtime_s == approx(10 + 13.5e6 / 2e8)  # every expert read back
-    # k persist above the snapshot's is clipped to the snapshot's
-    c2 = policy_costs(Policy("two-level", k_snapshot=2, k=4), model, layout, hw)
-    assert c2.k_effective == 2
 
 
 def test_two_level_replicate_recovers_node_from_peers(model, layout, hw):
@@ -220,11 +219,13 @@ def test_two_level_replicate_recovers_node_from_peers(model, layout, hw):
     assert c.notes == ()
 
 
-def test_two_level_erasure_host_memory(model, layout, hw):
+def test_two_level_erasure_host_memory(model):
+    # 3 nodes of 4 (erasure 2+1 needs groups of 3 nodes): full image 9e6 * 12 / 12 = 9e6
+    three = Layout(gpus=12, gpus_per_node=4, ep=4)
     p = Policy("two-level", interval=1, redundancy="erasure", ec_data=2)
-    c = policy_costs(p, model, layout, hw)
-    # three slots + two parities of 13.5e6 / 2
-    assert c.host_bytes_per_rank == approx(3 * 13.5e6 + 2 * 13.5e6 / 2)
+    c = policy_costs(p, model, three, toy_hardware())
+    # three full slots + two parities of 9e6 / 2
+    assert c.host_bytes_per_rank == approx(3 * 9e6 + 2 * 9e6 / 2)
     assert c.node.source == "peers"
 
 
@@ -236,12 +237,11 @@ def test_redundancy_lagging_note(model, layout):
     assert c.node.lost_iterations == approx(0.5 + 5.4)
 
 
-def test_redundancy_on_one_node_falls_back(model, hw):
+def test_redundancy_on_one_node_is_refused_as_by_the_trainer(model, hw):
     one = Layout(gpus=4, gpus_per_node=4)
-    c = policy_costs(Policy("two-level", interval=1, redundancy="replicate"), model, one, hw)
-    assert any("one node" in n for n in c.notes)
-    assert c.node.source == "storage+memory"
-    assert c.protect_s == 0.0
+    with pytest.raises(ValueError, match="the trainer refuses it on this layout: --moc-replicas "
+                                         "1 needs at least 2 nodes"):
+        policy_costs(Policy("two-level", interval=1, redundancy="replicate"), model, one, hw)
 
 
 # --- exact ----------------------------------------------------------------------------------

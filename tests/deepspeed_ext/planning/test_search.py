@@ -101,25 +101,36 @@ def test_tiny_host_memory_leaves_only_full_sync(model, layout, hw):
     assert choices[0].best.costs.host_bytes_per_rank == 0.0
     for c in choices[1:]:
         assert c.best is None
-        assert "more than 1e-09 GB of host memory per rank" in c.why_none
+        assert "more than 1e-09 GiB of host memory per rank" in c.why_none
 
 
 def test_host_memory_limit_excludes_big_snapshots(model, layout, hw):
-    # 0.02 GB = 2e7 B per rank: a full async buffer (13.5e6) fits; three full snapshots
-    # (40.5e6) do not; exact needs 2 W frames (>= 27e6 at W=1).
+    # 0.02 GiB = 21.47e6 B per rank: a full async buffer (13.5e6) fits; the trainer's three
+    # full snapshot slots (40.5e6, whatever Ks) do not; exact needs 2 W frames (>= 27e6).
     choices = recommend(model, layout, hw, 600.0, Constraints(host_memory_gb=0.02))
     kinds = _by_kind(choices)
     for c in choices:
         if c.best is not None:
-            assert c.best.costs.host_bytes_per_rank <= 2e7
+            assert c.best.costs.host_bytes_per_rank <= 0.02 * 2**30
     assert kinds["exact"].best is None
     assert "host memory" in kinds["exact"].why_none
-    # two-level must snapshot few experts: 3 x (1e6 + 8e6 Ks/8) x 1.5 <= 2e7 -> Ks <= 2
-    assert kinds["two-level"].best.costs.policy.k_snapshot <= 2
+    assert kinds["two-level"].best is None
     assert kinds["full-async"].best is not None
     # unlimited: two-level may hold full snapshots
     free = best_of("two-level", model, layout, hw, 600.0, Constraints(host_memory_gb=0.0))
     assert free.best is not None
+
+
+def test_host_memory_budget_is_in_gib_as_the_trainers(model, layout, hw):
+    # three slots of 13.5e6 B = 40.5e6 B = 0.0377 GiB (0.0405 GB): a budget of exactly that
+    # many GiB admits two-level without redundancy, a byte less does not
+    exact = 40.5e6 / 2**30
+    fits = best_of("two-level", model, layout, hw, 600.0, Constraints(host_memory_gb=exact))
+    assert fits.best is not None and fits.best.costs.policy.redundancy == "none"
+    assert fits.best.costs.host_bytes_per_rank == pytest.approx(40.5e6)
+    short = best_of("two-level", model, layout, hw, 600.0,
+                    Constraints(host_memory_gb=(40.5e6 - 1) / 2**30))
+    assert short.best is None and "GiB of host memory per rank" in short.why_none
 
 
 def test_results_sorted_by_ettr(model, layout, hw):
@@ -156,7 +167,8 @@ def test_recommend_errors(model, layout, hw):
 @pytest.mark.parametrize("kwargs,match", [
     (dict(plt_limit=-0.1), r"--plt-limit must be in \[0, 1\]"),
     (dict(plt_limit=1.5), r"--plt-limit must be in \[0, 1\]"),
-    (dict(host_memory_gb=-1.0), "--host-memory-gb must be >= 0"),
+    (dict(host_memory_gb=-1.0), "--host-memory-gb must be a finite number >= 0"),
+    (dict(host_memory_gb=float("nan")), "--host-memory-gb must be a finite number >= 0"),
     (dict(node_fraction=-0.5), r"--node-failure-fraction must be in \[0, 1\]"),
     (dict(node_fraction=2.0), r"--node-failure-fraction must be in \[0, 1\]"),
 ])
