@@ -243,9 +243,16 @@ def commit_checkpoint(save_dir: str, tag: str, step: int, layout: Mapping[str, A
         check_claim(os.path.join(save_dir, tag), claim)
         mf.write_manifest(os.path.join(save_dir, tag), manifest)
     if save_latest:
-        why = mf.advance_latest(save_dir, tag, attempt_started, step)
+        try:
+            why = mf.advance_latest(save_dir, tag, attempt_started, step)
+        except Exception as e:
+            # The checkpoint is complete (its manifest is written): failing the save now
+            # would undo its expert marks on every rank while it stays on storage. A
+            # restart still finds it (the loader takes the newest complete checkpoint,
+            # latest or not), and the next commit moves latest.
+            why = f"latest could not be moved ({type(e).__name__}: {e})"
         if why is not None:
-            log(f"WARNING: {tag} (step {step}) committed late: {why}")
+            log(f"WARNING: {tag} (step {step}) committed; {why}")
     if keep and mf.later_attempt_started(save_dir, attempt_started):
         # The later attempt may have resumed from a checkpoint this retention would
         # delete; its own commits run retention.

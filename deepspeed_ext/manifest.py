@@ -889,6 +889,36 @@ def record_attempt(save_dir: str, attempt_started: float) -> None:
     with locked_dir(save_dir):
         atomic_write_json(os.path.join(save_dir, ATTEMPT_FILE),
                           {"attempt_started": attempt_started})
+        _roll_latest_forward(save_dir)
+
+
+def _roll_latest_forward(save_dir: str) -> Optional[str]:
+    """Under :func:`locked_dir`, before a new attempt reads ``latest``: point it at the
+    newest complete checkpoint of the attempt that committed its current target, when
+    that attempt committed later steps it never named (it died between a manifest and
+    ``latest``, or moving ``latest`` failed). Left alone, the restart resumed from the
+    older checkpoint and its first save set the newer one aside as an abandoned
+    timeline. Returns the tag it now names, or None when unchanged."""
+    try:
+        current = read_latest(save_dir)
+        theirs = read_manifest(os.path.join(save_dir, current)) if current else None
+    except CheckpointError:
+        return None  # the loader's fallback handles a damaged or dangling latest
+    started = theirs.extra.get("attempt_started") if theirs is not None else None
+    if not isinstance(started, (int, float)):
+        return None
+    later = []
+    for step, tag in scan_checkpoints(save_dir).complete:
+        if step > theirs.step:
+            try:
+                if read_manifest(os.path.join(save_dir, tag)).extra.get("attempt_started") == started:
+                    later.append((step, tag))
+            except CheckpointError:
+                continue
+    if not later:
+        return None
+    update_latest(save_dir, later[-1][1])
+    return later[-1][1]
 
 
 def later_attempt_started(save_dir: str, attempt_started: Optional[float]) -> bool:

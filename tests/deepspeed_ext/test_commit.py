@@ -311,6 +311,36 @@ def test_a_late_commit_of_an_earlier_attempt_leaves_latest_and_retention_to_a_st
     assert not mf.later_attempt_started(save_dir, 100.0)
 
 
+def test_a_restart_rolls_latest_forward_to_its_attempts_unnamed_commits(tmp_path):
+    """An attempt committed global_step20 but died before moving ``latest`` (or moving
+    it failed): the restart, recording its start, points ``latest`` at 20, not at 10 (it
+    would resume from 10 and its first save set 20 aside). Another attempt's later
+    checkpoint is not taken."""
+    from deepspeed_ext import manifest as mf
+    save_dir = str(tmp_path)
+    _commit(save_dir, "global_step10", 10, 1.0, attempt_started=100.0)
+    _commit(save_dir, "global_step20", 20, 2.0, attempt_started=100.0)
+    _commit(save_dir, "global_step30", 30, 3.0, attempt_started=50.0)  # an older attempt's
+    mf.update_latest(save_dir, "global_step10")  # the crash between manifest and latest
+    mf.record_attempt(save_dir, 200.0)
+    assert mf.read_latest(save_dir) == "global_step20"
+    mf.record_attempt(save_dir, 300.0)  # nothing newer of that attempt: unchanged
+    assert mf.read_latest(save_dir) == "global_step20"
+
+
+def test_a_failure_moving_latest_after_the_manifest_does_not_fail_the_save(tmp_path, monkeypatch):
+    """The checkpoint is complete once its manifest is written: failing the save there
+    undid its expert marks on every rank while it stayed on storage."""
+    from deepspeed_ext import manifest as mf
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(mf, "update_latest", full)
+    logged = _commit(save_dir := str(tmp_path), "global_step10", 10, 1.0, attempt_started=1.0)
+    assert mf.read_manifest(os.path.join(save_dir, "global_step10")).step == 10
+    assert any("latest could not be moved (OSError" in line for line in logged), logged
+
+
 def test_latest_naming_nothing_loadable_is_replaced(tmp_path):
     from deepspeed_ext import manifest as mf
     save_dir = str(tmp_path)
