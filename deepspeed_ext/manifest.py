@@ -943,27 +943,46 @@ def _committed_later(current: Manifest, attempt_started: float, step: Optional[i
     return theirs == attempt_started and step is not None and current.step > step
 
 
+LOCK_FILE = ".moc-lock"
+"""The file :func:`locked_dir` locks in a local directory (hidden: never a checkpoint)."""
+
+
 @contextlib.contextmanager
 def locked_dir(path: str):
     """An exclusive lock on the directory ``path`` for the ``with`` block: within this
-    process always (the keeper's commit threads), across processes by ``flock`` on a
-    local directory (no lock file left behind; none for URLs, or where the filesystem
-    refuses one)."""
+    process always (the keeper's commit threads), across processes by a POSIX lock on
+    ``<path>/.moc-lock`` for a local directory (none for URLs). A regular file opened
+    for writing, not the directory: NFS emulates ``flock`` with POSIX locks, which need
+    a writable descriptor, and refused the directory's, so the committers and a
+    restarting job went unserialised without a word. Where no lock can be had, this
+    says so once per directory and goes on unlocked."""
     with _process_lock(path):
         fd = None
         if not fs.is_url(path):
             try:
-                fd = os.open(path, os.O_RDONLY)
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            except OSError:
+                fd = os.open(os.path.join(path, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+                fcntl.lockf(fd, fcntl.LOCK_EX)
+            except OSError as e:
                 if fd is not None:
                     os.close(fd)
                 fd = None
+                _warn_unlocked(path, e)
         try:
             yield
         finally:
             if fd is not None:
                 os.close(fd)  # closing releases the lock
+
+
+_UNLOCKED_WARNED: Set[str] = set()
+
+
+def _warn_unlocked(path: str, error: OSError) -> None:
+    key = os.path.realpath(path)
+    if key not in _UNLOCKED_WARNED:
+        _UNLOCKED_WARNED.add(key)
+        print(f"[moc] WARNING: cannot lock {os.path.join(path, LOCK_FILE)} ({error}); "
+              f"commits into {path} are not serialised with other processes", flush=True)
 
 
 _PROCESS_LOCKS: Dict[str, threading.Lock] = {}

@@ -595,3 +595,28 @@ def test_prepare_sets_aside_an_earlier_attempts_checkpoint_of_the_same_tag(tmp_p
     assert set_aside_checkpoints_after(save_dir, 5, attempt_started=300.0) == ["global_step10"]
 
 
+
+
+def test_locked_dir_locks_a_writable_file_and_excludes_other_processes(tmp_path):
+    """A POSIX lock on ``.moc-lock`` (NFS refuses a lock on a directory's read-only
+    descriptor, and the old flock then went unlocked without a word): a second process
+    waits until the first leaves the block."""
+    import subprocess
+    import sys
+    import time
+    script = ("import sys, time\n"
+              "from deepspeed_ext.manifest import locked_dir\n"
+              "print('ready', flush=True)\n"
+              "with locked_dir(sys.argv[1]):\n"
+              "    print(time.time(), flush=True)\n")
+    with mf.locked_dir(str(tmp_path)):
+        assert (tmp_path / mf.LOCK_FILE).is_file()
+        child = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)],
+                                 stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "ready"  # imported: now at the lock
+        time.sleep(1.0)
+        assert child.poll() is None  # blocked on the lock
+        released = time.time()
+    acquired = float(child.communicate(timeout=60)[0])
+    assert acquired >= released
+    assert mf.scan_checkpoints(str(tmp_path)).complete == []  # the lock file is no checkpoint

@@ -499,3 +499,124 @@ def test_snapshot_call_is_paid_by_every_two_level_snapshot(model, layout):
     two, two0 = (policy_costs(pol, model, layout, h) for h in (hw, base))
     assert two.stall_s == approx(two0.stall_s + 0.003)
     assert two.overhead_per_iteration_s == approx(two0.overhead_per_iteration_s + 0.003 / 2)
+
+
+# --- two-level recovery from three snapshot slots (Ks < N/3) ----------------------------------
+
+def test_memory_recovery_with_few_experts_per_snapshot_reads_storage(layout, hw):
+    # N = 16, Ks = K = 1, a snapshot every iteration: the trainer's 3 slots hold 3 experts
+    # (ages 0, 1, 2), the other 13 come from storage.
+    model = toy_model(num_experts=16)
+    costs = {pi: policy_costs(Policy("two-level", interval=1, k_snapshot=1, k=1,
+                                     persist_interval=pi), model, layout, hw)
+             for pi in (1, 1000)}
+    # snapshot (1e6 + 8e6/16) * 1.5 = 2.25e6 B: copy 2.25e-3 s; persist 2.25e6/1e8 = 0.0225 s
+    # memory lag 1/2 + 0.00225 = 0.50225 iterations
+    # persist/1000: storage rotation 1000 * (16 - 1) / 2 = 7500, plus the newest persist's
+    # distance behind the snapshot: (500 + 0.0225) - 0.50225 = 499.52025
+    # PLT: (3 experts x mean age 1 + 13 x 7999.52025) / 16
+    assert costs[1000].software.plt == approx((3 * 1 + 13 * 7999.52025) / 16)   # 6499.80
+    # persist/1: rotation 7.5, distance (0.5 + 0.0225) - 0.50225 = 0.02025
+    assert costs[1].software.plt == approx((3 * 1 + 13 * 7.52025) / 16)         # 6.30
+    # the load: 3 experts' state from memory, the rest from storage
+    # memory (1e6 + 8e6 * 3/16) * 1.5 = 3.75e6 B / 2e9; storage 9.75e6 B / 2e8
+    for c in costs.values():
+        assert c.software.downtime_s == approx(10 + 3.75e6 / 2e9 + 9.75e6 / 2e8)
+        assert c.software.source == "memory"
+
+
+def test_memory_recovery_when_the_slots_hold_every_expert(layout, hw):
+    # Ks = 8 of 16: three slots cover all 16: the rotation's staleness, whatever the persists
+    model = toy_model(num_experts=16)
+    for pi in (1, 1000):
+        c = policy_costs(Policy("two-level", interval=2, k_snapshot=8, k=8, persist_interval=pi),
+                         model, layout, hw)
+        assert c.software.plt == approx(2 * (16 / 8 - 1) / 2)
+        assert c.software.downtime_s == approx(10 + 13.5e6 / 2e9)
+
+
+def test_peers_rebuild_only_the_protected_snapshot(model, layout, hw):
+    # Ks = 2 of 8, replicate: the lost node's ranks get one rebuilt snapshot (2 experts at
+    # age 0) and read the other 6 from storage; the survivors' three slots hold 6 experts
+    # (ages 0, 1, 2), 2 from storage.
+    p = Policy("two-level", interval=1, persist_interval=10, k_snapshot=2, k=2,
+               redundancy="replicate")
+    c = policy_costs(p, model, layout, hw)
+    snap = (1e6 + 2e6) * 1.5                                  # 4.5e6 B
+    copy, persist, protect = snap / 1e9, snap / 1e8, snap / 2.5e8
+    age = 10 * (8 / 2 - 1) / 2 + (10 / 2 + persist) - (1 / 2 + copy)   # 15 + 4.5405
+    survivors = (6 * 1 + 2 * age) / 8
+    lost = (2 * 0 + 6 * age) / 8
+    assert c.software.plt == approx(survivors)
+    assert c.node.plt == approx(0.5 * lost + 0.5 * survivors)   # the node holds half the experts
+    # downtime: restart, rebuild (4.5e6 / 2.5e8), then the lost node's load: 4.5e6 B from
+    # memory and 9e6 B from storage
+    assert c.node.downtime_s == approx(10 + protect + 4.5e6 / 2e9 + 9e6 / 2e8)
+    assert c.node.source == "peers"
+
+
+# --- settings the trainer refuses --------------------------------------------------------------
+
+def test_persisting_more_experts_than_the_snapshot_is_refused_as_by_the_trainer():
+    with pytest.raises(ValueError, match=r"the trainer refuses it: --moc-k-persist/--moc-pec-k "
+                                         r"\(8\) must not exceed --moc-k-snapshot \(2\)"):
+        Policy("two-level", k=8, k_snapshot=2)
+
+
+def test_persisting_every_expert_with_partial_snapshots(model, layout, hw):
+    # k = 0 (all) with Ks = 2: the trainer persists every expert (its pec_k 0), so a
+    # persisted snapshot holds them all; it used to be clipped to Ks.
+    c = policy_costs(Policy("two-level", interval=1, k_snapshot=2, persist_interval=10),
+                     model, layout, hw)
+    assert c.k_effective == 8
+    assert c.persist_bytes_per_rank == approx(13.5e6)
+    assert c.persist_s == approx(0.135)
+    # node: the lost half from the persist (every expert: age 0); the survivors' three
+    # slots hold 6 experts (ages 0, 1, 2), the other 2 come from the persist
+    assert c.node.plt == approx(0.5 * 0.0 + 0.5 * (6 * 1 + 2 * 0) / 8)
+
+
+@pytest.mark.parametrize("threshold", [0.0, 1.0, -0.1, float("nan")])
+def test_plt_threshold_outside_the_trainers_range(threshold):
+    with pytest.raises(ValueError, match=r"the trainer refuses it: --moc-plt-threshold must be "
+                                         r"in \(0, 1\)"):
+        Policy("pec-dynamic", k=1, plt_threshold=threshold)
+
+
+def test_erasure_groups_that_do_not_divide_the_nodes_are_refused(model, layout, hw):
+    # 2 nodes: erasure 2+1 needs groups of 3 nodes (redundancy.check_layout)
+    with pytest.raises(ValueError, match=r"the trainer refuses it on this layout: "
+                                         r"--moc-redundancy erasure with --moc-ec-data 2"):
+        policy_costs(Policy("two-level", redundancy="erasure", ec_data=2), model, layout, hw)
+    # 1+1 on 2 nodes fits
+    c = policy_costs(Policy("two-level", redundancy="erasure", ec_data=1), model, layout, hw)
+    assert c.node.source == "peers"
+
+
+# --- host memory as the trainer reserves it -----------------------------------------------------
+
+def test_two_level_host_memory_is_full_slots_whatever_ks(model):
+    three = Layout(gpus=12, gpus_per_node=4, ep=4)           # full image 9e6 B per rank
+    hw = toy_hardware()
+    for ks in (0, 2):
+        c = policy_costs(Policy("two-level", k_snapshot=ks, k=ks, redundancy="erasure",
+                                ec_data=2), model, three, hw)
+        assert c.host_bytes_per_rank == approx(3 * 9e6 + 2 * 9e6 / 2)
+    c = policy_costs(Policy("two-level", k_snapshot=1, k=1, redundancy="replicate"), model,
+                     three, hw)
+    assert c.host_bytes_per_rank == approx(3 * 9e6 + 2 * 9e6)
+
+
+# --- non-finite hardware figures -----------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["restart_s", "iteration_s", "d2h_gbps", "storage_total_gbps",
+                                  "warmup_s"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_hardware_rejects_non_finite_figures(name, value):
+    with pytest.raises(ValueError, match=f"{name} .* must be a finite number"):
+        toy_hardware(**{name: value})
+
+
+def test_predict_rejects_an_infinite_mtbf(model, layout, hw):
+    with pytest.raises(ValueError, match="MTBF must be > 0 seconds and finite"):
+        predict(Policy("full-async"), model, layout, hw, float("inf"))
