@@ -498,8 +498,8 @@ def test_retention_removes_stale_partial_saves_only(tmp_path):
     (tmp_path / f"{mf.TRASH_PREFIX}global_step3.99").mkdir()
     deleted = apply_retention(str(tmp_path), keep=2)
     assert deleted == ["global_step15"]
-    assert sorted(os.listdir(tmp_path)) == ["global_step10", "global_step20", "global_step30",
-                                            "latest", "tensorboard"]
+    assert sorted(os.listdir(tmp_path)) == [mf.LOCK_FILE, "global_step10", "global_step20",
+                                            "global_step30", "latest", "tensorboard"]
 
 
 def test_interrupted_deletion_is_incomplete_then_cleaned(tmp_path, monkeypatch):

@@ -5,8 +5,10 @@ import statistics
 import pytest
 
 from deepspeed_ext.planning.costs import Policy, predict
-from deepspeed_ext.planning.simulate import (Failure, exponential_failures, parse_trace,
-                                             simulate_many, simulate_run)
+from deepspeed_ext.planning.simulate import (Failure, _ci, exponential_failures, failure_stream,
+                                             load_trace, parse_trace, simulate_many,
+                                             simulate_run, t_quantile)
+from tests.deepspeed_ext.planning.conftest import toy_hardware
 
 approx = pytest.approx
 
@@ -233,3 +235,152 @@ def test_pec_dynamic_k_stays_without_failures(model, layout, hw):
     r = simulate_run(p, model, layout, hw, 2000, [Failure(905.5)], 50.0)
     assert r.final_k == 2
 
+
+
+# --- the newest durable persist is state: a node failure may go back past a memory resume ----
+
+def test_node_failure_after_a_memory_resume_goes_back_to_the_durable_persist(model, layout):
+    # two-level, a snapshot every iteration, a persist every 100; storage slow enough that a
+    # persist takes 33.75 s (13.5e6 B / 4e5 B/s per rank), so the one after the restart is
+    # not durable 30 iterations later. t = 1 s, restart 10 s.
+    hw = toy_hardware(storage_write_gbps=0.0016)
+    p = Policy("two-level", interval=1, persist_interval=100)
+    # persists (the first snapshot after each start, then every 100th): 1 (durable at
+    # 34.75), 101 (134.75). Software failure at 150.2: back to the snapshot at 150
+    # (memory); downtime 10 + 13.5e6 / 2e9 = 10.00675 -> training again at 160.20675.
+    # After the restart the trainer persists 151, durable only at 184.75.
+    # Node failure 30 iterations later (iteration 180): memory is lost and the newest
+    # durable persist is 101, before the point the segment resumed from.
+    node_at = 150.2 + 10.00675 + 30
+    r = simulate_run(p, model, layout, hw, 200,
+                     [Failure(150.2, "software"), Failure(node_at, "node")], 600.0)
+    assert r.failures == 2
+    assert r.redone_iterations == approx(0.2 + (180 - 101))
+    # node downtime 10 + 13.5e6 / 2e8 = 10.0675, then iterations 101 .. 200
+    assert r.wall_s == approx(node_at + 10.0675 + 99)
+
+
+def test_node_failure_after_a_memory_resume_with_fast_storage(model, layout, hw):
+    # The same trace with a 0.135 s persist: the trainer persisted the first snapshot after
+    # the restart (151, durable at 151.135), so the node failure at 180 goes back to 151.
+    p = Policy("two-level", interval=1, persist_interval=100)
+    node_at = 150.2 + 10.00675 + 30
+    r = simulate_run(p, model, layout, hw, 200,
+                     [Failure(150.2, "software"), Failure(node_at, "node")], 600.0)
+    assert r.redone_iterations == approx(0.2 + (180 - 151))
+    assert r.wall_s == approx(node_at + 10.0675 + 49)
+
+
+# --- a node failure during a software recovery escalates ------------------------------------
+
+def test_node_failure_during_a_software_recovery_is_a_node_recovery(model, layout):
+    hw = toy_hardware(node_replace_s=5.0)
+    p = Policy("two-level", interval=1, persist_interval=10)
+    # software failure at 123.4: back to the snapshot at 123; its recovery (10.00675 s)
+    # is hit by a node failure at 125: the node's memory is gone, so the recovery starts
+    # over as a node recovery (10 + 5 replace + 13.5e6 / 2e8 = 15.0675 s) from the newest
+    # durable persist, 121 (persists at 1, 11, ..., 121; durable at 121.135).
+    r = simulate_run(p, model, layout, hw, 200, [Failure(123.4), Failure(125.0, "node")], 600.0)
+    assert r.failures == 2
+    assert r.redone_iterations == approx(0.4 + 2)
+    assert r.wall_s == approx(125.0 + 15.0675 + (200 - 121))
+    # full-async: the resume point is the same (storage), the downtime the node's
+    a = simulate_run(Policy("full-async", interval=10), model, layout, hw, 200,
+                     [Failure(123.4), Failure(125.0, "node")], 600.0)
+    assert a.redone_iterations == approx(3.4)
+    assert a.wall_s == approx(125.0 + 15.0675 + 80)
+    # a software failure during a node recovery stays a node recovery
+    b = simulate_run(Policy("full-async", interval=10), model, layout, hw, 200,
+                     [Failure(123.4, "node"), Failure(125.0)], 600.0)
+    assert b.wall_s == approx(125.0 + 15.0675 + 80)
+
+
+# --- failures never run out ------------------------------------------------------------------
+
+def test_failure_stream_has_no_end_and_matches_the_list():
+    stream = failure_stream(10.0, 0.3, seed=4)
+    first = [next(stream) for _ in range(5000)]
+    assert first[-1].time_s > 10.0 * 4000
+    assert exponential_failures(10.0, first[99].time_s, 0.3, seed=4) == first[:100]
+    with pytest.raises(ValueError, match="MTBF must be > 0 seconds and finite"):
+        next(failure_stream(float("inf"), 0.0, 0))
+
+
+def test_collapsed_ettr_is_not_floored_by_a_failure_horizon(model, layout):
+    # A 600 s restart under a 100 s MTBF: a recovery succeeds once in e^6 ~ 400 attempts.
+    # Pre-generated failures used to stop at iterations x T x 50 + 10 MTBF = 51,000 s,
+    # after which the run finished: ETTR ~ 1000 / 52,600 ~ 0.019 whatever the policy.
+    hw = toy_hardware(restart_s=600.0)
+    s = simulate_many(Policy("full-async", interval=10), model, layout, hw, 100.0, 1000,
+                      [0, 1, 2])
+    assert s.unfinished == 0
+    assert s.failures > 2000
+    assert s.ettr < 0.008
+
+
+def test_a_run_that_cannot_finish_stops_after_max_failures(model, layout):
+    hw = toy_hardware(restart_s=1e6)
+    r = simulate_run(Policy("full-async", interval=10), model, layout, hw, 1000,
+                     failure_stream(10.0, 0.0, 1), 10.0, max_failures=200)
+    assert not r.finished
+    assert r.failures == 200
+    assert r.ettr < 1e-3
+
+
+# --- confidence intervals ----------------------------------------------------------------------
+
+def test_t_quantiles():
+    assert t_quantile(1) == approx(12.706)
+    assert t_quantile(4) == approx(2.776)
+    assert t_quantile(30) == approx(2.042)
+    assert t_quantile(31) == 1.96
+    with pytest.raises(ValueError, match="degrees of freedom"):
+        t_quantile(0)
+
+
+def test_ci_uses_students_t_for_few_seeds(model, layout, hw):
+    # five values 1..5: stdev 1.5811, standard error 0.7071; t(4) = 2.776 (not 1.96)
+    assert _ci([1.0, 2.0, 3.0, 4.0, 5.0]) == approx(2.776 * statistics.stdev([1, 2, 3, 4, 5])
+                                                    / 5 ** 0.5)
+    p = Policy("full-async", interval=10)
+    s = simulate_many(p, model, layout, hw, 300.0, 3000, [0, 1, 2])
+    runs = [simulate_run(p, model, layout, hw, 3000, failure_stream(300.0, 0.0, seed), 300.0).ettr
+            for seed in (0, 1, 2)]
+    assert s.ettr_ci == approx(4.303 * statistics.stdev(runs) / 3 ** 0.5)
+
+
+# --- the first start's warm-up -------------------------------------------------------------------
+
+def test_failure_during_the_first_warmup_redoes_nothing(model, layout):
+    hw = toy_hardware(warmup_s=3.0)
+    r = simulate_run(Policy("full-async", interval=10), model, layout, hw, 100,
+                     [Failure(1.0)], 600.0)
+    assert r.redone_iterations == 0.0
+    # the failure at 1 s, a downtime of 10 + 3 warm-up + 13.5e6 / 2e8, then 100 iterations
+    assert r.wall_s == approx(1.0 + 13.0675 + 100)
+
+
+# --- trace files -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text,line,match", [
+    ("10\nnan node\n", 2, "finite"),
+    ("inf\n", 1, "finite"),
+    ("1e400 software\n", 1, "finite"),
+    ("10 node 3\n", 1, "got 3 fields"),
+    ("10, node, extra\n", 1, "got 3 fields"),
+    ("10 Node\n", 1, "failure kind must be one of software, node"),
+])
+def test_parse_trace_rejects_non_finite_times_and_extra_fields(text, line, match):
+    with pytest.raises(ValueError, match=f"trace line {line}: .*{match}"):
+        parse_trace(text)
+
+
+def test_load_trace_names_the_file_and_line(tmp_path):
+    path = tmp_path / "t.txt"
+    path.write_text("# ok\n5 node\nnan\n")
+    with pytest.raises(ValueError, match=f"{path} line 3: 'nan': a failure time must be a finite"):
+        load_trace(str(path))
+    path.write_text("5 node\n7\n")
+    assert load_trace(str(path)) == [Failure(5.0, "node"), Failure(7.0)]
+    with pytest.raises(ValueError, match=f"{tmp_path / 'none.txt'}: .*No such file"):
+        load_trace(str(tmp_path / "none.txt"))
