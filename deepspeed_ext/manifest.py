@@ -1482,6 +1482,22 @@ def prepare_checkpoint_dir(save_dir: str, tag: str, overwrite: bool = False,
     """
     check_tag(tag)
     tag_dir = os.path.join(save_dir, tag)
+    ensure_dir(save_dir)
+    # All of it under the directory's lock: an earlier attempt's committer checks its
+    # claim and writes its manifest under the same lock. Between a check here that saw no
+    # manifest and the claim, it could write one (recreating a directory just emptied),
+    # and this save would look committed before any of its files existed.
+    with locked_dir(save_dir):
+        _make_room(save_dir, tag, tag_dir, overwrite, attempt_started, keep, log)
+        ensure_dir(tag_dir)
+        from deepspeed_ext.commit import claim_dir
+        claim_dir(tag_dir)  # an earlier attempt's committer still waiting here stands down
+    return tag_dir
+
+
+def _make_room(save_dir: str, tag: str, tag_dir: str, overwrite: bool,
+               attempt_started: Optional[float], keep: Optional[str], log) -> None:
+    """:func:`prepare_checkpoint_dir`'s treatment of what already holds the name."""
     if fs.exists(os.path.join(tag_dir, MANIFEST_FILE)):
         if overwrite:
             remove_checkpoint(save_dir, tag)
@@ -1499,8 +1515,3 @@ def prepare_checkpoint_dir(save_dir: str, tag: str, overwrite: bool = False,
             raise FileExistsError(f"{tag_dir} exists and holds files MoC did not write; "
                                   f"refusing to delete it")
         _trash(save_dir, tag)
-    ensure_dir(tag_dir)
-    from deepspeed_ext.commit import claim_dir
-    with locked_dir(save_dir):  # never between a committer's claim check and its manifest
-        claim_dir(tag_dir)  # an earlier attempt's committer still waiting here stands down
-    return tag_dir

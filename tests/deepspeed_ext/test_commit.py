@@ -341,6 +341,41 @@ def test_a_failure_moving_latest_after_the_manifest_does_not_fail_the_save(tmp_p
     assert any("latest could not be moved (OSError" in line for line in logged), logged
 
 
+def test_a_restart_preparing_a_tag_waits_for_a_committer_writing_its_manifest(tmp_path, monkeypatch):
+    """An earlier attempt's committer has checked its claim and is writing its manifest
+    when the restarted job prepares the same tag. The preparation used to empty the
+    directory meanwhile, the manifest then landed in the recreated one, and the new save
+    looked committed before any of its files existed."""
+    from deepspeed_ext import manifest as mf
+    from deepspeed_ext.commit import commit_outcome
+    save_dir, tag = str(tmp_path), "global_step20"
+    tag_dir = mf.prepare_checkpoint_dir(save_dir, tag)
+    for rank in range(2):
+        _write_share(save_dir, tag, rank, 2.0)
+    old_claim = read_claim(tag_dir)
+    real, writing = mf.write_manifest, threading.Event()
+
+    def slow_write(ckpt_dir, manifest):
+        writing.set()
+        time.sleep(0.5)  # holding the directory's lock, past its claim check
+        real(ckpt_dir, manifest)
+    monkeypatch.setattr(mf, "write_manifest", slow_write)
+    old = threading.Thread(target=commit_checkpoint, args=(
+        save_dir, tag, 20, _commit_job(save_dir, tag, 20, old_claim)["commit"]["layout"],
+        wait_for_reports(tag_dir, 2, timeout_s=5, claim=old_claim), None, None, None, True, 0),
+        kwargs={"log": lambda m: None, "claim": old_claim, "attempt_started": 100.0})
+    old.start()
+    assert writing.wait(10)
+    mf.prepare_checkpoint_dir(save_dir, tag, attempt_started=200.0, log=lambda m: None)
+    old.join(10)
+    new_claim = read_claim(tag_dir)
+    assert new_claim not in (None, old_claim)
+    assert commit_outcome(tag_dir, 2, claim=new_claim) is None  # the new save is running
+    assert not os.path.exists(os.path.join(tag_dir, mf.MANIFEST_FILE))
+    aside = [n for n in os.listdir(save_dir) if n.startswith(mf.SET_ASIDE_PREFIX + tag)]
+    assert len(aside) == 1  # the old attempt's commit, kept for a human
+
+
 def test_latest_naming_nothing_loadable_is_replaced(tmp_path):
     from deepspeed_ext import manifest as mf
     save_dir = str(tmp_path)
