@@ -161,7 +161,8 @@ def wait_for_reports(tag_dir: str, world_size: int, timeout_s: float,
             missing = [r for r in range(world_size) if r not in reports]
             shown = ", ".join(map(str, missing[:16])) + (" ..." if len(missing) > 16 else "")
             raise CommitError(f"no report from rank(s) {shown} within {timeout_s:.0f} s "
-                              f"(slow storage or a dead process); {tag_dir} is not committed")
+                              f"(slow storage or a dead process; --moc-commit-timeout); "
+                              f"{tag_dir} is not committed")
         time.sleep(delay)
         delay = min(0.2, delay * 2)
 

@@ -107,7 +107,8 @@ class SnapshotSlots:
                 if i != newest and i not in exclude and not self.persisting(i)]
         if not free:
             raise RuntimeError(f"no free snapshot slot in {self.dir}: the other slots are "
-                               f"still being persisted")
+                               f"still being persisted (storage slower than the snapshots: "
+                               f"raise --moc-persist-interval or --moc-snapshot-interval)")
         return min(free, key=lambda i: steps.get(i, -1))
 
     def invalidate(self, i: int) -> None:

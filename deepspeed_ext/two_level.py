@@ -698,7 +698,7 @@ class TwoLevel:
                 # committer that died, a job dropped) would otherwise defer every later
                 # persist for the rest of the run.
                 outcome = (False, f"{tag_dir} not committed within "
-                                  f"{self.cfg.commit_timeout_s:.0f} s")
+                                  f"{self.cfg.commit_timeout_s:.0f} s (--moc-commit-timeout)")
         except Exception as e:
             # Read before the snapshot's exchange, which the other ranks are already in:
             # a storage error counts as "still running" (the snapshot stays in memory
@@ -758,7 +758,8 @@ class TwoLevel:
                     break
                 if time.monotonic() >= deadline:
                     ok, message = False, (f"{tag_dir} not committed within "
-                                          f"{self.cfg.commit_timeout_s:.0f} s")
+                                          f"{self.cfg.commit_timeout_s:.0f} s "
+                                          f"(--moc-commit-timeout)")
                     break
                 time.sleep(delay)
                 delay = min(0.2, delay * 2)

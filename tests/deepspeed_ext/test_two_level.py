@@ -473,4 +473,4 @@ def test_a_pending_persist_counts_as_failed_after_the_commit_timeout(tmp_path):
     assert TwoLevel._persist_view(two) is None  # running
     two.persist["started"] -= 31
     ok, why = TwoLevel._persist_view(two)
-    assert not ok and why == f"{tag_dir} not committed within 30 s"
+    assert not ok and why == f"{tag_dir} not committed within 30 s (--moc-commit-timeout)"

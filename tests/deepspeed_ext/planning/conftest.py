@@ -10,9 +10,16 @@ Per-rank figures of the toy cluster (8 GPUs, 4 per node, EP 8; 2 nodes):
 * forward+backward:       0.5 * 1 s = 0.5 s
 """
 
+import os
+
 import pytest
 
 from deepspeed_ext.planning.costs import Hardware, Layout, ModelShape
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
+CONFIG_16E = os.path.join(REPO, "configs", "gpt-350m-16e.yaml")
+"""A real training config (16 experts, batch 256 of micro-batches of 4)."""
 
 
 def toy_model(**overrides) -> ModelShape:

@@ -4,9 +4,15 @@ import pytest
 
 from deepspeed_ext import redundancy as rd
 from deepspeed_ext.planning.cli import training_flags
-from deepspeed_ext.planning.costs import POLICIES, Layout, predict
+from deepspeed_ext.planning.costs import POLICIES, Layout, Policy, predict
 from deepspeed_ext.planning.search import Constraints, _ks, best_of, candidates, recommend
-from tests.deepspeed_ext.planning.conftest import toy_hardware
+from tests.deepspeed_ext.planning.conftest import CONFIG_16E, toy_hardware, toy_model
+
+
+@pytest.fixture
+def model16():
+    """The toy model with gpt-350m-16e's 16 experts (the config the trainer validates)."""
+    return toy_model(num_experts=16)
 
 
 def _by_kind(choices):
@@ -179,9 +185,36 @@ def test_constraints_validation(kwargs, match):
 
 # --- what the search proposes must be runnable by the trainer --------------------------------
 
-def test_exact_candidates_are_expressible_as_trainer_flags(model, layout):
-    for p in candidates("exact", model, layout):
-        assert p.redundancy == "none" or "--moc-redundancy" in training_flags(p), p.label()
+def _trainer_refuses(policy, layout, save_dir):
+    """What the trainer's own validation says of ``policy``'s flags on ``layout`` (None:
+    it accepts them)."""
+    from megatron.training.arguments import ConfigError, parse_args, validate_args
+    argv = ["--config", CONFIG_16E, "--data-path", "unused", "--save", str(save_dir),
+            "--moc-ranks-per-node", str(layout.gpus_per_node)] + training_flags(policy)
+    try:
+        validate_args(parse_args(argv), layout.gpus)
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+def test_every_candidate_passes_the_trainers_validation(model16, tmp_path):
+    # 16 GPUs in 4 nodes (the config's batch and expert parallelism fit 16 ranks)
+    layout = Layout(gpus=16, gpus_per_node=4)
+    seen = set()
+    for kind in POLICIES:
+        for p in candidates(kind, model16, layout):
+            # the flags' validity does not depend on the interval values
+            key = (p.kind, p.k, p.k_snapshot, p.window, p.redundancy, p.ec_data)
+            if key in seen:
+                continue
+            seen.add(key)
+            assert _trainer_refuses(p, layout, tmp_path) is None, p.label()
+    assert len(seen) > 50
+    # the check does catch what the trainer refuses: erasure 2+1 needs groups of 3 nodes
+    refused = _trainer_refuses(Policy("two-level", redundancy="erasure", ec_data=2), layout,
+                               tmp_path)
+    assert "groups nodes by 3" in refused
 
 
 def test_erasure_candidates_fit_the_trainers_node_groups(model):
