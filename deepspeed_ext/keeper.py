@@ -182,9 +182,8 @@ def ensure_keeper(directory: str, idle_timeout_s: float = 600.0,
         KeeperError: the keeper did not answer within ``start_timeout_s`` (its log is
             named).
     """
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, LOCK_NAME), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    lock = _lock_node(directory)
+    with lock:
         try:
             # Start one only when nothing listens. A keeper that is slow to answer (busy
             # persisting on a loaded node) is still the node's keeper: a second one would
@@ -198,9 +197,29 @@ def ensure_keeper(directory: str, idle_timeout_s: float = 600.0,
                                       f"{start_timeout_s:.0f} s; see "
                                       f"{os.path.join(directory, LOG_NAME)}")
                 time.sleep(0.05)
+            # Registered under the lock: a keeper exiting for idleness takes the same lock
+            # and looks at its clients once more, so it cannot leave between the check
+            # above and this registration.
+            request(directory, {"op": "hello", "pid": os.getpid()})
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
-    request(directory, {"op": "hello", "pid": os.getpid()})
+
+
+def _lock_node(directory: str):
+    """The node directory's lock file, open and exclusively locked. Retried when the
+    file was replaced while this process waited (an exiting keeper deleted the
+    directory): a lock on the deleted file would exclude nobody who comes later."""
+    while True:
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, LOCK_NAME)
+        lock = open(path, "a")
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if os.fstat(lock.fileno()).st_ino == os.stat(path).st_ino:
+                return lock
+        except FileNotFoundError:
+            pass
+        lock.close()
 
 
 def _spawn(directory: str, idle_timeout_s: float) -> None:
@@ -452,19 +471,18 @@ def _commit_job(job: Dict[str, Any], tag_dir: str, log,
             commit.write_failure(tag_dir, f"{type(e).__name__}: {e}", claim=claim)
 
 
-def join_commits(waiting_too: bool) -> None:
-    """Wait for the keeper's background commits (before it exits).
+def join_finishing_commits() -> None:
+    """On a requested shutdown: wait for the background commits whose reports are all in.
 
-    Args:
-        waiting_too: also those still waiting for reports. On a requested shutdown the
-            training processes have seen the manifest of every commit they asked for, so
-            a commit still waiting belongs to an attempt that crashed, and would hold the
-            exiting keeper for its whole timeout; but a commit goes on after its manifest
-            (``latest``, retention), and exiting under it left ``latest`` at the previous
-            checkpoint and a stray ``latest.tmp.<pid>``: those are always waited for.
+    The training processes have seen the manifest of every commit they asked for, so a
+    commit still waiting for reports belongs to an attempt that crashed, and would hold
+    the exiting keeper for its whole timeout; but a commit goes on after its manifest
+    (``latest``, retention), and exiting under it left ``latest`` at the previous
+    checkpoint and a stray ``latest.tmp.<pid>``: those are waited for. (An idle keeper
+    serves on until every commit has ended.)
     """
     for thread, reports_in in list(_COMMITS):
-        if waiting_too or reports_in.is_set():
+        if reports_in.is_set():
             thread.join()
 
 
@@ -504,6 +522,8 @@ class Keeper:
         self.directory = directory
         self.idle_timeout_s = idle_timeout_s
         self.clients: List[int] = []
+        self.clients_lock = threading.Lock()
+        self.clients_at_stop: set = set()
         self.jobs: "queue.Queue[Optional[Dict[str, Any]]]" = queue.Queue()
         self.ids_lock = threading.Lock()
         self.job_ids: "collections.OrderedDict[str, None]" = collections.OrderedDict()
@@ -519,7 +539,8 @@ class Keeper:
         if op == "ping":
             return {"ok": True, "pid": os.getpid()}
         if op == "hello":
-            self.clients.append(int(message["pid"]))
+            with self.clients_lock:
+                self.clients.append(int(message["pid"]))
             self.last_client_seen = time.monotonic()
             return {"ok": True}
         if op == "persist":
@@ -537,7 +558,9 @@ class Keeper:
             return {"ok": True, "queued": self.jobs.qsize()}
         if op == "shutdown":
             self.jobs.join()  # finish every persist already asked for
-            join_commits(waiting_too=False)
+            join_finishing_commits()
+            with self.clients_lock:
+                self.clients_at_stop = set(self.clients)
             self.stop.set()
             return {"ok": True}
         return {"ok": False, "error": f"unknown op {op!r}"}
@@ -559,17 +582,27 @@ class Keeper:
                 self.jobs.task_done()
 
     def any_client_alive(self) -> bool:
-        living = []
-        for pid in self.clients:
-            try:
-                os.kill(pid, 0)
-                living.append(pid)
-            except ProcessLookupError:
-                pass
-            except PermissionError:
-                living.append(pid)
-        self.clients = living
-        return bool(living)
+        with self.clients_lock:  # a registration arriving meanwhile must not be lost
+            living = []
+            for pid in self.clients:
+                try:
+                    os.kill(pid, 0)
+                    living.append(pid)
+                except ProcessLookupError:
+                    pass
+                except PermissionError:
+                    living.append(pid)
+            self.clients = living
+            return bool(living)
+
+    def clients_since_stop(self) -> List[int]:
+        """Living processes that registered after the shutdown request (a new job's)."""
+        self.any_client_alive()
+        with self.clients_lock:
+            return [pid for pid in self.clients if pid not in self.clients_at_stop]
+
+    def commits_running(self) -> bool:
+        return any(thread.is_alive() for thread, _ in _COMMITS)
 
 
 def _serve_connection(keeper: Keeper, conn: socket.socket) -> None:
@@ -601,28 +634,50 @@ def serve(directory: str, idle_timeout_s: float) -> int:
     worker = threading.Thread(target=keeper.persist_loop, name="persist", daemon=True)
     worker.start()
     _log(directory, f"serving {directory} (idle timeout {idle_timeout_s:.0f} s)")
-    reason = "shutdown requested"
-    while not keeper.stop.is_set():
+    while True:
+        if keeper.stop.is_set():  # every queued job and finishing commit done (handle)
+            if _leave(keeper, directory, server, "shutdown requested"):
+                return 0
+            keeper.stop.clear()
         try:
             conn, _ = server.accept()
         except socket.timeout:
             if keeper.any_client_alive():
                 keeper.last_client_seen = time.monotonic()
             elif (time.monotonic() - keeper.last_client_seen > idle_timeout_s
-                  and keeper.jobs.unfinished_tasks == 0):
-                reason = f"no training process alive for {idle_timeout_s:.0f} s"
-                break
+                  and keeper.jobs.unfinished_tasks == 0 and not keeper.commits_running()):
+                # Commits still running wait for other nodes' reports (each bounded by
+                # its commit timeout): served on until they end, so that a restarting
+                # job meanwhile finds a keeper that answers.
+                if _leave(keeper, directory, server,
+                          f"no training process alive for {idle_timeout_s:.0f} s"):
+                    return 0
             continue
         threading.Thread(target=_serve_connection, args=(keeper, conn), daemon=True).start()
-    keeper.jobs.join()
-    if not keeper.stop.is_set():
-        # Idle exit: other nodes' keepers may still be writing the reports a commit of
-        # ours waits for; let them finish (each is bounded by its commit timeout).
-        join_commits(waiting_too=True)
-    server.close()
-    _log(directory, f"exiting ({reason}); removing {directory}")
-    shutil.rmtree(directory, ignore_errors=True)
-    return 0
+
+
+def _leave(keeper: Keeper, directory: str, server: socket.socket, reason: str) -> bool:
+    """Close the socket and delete the node directory, under the node's lock: a training
+    process attaching takes it too (and registers under it), so the keeper neither
+    leaves a process that has just attached nor deletes a new keeper's files. Returns
+    False (serve on) when a process registered that this exit would strand: any, for an
+    idle exit; one that is not of the job that asked, for a requested shutdown."""
+    lock = _lock_node(directory)
+    with lock:
+        try:
+            newcomers = keeper.clients_since_stop() if keeper.stop.is_set() else \
+                (keeper.clients if keeper.any_client_alive() else [])
+            if newcomers:
+                _log(directory, f"not exiting ({reason}): training process(es) "
+                                f"{', '.join(map(str, newcomers))} registered meanwhile")
+                keeper.last_client_seen = time.monotonic()
+                return False
+            server.close()
+            _log(directory, f"exiting ({reason}); removing {directory}")
+            shutil.rmtree(directory, ignore_errors=True)
+            return True
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

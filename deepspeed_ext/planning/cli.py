@@ -157,7 +157,8 @@ def _describe(model: cm.ModelShape, layout: cm.Layout, hw: cm.Hardware) -> str:
 
 
 def _fmt_bytes(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+    """Binary units, as ``--host-memory-gb`` (GiB) and the trainer's memory figures."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n:.0f} B"

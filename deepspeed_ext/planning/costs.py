@@ -22,6 +22,9 @@ MoC paper's overhead model, Eq. 3-16, and MoEtion's ETTR):
   the others come from storage, as old as its rotation (``I_p (N/K_p - 1) / 2``) plus the
   distance from the resumed snapshot back to the newest durable persist, and are read
   from storage during the recovery.
+* Host memory (two-level): what the trainer reserves per rank, ``snapshot.SLOTS`` full
+  images (whatever ``Ks``) plus what it keeps of its peers' snapshots; budgets are GiB
+  (2**30 bytes), as the trainer's ``--moc-host-memory-gb``. Bandwidths are decimal GB/s.
 * ETTR (MoEtion): ``1 / (1 + overhead/T_iter) * 1 / (1 + E[R] / MTBF)``, ``E[R]`` the
   expected downtime plus redone work of a failure, mixed over failure kinds (software:
   the processes die, host memory survives; node: a node's memory is lost too).
@@ -34,6 +37,7 @@ from typing import List, Optional, Tuple
 from deepspeed_ext import plt as trainer_plt
 from deepspeed_ext import redundancy as rd
 from deepspeed_ext.config import MoCConfig
+from deepspeed_ext.peers import KEEP
 from deepspeed_ext.snapshot import SLOTS
 
 STATE_BYTES = 12
@@ -42,9 +46,8 @@ WEIGHT_BYTES = 2
 """bf16 compute weights, per parameter."""
 SNAPSHOT_SLOTS_KEPT = SLOTS
 """Two-level snapshots held per rank (triple buffering; the trainer's ``snapshot.SLOTS``)."""
-PEER_STEPS_KEPT = 2
-"""Protected steps a rank keeps of its peers' snapshots (the trainer's ``peers.KEEP``; not
-imported: :mod:`deepspeed_ext.peers` needs torch.distributed)."""
+PEER_STEPS_KEPT = KEEP
+"""Protected steps a rank keeps of its peers' snapshots (the trainer's ``peers.KEEP``)."""
 GB = 1e9
 """Bandwidths are decimal: 1 GB/s = 1e9 bytes per second."""
 GIB = 2**30
@@ -385,7 +388,8 @@ def policy_costs(policy: Policy, model: ModelShape, layout: Layout, hw: Hardware
     """The predicted costs of ``policy`` (``mtbf_s`` is needed only by pec-dynamic).
 
     Raises:
-        ValueError: a policy that does not fit the model (K above the experts, ...).
+        ValueError: a policy that does not fit the model (K above the experts, ...), or
+            a redundancy the trainer refuses on this layout.
     """
     n = model.num_experts
     for name in ("k", "k_snapshot"):

@@ -2,7 +2,9 @@
 
 import json
 import os
+import shutil
 import socket
+import subprocess
 import threading
 import time
 
@@ -200,3 +202,69 @@ def test_job_ids_repeat_for_retries_but_not_across_processes(tmp_path):
     for job_id in (theirs, ours, ours):
         assert real.handle({"op": "persist", "job": {"id": job_id}})["ok"]
     assert real.jobs.qsize() == 2
+
+
+def test_an_idle_keeper_serves_on_while_a_commit_runs_then_leaves(tmp_path, monkeypatch):
+    """No training process alive past the idle timeout, but a commit still waits for
+    other nodes' reports: the keeper used to stop answering (its socket still there)
+    while it joined it, so a restarting job's ranks failed to attach for a minute. It
+    now answers until the commit ends, then deletes its directory."""
+    node = tmp_path / "node0"
+    node.mkdir()
+    done = threading.Event()
+    commit = threading.Thread(target=done.wait, args=(30,), daemon=True)
+    commit.start()
+    monkeypatch.setattr(keeper, "_COMMITS", [(commit, threading.Event())])
+    served = threading.Thread(target=keeper.serve, args=(str(node), 0.2), daemon=True)
+    served.start()
+    deadline = time.monotonic() + 30
+    while not keeper.alive(str(node)):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(2.0)  # long past the idle timeout
+    assert keeper.alive(str(node)) and served.is_alive()
+    done.set()
+    served.join(30)
+    assert not served.is_alive() and not node.exists()
+
+
+def test_a_process_registering_during_a_shutdown_keeps_the_keeper(tmp_path):
+    """A new job's rank attaches while the previous job's shutdown is under way: the
+    keeper must not delete the directory under it (attaching and leaving both take the
+    node's lock; the newcomer is seen)."""
+    node = tmp_path / "node0"
+    node.mkdir()
+    real = keeper.Keeper(str(node), idle_timeout_s=60)
+    old_job = subprocess.Popen(["sleep", "30"])
+    try:
+        real.handle({"op": "hello", "pid": old_job.pid})
+        real.handle({"op": "shutdown"})
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        real.handle({"op": "hello", "pid": os.getpid()})  # the new job's rank
+        assert not keeper._leave(real, str(node), server, "shutdown requested")
+        assert node.exists()
+        real.clients.remove(os.getpid())  # only the old job's process remains
+        assert keeper._leave(real, str(node), server, "shutdown requested")
+        assert not node.exists()
+    finally:
+        old_job.kill()
+        old_job.wait()
+
+
+def test_attaching_retries_a_lock_file_deleted_while_it_waited(tmp_path):
+    """An exiting keeper deletes the directory while a rank waits for its lock: the rank
+    must lock the new file, not the deleted one (which would exclude nobody after it)."""
+    node = tmp_path / "node0"
+    held = keeper._lock_node(str(node))
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(keeper._lock_node(str(node))))
+    waiter.start()
+    time.sleep(0.3)
+    shutil.rmtree(node)
+    import fcntl
+    fcntl.flock(held, fcntl.LOCK_UN)
+    held.close()
+    waiter.join(10)
+    lock = got[0]
+    assert os.fstat(lock.fileno()).st_ino == os.stat(node / keeper.LOCK_NAME).st_ino
+    lock.close()

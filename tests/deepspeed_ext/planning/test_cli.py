@@ -179,6 +179,7 @@ def test_recommend_prints_table_and_flags(capsys, tmp_path):
         in out
     assert "MTBF 3600 s" in out
     assert "policy " in out and "ETTR" in out
+    assert " GiB  " in out                          # host memory in the unit of its flag
     lines = out.splitlines()
     rec = [ln for ln in lines if ln.startswith("recommended: ")]
     assert len(rec) == 1
@@ -371,3 +372,107 @@ def test_exact_bench_figures_without_rounds_uses_the_row():
     found = calibrate.exact_bench_figures(data)
     assert found["background_s_per_gb"][0] == pytest.approx(0.02)
     assert "warmup_s" not in found  # no run directories to read
+
+
+# --- units in --help ------------------------------------------------------------------------
+
+def _subparser(name):
+    from deepspeed_ext.planning.cli import build_parser
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return sub.choices[name]
+
+
+@pytest.mark.parametrize("command", ["recommend", "simulate"])
+def test_hardware_flags_state_unit_and_scope(command):
+    helps = {a.dest: a.help for a in _subparser(command)._actions}
+    scopes = {"d2h_gbps": "per rank", "h2d_gbps": "per rank", "storage_write_gbps": "per node",
+              "storage_read_gbps": "per node", "network_gbps": "per node",
+              "storage_total_gbps": "aggregate"}
+    for dest, scope in scopes.items():
+        assert "GB/s = 1e9 bytes/s" in helps[dest], (dest, helps[dest])
+        assert scope in helps[dest], (dest, helps[dest])
+    for dest in ("restart_s", "node_replace_s", "warmup_s", "snapshot_call_s",
+                 "persist_call_s", "save_call_s", "iteration_time"):
+        assert "seconds" in helps[dest].lower(), (dest, helps[dest])
+    assert "GiB (2**30 bytes" in helps["host_memory_gb"]
+    # the flag names are unchanged
+    assert main(["recommend"] + CLUSTER + ["--iteration-time", "1.2", "--d2h-gbps", "5",
+                                           "--storage-total-gbps", "0", "--policies",
+                                           "full-sync"]) == 0
+
+
+# --- policies the trainer refuses -----------------------------------------------------------
+
+@pytest.mark.parametrize("policy,needles", [
+    ("two-level:k=8,k_snapshot=2",
+     ["--policy two-level:k=8,k_snapshot=2: the trainer refuses it: --moc-k-persist"]),
+    ("pec-dynamic:k=1,plt_threshold=0",
+     ["--policy pec-dynamic:k=1,plt_threshold=0: the trainer refuses it: "
+      "--moc-plt-threshold must be in (0, 1)"]),
+    ("two-level:redundancy=erasure,ec_data=4",       # 16 GPUs: 2 nodes, groups of 5
+     ["the trainer refuses it on this layout: --moc-redundancy erasure with --moc-ec-data 4"]),
+])
+def test_policies_the_trainer_refuses(capsys, policy, needles):
+    _error(capsys, ["simulate"] + CLUSTER + ["--iteration-time", "1.2", "--iterations", "100",
+                                             "--policy", policy], *needles)
+
+
+# --- non-finite numbers -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("flag,value,needle", [
+    ("--restart-s", "nan", "restart_s (--restart-s) must be a finite number"),
+    ("--iteration-time", "inf", "iteration_s (--iteration-time) must be a finite number"),
+    ("--host-memory-gb", "nan", "--host-memory-gb must be a finite number"),
+    ("--plt-limit", "nan", "--plt-limit must be in [0, 1]"),
+])
+def test_non_finite_numbers_are_bad_input(capsys, flag, value, needle):
+    argv = ["recommend"] + CLUSTER + ["--iteration-time", "1.2", flag, value]
+    _error(capsys, argv, needle)
+
+
+def test_infinite_mtbf(capsys):
+    _error(capsys, ["recommend", "--config", CONFIG, "--gpus", "16", "--mtbf", "inf",
+                    "--iteration-time", "1.2"], "--mtbf must be > 0 seconds and finite")
+
+
+def test_nan_trace_names_the_file_and_line(capsys, tmp_path):
+    trace = tmp_path / "nan.txt"
+    trace.write_text("100 software\nnan node\n")
+    _error(capsys, ["simulate"] + CLUSTER + ["--iteration-time", "1.2", "--trace", str(trace),
+                                             "--policy", "full-async"],
+           f"--trace {trace} line 2: 'nan node': a failure time must be a finite")
+
+
+# --- output files -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command,flag", [("recommend", "--json"), ("simulate", "--json"),
+                                          ("simulate", "--plot")])
+def test_output_into_a_missing_directory_fails_before_any_work(capsys, tmp_path, command, flag):
+    out = tmp_path / "missing" / "out.json"
+    extra = ["--iterations", "100"] if command == "simulate" else []
+    err = _error(capsys, [command] + CLUSTER + extra + ["--iteration-time", "1.2", "--policies",
+                                                        "full-sync", flag, str(out)],
+                 f"{flag} {out}: the directory {tmp_path / 'missing'} does not exist")
+    assert "Traceback" not in err
+    assert capsys.readouterr().out == ""                     # nothing ran
+
+
+# --- the batch must split over the GPUs, as the trainer requires ------------------------------
+
+def test_global_batch_must_divide_over_the_gpus(capsys):
+    # 256 sequences per step, 4 per micro-batch: 128 ranks would need 512
+    _error(capsys, ["recommend", "--config", CONFIG, "--gpus", "128", "--mtbf", "3600",
+                    "--iteration-time", "1.2"],
+           "--gpus 128", "--global-batch-size 256",
+           "--micro-batch-size x data-parallel size (4 x 128 = 512)")
+
+
+def test_unset_global_batch_is_a_micro_batch_per_rank(tmp_path):
+    text = open(CONFIG).read()
+    assert "global-batch-size: 256\n" in text
+    path = tmp_path / "no-global.yaml"
+    path.write_text(text.replace("global-batch-size: 256\n", ""))
+    m = model_from_config(str(path), gpus=16)
+    assert m.tokens_per_iteration == 4 * 16 * 2048
+    assert model_from_config(CONFIG, gpus=16).tokens_per_iteration == 256 * 2048
