@@ -67,6 +67,36 @@ def _log(message: str) -> None:
         print(f"[moc] {message}", flush=True)
 
 
+def _bytes_held(directory: str) -> int:
+    """Bytes the files under ``directory`` occupy (a previous attempt's slot images this
+    rank will reuse: already taken from the free space)."""
+    total = 0
+    for dirpath, _, names in os.walk(directory):
+        for name in names:
+            try:
+                total += os.stat(os.path.join(dirpath, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+def _short_nodes(gathered: List) -> List[str]:
+    """Every rank, from the gathered ``(problem, needed, held, free, node, root)``: the
+    nodes whose shared-memory filesystem cannot hold all their ranks' slots. The ranks
+    of a node share it: checking each rank's need alone passed 8 ranks of 10 GiB on 30
+    GiB free, and the copies then died of SIGBUS in the middle of a snapshot."""
+    nodes: Dict[int, List] = {}
+    for _, needed, held, free, node, root in gathered:
+        entry = nodes.setdefault(node, [0, free, root, 0])
+        entry[0] += max(0, needed - held)
+        entry[3] += 1
+    return [f"node {node}: {root} has {free / 2**30:.3f} GiB free, its {ranks} rank(s)' "
+            f"snapshot slots need {want / 2**30:.3f} GiB more (point --moc-shm-dir at a "
+            f"larger shared-memory filesystem, or enlarge it)"
+            for node, (want, free, root, ranks) in sorted(nodes.items())
+            if free is not None and want > free]
+
+
 def _newest_stored_step(load_dir: str) -> Optional[int]:
     """Rank 0, before recovery's first exchange (never raises): the step of the
     checkpoint ``latest`` names under ``load_dir``; None when there is none or it cannot
@@ -194,18 +224,19 @@ class TwoLevel:
                        + ", --moc-host-memory-gb allows "
                        f"{self.cfg.host_memory_gb:g}")
         root = os.path.dirname(os.path.abspath(self.cfg.shm_dir)) or "/"
-        if problem is None and os.path.isdir(root):
+        free = None
+        if os.path.isdir(root):
             stat = os.statvfs(root)
-            if stat.f_bavail * stat.f_frsize < needed:
-                problem = (f"rank {self.rank}: {root} has {stat.f_bavail * stat.f_frsize / 2**30:.3f} "
-                           f"GiB free, the snapshot slots need {needed / 2**30:.3f} GiB")
+            free = stat.f_bavail * stat.f_frsize
         gathered: List = [None] * self.world
-        dist.all_gather_object(gathered, (problem, needed))
-        problems = [p for p, _ in gathered if p]
+        held = _bytes_held(os.path.join(self.node_dir, f"rank{self.rank:05d}"))  # SnapshotSlots.dir
+        dist.all_gather_object(gathered, (problem, needed, held, free,
+                                          self.node, root))
+        problems = [p for p, *_ in gathered if p] + _short_nodes(gathered)
         if problems:
             raise MoCCheckpointError("; ".join(problems))
         self.budget_bytes = needed
-        _log(f"two-level checkpointing: up to {max(n for _, n in gathered) / 2**20:.1f} MiB of "
+        _log(f"two-level checkpointing: up to {max(g[1] for g in gathered) / 2**20:.1f} MiB of "
              f"snapshot memory per rank ({self.num_slots} slots"
              + (f" and the peers' redundancy, {self.spec.describe()}" if self.spec.enabled else "")
              + f") under {self.cfg.shm_dir}")

@@ -200,20 +200,20 @@ def cmd_recommend(opts) -> int:
     print(f"MTBF {mtbf[0]:g} s, {constraints.node_fraction:.0%} of failures lose a node's "
           f"memory; PLT limit {constraints.plt_limit:.2%}\n")
     head = (f"{'policy':<12} {'ETTR':>6} {'PLT':>7} {'stall/ckpt':>10} {'lost it':>8} "
-            f"{'downtime':>9} {'host/rank':>10}  settings")
+            f"{'downtime':>9} {'host/rank':>11}  settings")
     print(head)
     print("-" * (len(head) + 30))
     rows = []
     for c in choices:
         if c.best is None:
-            print(f"{c.kind:<12} {'-':>6} {'-':>7} {'-':>10} {'-':>8} {'-':>9} {'-':>10}  "
+            print(f"{c.kind:<12} {'-':>6} {'-':>7} {'-':>10} {'-':>8} {'-':>9} {'-':>11}  "
                   f"none admissible ({c.why_none})")
             rows.append({"policy": c.kind, "best": None, "why": c.why_none})
             continue
         b = c.best
         print(f"{c.kind:<12} {b.ettr:>6.3f} {b.plt:>7.2%} {b.costs.stall_s:>9.3f}s "
               f"{b.expected_lost_iterations:>8.1f} {b.expected_downtime_s:>8.1f}s "
-              f"{_fmt_bytes(b.costs.host_bytes_per_rank):>10}  {b.costs.policy.label()}"
+              f"{_fmt_bytes(b.costs.host_bytes_per_rank):>11}  {b.costs.policy.label()}"
               + (f"  [{'; '.join(b.costs.notes)}]" if b.costs.notes else ""))
         rows.append({"policy": c.kind, "settings": asdict(b.costs.policy), "label":
                      b.costs.policy.label(), "ettr": b.ettr, "plt": b.plt,

@@ -224,6 +224,75 @@ class _Failures:
         return failure
 
 
+@dataclass
+class _Run:
+    """The state of one simulated run: wall seconds, absolute iterations."""
+
+    wall: float
+    """Now, in seconds since the job started."""
+    done: float = 0.0
+    """The iteration training has reached."""
+    storage: float = 0.0
+    """The newest checkpoint durable on storage (0: the job's start)."""
+    memory: Optional[float] = None
+    """The newest complete snapshot in host memory that a recovery can use."""
+    redone: float = 0.0
+    lost_expert: float = 0.0
+    """Iterations' worth of lost expert updates (the PLT's numerator)."""
+    count: int = 0
+    """Failures so far."""
+    uptime: float = 0.0
+    """Seconds spent training so far (the uptime clock)."""
+
+    def next_failure_s(self, queue: _Failures, uptime_clock: bool) -> float:
+        if queue.next is None:
+            return math.inf
+        if uptime_clock:
+            return self.wall + max(0.0, queue.next.time_s - self.uptime)
+        return queue.next.time_s
+
+    def fail(self, costs: PolicyCosts, failure: Failure, at_s: float, t_iter: float) -> _Points:
+        """A failure at ``at_s``: training goes back to what its kind leaves usable."""
+        step = t_iter + costs.overhead_per_iteration_s
+        # A failure during the first start's warm-up makes no progress (never negative).
+        progress = max(0.0, (at_s - self.wall) / step)
+        self.uptime += max(0.0, at_s - self.wall)
+        self.wall = at_s
+        self.count += 1
+        points = _points(costs, t_iter, self.done, progress, self.storage, self.memory)
+        self.storage = points.storage
+        self.done += progress
+        self._go_back(costs, failure.kind, points)
+        return points
+
+    def _go_back(self, costs: PolicyCosts, kind: str, points: _Points) -> None:
+        rec = costs.node if kind == "node" else costs.software
+        resumed, self.memory = _resume(kind, points, costs)
+        self.redone += self.done - resumed
+        self.done = resumed
+        self.lost_expert += rec.plt
+
+    def recover(self, costs: PolicyCosts, kind: str, points: _Points, queue: _Failures,
+                downtime_failures: bool, max_failures: int) -> None:
+        """The downtime of a failure of ``kind``: failures inside it start the recovery
+        over (or are skipped), and a node failure during a software recovery makes it a
+        node recovery, from the state a node failure leaves."""
+        rec = costs.node if kind == "node" else costs.software
+        end = self.wall + rec.downtime_s
+        while queue.next is not None and queue.next.time_s < end and self.count < max_failures:
+            failure = queue.pop()
+            if not downtime_failures:
+                continue
+            self.count += 1
+            self.wall = failure.time_s
+            if failure.kind == "node" and kind != "node":
+                self.lost_expert -= rec.plt
+                kind, rec = "node", costs.node
+                self._go_back(costs, kind, points)
+            end = self.wall + rec.downtime_s
+        self.wall = end
+
+
 def simulate_run(policy: Policy, model: ModelShape, layout: Layout, hw: Hardware,
                  iterations: int, failures: Iterable[Failure], mtbf_s: float,
                  downtime_failures: bool = True, uptime_clock: bool = False,
@@ -248,81 +317,39 @@ def simulate_run(policy: Policy, model: ModelShape, layout: Layout, hw: Hardware
     dynamic = policy.kind == "pec-dynamic"
     current = replace(policy, kind="pec", k=k) if dynamic else policy
     costs = policy_costs(current, model, layout, hw, mtbf_s)
-    t_iter = hw.iteration_s
-    wall = hw.warmup_s  # the first start's slower first iterations
-    done = 0.0  # the iteration training has reached (absolute)
-    storage, memory = 0.0, None  # the newest durable checkpoint; the newest snapshot
-    redone = 0.0
-    lost_expert = 0.0  # iterations' worth of lost expert updates (PLT numerator)
-    count = 0
+    run = _Run(wall=hw.warmup_s)  # the first start's slower first iterations
     queue = _Failures(failures)
-    uptime = 0.0  # seconds spent training so far (the uptime clock)
-    finished = True
     while True:
-        step = t_iter + costs.overhead_per_iteration_s
-        if queue.next is None:
-            next_failure = math.inf
-        elif uptime_clock:
-            next_failure = wall + max(0.0, queue.next.time_s - uptime)
-        else:
-            next_failure = queue.next.time_s
-        finish = wall + (iterations - done) * step
-        if finish <= next_failure:
-            uptime += finish - wall
-            wall, done = finish, float(iterations)
+        step = hw.iteration_s + costs.overhead_per_iteration_s
+        at = run.next_failure_s(queue, uptime_clock)
+        finish = run.wall + (iterations - run.done) * step
+        if finish <= at:
+            run.wall, run.done = finish, float(iterations)
             break
-        if count >= max_failures:
-            finished = False
+        if run.count >= max_failures:
             break
         failure = queue.pop()
-        # A failure during the first start's warm-up makes no progress (never negative).
-        progress = max(0.0, (next_failure - wall) / step)
-        uptime += max(0.0, next_failure - wall)
-        wall = next_failure
-        count += 1
-        points = _points(costs, t_iter, done, progress, storage, memory)
-        kind = failure.kind
-        rec = costs.node if kind == "node" else costs.software
-        resumed, memory = _resume(kind, points, costs)
-        storage = points.storage
-        redone += done + progress - resumed
-        done = resumed
-        lost_expert += rec.plt
-        # Downtime; failures inside it start the recovery over, and a node failure
-        # during a software recovery makes it a node recovery.
-        end = wall + rec.downtime_s
-        while not uptime_clock and queue.next is not None and queue.next.time_s < end \
-                and count < max_failures:
-            failure = queue.pop()
-            if not downtime_failures:
-                continue
-            count += 1
-            wall = failure.time_s
-            if failure.kind == "node" and kind != "node":
-                kind, old = "node", rec
-                rec = costs.node
-                resumed, memory = _resume(kind, points, costs)
-                redone += done - resumed
-                done = resumed
-                lost_expert += rec.plt - old.plt
-            end = wall + rec.downtime_s
-        wall = end
-        if dynamic and done > 0 and lost_expert / max(done, 1.0) > policy.plt_threshold \
-                and k < model.num_experts:
+        points = run.fail(costs, failure, at, hw.iteration_s)
+        if not uptime_clock:
+            run.recover(costs, failure.kind, points, queue, downtime_failures, max_failures)
+        else:
+            run.wall += (costs.node if failure.kind == "node" else costs.software).downtime_s
+        if dynamic and run.done > 0 and run.lost_expert / max(run.done, 1.0) \
+                > policy.plt_threshold and k < model.num_experts:
             k = min(model.num_experts, 2 * k)
             current = replace(current, k=k)
             costs = policy_costs(current, model, layout, hw, mtbf_s)
-    return _result(iterations if finished else done, wall, t_iter, model, lost_expert, count,
-                   redone, k, finished)
+    return _result(run, iterations, hw.iteration_s, model, k)
 
 
-def _result(useful: float, wall: float, t_iter: float, model: ModelShape, lost_expert: float,
-            count: int, redone: float, k: int, finished: bool) -> RunResult:
-    return RunResult(ettr=useful * t_iter / wall if wall else 1.0,
-                     goodput_tokens_s=useful * model.tokens_per_iteration / wall if wall else 0.0,
-                     plt=lost_expert / max(useful, 1.0), failures=count, wall_s=wall,
-                     useful_iterations=int(useful), redone_iterations=redone, final_k=k,
-                     finished=finished)
+def _result(run: _Run, iterations: int, t_iter: float, model: ModelShape, k: int) -> RunResult:
+    useful = run.done
+    return RunResult(ettr=useful * t_iter / run.wall if run.wall else 1.0,
+                     goodput_tokens_s=(useful * model.tokens_per_iteration / run.wall
+                                       if run.wall else 0.0),
+                     plt=run.lost_expert / max(useful, 1.0), failures=run.count,
+                     wall_s=run.wall, useful_iterations=int(useful),
+                     redone_iterations=run.redone, final_k=k, finished=useful >= iterations)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,8 @@ def _run(tmp_path, name, nproc, action, flags, env=None, ok=True):
     results = run_ranks(nproc, [action, str(out)] + flags, script=WORKER, timeout=300, env=env)
     if ok:
         assert all(r.returncode == 0 for r in results), describe(results)
+    missing = [r for r in range(nproc) if not (out / f"rank{r}.json").exists()]
+    assert not missing, f"no result from rank(s) {missing}\n" + describe(results)
     return [json.load(open(out / f"rank{r}.json")) for r in range(nproc)], results
 
 
@@ -474,3 +476,17 @@ def test_a_pending_persist_counts_as_failed_after_the_commit_timeout(tmp_path):
     two.persist["started"] -= 31
     ok, why = TwoLevel._persist_view(two)
     assert not ok and why == f"{tag_dir} not committed within 30 s (--moc-commit-timeout)"
+
+
+def test_the_shared_memory_check_adds_up_the_ranks_of_a_node():
+    """Every rank of a node fits alone, not together: refused, naming the node and the
+    flag; images a previous attempt left (reused) count as already taken."""
+    from deepspeed_ext.two_level import _short_nodes
+    gib = 2**30
+    ranks = [(None, 10 * gib, 0, 30 * gib, node, "/dev/shm") for node in (0, 0, 0, 0, 1)]
+    assert _short_nodes(ranks) == [
+        "node 0: /dev/shm has 30.000 GiB free, its 4 rank(s)' snapshot slots need 40.000 GiB "
+        "more (point --moc-shm-dir at a larger shared-memory filesystem, or enlarge it)"]
+    reused = [(None, 10 * gib, 4 * gib, 30 * gib, 0, "/dev/shm") for _ in range(4)]
+    assert _short_nodes(reused) == []  # 24 GiB more needed, 30 free
+    assert _short_nodes([(None, gib, 0, None, 0, "/nowhere")]) == []  # unknown: unchecked
