@@ -190,6 +190,7 @@ class MoCCheckpointer:
         # When this attempt of the job started (rank 0's is what its committers record):
         # a committer of an earlier attempt never moves ``latest`` over this one's work.
         self.attempt_started = time.time()
+        self._timeline_used = False  # a save or load happened in this process
         self._save_dirs_checked: set = set()  # prepare_save_dir's first-save check, done
         """(save_dir, tag) of the checkpoint the current state descends from."""
         self._pending: Optional[_PendingSave] = None
@@ -311,6 +312,7 @@ class MoCCheckpointer:
                 checkpoint.
         """
         from deepspeed_ext.plan import build_write_plan
+        self._timeline_used = True
         if self.two_level is not None:
             return self.two_level.save(save_dir, tag, client_state, save_latest)
         self.wait()
@@ -573,11 +575,25 @@ class MoCCheckpointer:
         holds the same step there (``from_memory=False`` forces storage); see
         :mod:`deepspeed_ext.two_level`. Otherwise, or then, from storage.
         """
+        if self.two_level is None:
+            self.wait()  # a save of the old timeline commits under its own attempt
+        self._new_timeline()
         if self.two_level is not None:
             return self.two_level.load(load_dir, tag, load_optimizer_states,
                                        load_lr_scheduler_states, from_memory)
         self._last_load_source = "storage"
         return self._load_storage(load_dir, tag, load_optimizer_states, load_lr_scheduler_states)
+
+    def _new_timeline(self) -> None:
+        """A load starts a new timeline, in a new job or in this process (a library user
+        or a benchmark reloading an older step): checkpoints saved before it count as an
+        earlier attempt's. Otherwise ``latest`` stayed at this process's higher,
+        abandoned step, and saving one of its tags again was refused as "a complete
+        checkpoint" instead of setting it aside."""
+        if self._timeline_used:  # the job's first load keeps the start it recorded
+            self.attempt_started = max(time.time(), self.attempt_started + 1e-3)
+            self._save_dirs_checked.clear()
+        self._timeline_used = True
 
     def _load_storage(self, load_dir: str, tag: Optional[str] = None,
                       load_optimizer_states: bool = True,

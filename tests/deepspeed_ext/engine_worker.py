@@ -277,6 +277,13 @@ def main():
         result.update(_snapshot_identity(engine, args))
     elif action == "reload-memory":
         result.update(_reload_memory(engine, args))
+    elif action == "save-reload-resave":
+        # Save steps 1-4, load step 2 in this process, train and save 3-4 again.
+        _train(engine, args, 0, 4, args.save)
+        engine.moc.wait()
+        result["reloaded"] = engine.moc.load(args.save, tag="global_step2")[1]
+        _train(engine, args, 2, 4, args.save)
+        engine.moc.wait()
     else:
         start = 0
         if action.startswith("load"):

@@ -103,6 +103,23 @@ def test_pec_saves_after_resuming_from_another_spelling_or_directory(tmp_path):
     assert verify_checkpoint(other, "global_step6") == []
 
 
+def test_a_reload_in_the_same_process_starts_a_new_timeline(tmp_path):
+    """A library user (or a benchmark) reloads an older step and saves its steps again:
+    the first timeline's later checkpoints are set aside and ``latest`` follows the new
+    one. Before, saving global_step3 again was refused as "a complete checkpoint"."""
+    from deepspeed_ext.manifest import read_latest, read_manifest, verify_checkpoint
+    ckpt = tmp_path / "ckpt"
+    result = _run(tmp_path, "run", 2, "save-reload-resave", _layout(2, 2, 2) + [
+        "--save", str(ckpt), "--save-interval", "1"])
+    assert result[0]["reloaded"] == {"step": 2}
+    assert read_latest(str(ckpt)) == "global_step4"
+    assert verify_checkpoint(str(ckpt), "global_step4") == []
+    aside = sorted(n.split(".")[2] for n in os.listdir(ckpt) if n.startswith(".moc-set-aside."))
+    assert aside == ["global_step3", "global_step4"]
+    first = read_manifest(str(ckpt / "global_step2")).extra["attempt_started"]
+    assert read_manifest(str(ckpt / "global_step4")).extra["attempt_started"] > first
+
+
 @pytest.mark.parametrize("save_layout, load_layout, precision", [
     ((4, 4, 2), (2, 2, 2), []),
     ((4, 2, 2), (4, 4, 2), []),
