@@ -38,6 +38,7 @@ import torch.distributed as dist
 from deepspeed_ext import commit, fs
 from deepspeed_ext.config import MoCConfig
 from deepspeed_ext.image import ImageLayout
+from deepspeed_ext.objects import OBJECTS_TENSOR_FILE
 from deepspeed_ext.manifest import (FragmentSpec, prepare_checkpoint_dir,
                                     set_aside_checkpoints_after)
 from megatron.training.rng import get_rng_state, set_rng_state
@@ -124,8 +125,11 @@ class _Staged:
     """What the file holds, for the manifest."""
     objects_tree: Any
     """Rank 0: the JSON tree of the non-tensor state; other ranks: None."""
-    objects_in_file: bool
-    """Whether the objects tree references tensors in this rank's file."""
+    object_tensors: Dict[str, torch.Tensor]
+    """Rank 0: the tensors the tree references (every rank's RNG state), written to
+    their own small file (:data:`OBJECTS_TENSOR_FILE`): in rank 0's file, every rank
+    of a load checksummed that whole file to read its RNG state, one extra checkpoint's
+    worth of reads aimed at one file."""
 
 
 @dataclass
@@ -393,12 +397,11 @@ class MoCCheckpointer:
                 specs.append(mf.FragmentSpec(frag.name, frag.kind, frag.offset, frag.length,
                                              frag.shape, storage.dtype_name(frag.tensor.dtype),
                                              frag.expert))
-        tree = None
+        tree, object_tensors = None, {}
         if rank == 0:
             objects = self._objects(client_state)
             objects["rng_states"] = rng_states
             tree, object_tensors = encode(objects)
-            tensors.update(object_tensors)
         layout = layout_of(tensors)
         if self._buffer is None or self._buffer.numel() < layout.nbytes:
             # Allocated once and reused; grows only when a save's share is larger (PEC
@@ -407,8 +410,7 @@ class MoCCheckpointer:
             self._buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
         with torch.no_grad():
             fill_image(self._buffer, layout, tensors)
-        return _Staged(layout, mf.rank_file_name(rank), specs, tree,
-                       bool(tree is not None and object_tensors))
+        return _Staged(layout, mf.rank_file_name(rank), specs, tree, object_tensors)
 
     def _persist(self, pending: "_PendingSave", staged: "_Staged") -> None:
         """Background thread of every rank: write, fsync, report; rank 0 then commits."""
@@ -422,15 +424,19 @@ class MoCCheckpointer:
         try:
             record = storage.write_image_file(os.path.join(tag_dir, staged.file_name),
                                               image_view(self._buffer, staged.layout))
-            objects_record = None
+            objects_record, extra_files = None, {}
             if staged.objects_tree is not None:
+                if staged.object_tensors:
+                    extra_files[OBJECTS_TENSOR_FILE] = storage.write_fragment_file(
+                        os.path.join(tag_dir, OBJECTS_TENSOR_FILE), staged.object_tensors).to_json()
                 objects_record = write_objects_file(
-                    tag_dir, staged.objects_tree, staged.file_name if staged.objects_in_file else None)
+                    tag_dir, staged.objects_tree,
+                    OBJECTS_TENSOR_FILE if staged.object_tensors else None)
             report = mf.RankReport(rank, staged.file_name, record.nbytes, record.sha256, staged.specs)
             commit.write_report(tag_dir, rank, {
                 "report": report.to_json(),
-                "objects": objects_record.to_json() if objects_record is not None else None},
-                claim=claim)
+                "objects": objects_record.to_json() if objects_record is not None else None,
+                "extra_files": extra_files}, claim=claim)
         except Exception as e:
             traceback.print_exc()
             pending.outcome = (False, f"{type(e).__name__}: {e}")

@@ -44,6 +44,10 @@ from deepspeed_ext.storage import (CheckpointError, FileRecord, atomic_write_jso
 
 OBJECTS_FILE = "objects.json"
 """File name of the encoded objects inside a checkpoint directory."""
+OBJECTS_TENSOR_FILE = "objects.safetensors"
+"""The small file of the tensors the objects reference (every rank's RNG state), beside
+``objects.json``: kept out of rank 0's file, which every rank of a load would otherwise
+checksum whole to read its RNG state (checkpoints written before it still load)."""
 OBJECTS_FORMAT = "moc-objects"
 OBJECTS_VERSION = 1
 TENSOR_PREFIX = "obj/"

@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from deepspeed_ext import commit, fs, keeper
 from deepspeed_ext.exchange import Exchanger
+from deepspeed_ext.objects import OBJECTS_TENSOR_FILE
 from deepspeed_ext.hostcopy import HostCopier
 from deepspeed_ext.snapshot import SLOTS
 from deepspeed_ext.snapshot import SlotImage, SnapshotSlots
@@ -1172,11 +1173,6 @@ class TwoLevel:
         if sum(totals):
             _log(f"two-level recovery: {sum(totals)} expert fragment(s) taken from the memory "
                  f"of ranks {[r for r, t in enumerate(totals) if t]}, newer than storage")
-
-
-OBJECTS_TENSOR_FILE = "objects.safetensors"
-"""Tensors of ``objects.json`` when rank 0 writes the objects itself (see
-:meth:`TwoLevel._write_objects_with`) rather than into its rank file."""
 
 
 class _StorageVersions:

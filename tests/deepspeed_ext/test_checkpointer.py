@@ -218,6 +218,11 @@ def test_each_rank_checksums_only_the_files_it_reads(tmp_path):
     # The write plan spreads a rank's partition over a few files, not all of them: rank
     # 0 (which used to hash the whole checkpoint while choosing it) checks only those.
     assert set(hashed[0]) < files, hashed
+    # Every rank reads its RNG state from the objects' own small file, not from rank 0's
+    # share (which every rank then checksummed whole: a checkpoint's worth of extra reads
+    # aimed at one file).
+    assert all("global_step2/objects.safetensors" in mine for mine in hashed), hashed
+    assert not all("global_step2/rank00000.safetensors" in mine for mine in hashed), hashed
     read = [r["manifests_read_by_load"] for r in loads]
     assert "global_step2" in read[0] and not any(read[1:]), read
 
