@@ -353,7 +353,9 @@ def run_persist_job(job: Dict[str, Any], log=print, background_commit: bool = Fa
     tensors to persist, None: all), ``specs`` (their manifest fragment specs),
     ``save_dir``, ``tag``, ``step``, ``rank``, ``claim`` (the save's claim on the tag
     directory, from rank 0; None: unchecked), ``objects_tree`` (rank 0, else None),
-    ``objects_in_file``, ``objects_record`` and ``extra_files`` (rank 0, when it wrote the
+    ``object_keys`` (rank 0: the image's tensors of the objects, written to
+    ``objects.safetensors``; ``objects_in_file`` in jobs of older versions: they are in
+    the rank file), ``objects_record`` and ``extra_files`` (rank 0, when it wrote the
     objects itself: their records), ``done_marker`` (a file deleted once the slot has been read,
     so the training side may reuse it), and for rank 0 ``commit`` (arguments of
     :func:`deepspeed_ext.commit.commit_checkpoint` plus ``timeout_s``).
@@ -368,7 +370,7 @@ def run_persist_job(job: Dict[str, Any], log=print, background_commit: bool = Fa
         return
     from deepspeed_ext import commit
     from deepspeed_ext import manifest as mf
-    from deepspeed_ext.objects import write_objects_file
+    from deepspeed_ext.objects import OBJECTS_TENSOR_FILE, write_objects_file
     tag_dir = os.path.join(job["save_dir"], job["tag"])
     rank = job["rank"]
     claim = job.get("claim")
@@ -379,7 +381,16 @@ def run_persist_job(job: Dict[str, Any], log=print, background_commit: bool = Fa
         commit.check_claim(tag_dir, claim)
         record = write_image_subset(os.path.join(tag_dir, file_name), job["image"],
                                     job["entries"], job["keys"])
-        _remove_quietly(job.get("done_marker"))
+        extra_files = dict(job.get("extra_files") or {})
+        objects_in = file_name if job.get("objects_in_file") else None  # an older job
+        if job.get("object_keys"):
+            # Their own small file: in rank 0's share, every rank of a load checksummed
+            # that whole file to read its RNG state.
+            extra_files[OBJECTS_TENSOR_FILE] = write_image_subset(
+                os.path.join(tag_dir, OBJECTS_TENSOR_FILE), job["image"], job["entries"],
+                job["object_keys"])
+            objects_in = OBJECTS_TENSOR_FILE
+        _remove_quietly(job.get("done_marker"))  # the slot is read: it may be reused
         if os.environ.get(CRASH_PERSIST_ENV):
             # The trainer's --moc-fault persist-crash armed this keeper (never in normal
             # runs, so the keeper does not depend on the trainer's package otherwise).
@@ -389,15 +400,12 @@ def run_persist_job(job: Dict[str, Any], log=print, background_commit: bool = Fa
             _hang(f"{HANG_PERSIST_ENV}: hanging after writing rank {rank}'s file of {job['tag']}")
         objects_record = job.get("objects_record")  # rank 0 wrote the objects itself
         if job.get("objects_tree") is not None:
-            objects_record = write_objects_file(
-                tag_dir, job["objects_tree"],
-                file_name if job["objects_in_file"] else None).to_json()
+            objects_record = write_objects_file(tag_dir, job["objects_tree"], objects_in).to_json()
         specs = [mf.FragmentSpec.from_json(s) for s in job["specs"]]
         report = mf.RankReport(rank, file_name, record["nbytes"], record["sha256"], specs)
         commit.check_claim(tag_dir, claim)  # the write took long: still this save's?
         commit.write_report(tag_dir, rank, {"report": report.to_json(), "objects": objects_record,
-                                            "extra_files": job.get("extra_files") or {}},
-                            claim=claim)
+                                            "extra_files": extra_files}, claim=claim)
     except commit.Superseded as e:
         _remove_quietly(job.get("done_marker"))
         log(f"not persisting rank {rank}'s share of {job['tag']}: {e}")

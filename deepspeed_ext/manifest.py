@@ -83,7 +83,7 @@ SET_ASIDE_PREFIX = ".moc-set-aside."
 
 _TAG_DIR_ENTRY = re.compile(
     r"^(rank\d{5,}\.safetensors|rank\d{5,}\.report\.json|commit\.failed\.json|commit\.claim|"
-    r"objects\.json|manifest\.json)(\.tmp\.\d+)?$")
+    r"objects\.json|objects\.safetensors|manifest\.json)(\.tmp\.\d+)?$")
 """Names MoC writes into a tag directory. A manifest-less directory is deleted by
 retention only if it holds nothing else, so a user's unrelated directory inside
 save_dir (tensorboard/, a copied dataset) is never removed."""

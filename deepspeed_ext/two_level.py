@@ -501,12 +501,13 @@ class TwoLevel:
         ck, meta = self.ckpt, snap["meta"]
         save_dir, tag, step = snap["save_dir"], meta["tag"], meta["step"]
         plan = build_write_plan(snap["pieces"], self.world, selected)
-        keys = list(plan.keys_for(self.rank)) + (snap["object_keys"] if self.rank == 0 else [])
+        keys = list(plan.keys_for(self.rank))
         job = {"image": self.slots.image_path(snap["slot"]), "entries": meta["entries"],
                "keys": keys, "specs": [meta["specs"][k] for k in keys if k in meta["specs"]],
                "save_dir": save_dir, "tag": tag, "step": step, "rank": self.rank,
                "objects_tree": meta["objects_tree"] if self.rank == 0 else None,
-               "objects_in_file": bool(snap["object_keys"]),
+               # the objects' tensors go to their own small file (objects.OBJECTS_TENSOR_FILE)
+               "object_keys": list(snap["object_keys"]) if self.rank == 0 else [],
                # Every rank's writer holds the claim: a keeper still running this job
                # after a restart re-saved the tag stands down instead of writing this
                # attempt's file (or report) into the new save.

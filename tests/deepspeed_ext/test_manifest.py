@@ -530,6 +530,7 @@ def test_prepare_checkpoint_dir(tmp_path):
     partial = tmp_path / "global_step20"
     partial.mkdir()
     (partial / "rank00007.safetensors").write_bytes(b"from a bigger run")
+    (partial / "objects.safetensors").write_bytes(b"a crashed save's objects")  # MoC's too
     assert prepare_checkpoint_dir(str(tmp_path), "global_step20") == str(partial)
     assert os.listdir(partial) == ["commit.claim"]  # emptied, then claimed for this save
     (partial / "notes.txt").write_text("mine")

@@ -84,6 +84,8 @@ def test_storage_newer_than_every_ranks_memory_wins(tmp_path):
             env={"MOC_TEST_CRASH": "1", "MOC_TEST_PERSIST_FIRST": "1"}, ok=False)
         assert all(r.returncode == -signal.SIGKILL for r in results), describe(results)
         assert _latest(ckpt) == "global_step4"
+        # the keeper wrote the objects' tensors to their own file, not into rank 0's share
+        assert os.path.isfile(os.path.join(ckpt, "global_step4", "objects.safetensors"))
         rank1 = os.path.join(shm, "node0", "rank00001")
         held = {}
         for name in os.listdir(rank1):
