@@ -754,8 +754,10 @@ class ExactSnapshots:
         job["id"] = keeper.job_id(f"frame{frame}", self.rank)
         why: Exception = keeper.KeeperError(f"it did not take the copy of frame {frame}")
         try:
-            handed = keeper.hand_over(self.node_dir, job)
-        except Exception as e:  # not even a socket to try: the same as a dead keeper
+            # A frame copied twice is the same bytes written atomically twice: a keeper
+            # silent for 20 s is given up and the frame copied here (no slot is reused).
+            handed = keeper.hand_over(self.node_dir, job, patience_s=20.0)
+        except Exception as e:  # no socket, or silent: the same as a dead keeper
             handed, why = False, e
         if not handed:
             self._keeper_lost(why)

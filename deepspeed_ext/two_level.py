@@ -170,6 +170,11 @@ class TwoLevel:
         # One long-lived copy thread: starting a thread per snapshot made the save call
         # wait up to a GIL switch interval (5 ms) for the new thread to start.
         self.copier_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moc-snapshot")
+        self.sender_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moc-hand-over")
+        """Hands persist jobs to the keeper, in order, off the copy thread: the next
+        training step waits for the copy, and a busy keeper may take its time to answer."""
+        self.send_job: Optional[Future] = None
+        """The last hand-over (on ``sender_pool``)."""
         self.copy_job: Optional[Future] = None
         """The running snapshot copy (on ``copier_pool``), joined before the next step."""
         self.copy_error: Optional[str] = None
@@ -630,7 +635,7 @@ class TwoLevel:
             published = True
             if job is not None:
                 job["done_marker"] = self.slots.persist_marker(slot)
-                self._send(job)
+                self.send_job = self.sender_pool.submit(self._send_safely, job)
         except Exception as e:
             traceback.print_exc()
             # Keep the first error: it may be reported only at a later persist or wait.
@@ -639,6 +644,15 @@ class TwoLevel:
             if protect:  # every rank, even after a failed copy: the peers pair up
                 image = buffer if published else None
                 self.redundancy.protect(meta["step"], slot, image, meta if published else None)
+
+    def _send_safely(self, job) -> None:
+        """Hand-over thread: :meth:`_send`; an error fails this persist (reported in its
+        directory, so the pending persist ends) instead of vanishing with the thread."""
+        try:
+            self._send(job)
+        except Exception as e:
+            traceback.print_exc()
+            self._fail_unsent(job, f"{type(e).__name__}: {e}")
 
     def _send(self, job) -> None:
         if not self.keeper_gone:
@@ -688,6 +702,8 @@ class TwoLevel:
         # Once the keeper is known gone, every persist since runs in this process.
         if p is None or p["in_process"] or self.keeper_gone:
             return
+        if self.send_job is not None and not self.send_job.done():
+            return  # the hand-over decides (and persists here if the keeper is dead)
         if not keeper.is_dead(self.node_dir):  # a socket connect, only while a persist is pending
             return
         self._keeper_died("it stopped answering while persisting")
@@ -812,6 +828,7 @@ class TwoLevel:
             persisted = True
         finally:
             self.copier_pool.shutdown(wait=True)
+            self.sender_pool.shutdown(wait=True)
             self.copier.unregister_all()  # CUDA: no copy is in flight any more
             if self.redundancy is not None:
                 self.redundancy.close()
