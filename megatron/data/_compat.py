@@ -6,6 +6,9 @@ Engine and Apex are missing, plus a few deprecation notices. Those warnings are
 noise for data loading, so the data modules import megatron.core inside
 :func:`quiet_core_import`, which filters only those messages and only for the
 duration of the import (``warnings.catch_warnings`` restores the filters after).
+
+The same import decorates a few dozen fused-kernel helpers with ``torch.compile``, which
+:func:`quiet_core_import` defers (see :mod:`megatron.lazy_compile`).
 """
 
 import contextlib
@@ -22,8 +25,16 @@ _IMPORT_NOISE = (
 
 @contextlib.contextmanager
 def quiet_core_import():
-    """Suppress the known import-time warnings of megatron.core (and nothing else)."""
-    with warnings.catch_warnings():
+    """Import megatron.core quietly and cheaply: suppress its known import-time warnings
+    (and nothing else) and defer the ``torch.compile`` calls of its import to each
+    compiled function's first call (:func:`megatron.lazy_compile.compile_on_first_call`).
+
+    Called by any code of this process before it imports from megatron.core; the
+    import must run in the ``with`` block.
+    """
+    from megatron.lazy_compile import compile_on_first_call
+
+    with warnings.catch_warnings(), compile_on_first_call():
         for message in _IMPORT_NOISE:
             warnings.filterwarnings("ignore", message=message)
         yield

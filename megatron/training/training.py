@@ -147,7 +147,11 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> List[Dict]:
 def setup_model_and_optimizer(args: argparse.Namespace):
     """Build the model, AdamW, the DeepSpeed engine and the LR schedule (all ranks)."""
     import deepspeed
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.data._compat import quiet_core_import
+    from megatron.lazy_compile import DEEPSPEED_COMPILING_MODULES, import_deferring_compile
+    with quiet_core_import():
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    import_deferring_compile(*DEEPSPEED_COMPILING_MODULES)
     from megatron.model.gpt_moe import GPTMoEModel
     from deepspeed.accelerator import get_accelerator
     if args.fp16 and not get_accelerator().is_fp16_supported():
