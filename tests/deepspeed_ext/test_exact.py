@@ -25,12 +25,28 @@ def _final_tensors(ckpt):
         return {key: reader.read_full(*key) for key in reader.keys()}
 
 
-def _reference(tmp_path, corpus, extra, nproc):
-    out = tmp_path / "reference"
+def _reference(out_dir, corpus, extra, nproc):
+    out = out_dir / "reference"
     results = run_ranks(nproc, BASE + extra + ["--data-path", corpus, "--save", str(out),
-                                               "--metrics-file", str(tmp_path / "ref.jsonl")])
+                                               "--metrics-file", str(out_dir / "ref.jsonl")])
     assert all(r.returncode == 0 for r in results), results[0].output[-3000:]
     return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, corpus):
+    """``reference(extra, nproc)``: the uninterrupted run's checkpoint directory (its
+    metrics beside it, ``../ref.jsonl``), run once per flags in this module (tests only
+    read it)."""
+    runs = {}
+
+    def get(extra, nproc):
+        key = (tuple(extra), nproc)
+        if key not in runs:
+            runs[key] = _reference(tmp_path_factory.mktemp("reference"), corpus, extra, nproc)
+        return runs[key]
+
+    return get
 
 
 def _crashed(tmp_path, corpus, extra, nproc, faults, restarts=3, ok=True):
@@ -60,11 +76,11 @@ def _train_losses(path):
     (4, ["--moe-expert-parallel-size", "4", "--num-experts", "4", "--global-batch-size", "8",
          "--micro-batch-size", "1"]),
 ])
-def test_crash_mid_window_replays_to_the_bit(tmp_path, corpus, nproc, extra):
+def test_crash_mid_window_replays_to_the_bit(tmp_path, corpus, reference, nproc, extra):
     """W = 3, frames from iteration 0: the crash at the top of iteration 9 (8 steps done)
     finds windows [0..2] and [3..5] complete and [6..8] not; the restart replays 6 from
     frame 6's window... no: from the newest complete one, [3..5], then trains on."""
-    ref = _reference(tmp_path, corpus, extra, nproc)
+    ref = reference(extra, nproc)
     ckpt, out, events = _crashed(tmp_path, corpus, extra, nproc, ["--moc-fault", "crash@9:rank=1"])
     recoveries = [e for e in events if e["kind"] == "recovery"]
     assert len(recoveries) == 1, events
@@ -78,16 +94,16 @@ def test_crash_mid_window_replays_to_the_bit(tmp_path, corpus, nproc, extra):
     assert want.keys() == got.keys() and len(want) > 10
     differ = [k for k in want if not torch.equal(want[k], got[k])]
     assert not differ, f"{len(differ)} tensors differ, e.g. {differ[:4]}"
-    ref_losses, losses = _train_losses(tmp_path / "ref.jsonl"), _train_losses(tmp_path / "m.jsonl")
+    ref_losses, losses = _train_losses(ref.parent / "ref.jsonl"), _train_losses(tmp_path / "m.jsonl")
     # After the restart the replayed iterations log again; the last value per key wins.
     assert losses == ref_losses
 
 
-def test_a_crash_during_the_replay_recovers_again(tmp_path, corpus):
+def test_a_crash_during_the_replay_recovers_again(tmp_path, corpus, reference):
     """A job crashes at the top of 9 with no restart left; the next job replays [4..6]
     from frame 4 and crashes at the top of 6, inside that replay; its restart must find
     the same window again and still end exactly."""
-    ref = _reference(tmp_path, corpus, [], 2)
+    ref = reference([], 2)
     _crashed(tmp_path, corpus, [], 2, ["--moc-fault", "crash@9:rank=1"], restarts=0, ok=False)
     ckpt, out, events = _crashed(tmp_path, corpus, [], 2, ["--moc-fault", "crash@6:rank=0"])
     assert "[fault] rank 0: injected crash at iteration 6" in out
@@ -97,7 +113,7 @@ def test_a_crash_during_the_replay_recovers_again(tmp_path, corpus):
     assert all(torch.equal(want[k], got[k]) for k in want)
 
 
-def test_node_memory_lost_replays_from_storage(tmp_path, corpus):
+def test_node_memory_lost_replays_from_storage(tmp_path, corpus, reference):
     """Rank 1's node (2 simulated nodes of 1 rank) loses its keeper and shared memory at
     the top of 9: rank 0 still has its frames in memory, rank 1 reads its own from
     storage (the keeper copied them there), and the run still ends exactly.
@@ -107,7 +123,7 @@ def test_node_memory_lost_replays_from_storage(tmp_path, corpus):
     only and both ranks replayed [1..3] from storage (a correct recovery, but not the
     one this test is about). Rank 1 sleeps 6 s at the top of 8 first (at 9 the node is
     lost before any sleep), which gives its keeper time to copy frames 4..6 (a few KB)."""
-    ref = _reference(tmp_path, corpus, [], 2)
+    ref = reference([], 2)
     ckpt, out, events = _crashed(tmp_path, corpus, ["--moc-ranks-per-node", "1"], 2,
                                  ["--moc-fault", "slow@8:rank=1:slow=6",
                                   "--moc-fault", "lose-memory@9:rank=1"])
@@ -119,14 +135,15 @@ def test_node_memory_lost_replays_from_storage(tmp_path, corpus):
     assert all(torch.equal(want[k], got[k]) for k in want)
 
 
-def test_densify_replays_frames_into_the_checkpoint_an_uninterrupted_run_saves(tmp_path, corpus):
+def test_densify_replays_frames_into_the_checkpoint_an_uninterrupted_run_saves(tmp_path, corpus,
+                                                                               reference):
     """A job dies at the top of 9 with no restart; ``moc-ckpt densify`` replays its
     newest complete window [4..6] offline (its recorded command, without the fault) and
     writes global_step7, bitwise the checkpoint an uninterrupted run saves at 7."""
     from deepspeed_ext import cli
     from deepspeed_ext import keeper
     from deepspeed_ext.two_level import default_shm_dir
-    ref = _reference(tmp_path, corpus, ["--save-interval", "7"], 2)
+    ref = reference(["--save-interval", "7"], 2)
     ckpt = tmp_path / "ckpt"
     try:
         _crashed(tmp_path, corpus, [], 2, ["--moc-fault", "crash@9:rank=1"], restarts=0, ok=False)
