@@ -20,7 +20,10 @@ is configured with ``vocab_size=256`` plus ONE special token ``<eod>``; the libr
 places special tokens at the end of the vocabulary, so the id of ``<eod>`` is 256 and
 the vocabulary has 257 entries; ``_eos_id`` (what ``.eod`` returns) is set to 256 too.
 The library's ``ids_to_text`` strips trailing whitespace (``rstrip``), so
-:meth:`Tokenizer.detokenize` decodes bytes itself for an exact round trip.
+:meth:`Tokenizer.detokenize` decodes bytes itself for an exact round trip. The library
+tokenizer is built on the first :meth:`Tokenizer.tokenize` (or ``.core``): importing
+``megatron.core.tokenizers`` imports HuggingFace ``transformers`` (about 2.5 s of CPU),
+and a trainer, which needs only ``vocab_size`` and ``eod``, never tokenizes.
 
 GPT-2 BPE tokenizer
 -------------------
@@ -42,7 +45,7 @@ import signal
 import tempfile
 import threading
 from collections import OrderedDict
-from typing import Iterable, List, Optional
+from typing import Callable, Iterable, List, Optional
 
 from megatron.data._compat import check_int, quiet_core_import
 from megatron.training.errors import ConfigError
@@ -62,7 +65,8 @@ class Tokenizer:
 
     Attributes:
         tokenizer_type: one of :data:`TOKENIZER_TYPES`.
-        core: the underlying ``megatron.core.tokenizers`` object.
+        core: the underlying ``megatron.core.tokenizers`` object (built on first use
+            when the tokenizer was made with ``build_core``).
         vocab_size: number of token ids (embedding rows needed), eod included.
         eod: id of the end-of-document token.
         pad: :data:`NO_PAD_ID` (no distinct padding token).
@@ -76,13 +80,21 @@ class Tokenizer:
         eod: int,
         vocab_file: Optional[str] = None,
         merge_file: Optional[str] = None,
+        build_core: Optional[Callable[[], object]] = None,
     ) -> None:
         self.tokenizer_type = tokenizer_type
-        self.core = core
+        self._core = core
+        self._build_core = build_core
         self._vocab_size = int(vocab_size)
         self._eod = int(eod)
         self.vocab_file = vocab_file
         self.merge_file = merge_file
+
+    @property
+    def core(self):
+        if self._core is None and self._build_core is not None:
+            self._core = self._build_core()
+        return self._core
 
     @property
     def vocab_size(self) -> int:
@@ -169,6 +181,12 @@ def _check_readable_file(path: Optional[str], flag: str, tokenizer_type: str) ->
 
 
 def _build_byte_level() -> Tokenizer:
+    return Tokenizer("ByteLevelTokenizer", None, BYTE_LEVEL_VOCAB_SIZE, BYTE_LEVEL_EOD,
+                     build_core=_byte_level_core)
+
+
+def _byte_level_core():
+    """megatron.core's ByteLevelTokenizer, checked to assign the ids the wrapper states."""
     core = _core_tokenizer_class().from_pretrained(
         metadata_path={"library": "byte-level", "model_type": "gpt"},
         # 256 byte ids, then the one special token appended at the end -> id 256.
@@ -190,7 +208,7 @@ def _build_byte_level() -> Tokenizer:
             f"(vocab_size={core.vocab_size}, eod={core.eod}, "
             f"<eod>={library.token_to_id('<eod>')}); expected 257/256/256"
         )
-    return Tokenizer("ByteLevelTokenizer", core, BYTE_LEVEL_VOCAB_SIZE, BYTE_LEVEL_EOD)
+    return core
 
 
 def _have_transformers() -> bool:

@@ -2,6 +2,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -54,6 +55,33 @@ def test_byte_level_ids(byte_tok):
     assert byte_tok.eod not in every_byte
     assert byte_tok.eod not in byte_tok.tokenize(TEXTS[1])
     assert byte_tok.pad == -1
+
+
+def test_byte_level_builds_its_library_tokenizer_on_first_use(monkeypatch):
+    """A trainer needs only vocab_size and eod: building the tokenizer must not import
+    megatron.core's tokenizers (they import HuggingFace transformers, about 2.5 s of CPU
+    per rank); the first tokenize builds it, checked against the ids stated above."""
+    code = ("import sys\n"
+            "from megatron.data.tokenizer import build_tokenizer\n"
+            "tok = build_tokenizer('ByteLevelTokenizer')\n"
+            "print(tok.vocab_size, tok.eod, 'transformers' in sys.modules)\n"
+            "print(tok.tokenize('ab'), tok.core.eod)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=REPO, PYTHONWARNINGS="ignore"),
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines()[-2:] == ["257 256 False", "[97, 98] 256"], out.stdout
+
+    class ShiftedIds:  # a megatron.core that placed <eod> elsewhere
+        @staticmethod
+        def from_pretrained(**kwargs):
+            return type("Core", (), {"vocab_size": 258, "eod": 257, "_tokenizer": type(
+                "Lib", (), {"token_to_id": staticmethod(lambda t: 257)})()})()
+
+    monkeypatch.setattr(tokenizer_module, "_core_tokenizer_class", lambda: ShiftedIds)
+    tok = build_tokenizer("ByteLevelTokenizer")
+    with pytest.raises(RuntimeError, match="assigned unexpected ids"):
+        tok.tokenize("a")
 
 
 def test_byte_level_default_type():
