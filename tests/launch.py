@@ -58,3 +58,13 @@ def run_ranks(nproc: int, args: Sequence[str], script: str = "pretrain_gpt_moe.p
 def describe(results: List[RankResult]) -> str:
     """All ranks' output, for assertion messages."""
     return "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-4000:]}" for r in results)
+
+
+def fresh_python(code: str, timeout: float = 120) -> List[str]:
+    """Run ``code`` in a new interpreter with the repository on its path (what a rank
+    imports, without this test process's modules); its stdout lines. Fails on an error."""
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=REPO, PYTHONWARNINGS="ignore"),
+                         timeout=timeout)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.splitlines()

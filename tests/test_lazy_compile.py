@@ -1,14 +1,10 @@
 """megatron.lazy_compile: torch.compile deferred to a function's first call."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from megatron import lazy_compile
-from tests.launch import REPO
+from tests.launch import fresh_python
 
 
 @pytest.fixture
@@ -72,8 +68,4 @@ def test_importing_megatron_core_and_deepspeed_muon_loads_no_compiler():
         "import deepspeed.runtime.zero.muon.original_muon as m\n"
         "print('inductor' if 'torch._inductor.compile_fx' in sys.modules else 'none',\n"
         "      callable(m.muon_update))\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=REPO, PYTHONWARNINGS="ignore"),
-                         timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split()[-2:] == ["none", "True"], out.stdout
+    assert fresh_python(code)[-1].split() == ["none", "True"]

@@ -2,7 +2,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -16,6 +15,7 @@ if REPO not in sys.path:
 import megatron.data.tokenizer as tokenizer_module  # noqa: E402
 from megatron.data.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 from megatron.training.errors import ConfigError  # noqa: E402
+from tests.launch import fresh_python  # noqa: E402
 
 TEXTS = [
     "Hello, world!",
@@ -66,11 +66,7 @@ def test_byte_level_builds_its_library_tokenizer_on_first_use(monkeypatch):
             "tok = build_tokenizer('ByteLevelTokenizer')\n"
             "print(tok.vocab_size, tok.eod, 'transformers' in sys.modules)\n"
             "print(tok.tokenize('ab'), tok.core.eod)\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=REPO, PYTHONWARNINGS="ignore"),
-                         timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.splitlines()[-2:] == ["257 256 False", "[97, 98] 256"], out.stdout
+    assert fresh_python(code)[-2:] == ["257 256 False", "[97, 98] 256"]
 
     class ShiftedIds:  # a megatron.core that placed <eod> elsewhere
         @staticmethod
