@@ -119,6 +119,7 @@ def hand_over(directory: str, job: Dict[str, Any], patience_s: float = 600.0,
             job may be in its queue, so the caller must fail this persist, not write it.
     """
     deadline = time.monotonic() + patience_s
+    delay = 0.05
     while True:
         try:
             request(directory, {"op": "persist", "job": job}, timeout_s=timeout_s)
@@ -129,6 +130,10 @@ def hand_over(directory: str, job: Dict[str, Any], patience_s: float = 600.0,
             if time.monotonic() >= deadline:
                 raise KeeperError(f"the keeper of {directory} still listens but took no "
                                   f"request within {patience_s:.0f} s ({e})") from None
+        # A request failing fast (a full backlog) would otherwise spin for patience_s,
+        # taking the GIL from the training step.
+        time.sleep(delay)
+        delay = min(1.0, delay * 2)
 
 
 PROCESS_TOKEN = uuid.uuid4().hex[:12]
@@ -205,15 +210,20 @@ def ensure_keeper(directory: str, idle_timeout_s: float = 600.0,
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _lock_node(directory: str):
-    """The node directory's lock file, open and exclusively locked. Retried when the
-    file was replaced while this process waited (an exiting keeper deleted the
-    directory): a lock on the deleted file would exclude nobody who comes later."""
+def _lock_node(directory: str, wait: bool = True):
+    """The node directory's lock file, open and exclusively locked (None: another
+    process holds it and ``wait`` is False). Retried when the file was replaced while
+    this process waited (an exiting keeper deleted the directory): a lock on the
+    deleted file would exclude nobody who comes later."""
     while True:
         os.makedirs(directory, exist_ok=True)
         path = os.path.join(directory, LOCK_NAME)
         lock = open(path, "a")
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            return None
         try:
             if os.fstat(lock.fileno()).st_ino == os.stat(path).st_ino:
                 return lock
@@ -669,8 +679,15 @@ def _leave(keeper: Keeper, directory: str, server: socket.socket, reason: str) -
     process attaching takes it too (and registers under it), so the keeper neither
     leaves a process that has just attached nor deletes a new keeper's files. Returns
     False (serve on) when a process registered that this exit would strand: any, for an
-    idle exit; one that is not of the job that asked, for a requested shutdown."""
-    lock = _lock_node(directory)
+    idle exit; one that is not of the job that asked, for a requested shutdown; and
+    when the lock is held: a process attaching holds it while it waits for this thread
+    to answer its ping, so waiting for it here would stall both until its start
+    timeout."""
+    lock = _lock_node(directory, wait=False)
+    if lock is None:
+        _log(directory, f"not exiting ({reason}): a training process is attaching")
+        keeper.last_client_seen = time.monotonic()
+        return False
     with lock:
         try:
             newcomers = keeper.clients_since_stop() if keeper.stop.is_set() else \

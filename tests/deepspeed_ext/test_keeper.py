@@ -1,10 +1,12 @@
 """The keeper's start-up rule: one keeper per node directory, even when it answers slowly."""
 
+import fcntl
 import json
 import os
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -190,8 +192,6 @@ def test_a_keeper_that_listens_but_never_answers_fails_the_hand_over(tmp_path):
 def test_job_ids_repeat_for_retries_but_not_across_processes(tmp_path):
     """A restarted attempt saving a tag (or taking a frame) again: the keeper that
     outlived the first attempt must queue its job, not drop it as a retry."""
-    import subprocess
-    import sys
     ours = keeper.job_id("global_step150", 3)
     assert keeper.job_id("global_step150", 3) == ours  # a retry of this process
     theirs = subprocess.run([sys.executable, "-c", "from deepspeed_ext import keeper; "
@@ -257,14 +257,39 @@ def test_attaching_retries_a_lock_file_deleted_while_it_waited(tmp_path):
     node = tmp_path / "node0"
     held = keeper._lock_node(str(node))
     got = []
-    waiter = threading.Thread(target=lambda: got.append(keeper._lock_node(str(node))))
+    waiter = threading.Thread(target=lambda: got.append(keeper._lock_node(str(node))),
+                              daemon=True)  # a rank stuck on the lock must not hold pytest
     waiter.start()
     time.sleep(0.3)
     shutil.rmtree(node)
-    import fcntl
     fcntl.flock(held, fcntl.LOCK_UN)
     held.close()
     waiter.join(10)
+    assert got, "the waiting rank never got the new lock"
     lock = got[0]
     assert os.fstat(lock.fileno()).st_ino == os.stat(node / keeper.LOCK_NAME).st_ino
     lock.close()
+
+
+def test_an_exiting_keeper_serves_on_while_a_process_attaches(tmp_path):
+    """A rank attaching holds the node's lock while it waits for the keeper to answer its
+    ping; a keeper deciding to exit then must not wait for that lock (it would answer no
+    one until the rank's start timeout, and the restart would fail)."""
+    from types import SimpleNamespace
+    node = tmp_path / "node0"
+    attaching = keeper._lock_node(str(node))
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    idle = SimpleNamespace(last_client_seen=0.0)
+    left = []
+    try:
+        leaving = threading.Thread(  # a daemon: a keeper stuck on the lock fails, not hangs
+            target=lambda: left.append(keeper._leave(idle, str(node), server, "idle")),
+            daemon=True)
+        leaving.start()
+        leaving.join(5)
+        assert left == [False], "the exiting keeper waited for the attaching process's lock"
+        assert node.is_dir() and server.fileno() != -1  # still serving
+        assert idle.last_client_seen > 0
+    finally:
+        server.close()
+        attaching.close()
