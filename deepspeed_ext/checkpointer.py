@@ -48,7 +48,7 @@ from deepspeed_ext.state import (ExpertNaming, LocalFragment, describe_local_sta
                                  set_loss_scaler_state, set_optimizer_scalars)
 
 
-def _check_shape(reader, frag: LocalFragment, load_dir: str, tag: str) -> None:
+def check_saved_shape(reader, frag: LocalFragment, load_dir: str, tag: str) -> None:
     """Refuse a tensor saved with another shape: reads go by flat element ranges, so a
     smaller model (say, another --ffn-hidden-size) would load the first elements of each
     saved tensor, laid out wrongly, without an error (the trainer's check of the saved
@@ -699,7 +699,7 @@ class MoCCheckpointer:
                                   check_structure=False, resolution=resolution) as reader, \
                     torch.no_grad():
                 for frag in fragments():
-                    _check_shape(reader, frag, load_dir, chosen)
+                    check_saved_shape(reader, frag, load_dir, chosen)
                     data = reader.read(frag.name, frag.kind, frag.offset, frag.length)
                     frag.tensor.copy_(data.to(device=frag.tensor.device, dtype=frag.tensor.dtype))
                 objects = reader.objects()

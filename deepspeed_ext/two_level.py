@@ -1130,7 +1130,11 @@ class TwoLevel:
             raise RuntimeError(f"no version of expert {frag.expert} ({key}) in memory or storage")
         counts["storage"] += 1
         versions[tuple(frag.expert)] = stored
-        return None, storage.reader().read(frag.name, frag.kind, frag.offset, frag.length)
+        from deepspeed_ext.checkpointer import check_saved_shape
+        reader = storage.reader()
+        # Reads go by element range: a tensor of another shape would load silently.
+        check_saved_shape(reader, frag, storage.load_dir, storage.tag)
+        return None, reader.read(frag.name, frag.kind, frag.offset, frag.length)
 
     def _image(self, meta) -> SlotImage:
         slot = meta["_slot"]
