@@ -6,6 +6,7 @@ Examples::
     moc-ckpt verify   checkpoints/ [--tag T]       # exit 1 on any problem
     moc-ckpt consolidate checkpoints/ --out model.safetensors [--optimizer]
     moc-ckpt densify  checkpoints/ --out dense/    # exact-mode frames -> a checkpoint
+    moc-ckpt densify  checkpoints/ --out dense/ -- --config my.yaml --data-path ...
 
 Exit status: 0 fine, 1 a checkpoint has problems (verify, consolidate), 2 bad input
 (missing directory, unknown tag, bad arguments).
@@ -14,7 +15,9 @@ Exit status: 0 fine, 1 a checkpoint has problems (verify, consolidate), 2 bad in
 import argparse
 import os
 import re
+import shlex
 import shutil
+import subprocess
 import sys
 import tempfile
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -238,6 +241,220 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------- densify
 
+ENTRY_POINT = "pretrain_gpt_moe.py"
+"""The training script densify replays with: this project's own, beside ``deepspeed_ext/``
+(never one a checkpoint names)."""
+
+_ENTRY_POINT_NAMES = (ENTRY_POINT, "moc-pretrain")
+"""What a frame marker's recorded command may start with (dropped, never run): this
+project's entry point, as a script or as its console script."""
+
+MAX_RECORDED_TOKENS = 4096
+MAX_TOKEN_CHARS = 4096
+"""Bounds of a frame marker's recorded command (and of each of its words)."""
+
+MAX_CONFIG_BYTES = 1 << 20
+"""The largest ``--config`` YAML file densify reads from a recorded command."""
+
+_DENSIFY_SETS = {"load": "--load", "save": "--save", "moc_shm_dir": "--moc-shm-dir",
+                 "exit_interval": "--exit-interval"}
+"""Flags (by destination) densify sets itself: removed from the recorded ones."""
+
+_NOT_REPLAYED = ("moc_fault", "moc_fault_mtbf", "moc_fault_seed", "local_rank")
+"""Recorded flags densify leaves out: fault injection (a fault would fire again in the
+replay) and the launcher's rank."""
+
+_REFUSED = {"deepspeed_config": "a DeepSpeed config reaches DeepSpeed unchecked and can make "
+                                "it import the Python modules it names"}
+"""Recorded flags (by destination) that name code or what loads code: never taken from a
+checkpoint, only from the user (after ``--``)."""
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_NUMBER = re.compile(r"^-\.?\d")
+
+
+def _entry_point() -> str:
+    """This project's ``pretrain_gpt_moe.py``: beside the ``deepspeed_ext`` package, in
+    the repository or where pip installed both."""
+    import deepspeed_ext
+    root = os.path.dirname(os.path.dirname(os.path.abspath(deepspeed_ext.__file__)))
+    path = os.path.join(root, ENTRY_POINT)
+    if not os.path.isfile(path):
+        raise UsageError(f"cannot find this project's {ENTRY_POINT} in {root} (beside "
+                         f"deepspeed_ext/), which densify replays the frames with; "
+                         f"reinstall MoC (pip install -e . in its repository)")
+    return path
+
+
+def _training_parser() -> argparse.ArgumentParser:
+    from megatron.training.arguments import build_parser
+    return build_parser()
+
+
+def _long_options(parser: argparse.ArgumentParser) -> Dict[str, argparse.Action]:
+    """The ``--flag`` names of the training parser (not --help), to their action."""
+    return {opt: action for action in parser._actions
+            if not isinstance(action, argparse._HelpAction)
+            for opt in action.option_strings if opt.startswith("--")}
+
+
+def _check_word(word: str, where: str) -> None:
+    if _CONTROL.search(word):
+        raise UsageError(f"{where}: {word!r} holds a control character")
+    if len(word) > MAX_TOKEN_CHARS:
+        raise UsageError(f"{where}: a word of {len(word)} characters (at most "
+                         f"{MAX_TOKEN_CHARS})")
+
+
+def _recorded(record: object, marker: str) -> Tuple[List[str], Optional[str]]:
+    """The recorded command and working directory of a frame marker, type-checked.
+
+    Raises:
+        UsageError: naming ``marker``, when either is missing or malformed.
+    """
+    if not isinstance(record, dict):
+        raise UsageError(f"{marker} is not a frame marker (a JSON object)")
+    command, cwd = record.get("command"), record.get("cwd")
+    if not command:
+        raise UsageError(f"{marker} does not record the training command (frames written "
+                         f"by {ENTRY_POINT} do)")
+    if not isinstance(command, list) or not all(isinstance(w, str) for w in command):
+        raise UsageError(f"{marker}: the recorded \"command\" is not a list of strings")
+    if len(command) > MAX_RECORDED_TOKENS:
+        raise UsageError(f"{marker}: the recorded \"command\" has {len(command)} words "
+                         f"(at most {MAX_RECORDED_TOKENS})")
+    for word in command:
+        _check_word(word, f"{marker}: the recorded \"command\"")
+    if cwd is not None:
+        if not isinstance(cwd, str):
+            raise UsageError(f"{marker}: the recorded \"cwd\" is not a string")
+        _check_word(cwd, f"{marker}: the recorded \"cwd\"")
+    return command, cwd
+
+
+def _flag_groups(words: Sequence[str], options: Dict[str, argparse.Action],
+                 where: str) -> List[Tuple[str, argparse.Action, List[str]]]:
+    """``words`` (flags only) as (flag word, its action, its values), checked: every flag
+    a ``--flag`` of the training parser, every value a plain string."""
+    groups: List[Tuple[str, argparse.Action, List[str]]] = []
+    for word in words:
+        if word.startswith("--"):
+            name, eq, value = word.partition("=")
+            action = options.get(name)
+            if action is None:
+                raise UsageError(f"{where}: unknown flag {name!r} ({ENTRY_POINT} has no "
+                                 f"such flag)")
+            groups.append((word, action, [value] if eq else []))
+        elif not groups:
+            raise UsageError(f"{where}: {word!r} where a flag should be")
+        elif word.startswith("-") and not _NUMBER.match(word):
+            raise UsageError(f"{where}: {groups[-1][1].option_strings[0]} has the value "
+                             f"{word!r}, which is no plain value")
+        else:
+            groups[-1][2].append(word)
+    for word, action, values in groups:
+        if action.nargs == 0 and values:
+            raise UsageError(f"{where}: {word.partition('=')[0]} takes no value, but has "
+                             f"{values[0]!r}")
+    return groups
+
+
+def _stored_flags(command: List[str], marker: str) -> Tuple[List[str], List[str]]:
+    """The training flags of a recorded command, to replay with this project's entry
+    point: the leading script dropped, every ``--config`` file replaced by the flags it
+    stands for (read and checked now, not by the replay), densify's own flags removed.
+
+    Returns:
+        (the flags, the names of recorded flags left out that the user should know of).
+
+    Raises:
+        UsageError: naming the flag and the file it came from, for anything that is not
+            a known flag with plain values, a flag that names code, or a command that
+            starts with something other than this project's entry point.
+    """
+    from megatron.training.arguments import yaml_to_argv
+    from megatron.training.errors import ConfigError
+    where = f"the command recorded in {marker}"
+    first = next((i for i, w in enumerate(command) if w.startswith("--")), len(command))
+    lead = command[:first]
+    if not (lead == [] or (len(lead) == 1 and os.path.basename(lead[0]) in _ENTRY_POINT_NAMES)
+            or lead == ["-m", ENTRY_POINT[:-len(".py")]]):
+        raise UsageError(f"{where} starts with {' '.join(map(repr, lead))}, not this "
+                         f"project's {ENTRY_POINT}")
+    parser = _training_parser()
+    options = _long_options(parser)
+    from_files: List[str] = []
+    flags: List[str] = []
+    left_out: List[str] = []
+
+    def keep(groups, source: str, out: List[str]) -> None:
+        for word, action, values in groups:
+            name = word.partition("=")[0]
+            if action.dest in _REFUSED:
+                raise UsageError(f"{source}: {name}: {_REFUSED[action.dest]}, so densify "
+                                 f"does not take it from a checkpoint")
+            if action.dest in _DENSIFY_SETS:
+                continue
+            if action.dest in _NOT_REPLAYED:
+                left_out.append(name)
+                continue
+            out += [word, *values]
+
+    groups = _flag_groups(command[first:], options, where)
+    for word, action, values in groups:
+        if action.dest != "config":
+            continue
+        if len(values) != 1:
+            raise UsageError(f"{where}: --config takes one file, got {len(values)}")
+        path = values[0]
+        try:
+            if not os.path.isfile(path):  # not a device or a pipe that never ends
+                raise ConfigError("not a file")
+            if os.path.getsize(path) > MAX_CONFIG_BYTES:
+                raise ConfigError(f"larger than {MAX_CONFIG_BYTES} bytes")
+            file_argv = yaml_to_argv(path, parser)
+        except (ConfigError, OSError, UnicodeDecodeError, RecursionError) as err:
+            hint = ("" if os.path.isabs(path) else
+                    f" (a relative path, resolved from the current directory {os.getcwd()})")
+            raise UsageError(f"--config {path}{hint}, recorded in {marker}: {err}") from None
+        source = f"{path} (--config recorded in {marker})"
+        for file_word in file_argv:
+            _check_word(file_word, source)
+        keep(_flag_groups(file_argv, options, source), source, from_files)
+    keep([g for g in groups if g[1].dest != "config"], where, flags)
+    # As pretrain_gpt_moe.py parses them: the files' flags first, the command's win.
+    flags = from_files + flags
+    if len(flags) > MAX_RECORDED_TOKENS:
+        raise UsageError(f"{where}: {len(flags)} words with its --config files (at most "
+                         f"{MAX_RECORDED_TOKENS})")
+    return flags, sorted(set(left_out))
+
+
+def _user_flags(words: List[str]) -> List[str]:
+    """The training flags given after ``--`` (the user vouches for them), checked only
+    for what densify sets itself."""
+    if not words:
+        raise UsageError("nothing after --: give the training flags there, or leave -- out "
+                         "to replay with the flags the frames record")
+    options = _long_options(_training_parser())
+    for word in words:
+        if "\x00" in word:
+            raise UsageError(f"after --: {word!r} holds a NUL character")
+        action = options.get(word.partition("=")[0]) if word.startswith("--") else None
+        if action is not None and action.dest in _DENSIFY_SETS:
+            raise UsageError(f"after --: densify sets {', '.join(_DENSIFY_SETS.values())} "
+                             f"itself (--out is the replay's --save); leave "
+                             f"{word.partition('=')[0]} out")
+    return list(words)
+
+
+def _count_files(path: str) -> int:
+    try:
+        return len(os.listdir(path))
+    except OSError:
+        return 0
+
+
 def _frames_world_size(save_dir: str) -> Optional[int]:
     """The world size the newest readable frame marker under ``save_dir`` records. Any
     rank's will do: after a crash the newest frame often lacks rank 0's marker (its
@@ -251,23 +468,41 @@ def _frames_world_size(save_dir: str) -> Optional[int]:
         for name in names:
             m = re.match(r"^rank(\d{5,})\.json$", name)
             record = exact.read_marker(save_dir, frame, int(m.group(1))) if m else None
-            if record is not None and "world_size" in record:
-                return int(record["world_size"])
+            if isinstance(record, dict) and "world_size" in record:
+                size = record["world_size"]
+                where = os.path.join(exact.frame_dir(save_dir, frame), name)
+                if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                    raise UsageError(f"{where}: world_size {size!r} is not a positive integer")
+                if size > len(names):  # a window needs every rank's marker in each frame
+                    most = max(_count_files(exact.frame_dir(save_dir, f))
+                               for f in exact.list_frames(save_dir))
+                    if size > most:
+                        raise UsageError(f"{where}: world_size {size}, but no frame holds "
+                                         f"more than {most} files: no window is complete")
+                return size
     return None
 
 
 def cmd_densify(args: argparse.Namespace) -> int:
-    """Replay the newest complete window of exact-mode frames under ``args.dir`` with the
-    training command that took them, on one machine, and leave the dense state at the
-    window's end as a checkpoint in ``args.out``."""
-    import subprocess
+    """Replay the newest complete window of exact-mode frames under ``args.dir`` on one
+    machine, and leave the dense state at the window's end as a checkpoint in
+    ``args.out``.
+
+    The replay runs this project's own ``pretrain_gpt_moe.py`` with the training flags
+    given after ``--``, or else with the flags the frames record, checked (see
+    :func:`_stored_flags`): nothing a checkpoint records is run, or used as a working
+    directory."""
     from deepspeed_ext import exact
     _check_dir(args.dir)
     world_size = _frames_world_size(args.dir)
     if world_size is None:
         raise UsageError(f"{os.path.join(args.dir, exact.EXACT_DIR)} holds no frames "
                          f"(was the run trained with --moc-mode exact?)")
-    found = exact.find_window(args.dir, world_size)
+    try:
+        found = exact.find_window(args.dir, world_size)
+    except (AttributeError, KeyError, TypeError, ValueError) as err:
+        raise UsageError(f"{os.path.join(args.dir, exact.EXACT_DIR)}: malformed frame "
+                         f"markers ({type(err).__name__}: {err})") from None
     if found is None:
         raise UsageError(f"{args.dir}: no window of frames is complete on storage")
     end = found.start + found.window
@@ -276,11 +511,29 @@ def cmd_densify(args: argparse.Namespace) -> int:
             int(latest[len("global_step"):]) >= end:
         raise UsageError(f"{args.dir} already has checkpoint {latest}, at or after the "
                          f"frames' end (iteration {end}): nothing to densify")
-    record = exact.read_marker(args.dir, found.start, 0)
-    command = record.get("command")
-    if not command:
-        raise UsageError(f"frame {found.start} does not record the training command; "
-                         f"densify needs frames written by pretrain_gpt_moe.py")
+    script = _entry_point()
+    if args.train_args is not None:
+        flags, source = _user_flags(args.train_args), "given after --"
+    else:
+        marker = os.path.join(exact.frame_dir(args.dir, found.start), "rank00000.json")
+        try:
+            command, cwd = _recorded(exact.read_marker(args.dir, found.start, 0), marker)
+            flags, left_out = _stored_flags(command, marker)
+        except UsageError as err:
+            raise UsageError(f"{err}. densify runs nothing a checkpoint names and takes "
+                             f"only known flags with plain values from it: give the "
+                             f"training flags after -- instead (moc-ckpt densify DIR "
+                             f"--out OUT -- FLAGS...), if you trust them") from None
+        source = f"recorded in {marker}"
+        if left_out:
+            _stderr(f"note: leaving out the recorded {', '.join(left_out)} (the replay "
+                    f"injects no faults, and the launcher numbers its own ranks)")
+        if cwd is not None and os.path.realpath(cwd) != os.path.realpath(os.getcwd()):
+            _stderr(f"note: the run's working directory was {cwd}; the replay runs in the "
+                    f"current directory {os.getcwd()}, and relative paths in the recorded "
+                    f"flags (--data-path, --config, ...) resolve from here. Run densify "
+                    f"from the run's directory, or give the training flags yourself: "
+                    f"moc-ckpt densify DIR --out OUT -- FLAGS...")
     if os.path.exists(args.out) and os.listdir(args.out):
         raise UsageError(f"--out {args.out} is not empty")
     # Memory of its own: with the run's --moc-shm-dir the replay would attach to that
@@ -288,16 +541,20 @@ def cmd_densify(args: argparse.Namespace) -> int:
     # delete that memory at its end while the job may still be restarting.
     shm = tempfile.mkdtemp(prefix="moc-densify-",
                            dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", str(found.world_size), *command,
+    # -P: the launcher does not import from the current directory (which may be the
+    # checkpoint's); the workers import from the script's directory, this project's.
+    safe_path = ["-P"] if sys.version_info >= (3, 11) else []
+    cmd = [sys.executable, *safe_path, "-m", "torch.distributed.run", "--standalone",
+           "--nproc-per-node", str(found.world_size), script, *flags,
            "--load", os.path.abspath(args.dir), "--save", os.path.abspath(args.out),
            "--moc-shm-dir", shm, "--exit-interval", str(end)]
     print(f"replaying iterations {found.start + 1}..{end} of {args.dir} on "
-          f"{found.world_size} local processes:\n  {' '.join(cmd)}", flush=True)
+          f"{found.world_size} local processes, training flags {source}:\n"
+          f"  {shlex.join(cmd)}", flush=True)
     try:
         if args.dry_run:
             return 0
-        code = subprocess.call(cmd, cwd=record.get("cwd") or None)  # its relative paths
+        code = subprocess.call(cmd)  # in the current directory, never the recorded one
     finally:
         shutil.rmtree(shm, ignore_errors=True)
     tag = f"global_step{end}"
@@ -335,22 +592,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", action="store_true",
                    help="also write every other kind (exp_avg, exp_avg_sq) as '<name>.<kind>'")
     p.set_defaults(func=cmd_consolidate)
-    p = sub.add_parser("densify", help="replay exact-mode frames into a checkpoint at the "
-                                       "end of their newest complete window")
+    p = sub.add_parser(
+        "densify", help="replay exact-mode frames into a checkpoint at the end of their "
+                        "newest complete window",
+        usage="moc-ckpt densify [-h] dir --out OUT [--dry-run] [-- TRAINING FLAGS...]",
+        description="Replay the newest complete window of exact-mode frames with this "
+                    "project's pretrain_gpt_moe.py, on one machine, into a checkpoint at "
+                    "the window's end. The training flags are those given after --, or "
+                    "else those the frames record, checked: only flags pretrain_gpt_moe.py "
+                    "knows, with plain values (a recorded --config file is read and "
+                    "checked too). Nothing a checkpoint records is run. densify sets "
+                    "--load, --save, --moc-shm-dir and --exit-interval itself.")
     p.add_argument("dir", help="the run's --save directory (holds exact/)")
     p.add_argument("--out", required=True, help="new directory for the checkpoint")
-    p.add_argument("--dry-run", action="store_true", help="print the replay command only")
-    p.set_defaults(func=cmd_densify)
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the replay command, run nothing")
+    p.set_defaults(func=cmd_densify, train_args=None)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Command-line entry point; returns the exit status (0 ok, 1 problems, 2 bad input)."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    train_args = None
+    if argv[:1] == ["densify"] and "--" in argv:  # densify DIR --out OUT -- FLAGS...
+        split = argv.index("--")
+        argv, train_args = argv[:split], argv[split + 1:]
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # argparse already printed the usage error
         return exit_.code if isinstance(exit_.code, int) else 2
+    if train_args is not None:
+        args.train_args = train_args
     try:
         return args.func(args)
     except UsageError as err:

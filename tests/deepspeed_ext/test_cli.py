@@ -159,3 +159,252 @@ def test_densify_finds_the_window_behind_a_frame_rank_0_has_not_written(tmp_path
     shm = command[len(command) - 1 - command[::-1].index("--moc-shm-dir") + 1]
     assert shm != "/dev/shm/the-runs-own" and "moc-densify-" in shm  # the last one wins
     assert not os.path.exists(shm)  # removed again
+
+
+# ----------------------------------------------------------------- densify: what it runs
+
+RUN_CWD = "/the/runs/own/dir"
+
+
+def _frames(save, command, cwd=RUN_CWD, world=2, frames=3):
+    """A complete window [0..frames-1] of exact-mode frame markers (no tensors: densify
+    reads the markers only before the replay), each recording ``command`` and ``cwd``."""
+    import json
+    from deepspeed_ext import exact as ex
+    for frame in range(frames):
+        os.makedirs(ex.frame_dir(str(save), frame), exist_ok=True)
+        for rank in range(world):
+            record = {"window_start": 0, "window": frames,
+                      "groups": [[f"op{g}"] for g in range(frames)], "world_size": world,
+                      "layout": {}, "cwd": cwd, "command": command}
+            with open(os.path.join(ex.frame_dir(str(save), frame), f"rank{rank:05d}.json"),
+                      "w") as f:
+                json.dump(record, f)
+    return os.path.join(ex.frame_dir(str(save), 0), "rank00000.json")
+
+
+@pytest.fixture
+def replays(monkeypatch, tmp_path):
+    """The replay's subprocess.call, recorded instead of run (it writes the checkpoint's
+    'latest' as a successful replay would); the test runs in a fresh directory."""
+    import subprocess
+    calls = []
+
+    def call(cmd, **kwargs):
+        calls.append((list(cmd), kwargs))
+        save = cmd[len(cmd) - 1 - cmd[::-1].index("--save") + 1]
+        end = cmd[len(cmd) - 1 - cmd[::-1].index("--exit-interval") + 1]
+        os.makedirs(save, exist_ok=True)
+        with open(os.path.join(save, "latest"), "w") as f:
+            f.write(f"global_step{end}")
+        return 0
+    monkeypatch.setattr(subprocess, "call", call)
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    return calls
+
+
+def _printed_command(out):
+    import shlex
+    return shlex.split(out.split("\n  ", 1)[1].splitlines()[0])
+
+
+def _script_and_flags(cmd):
+    """The script torchrun runs and its flags (after --nproc-per-node N)."""
+    at = cmd.index("--nproc-per-node") + 2
+    return cmd[at], cmd[at + 1:]
+
+
+@pytest.mark.parametrize("command, problem", [
+    (["-c", "import os; open('PWNED', 'w').close()"], "starts with '-c'"),
+    ([os.path.join("{tmp}", "evil.py"), "--num-layers", "2"], "evil.py"),
+    (["-m", "evil", "--num-layers", "2"], "starts with '-m' 'evil'"),
+    (["pretrain_gpt_moe.py", "--deepspeed_config", os.path.join("{tmp}", "ds.json")],
+     "--deepspeed_config"),
+    (["pretrain_gpt_moe.py", "--config", os.path.join("{tmp}", "evil.yaml")],
+     "--deepspeed-config"),
+    (["pretrain_gpt_moe.py", "--num-layers", "2", "--no-such-flag", "1"], "'--no-such-flag'"),
+    (["pretrain_gpt_moe.py", "--help"], "'--help'"),
+    (["pretrain_gpt_moe.py", "--bf16", "x.py"], "--bf16 takes no value"),
+    (["pretrain_gpt_moe.py", "--data-path", "-c"], "no plain value"),
+])
+def test_densify_runs_nothing_a_checkpoint_names(tmp_path, replays, capsys, command, problem):
+    """A frame marker's recorded command is data: densify never runs its script, module,
+    interpreter options or a flag that names code; it exits 2 naming the problem, with
+    --dry-run or without."""
+    evil = tmp_path / "evil.py"
+    evil.write_text("open(%r, 'w').close()\n" % str(tmp_path / "PWNED"))
+    (tmp_path / "ds.json").write_text('{"torch_autocast": {"enabled": true, '
+                                      '"lower_precision_safe_modules": ["evil.Module"]}}')
+    (tmp_path / "evil.yaml").write_text("num-layers: 2\ndeepspeed-config: ds.json\n")
+    command = [w.replace("{tmp}", str(tmp_path)) for w in command]
+    marker = _frames(tmp_path / "ckpt", command, cwd=str(tmp_path))
+    for dry in (["--dry-run"], []):
+        argv = ["densify", str(tmp_path / "ckpt"), "--out", str(tmp_path / "dense"), *dry]
+        assert cli.main(argv) == 2, (command, dry)
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and problem in err and marker in err, err
+        assert "after --" in err, err  # how to give the flags instead
+    assert replays == []
+    assert not (tmp_path / "PWNED").exists() and not os.path.exists("PWNED")
+    assert not (tmp_path / "dense").exists()
+
+
+def test_densify_never_runs_a_planted_script_for_real(tmp_path, monkeypatch, capsys):
+    """The same without a stand-in for the replay: the planted script must not run."""
+    evil = tmp_path / "evil.py"
+    evil.write_text("open(%r, 'w').close()\n" % str(tmp_path / "PWNED"))
+    _frames(tmp_path / "ckpt", [str(evil), "--num-layers", "2"], cwd=str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["densify", str(tmp_path / "ckpt"), "--out", str(tmp_path / "dense")]) == 2
+    assert "evil.py" in capsys.readouterr().err
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_densify_replays_with_the_projects_entry_point_in_the_current_directory(
+        tmp_path, replays, capsys):
+    """The recorded script (wherever it was) is replaced by this project's
+    pretrain_gpt_moe.py; the recorded cwd is never the replay's working directory (a
+    note says relative paths now resolve from the current one); densify's own flags and
+    fault injection are left out of the recorded ones."""
+    from tests.launch import REPO
+    project = os.path.join(REPO, "pretrain_gpt_moe.py")
+    recorded = ["/elsewhere/pretrain_gpt_moe.py", "--num-layers", "2", "--data-path",
+                "data/corpus", "--moc-fault", "crash@9:rank=1", "--save", "/orig/ckpt",
+                "--load=/orig/ckpt", "--exit-interval", "99", "--moc-shm-dir", "/dev/shm/run",
+                "--lr", "-1e-3", "--bf16"]
+    _frames(tmp_path / "ckpt", recorded)
+    out_dir = str(tmp_path / "dense")
+    assert cli.main(["densify", str(tmp_path / "ckpt"), "--out", out_dir, "--dry-run"]) == 0
+    captured = capsys.readouterr()
+    cmd = _printed_command(captured.out)
+    script, flags = _script_and_flags(cmd)
+    assert script == project and os.path.isfile(script)
+    assert "/elsewhere" not in captured.out and RUN_CWD not in captured.out
+    assert cmd[:2] == [sys.executable, "-P"] or cmd[:2] == [sys.executable, "-m"]
+    assert flags[:8] == ["--num-layers", "2", "--data-path", "data/corpus", "--lr", "-1e-3",
+                         "--bf16", "--load"]
+    assert flags.count("--save") == 1 and flags[flags.index("--save") + 1] == out_dir
+    assert flags[flags.index("--exit-interval") + 1] == "3"
+    assert "--moc-fault" not in flags and "crash@9:rank=1" not in flags
+    assert f"note: the run's working directory was {RUN_CWD}" in captured.err
+    assert "-- FLAGS" in captured.err
+    assert replays == []  # a dry run runs nothing
+    # The real thing (stand-in replay): the same command, in the current directory.
+    assert cli.main(["densify", str(tmp_path / "ckpt"), "--out", out_dir]) == 0
+    (ran, kwargs), = replays
+    assert kwargs.get("cwd") is None
+    assert _script_and_flags(ran)[0] == project
+    assert not os.path.exists("PWNED")
+
+
+def test_densify_reads_a_recorded_config_file_itself(tmp_path, replays, capsys):
+    """A recorded --config is read and checked by densify, and replaced by the flags it
+    stands for (the file's first, so the command's still win): the replay reads no file
+    that could change after the check."""
+    config = tmp_path / "run.yaml"
+    config.write_text("num-layers: 2\nlr: 0.5\nsave: /orig/ckpt\nmoc:\n  window: 3\n")
+    _frames(tmp_path / "ckpt", ["pretrain_gpt_moe.py", "--config", str(config), "--lr", "0.1"],
+            cwd=os.getcwd())
+    assert cli.main(["densify", str(tmp_path / "ckpt"), "--out", str(tmp_path / "d"),
+                     "--dry-run"]) == 0
+    captured = capsys.readouterr()
+    _, flags = _script_and_flags(_printed_command(captured.out))
+    assert flags[:8] == ["--num-layers", "2", "--lr", "0.5", "--moc-window", "3", "--lr", "0.1"]
+    assert "--config" not in flags and flags.count("--save") == 1
+    assert "note:" not in captured.err  # run from the recorded directory: no note
+    # A recorded config that cannot be read (relative to the current directory now).
+    _frames(tmp_path / "ckpt2", ["pretrain_gpt_moe.py", "--config", "configs/nope.yaml"])
+    assert cli.main(["densify", str(tmp_path / "ckpt2"), "--out", str(tmp_path / "d"),
+                     "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "configs/nope.yaml" in err and "current directory" in err and "after --" in err
+    _frames(tmp_path / "ckpt3", ["pretrain_gpt_moe.py", "--config", "/dev/zero"])
+    assert cli.main(["densify", str(tmp_path / "ckpt3"), "--out", str(tmp_path / "d"),
+                     "--dry-run"]) == 2  # not read forever
+    assert "--config /dev/zero" in capsys.readouterr().err
+
+
+def test_densify_uses_the_flags_given_after_double_dash(tmp_path, replays, capsys):
+    """``densify DIR --out OUT -- FLAGS...``: the user's flags replace the recorded ones
+    (even a recorded command densify would refuse), after this project's script."""
+    _frames(tmp_path / "ckpt", ["/tmp/evil.py", "--num-layers", "7"])
+    mine = ["--config", "configs/tiny.yaml", "--data-path", "/data/corpus", "--seed=3"]
+    base = ["densify", str(tmp_path / "ckpt"), "--out", str(tmp_path / "dense")]
+    assert cli.main(base + ["--dry-run", "--"] + mine) == 0
+    captured = capsys.readouterr()
+    script, flags = _script_and_flags(_printed_command(captured.out))
+    assert os.path.basename(script) == "pretrain_gpt_moe.py" and script == cli._entry_point()
+    assert flags[:len(mine)] == mine and "7" not in flags and "evil" not in captured.out
+    assert "given after --" in captured.out and "note:" not in captured.err
+    assert cli.main(base + ["--"] + mine) == 0
+    (ran, kwargs), = replays
+    assert _script_and_flags(ran)[1][:len(mine)] == mine and kwargs.get("cwd") is None
+    # What densify sets itself, and an empty --, are refused.
+    for bad in (["--save", "/x"], ["--load=/x"], ["--moc-shm-dir", "/dev/shm/x"], []):
+        assert cli.main(base + ["--dry-run", "--"] + bad) == 2, bad
+        assert capsys.readouterr().err.startswith("error: ")
+    assert len(replays) == 1
+
+
+def _write_marker(path, record):
+    import json
+    with open(path, "w") as f:
+        json.dump(record, f)
+
+
+@pytest.mark.parametrize("case", ["dict", "string", "huge", "not-str", "long-word", "nul",
+                                  "escape", "cwd-number", "record-list", "world-size-list"])
+def test_densify_refuses_a_malformed_marker_without_a_traceback(tmp_path, replays, capsys,
+                                                                case):
+    command = ["pretrain_gpt_moe.py", "--num-layers", "2"]
+    record_command, cwd = {
+        "dict": ({"script": "evil.py"}, RUN_CWD),
+        "string": ("python evil.py", RUN_CWD),
+        "huge": (["pretrain_gpt_moe.py"] + ["--bf16"] * 5000, RUN_CWD),
+        "not-str": (["pretrain_gpt_moe.py", "--num-layers", 2], RUN_CWD),
+        "long-word": (["pretrain_gpt_moe.py", "--data-path", "x" * 5000], RUN_CWD),
+        "nul": (["pretrain_gpt_moe.py", "--data-path", "a\x00b"], RUN_CWD),
+        "escape": (["pretrain_gpt_moe.py", "--data-path", "\x1b[2J"], RUN_CWD),
+        "cwd-number": (command, 5),
+    }.get(case, (command, RUN_CWD))
+    marker = _frames(tmp_path / "ckpt", record_command, cwd=cwd)
+    if case == "record-list":
+        _write_marker(marker, [command])
+    if case == "world-size-list":  # in the newest frame, where densify reads it first
+        newest = os.path.join(os.path.dirname(os.path.dirname(marker)), "frame00000002")
+        for name in os.listdir(newest):
+            _write_marker(os.path.join(newest, name), {"world_size": [2]})
+    for dry in (["--dry-run"], []):
+        assert cli.main(["densify", str(tmp_path / "ckpt"), "--out", str(tmp_path / "d"),
+                         *dry]) == 2, case
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and "Traceback" not in err, err
+    assert replays == []
+
+
+def test_densify_refuses_a_world_size_no_frame_can_complete(tmp_path, replays, capsys):
+    """A marker claiming a huge world is refused at once (not a search over a billion
+    ranks' markers, nor that many local processes)."""
+    marker = _frames(tmp_path / "ckpt", ["pretrain_gpt_moe.py", "--num-layers", "2"])
+    newest = os.path.join(os.path.dirname(os.path.dirname(marker)), "frame00000002")
+    _write_marker(os.path.join(newest, "rank00000.json"), {"world_size": 10 ** 9})
+    assert cli.main(["densify", str(tmp_path / "ckpt"), "--out", str(tmp_path / "d")]) == 2
+    err = capsys.readouterr().err
+    assert "world_size 1000000000" in err and "no window is complete" in err
+    assert replays == []
+
+
+def test_densify_needs_the_projects_own_entry_point(tmp_path, replays, capsys, monkeypatch):
+    import deepspeed_ext
+    _frames(tmp_path / "ckpt", ["pretrain_gpt_moe.py", "--num-layers", "2"])
+    monkeypatch.setattr(deepspeed_ext, "__file__",
+                        str(tmp_path / "site" / "deepspeed_ext" / "__init__.py"))
+    for extra in ([], ["--", "--num-layers", "2"]):
+        assert cli.main(["densify", str(tmp_path / "ckpt"), "--out", str(tmp_path / "d"),
+                         *extra]) == 2
+        err = capsys.readouterr().err
+        assert "cannot find this project's pretrain_gpt_moe.py" in err
+        assert str(tmp_path / "site") in err
+    assert replays == []
