@@ -36,7 +36,12 @@ class MoCConfig:
     """Persist every N-th snapshot to storage, with ``pec_k`` experts per MoE layer
     (``--moc-persist-interval``)."""
     shm_dir: str = ""
-    """The job's shared-memory directory (one ``nodeN/`` per node); required with two_level."""
+    """The job's shared-memory directory (one ``nodeN/`` per node); required with two_level.
+    Created private (mode 0700) or refused when another user could reach it."""
+    save_dir: str = ""
+    """The job's checkpoint directory (``--save``): keeps its run id, which binds the
+    shared memory to this job (:mod:`deepspeed_ext.job_identity`); empty: the job is
+    known by ``shm_dir`` alone."""
     ranks_per_node: int = 0
     """Ranks per node for keeper placement; 0: ``LOCAL_WORLD_SIZE`` (``--moc-ranks-per-node``
     simulates several nodes on one machine)."""
@@ -71,8 +76,8 @@ class MoCConfig:
                              "--moc-two-level (use wo)")
         if self.keep < 0:
             raise ValueError(f"--moc-keep must be >= 0 (0: keep all), got {self.keep}")
-        if not self.commit_timeout_s > 0:
-            raise ValueError(f"commit_timeout_s must be > 0, got {self.commit_timeout_s}")
+        if not 0 < self.commit_timeout_s < float("inf"):  # inf hung the shutdown barrier
+            raise ValueError(f"commit_timeout_s must be a finite number > 0, got {self.commit_timeout_s}")
         if self.k_snapshot < 0 or self.persist_interval < 1:
             raise ValueError("--moc-k-snapshot must be >= 0 and --moc-persist-interval >= 1, got "
                              f"{self.k_snapshot} and {self.persist_interval}")

@@ -9,7 +9,9 @@ files (a later file over an earlier one) > defaults. YAML keys are the flag name
 
 import argparse
 import importlib.util
+import math
 import os
+import threading
 from typing import Dict, List, Optional, Sequence
 
 from megatron.training.errors import ConfigError
@@ -19,6 +21,15 @@ from megatron.training.errors import ConfigError
 MODEL_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                     "num_experts", "expert_interval", "padded_vocab_size",
                     "max_position_embeddings", "position_embedding_type")
+
+UNIX_SOCKET_PATH_MAX = 107
+"""The longest path a Unix socket can be bound to on Linux: ``sockaddr_un.sun_path``
+holds 108 bytes, the last of them the terminating NUL. A node's keeper listens on
+:func:`keeper_socket_path`, so ``--moc-shm-dir`` must leave room for it."""
+
+MAX_TIMEOUT_S = threading.TIMEOUT_MAX
+"""The longest wait (seconds) Python's timed waits accept; longer ones raise OverflowError
+(in the middle of a save or the shutdown) instead of waiting."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -339,7 +350,12 @@ def _check_failure_flags(args: argparse.Namespace, world_size: int) -> None:
     """Fault injection and hang/straggler detection: bad values stop the job here."""
     from megatron.training.faults import faults_from_args
     from megatron.training.monitor import MonitorConfig
-    kinds = {spec.kind for spec in faults_from_args(args, world_size)}
+    specs = faults_from_args(args, world_size)
+    for spec in specs:  # FaultSpec refuses slow <= 0 and NaN; an endless sleep is no fault
+        if not math.isfinite(spec.slow_s) or spec.slow_s > MAX_TIMEOUT_S:
+            raise ConfigError(f"--moc-fault {spec.text}: slow must be a finite number of "
+                              f"seconds > 0, at most {MAX_TIMEOUT_S:g}, got {spec.slow_s:g}")
+    kinds = {spec.kind for spec in specs}
     # Checked here, on every rank: the injector finds out only on the fault's own rank,
     # after the process group exists (the others then hang), or never fires them.
     two_level = getattr(args, "moc_two_level", False)
@@ -418,6 +434,108 @@ def _check_redundancy(args: argparse.Namespace, world_size: int) -> None:
         raise ConfigError(str(err)) from None
 
 
+def keeper_socket_path(shm_dir: str, node: int) -> str:
+    """The Unix socket the keeper of node ``node`` listens on under the job's shared-memory
+    directory (``<shm dir>/node<N>/keeper.sock``)."""
+    from deepspeed_ext.keeper import SOCKET_NAME
+    return os.path.join(shm_dir, f"node{node}", SOCKET_NAME)
+
+
+def check_keeper_socket_path(shm_dir: str, max_node: int, flag: str = "--moc-shm-dir") -> None:
+    """Refuse a shared-memory directory whose keeper socket path (for the node with the
+    largest index, ``max_node``) is longer than a Unix socket path may be: binding it fails
+    inside the keeper, and the ranks would wait for it in vain.
+
+    Raises:
+        ConfigError: naming ``flag``, the socket path's length and the limit.
+    """
+    path = keeper_socket_path(shm_dir, max_node)
+    length = len(os.fsencode(path))
+    if length > UNIX_SOCKET_PATH_MAX:
+        raise ConfigError(f"{flag} {shm_dir} is too long: the keeper of node {max_node} would "
+                          f"listen on {path}, {length} bytes, and a Unix socket path holds at "
+                          f"most {UNIX_SOCKET_PATH_MAX}; use a directory at least "
+                          f"{length - UNIX_SOCKET_PATH_MAX} bytes shorter")
+
+
+def effective_shm_dir(args: argparse.Namespace) -> Optional[str]:
+    """The shared-memory directory the job uses: ``--moc-shm-dir``, else derived from
+    ``--save`` (two-level snapshots or exact mode's frames); None when it uses none."""
+    if args.moc_two_level:
+        source = args.save or args.load
+    elif args.moc_mode == "exact":
+        source = args.save
+    else:
+        return None
+    if args.moc_shm_dir:
+        return args.moc_shm_dir
+    if not source:
+        return None
+    from deepspeed_ext.two_level import default_shm_dir
+    return default_shm_dir(source)
+
+
+def _nodes_max_index(args: argparse.Namespace, world_size: int) -> int:
+    """The largest node index of the job, computed as the keepers place ranks."""
+    per_node = args.moc_ranks_per_node
+    if not per_node:
+        try:
+            per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        except ValueError:
+            per_node = 1
+    return (max(world_size, 1) - 1) // max(per_node, 1)
+
+
+def _check_float(flag: str, value: Optional[float], unit: str = "", *, zero_ok: bool = False,
+                 note: str = "", maximum: Optional[float] = None) -> None:
+    """``value`` (None: not given) is finite and > 0 (>= 0 with ``zero_ok``), and at most
+    ``maximum``; ``unit`` names what it counts (``seconds``), ``note`` what 0 means."""
+    if value is None:
+        return
+    what = f"a finite number of {unit}" if unit else "a finite number"
+    bound = ">= 0" if zero_ok else "> 0"
+    if not (math.isfinite(value) and (value >= 0 if zero_ok else value > 0)):
+        raise ConfigError(f"{flag} must be {what} {bound}{note}, got {value:g}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(f"{flag} must be at most {maximum:g} {unit} (the longest wait "
+                          f"Python can time), got {value:g}")
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Counts and durations that make no sense (negative, NaN, infinite): refused here,
+    on every rank, instead of a traceback, a hang or an infinite wait later."""
+    _check_float("--distributed-timeout-minutes", args.distributed_timeout_minutes, "minutes",
+                 maximum=MAX_TIMEOUT_S / 60)
+    _check_float("--moc-commit-timeout", args.moc_commit_timeout, "seconds",
+                 maximum=MAX_TIMEOUT_S)
+    _check_float("--moc-expected-mtbf", args.moc_expected_mtbf, "seconds", zero_ok=True,
+                 note=" (0: unknown)")
+    _check_float("--moc-host-memory-gb", args.moc_host_memory_gb, "GB", zero_ok=True,
+                 note=" (0: unchecked)")
+    # Defined by the fault-injection and monitor groups (getattr: a parser without them).
+    for name in ("moc_fault_mtbf", "moc_hang_timeout", "moc_monitor_poll"):
+        _check_float(f"--{name.replace('_', '-')}", getattr(args, name, None), "seconds",
+                     maximum=MAX_TIMEOUT_S)
+    for name, least, meaning in (("moc_pec_k", 0, " (0: all experts)"),
+                                 ("moc_k_persist", 0, " (0: all experts)"),
+                                 ("moc_k_snapshot", 0, " (0: all experts)"),
+                                 ("moc_keep", 0, " (0: keep all)"),
+                                 ("moc_window", 0, " (0: automatic)"),
+                                 ("moc_snapshot_interval", 0, " (0: --save-interval)"),
+                                 ("moc_persist_interval", 1, ""),
+                                 ("moc_ranks_per_node", 0, " (0: the launcher's LOCAL_WORLD_SIZE)"),
+                                 ("moc_redundancy_interval", 1, ""),
+                                 ("moc_restart_count", 0, "")):
+        value = getattr(args, name)
+        if value is not None and value < least:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= {least}{meaning}, "
+                              f"got {value}")
+    # Every other float flag: NaN or infinity is never a meaningful setting.
+    for name, value in sorted(vars(args).items()):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
+
+
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Check the arguments against each other and the world size; fill derived values.
 
@@ -433,6 +551,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                            "micro_batch_size", "global_batch_size", "train_iters", "num_experts",
                            "moe_expert_parallel_size", "expert_interval", "log_interval",
                            "eval_interval", "make_vocab_size_divisible_by"))
+    _check_numbers(args)
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
     if args.seq_length > args.max_position_embeddings:
@@ -489,10 +608,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         from deepspeed_ext import fs
         if fs.is_url(args.save):
             raise ConfigError(f"--moc-mode exact: --save {args.save} must be a local path")
-    if args.moc_expected_mtbf < 0:
-        raise ConfigError(f"--moc-expected-mtbf must be >= 0 (0: unknown), got {args.moc_expected_mtbf}")
-    if args.moc_window < 0:
-        raise ConfigError(f"--moc-window must be >= 0 (0: automatic), got {args.moc_window}")
     _check_redundancy(args, world_size)
     if args.moc_pec_scope != "wo" and args.moc_two_level:
         raise ConfigError(f"--moc-pec-scope {args.moc_pec_scope} is not supported with "
@@ -500,10 +615,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _check_storage_urls(args)
     if args.moc_dynamic_k and not args.moc_checkpoint:
         raise ConfigError("--moc-dynamic-k needs --moc-checkpoint")
-    if not args.moc_commit_timeout > 0:
-        raise ConfigError(f"--moc-commit-timeout must be > 0 seconds, got {args.moc_commit_timeout}")
-    if args.moc_restart_count is not None and args.moc_restart_count < 0:
-        raise ConfigError(f"--moc-restart-count must be >= 0, got {args.moc_restart_count}")
     if not 0.0 < args.moc_plt_threshold < 1.0:
         raise ConfigError(f"--moc-plt-threshold must be in (0, 1), got {args.moc_plt_threshold}")
     if args.moc_event_file is None:
@@ -514,17 +625,21 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     _check_output_file("--moc-event-file", args.moc_event_file)
     if args.moc_two_level and not (args.save or args.load or args.moc_shm_dir):
         raise ConfigError("--moc-two-level needs --save (or --moc-shm-dir) to name its memory")
+    shm_dir = effective_shm_dir(args)
+    if shm_dir:
+        check_keeper_socket_path(shm_dir, _nodes_max_index(args, world_size),
+                                 "--moc-shm-dir" if args.moc_shm_dir else
+                                 "--moc-shm-dir (default, derived from --save)")
     if args.moc_k_snapshot > args.num_experts:
         raise ConfigError(f"--moc-k-snapshot ({args.moc_k_snapshot}) exceeds --num-experts "
                           f"({args.num_experts})")
     k_persist = args.moc_k_persist if args.moc_k_persist is not None else args.moc_pec_k
+    if k_persist > args.num_experts:
+        raise ConfigError(f"--moc-k-persist ({k_persist}) exceeds --num-experts "
+                          f"({args.num_experts})")
     if args.moc_k_snapshot and k_persist > args.moc_k_snapshot:
         raise ConfigError(f"--moc-k-persist ({k_persist}) must not exceed --moc-k-snapshot "
                           f"({args.moc_k_snapshot})")
-    if args.moc_persist_interval < 1 or args.moc_snapshot_interval < 0:
-        raise ConfigError("--moc-persist-interval must be >= 1 and --moc-snapshot-interval >= 0")
-    if args.moc_pec_k < 0 or args.moc_keep < 0:
-        raise ConfigError("--moc-pec-k and --moc-keep must be >= 0")
     if args.moc_checkpoint and args.zero_stage == 0 and (args.bf16 or args.fp16):
         raise ConfigError("--moc-checkpoint with --bf16/--fp16 needs --zero-stage 1 or 2 "
                           "(the fp32 master weights live in ZeRO's partitions)")
@@ -548,16 +663,14 @@ def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
 def moc_config_from_args(args: argparse.Namespace):
     """The :class:`deepspeed_ext.config.MoCConfig` of ``--moc-*`` (or the ``moc:`` YAML section)."""
     from deepspeed_ext.config import MoCConfig
-    from deepspeed_ext.two_level import default_shm_dir
-    shm_dir = ""
-    if args.moc_two_level:
-        shm_dir = args.moc_shm_dir or default_shm_dir(args.save or args.load)
+    shm_dir = (effective_shm_dir(args) or "") if args.moc_two_level else ""
     pec_k = args.moc_k_persist if args.moc_k_persist is not None else args.moc_pec_k
     return MoCConfig(pec_k=pec_k, pec_policy=args.moc_pec_policy, pec_scope=args.moc_pec_scope,
                      keep=args.moc_keep, commit_timeout_s=args.moc_commit_timeout,
                      async_save=not args.moc_sync_save, two_level=args.moc_two_level,
                      k_snapshot=args.moc_k_snapshot, persist_interval=args.moc_persist_interval,
-                     shm_dir=shm_dir, ranks_per_node=args.moc_ranks_per_node,
+                     shm_dir=shm_dir, save_dir=args.save or "",
+                     ranks_per_node=args.moc_ranks_per_node,
                      host_memory_gb=args.moc_host_memory_gb, redundancy=args.moc_redundancy,
                      replicas=args.moc_replicas, ec_data=args.moc_ec_data,
                      ec_parity=args.moc_ec_parity,

@@ -176,3 +176,101 @@ def test_an_output_file_that_cannot_be_created_is_refused_on_every_rank(tmp_path
             validate_args(parse_args(BASE + [flag, bad]), world_size=1)
         fine = str(tmp_path / "new" / "dir" / "m.jsonl")  # created when first written
         validate_args(parse_args(BASE + [flag, fine]), world_size=1)
+
+
+# Bad numbers that crashed with a traceback (NaN/inf into timedelta or MoCConfig), hung
+# (an infinite --moc-commit-timeout in the shutdown barrier, an endless slow fault) or
+# failed later on one rank (a keeper socket path too long to bind) on the old code.
+MOC = ["--moc-checkpoint", "--save", "ck", "--num-experts", "4"]
+EXACT = MOC + ["--moc-mode", "exact"]
+LONG_DIR = "/tmp/" + "d" * 84  # 89 bytes: "<dir>/node9/keeper.sock" is 107 bytes, node10's 108
+
+
+BAD_NUMBERS = [
+    (MOC + ["--moc-k-persist", "-1"], 1, "--moc-k-persist must be >= 0"),
+    (MOC + ["--moc-k-persist", "5"], 1, "--moc-k-persist (5) exceeds --num-experts (4)"),
+    (TWO_LEVEL + ["--moc-k-snapshot", "-1"], 1, "--moc-k-snapshot must be >= 0"),
+    (TWO_LEVEL + ["--moc-ranks-per-node", "-2"], 2, "--moc-ranks-per-node must be >= 0"),
+    (["--distributed-timeout-minutes", "nan"], 1,
+     "--distributed-timeout-minutes must be a finite number of minutes > 0, got nan"),
+    (["--distributed-timeout-minutes", "inf"], 1, "--distributed-timeout-minutes must be a finite"),
+    (["--distributed-timeout-minutes", "0"], 1, "--distributed-timeout-minutes must be a finite"),
+    (["--distributed-timeout-minutes", "-1"], 1, "--distributed-timeout-minutes must be a finite"),
+    (["--distributed-timeout-minutes", "1e20"], 1, "--distributed-timeout-minutes must be at most"),
+    (EXACT + ["--moc-expected-mtbf", "nan"], 1,
+     "--moc-expected-mtbf must be a finite number of seconds >= 0 (0: unknown), got nan"),
+    (EXACT + ["--moc-expected-mtbf", "inf"], 1, "--moc-expected-mtbf must be a finite"),
+    (MOC + ["--moc-commit-timeout", "inf"], 1,
+     "--moc-commit-timeout must be a finite number of seconds > 0, got inf"),
+    (MOC + ["--moc-commit-timeout", "1e300"], 1, "--moc-commit-timeout must be at most"),
+    (TWO_LEVEL + ["--moc-host-memory-gb", "nan"], 1, "--moc-host-memory-gb must be a finite"),
+    (TWO_LEVEL + ["--moc-host-memory-gb", "inf"], 1, "--moc-host-memory-gb must be a finite"),
+    (TWO_LEVEL + ["--moc-host-memory-gb", "-1"], 1, "--moc-host-memory-gb must be a finite"),
+    (["--moc-monitor", "--moc-hang-timeout", "inf"], 1, "--moc-hang-timeout must be a finite"),
+    (["--save", "ck", "--moc-fault-mtbf", "inf"], 1, "--moc-fault-mtbf must be a finite"),
+    (["--save", "ck", "--moc-fault", "slow@2:slow=inf"], 1,
+     "--moc-fault slow@2:rank=0:slow=inf: slow must be a finite number of seconds"),
+    (["--moc-monitor", "--moc-straggler-factor", "inf"], 1,
+     "--moc-straggler-factor must be a finite number, got inf"),
+    (["--clip-grad", "nan"], 1, "--clip-grad must be a finite number, got nan"),
+    (TWO_LEVEL + ["--moc-shm-dir", "/tmp/" + "s" * 100], 1,
+     f"--moc-shm-dir /tmp/{'s' * 100} is too long: the keeper of node 0 would listen on "
+     f"/tmp/{'s' * 100}/node0/keeper.sock, 123 bytes, and a Unix socket path holds at most 107"),
+    (TWO_LEVEL + ["--moc-shm-dir", LONG_DIR, "--moc-ranks-per-node", "1"], 11,
+     "the keeper of node 10 would listen on"),
+    (EXACT + ["--moc-shm-dir", LONG_DIR, "--moc-ranks-per-node", "2"], 22,
+     "--moc-shm-dir /tmp/ddd"),
+]
+
+
+def _case_id(extra, world):
+    for prefix, name in ((EXACT, "exact"), (MOC, "moc"), (TWO_LEVEL, "two-level")):
+        if extra[:len(prefix)] == prefix:
+            extra = [name] + extra[len(prefix):]
+    return " ".join(a if len(a) < 30 else a[:8] + "..." for a in extra) + f" world={world}"
+
+
+@pytest.mark.parametrize("extra, world, needle", BAD_NUMBERS,
+                         ids=[_case_id(extra, world) for extra, world, _ in BAD_NUMBERS])
+def test_bad_number_exits_2_naming_the_flag_before_any_process_group(monkeypatch, capsys,
+                                                                        extra, world, needle):
+    """The entry point prints ``error: <message naming the flag>`` and exits 2, on every
+    rank, before the process group exists (creating it here fails the test)."""
+    import pretrain_gpt_moe
+    from megatron.training import training
+
+    def no_process_group(args):
+        raise AssertionError("the process group was being created: the bad value passed")
+
+    monkeypatch.setattr(training, "initialize_distributed", no_process_group)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert pretrain_gpt_moe.main(BASE + extra) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --"), err
+    assert needle in err, err
+
+
+def test_sensible_numbers_and_shm_dirs_still_pass(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    for extra, world in [
+        (MOC + ["--moc-k-persist", "0", "--moc-commit-timeout", "0.5",
+                "--distributed-timeout-minutes", "0.5"], 1),
+        (EXACT + ["--moc-expected-mtbf", "0", "--moc-host-memory-gb", "0"], 1),
+        (EXACT + ["--moc-expected-mtbf", "3600", "--moc-host-memory-gb", "1.5"], 1),
+        (TWO_LEVEL + ["--moc-ranks-per-node", "0", "--moc-k-snapshot", "0"], 2),
+        (TWO_LEVEL + ["--moc-shm-dir", LONG_DIR, "--moc-ranks-per-node", "1"], 10),  # node9: 107
+        (["--save", "ck", "--moc-fault", "slow@2:slow=1.5", "--moc-fault-mtbf", "60"], 1),
+        (["--moc-monitor", "--moc-hang-timeout", "60", "--moc-monitor-poll", "1"], 1),
+    ]:
+        validate_args(parse_args(BASE + extra), world_size=world)
+
+
+def test_keeper_socket_path_limit_is_public():
+    from megatron.training.arguments import (UNIX_SOCKET_PATH_MAX, check_keeper_socket_path,
+                                             keeper_socket_path)
+    assert UNIX_SOCKET_PATH_MAX == 107
+    assert keeper_socket_path("/dev/shm/x", 12) == "/dev/shm/x/node12/keeper.sock"
+    check_keeper_socket_path(LONG_DIR, 9)
+    with pytest.raises(ConfigError, match="108 bytes, and a Unix socket path holds at most 107"):
+        check_keeper_socket_path(LONG_DIR, 10)
