@@ -33,17 +33,22 @@ committer leaves the directory without a manifest: it is not a checkpoint, ``lat
 still names the previous one, and retention deletes the leftovers later.
 """
 
-import json
 import os
 import time
 import uuid
 from typing import Any, Dict, List, Mapping, Optional
 
 from deepspeed_ext import fs
-from deepspeed_ext.storage import atomic_write_json
+from deepspeed_ext.storage import (SMALL_RECORD_MAX_BYTES, CheckpointError, atomic_write_json,
+                                   read_json)
 
 REPORT_SUFFIX = ".report.json"
+REPORT_MAX_BYTES = 256 << 20
+"""Largest report read: a rank's report lists its fragments, never more than the whole
+manifest (:data:`~deepspeed_ext.manifest.MANIFEST_MAX_BYTES`) holds."""
 CLAIM_NAME = "commit.claim"
+CLAIM_MAX_BYTES = SMALL_RECORD_MAX_BYTES
+"""Largest claim read (it holds one random id)."""
 
 
 class CommitError(RuntimeError):
@@ -68,12 +73,18 @@ def claim_dir(tag_dir: str) -> str:
 def read_claim(tag_dir: str) -> Optional[str]:
     """The claim of the save that last claimed ``tag_dir``; None when there is none (a
     directory deleted, committed and cleaned, or made before claims existed)."""
+    path = os.path.join(tag_dir, CLAIM_NAME)
     try:
-        return json.loads(fs.read_text(os.path.join(tag_dir, CLAIM_NAME)))["claim"]
+        claim = read_json(path, CLAIM_MAX_BYTES)["claim"]
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise CommitError(f"{os.path.join(tag_dir, CLAIM_NAME)}: unreadable ({err})") from None
+    except CheckpointError as err:  # too large, not JSON, nested too deeply: it names the file
+        raise CommitError(str(err)) from None
+    except (OSError, KeyError, TypeError) as err:
+        raise CommitError(f"{path}: unreadable ({type(err).__name__}: {err})") from None
+    if not isinstance(claim, str):  # a claim that compares unequal to every id forever
+        raise CommitError(f"{path}: unreadable (the claim is a {type(claim).__name__})")
+    return claim
 
 
 def check_claim(tag_dir: str, claim: Optional[str]) -> None:
@@ -112,12 +123,14 @@ def _foreign(record: Mapping[str, Any], claim: Optional[str]) -> bool:
 
 def _read_report(path: str, rank: int) -> Optional[Dict[str, Any]]:
     try:
-        report = json.loads(fs.read_text(path))
+        report = read_json(path, REPORT_MAX_BYTES)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as err:  # reports are atomic: this is damage, not a race
-        raise CommitError(f"{path}: unreadable report ({err})") from None
-    if not isinstance(report, dict) or report.get("rank") != rank or "ok" not in report:
+    except CheckpointError as err:  # reports are atomic: this is damage, not a race
+        raise CommitError(f"unreadable report: {err}") from None
+    if (not isinstance(report, dict) or report.get("rank") != rank
+            or type(report.get("ok")) is not bool
+            or not (report["ok"] or isinstance(report.get("error"), str))):
         raise CommitError(f"{path}: not a report of rank {rank}")
     return report
 
@@ -222,13 +235,7 @@ def commit_checkpoint(save_dir: str, tag: str, step: int, layout: Mapping[str, A
         Superseded: ``claim`` is no longer the directory's; nothing was written.
     """
     from deepspeed_ext import manifest as mf
-    from deepspeed_ext.objects import OBJECTS_FILE
-    reports = [mf.RankReport.from_json(s["report"]) for s in shares]
-    objects = shares[0]["objects"]
-    extra_files = {OBJECTS_FILE: mf.FileEntry(sha256=objects["sha256"],
-                                              nbytes=objects["nbytes"], rank=0)}
-    for name, record in (shares[0].get("extra_files") or {}).items():  # objects' tensors
-        extra_files[name] = mf.FileEntry(sha256=record["sha256"], nbytes=record["nbytes"], rank=0)
+    reports, extra_files = _parse_shares(shares)
     index = {}
     if layout["num_moe_layers"]:
         previous = (mf.read_manifest(os.path.join(save_dir, previous_tag))
@@ -254,14 +261,16 @@ def commit_checkpoint(save_dir: str, tag: str, step: int, layout: Mapping[str, A
             why = f"latest could not be moved ({type(e).__name__}: {e})"
         if why is not None:
             log(f"WARNING: {tag} (step {step}) committed; {why}")
-    if keep and mf.later_attempt_started(save_dir, attempt_started):
-        # The later attempt may have resumed from a checkpoint this retention would
-        # delete; its own commits run retention.
-        log(f"retention after committing {tag} left to the later attempt of the job")
-    elif keep:
+    if keep:
         try:
-            for removed in mf.apply_retention(save_dir, keep):
-                log(f"retention: removed {removed}")
+            # The check for a later attempt and the deletion in one step under the
+            # directory's lock (a restart recording its start in between lost the
+            # checkpoint it resumed from).
+            removed = mf.retain_unless_superseded(save_dir, keep, attempt_started)
+            if removed is None:
+                log(f"retention after committing {tag} left to the later attempt of the job")
+            for name in removed or ():
+                log(f"retention: removed {name}")
         except Exception as e:
             # The checkpoint is committed and `latest` names it: a cleanup failing after
             # that (another attempt's retention removed a directory first, a store's
@@ -271,7 +280,37 @@ def commit_checkpoint(save_dir: str, tag: str, step: int, layout: Mapping[str, A
                 f"older checkpoints stay until the next save's retention")
 
 
+def _parse_shares(shares: List[Any]):
+    """``(reports, extra_files)`` of the ranks' report payloads, read back from their
+    report files: a payload of the wrong shape raised KeyError/TypeError out of the
+    committer. CommitError naming the rank instead; nothing is written then."""
+    from deepspeed_ext import manifest as mf
+    from deepspeed_ext.objects import OBJECTS_FILE
+
+    def record(value: Any, where: str) -> "mf.FileEntry":
+        return mf.FileEntry(sha256=mf._get(value, "sha256", str, where),
+                            nbytes=mf._get(value, "nbytes", int, where), rank=0)
+    reports, extra_files = [], {}
+    for rank, share in enumerate(shares):
+        where = f"rank {rank}'s report"
+        try:
+            reports.append(mf.RankReport.from_json(mf._get(share, "report", dict, where), where))
+            if rank == 0:
+                extra_files[OBJECTS_FILE] = record(mf._get(share, "objects", dict, where),
+                                                   f"{where}.objects")
+                more = share.get("extra_files") or {}  # objects' tensors
+                if not isinstance(more, dict):
+                    raise ValueError(f"{where}.extra_files: expected an object")
+                for name, value in more.items():
+                    extra_files[name] = record(value, f"{where}.extra_files[{name!r}]")
+        except ValueError as err:
+            raise CommitError(f"{err} (a damaged report: not committed)") from None
+    return reports, extra_files
+
+
 FAILURE_NAME = "commit.failed.json"
+FAILURE_MAX_BYTES = SMALL_RECORD_MAX_BYTES
+"""Largest failure record read (it holds one error message)."""
 
 
 def write_failure(tag_dir: str, message: str, claim: Optional[str] = None) -> None:
@@ -295,12 +334,14 @@ def commit_outcome(tag_dir: str, world_size: int, claim: Optional[str] = None) -
         return True, None
     failure = os.path.join(tag_dir, FAILURE_NAME)
     try:
-        record = json.loads(fs.read_text(failure))
+        record = read_json(failure, FAILURE_MAX_BYTES)
         if not _foreign(record, claim):
+            if not isinstance(record["error"], str):
+                raise TypeError("error is not a string")
             return False, record["error"]
     except FileNotFoundError:
         pass
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, CheckpointError, KeyError, TypeError, AttributeError):
         return False, f"{failure} (unreadable)"
     for rank in range(world_size):
         try:

@@ -979,10 +979,36 @@ class ExactSnapshots:
     def _restore_objects(self, objects: Dict[str, Any]) -> None:
         from deepspeed_ext.state import (ensure_optimizer_state, set_loss_scaler_state,
                                          set_optimizer_scalars)
+        from deepspeed_ext.storage import CheckpointError
         engine = self.engine
+        # The frame's record is read back from storage or shared memory unchecked: every
+        # key of it was setattr'ed onto the engine, so a crafted frame could replace the
+        # optimizer (or any attribute) or make global_steps a string. Only the counters
+        # _record writes, as non-negative ints, are applied; anything else refuses the
+        # frame as a damaged one is refused, before the engine is touched.
+        counters = objects.get("engine") if isinstance(objects, dict) else None
+        problem = None
+        if not isinstance(counters, dict):
+            problem = f"engine counters are {type(counters).__name__}, not an object"
+        else:
+            for key, value in counters.items():
+                if key not in ("global_steps", "global_samples", "skipped_steps"):
+                    problem = f"engine field {key!r} is not a counter a frame restores"
+                elif type(value) is not int or value < 0:
+                    problem = f"engine counter {key} is {value!r}, not a non-negative int"
+                if problem:
+                    break
+        if dist.is_available() and dist.is_initialized():
+            # Every rank restores its own frame together: one rank raising alone would
+            # leave the others waiting in the replay's first collective.
+            problems: List = [None] * dist.get_world_size()
+            dist.all_gather_object(problems, problem)
+            problem = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p) or None
+        if problem:
+            raise CheckpointError(f"frame objects: {problem}")
         ensure_optimizer_state(engine)
         self._fragments = None  # moments may have just been created
-        for key, value in objects["engine"].items():
+        for key, value in counters.items():
             setattr(engine, key, value)
         set_optimizer_scalars(engine, objects["optimizer_scalars"])
         set_loss_scaler_state(engine, objects.get("loss_scaler"))

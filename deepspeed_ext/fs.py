@@ -182,18 +182,57 @@ def _entries(url: str) -> List[Tuple[str, str]]:
 
 # ------------------------------------------------------------------------ reading
 
-def read_bytes(path: str) -> bytes:
-    """The whole file; FileNotFoundError when missing."""
+DEFAULT_READ_LIMIT = 256 << 20
+"""Bytes a whole-file read takes when its caller names no smaller limit: the largest
+file MoC reads whole (a manifest of a very large model) fits with room to spare."""
+
+
+def read_bytes(path: str, limit: int = DEFAULT_READ_LIMIT) -> bytes:
+    """The whole file, at most ``limit`` bytes of it.
+
+    At most ``limit + 1`` bytes are ever read: a ``latest`` linked to ``/dev/zero`` (or
+    a multi-GiB file where a small record belongs) was read until memory ran out. A
+    local FIFO reads as empty instead of blocking the reader forever.
+
+    Raises:
+        FileNotFoundError: the file is missing.
+        CheckpointError: naming the file, when it holds more than ``limit`` bytes.
+    """
     if not is_url(path):
-        with open(path, "rb") as f:
-            return f.read()
-    fs, p = _filesystem(path)
-    return fs.cat_file(p)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+        with os.fdopen(fd, "rb") as f:
+            data = _read_upto(f, limit + 1)
+    else:
+        fs, p = _filesystem(path)
+        with fs.open(p, "rb") as f:
+            data = _read_upto(f, limit + 1)
+    if len(data) > limit:
+        from deepspeed_ext.storage import CheckpointError  # storage imports fs
+        raise CheckpointError(f"{path}: larger than {limit} bytes (not a file MoC wrote "
+                              f"there, or damaged); refusing to read it whole")
+    return data
 
 
-def read_text(path: str) -> str:
-    """The whole file as UTF-8; FileNotFoundError when missing, UnicodeDecodeError."""
-    return read_bytes(path).decode("utf-8")
+def _read_upto(f, count: int) -> bytes:
+    """Up to ``count`` bytes, fewer only at the end of the file (a raw or buffered
+    read may return less than asked before it)."""
+    parts, got = [], 0
+    while got < count:
+        try:
+            chunk = f.read(count - got)
+        except BlockingIOError:  # a FIFO without data: nothing to read
+            break
+        if not chunk:
+            break
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+def read_text(path: str, limit: int = DEFAULT_READ_LIMIT) -> str:
+    """:func:`read_bytes` as UTF-8; FileNotFoundError when missing, UnicodeDecodeError,
+    CheckpointError past ``limit`` bytes."""
+    return read_bytes(path, limit).decode("utf-8")
 
 
 def read_range(path: str, start: int, end: int) -> bytes:

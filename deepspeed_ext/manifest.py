@@ -40,8 +40,7 @@ Save, multi-rank call order (the orchestration owns the collectives)::
                     index, extra_files={OBJECTS_FILE: FileEntry.from_record(obj_record, 0)})
                 write_manifest(tag_dir, manifest)                   # the commit point
                 advance_latest(save_dir, tag, attempt_started, step)  # not over later work
-                if not later_attempt_started(save_dir, attempt_started):
-                    apply_retention(save_dir, keep)
+                retain_unless_superseded(save_dir, keep, attempt_started)  # under the lock
     all:        broadcast rank 0's outcome
 
 Load: :func:`deepspeed_ext.reader.find_loadable` on one rank, broadcast the tag, then
@@ -63,20 +62,29 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, 
 
 from deepspeed_ext import fs
 from deepspeed_ext.objects import OBJECTS_FILE, read_objects_file, tensor_keys
-from deepspeed_ext.storage import (CheckpointError, FileRecord, FragmentReader, atomic_write_json,
-                                   atomic_write_text, check_file, dtype_from_name,
-                                   ensure_dir, fsync_dir)
+from deepspeed_ext.storage import (SMALL_RECORD_MAX_BYTES, CheckpointError, FileRecord,
+                                   FragmentReader, atomic_write_json, atomic_write_text,
+                                   check_depth, check_file, dtype_from_name, ensure_dir,
+                                   fsync_dir, read_json)
 
 FORMAT = "moc-ckpt"
 VERSION = 2
 """Version 2 added per-part expert versions (``expert_index[...].optim``)."""
 READABLE_VERSIONS = (1, 2)
 MANIFEST_FILE = "manifest.json"
+MANIFEST_MAX_BYTES = 256 << 20
+"""Largest manifest read: a manifest of a trillion-parameter model's fragments stays far
+below it; a bigger file is damage (or not ours), and reading it whole, then parsing it
+(several times its size in memory), could take the node's memory with it."""
 LATEST_FILE = "latest"
+LATEST_MAX_BYTES = SMALL_RECORD_MAX_BYTES
+"""Largest ``latest`` read (it holds one tag): one linked to /dev/zero was read forever."""
 ATTEMPT_FILE = "moc-attempt.json"
 """``{"attempt_started": t}`` of the newest job attempt training into a save directory
 (rank 0 writes it before reading ``latest`` to load): an earlier attempt's committer that
 finishes later leaves ``latest`` and retention to it (:func:`later_attempt_started`)."""
+ATTEMPT_MAX_BYTES = SMALL_RECORD_MAX_BYTES
+"""Largest :data:`ATTEMPT_FILE` read (it holds one number)."""
 TRASH_PREFIX = ".moc-trash."
 SET_ASIDE_PREFIX = ".moc-set-aside."
 """Directories being deleted are renamed to this prefix first (see :func:`remove_checkpoint`)."""
@@ -149,8 +157,9 @@ def _check_part(text: str, what: str) -> None:
 
 
 def _plain_file_name(name: str) -> bool:
+    # A NUL made os.stat raise ValueError out of verification and the load's search.
     return (isinstance(name, str) and name not in ("", ".", "..")
-            and os.path.basename(name) == name and "\\" not in name)
+            and os.path.basename(name) == name and "\\" not in name and "\0" not in name)
 
 
 # ----------------------------------------------------------------------- dataclasses
@@ -372,17 +381,54 @@ class Manifest:
                         and (_safe_expert(ekey), part) not in held_parts):
                     problems.append(f"{where}: expert_index[{ekey!r}] puts its "
                                     f"{_PART_NAMES[part]} in this checkpoint, which holds none")
-        layers, experts = self.layout.get("num_moe_layers"), self.layout.get("num_experts")
-        if isinstance(layers, int) and isinstance(experts, int):
-            missing = [expert_key(l, e) for l in range(layers) for e in range(experts)
-                       if expert_key(l, e) not in self.expert_index]
-            if missing:
-                problems.append(f"{where}: expert_index lacks {len(missing)} of "
-                                f"{layers * experts} experts (first: {', '.join(missing[:5])})")
+        problems.extend(self._completeness_problems())
         return problems
+
+    def _completeness_problems(self) -> List[str]:
+        """Whether the expert index names every expert of the layout's declared
+        ``num_moe_layers`` x ``num_experts``.
+
+        Counted from the keys the index lists, never by walking the declared product: a
+        crafted layout declaring 10^9 x 10^9 experts made the walk spin for hours and
+        fill memory with the missing keys, at every restart, instead of skipping the
+        checkpoint. The cost is one step per index entry, plus the few missing keys named.
+        """
+        where = self.tag
+        layers, experts = self.layout.get("num_moe_layers"), self.layout.get("num_experts")
+        if any(v is not None and not _is_count(v) for v in (layers, experts)):
+            return [f"{where}: layout num_moe_layers {layers!r} / num_experts {experts!r}: "
+                    f"expected non-negative ints"]
+        if layers is None or experts is None:
+            return []
+        present = set()
+        for ekey in self.expert_index:
+            expert = _safe_expert(ekey)
+            # A spelling expert_key never makes ("00/1") is not found by the loaders.
+            if (expert is not None and expert[0] < layers and expert[1] < experts
+                    and expert_key(*expert) == ekey):
+                present.add(expert)
+        missing = layers * experts - len(present)
+        if not missing:
+            return []
+        first = []
+        for layer in range(layers):  # ends after len(present) + 5 steps at the most
+            for expert in range(experts):
+                if (layer, expert) not in present:
+                    first.append(expert_key(layer, expert))
+                    if len(first) == 5:
+                        break
+            if len(first) == 5:
+                break
+        return [f"{where}: expert_index lacks {missing} of {layers * experts} experts "
+                f"(first: {', '.join(first)})"]
 
 
 _PART_NAMES = {"w": "weights", "o": "optimizer state"}
+
+
+def _is_count(value: Any) -> bool:
+    """A non-negative int read from JSON (``true`` is no count)."""
+    return type(value) is int and value >= 0
 
 
 def _safe_expert(ekey: str) -> Optional[Tuple[int, int]]:
@@ -506,11 +552,18 @@ def _parse_manifest(data: Any, source: str) -> Manifest:
             step=_get(v, "step", int, w), tag=_get(v, "tag", str, w),
             optim_step=_get(optim, "step", int, w + ".optim") if optim is not None else None,
             optim_tag=_get(optim, "tag", str, w + ".optim") if optim is not None else None)
+    layout, extra = _get(data, "layout", dict, source), _get(data, "extra", dict, source)
+    for name, free in (("layout", layout), ("extra", extra)):
+        try:
+            # Free-form: nesting that parsed raised RecursionError later, deeper in a
+            # load's stack (the checksum's json.dumps, `moc-ckpt inspect`).
+            check_depth(free)
+        except ValueError as err:
+            raise ValueError(f"{source}: {name} is {err}") from None
     return Manifest(tag=_get(data, "tag", str, source), step=_get(data, "step", int, source),
                     world_size=_get(data, "world_size", int, source),
-                    layout=_get(data, "layout", dict, source), files=files, tensors=tensors,
-                    expert_index=index, extra=_get(data, "extra", dict, source),
-                    format=fmt, version=version)
+                    layout=layout, files=files, tensors=tensors,
+                    expert_index=index, extra=extra, format=fmt, version=version)
 
 
 # ------------------------------------------------------------------ building (save)
@@ -558,11 +611,21 @@ class FragmentSpec:
                 "expert": list(self.expert) if self.expert is not None else None}
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "FragmentSpec":
-        return cls(name=d["name"], kind=d["kind"], offset=int(d["offset"]),
-                   length=int(d["length"]), shape=tuple(int(s) for s in d["shape"]),
-                   dtype=d["dtype"],
-                   expert=tuple(d["expert"]) if d.get("expert") is not None else None)
+    def from_json(cls, d: Mapping[str, Any], where: str = "fragment") -> "FragmentSpec":
+        """Inverse of :meth:`to_json`; ValueError naming the field for anything else (a
+        report file's payload is read back from storage: a wrong shape raised
+        KeyError/TypeError out of the committer)."""
+        shape = _get(d, "shape", list, where)
+        if not all(type(s) is int for s in shape):
+            raise ValueError(f"{where}.shape: expected a list of ints, got {shape!r}")
+        expert = d.get("expert") if isinstance(d, dict) else None
+        if expert is not None and (not isinstance(expert, list) or len(expert) != 2
+                                   or not all(type(x) is int for x in expert)):
+            raise ValueError(f"{where}.expert: expected [layer, expert] or null, got {expert!r}")
+        return cls(name=_get(d, "name", str, where), kind=_get(d, "kind", str, where),
+                   offset=_get(d, "offset", int, where), length=_get(d, "length", int, where),
+                   shape=tuple(shape), dtype=_get(d, "dtype", str, where),
+                   expert=tuple(expert) if expert is not None else None)
 
 
 @dataclass
@@ -589,10 +652,12 @@ class RankReport:
                 "sha256": self.sha256, "fragments": [f.to_json() for f in self.fragments]}
 
     @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "RankReport":
-        return cls(rank=int(d["rank"]), file=d["file"], nbytes=int(d["nbytes"]),
-                   sha256=d["sha256"],
-                   fragments=[FragmentSpec.from_json(f) for f in d["fragments"]])
+    def from_json(cls, d: Mapping[str, Any], where: str = "report") -> "RankReport":
+        """Inverse of :meth:`to_json`; ValueError naming the field for anything else."""
+        return cls(rank=_get(d, "rank", int, where), file=_get(d, "file", str, where),
+                   nbytes=_get(d, "nbytes", int, where), sha256=_get(d, "sha256", str, where),
+                   fragments=[FragmentSpec.from_json(f, f"{where}.fragments[{i}]")
+                              for i, f in enumerate(_get(d, "fragments", list, where))])
 
 
 def assemble_manifest(tag: str, step: int, world_size: int, layout: Mapping[str, Any],
@@ -775,21 +840,24 @@ def read_manifest(ckpt_dir: str) -> Manifest:
     """
     path = os.path.join(ckpt_dir, MANIFEST_FILE)
     try:
-        data = json.loads(fs.read_text(path))
+        data = read_json(path, MANIFEST_MAX_BYTES)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing (incomplete or deleted checkpoint)") from None
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path}: unreadable ({err})") from None
     try:
         manifest = Manifest.from_json(data, path)
+        recorded = data.get(MANIFEST_CHECKSUM)
+        damaged = recorded is not None and recorded != _manifest_digest(data)
     except ValueError as err:
         raise CheckpointError(str(err)) from None
+    except (RecursionError, MemoryError, TypeError, KeyError, AttributeError) as err:
+        # Whatever the type checks above missed must still skip this checkpoint, not
+        # stop the load (or `moc-ckpt verify`) with a stray error.
+        raise CheckpointError(f"{path}: unreadable ({type(err).__name__}: {err})") from None
     dirname = fs.basename(ckpt_dir)
     if manifest.tag != dirname:
         raise CheckpointError(f"{path}: records tag {manifest.tag!r} but lies in {dirname!r} "
                               f"(renamed checkpoint directories break expert indexes)")
-    recorded = data.get(MANIFEST_CHECKSUM)
-    if recorded is not None and recorded != _manifest_digest(data):
+    if damaged:
         raise CheckpointError(f"{path}: checksum mismatch (the manifest is damaged; its "
                               f"{MANIFEST_CHECKSUM} does not match its contents)")
     return manifest
@@ -807,14 +875,22 @@ def read_expert_versions(ckpt_dir: str) -> Tuple[int, Dict[Tuple[int, int], int]
     """
     path = os.path.join(ckpt_dir, MANIFEST_FILE)
     try:
-        data = json.loads(fs.read_text(path))
-        return int(data["step"]), {parse_expert_key(k): min(int(v["step"]), int(
-                                       (v.get("optim") or v)["step"]))
-                                   for k, v in data.get("expert_index", {}).items()}
+        data = read_json(path, MANIFEST_MAX_BYTES)
+        return _int(data["step"]), {parse_expert_key(k): min(_int(v["step"]), _int(
+                                        (v.get("optim") or v)["step"]))
+                                    for k, v in data.get("expert_index", {}).items()}
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing (incomplete or deleted checkpoint)") from None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError,
+            MemoryError) as err:
         raise CheckpointError(f"{path}: unreadable ({type(err).__name__}: {err})") from None
+
+
+def _int(value: Any) -> int:
+    """A step read from JSON: ``int("7")`` and ``int(7.9)`` would pass a damaged one."""
+    if type(value) is not int:
+        raise TypeError(f"expected an int, got {value!r}")
+    return value
 
 
 def update_latest(save_dir: str, tag: str) -> None:
@@ -928,10 +1004,11 @@ def later_attempt_started(save_dir: str, attempt_started: Optional[float]) -> bo
     if attempt_started is None:
         return False
     try:
-        theirs = json.loads(fs.read_text(os.path.join(save_dir, ATTEMPT_FILE)))["attempt_started"]
-    except (OSError, ValueError, KeyError, TypeError):
+        theirs = read_json(os.path.join(save_dir, ATTEMPT_FILE),
+                           ATTEMPT_MAX_BYTES)["attempt_started"]
+    except (OSError, CheckpointError, KeyError, TypeError):
         return False
-    return isinstance(theirs, (int, float)) and theirs > attempt_started
+    return type(theirs) in (int, float) and theirs > attempt_started
 
 
 def _committed_later(current: Manifest, attempt_started: float, step: Optional[int]) -> bool:
@@ -1002,11 +1079,12 @@ def read_latest(save_dir: str) -> Optional[str]:
     """The tag in ``<save_dir>/latest``, or None when there is no (or an empty) file.
 
     Raises:
-        CheckpointError: naming the file, when it holds something that is not a tag.
+        CheckpointError: naming the file, when it holds something that is not a tag, or
+            more than :data:`LATEST_MAX_BYTES`.
     """
     path = os.path.join(save_dir, LATEST_FILE)
     try:
-        text = fs.read_text(path).strip()
+        text = fs.read_text(path, limit=LATEST_MAX_BYTES).strip()
     except FileNotFoundError:
         return None
     except (OSError, UnicodeDecodeError) as err:
@@ -1400,6 +1478,26 @@ def apply_retention(save_dir: str, keep: int) -> List[str]:
     return deleted
 
 
+def retain_unless_superseded(save_dir: str, keep: int,
+                             attempt_started: Optional[float]) -> Optional[List[str]]:
+    """The committer's :func:`apply_retention`: skipped when a later attempt of the job
+    has started (:func:`later_attempt_started`), which may have resumed from a
+    checkpoint this retention would delete; its own commits run retention.
+
+    The check and the deletion are one step under :func:`locked_dir`, the lock
+    :func:`record_attempt` takes: checked unlocked, a restart could record its start
+    and read ``latest`` between the check and the deletion, and then lose the
+    checkpoint it resumes from.
+
+    Returns:
+        The tags deleted, or None when retention was left to the later attempt.
+    """
+    with locked_dir(save_dir):
+        if later_attempt_started(save_dir, attempt_started):
+            return None
+        return apply_retention(save_dir, keep)
+
+
 def _earlier_attempt(save_dir: str, tag: str, attempt_started: float) -> bool:
     """Whether complete checkpoint ``tag`` was committed by an attempt that started before
     ``attempt_started`` (or by a MoC that did not record attempts)."""
@@ -1439,6 +1537,16 @@ def set_aside_checkpoints_after(save_dir: str, step: int, attempt_started: float
     Returns:
         Tags set aside.
     """
+    if not fs.isdir(save_dir):
+        return []  # nothing to set aside (and no directory to hold the lock file)
+    # Under the directory's lock, like retention: the checks and the moves are one step
+    # against a committer of an earlier attempt moving ``latest`` in between.
+    with locked_dir(save_dir):
+        return _set_aside_after(save_dir, step, attempt_started, keep)
+
+
+def _set_aside_after(save_dir: str, step: int, attempt_started: float,
+                     keep: Optional[str]) -> List[str]:
     complete = scan_checkpoints(save_dir).complete
     doomed = [tag for ckpt_step, tag in reversed(complete)
               if ckpt_step >= step and tag != keep and _earlier_attempt(save_dir, tag, attempt_started)]

@@ -29,7 +29,6 @@ and when loading: ``CheckpointReader.objects()`` (or :func:`read_objects_file` +
 """
 
 import collections
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -38,12 +37,15 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import numpy as np
 import torch
 
-from deepspeed_ext import fs
-from deepspeed_ext.storage import (CheckpointError, FileRecord, atomic_write_json,
-                                   dtype_from_name, dtype_name)
+from deepspeed_ext.storage import (JSON_MAX_DEPTH, CheckpointError, FileRecord,
+                                   atomic_write_json, check_depth, dtype_from_name, dtype_name,
+                                   read_json)
 
 OBJECTS_FILE = "objects.json"
 """File name of the encoded objects inside a checkpoint directory."""
+OBJECTS_MAX_BYTES = 256 << 20
+"""Largest ``objects.json`` read (the client state, scheduler, counters, token ledger:
+megabytes at most); a bigger one is damage, read whole into memory otherwise."""
 OBJECTS_TENSOR_FILE = "objects.safetensors"
 """The small file of the tensors the objects reference (every rank's RNG state), beside
 ``objects.json``: kept out of rank 0's file, which every rank of a load would otherwise
@@ -245,10 +247,14 @@ def decode(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
             object, as it was when encoded.
 
     Raises:
-        ValueError: a malformed tree, a missing tensor, or a tensor whose dtype/shape is
-            not the one recorded (the message names the key).
+        ValueError: a malformed tree, a missing tensor, a tensor whose dtype/shape is
+            not the one recorded (the message names the key), or a tree nested deeper
+            than this recursive decoder can follow (RecursionError escaped a load).
     """
-    return _decode(tree, tensors, "")
+    try:
+        return _decode(tree, tensors, "")
+    except RecursionError:
+        raise ValueError("objects: the tree is nested too deeply to decode") from None
 
 
 def _decode(node: Any, tensors: Mapping[str, torch.Tensor], path: str) -> Any:
@@ -393,11 +399,9 @@ def read_objects_file(ckpt_dir: str) -> ObjectsFile:
     """
     path = os.path.join(ckpt_dir, OBJECTS_FILE)
     try:
-        doc = json.loads(fs.read_text(path))
+        doc = read_json(path, OBJECTS_MAX_BYTES)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file missing") from None
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path}: unreadable ({err})") from None
     if not isinstance(doc, dict) or doc.get("format") != OBJECTS_FORMAT:
         raise CheckpointError(f"{path}: not a MoC objects file (format "
                               f"{doc.get('format') if isinstance(doc, dict) else None!r})")
@@ -408,4 +412,10 @@ def read_objects_file(ckpt_dir: str) -> ObjectsFile:
     if tensor_file is not None and (not isinstance(tensor_file, str)
                                     or os.path.basename(tensor_file) != tensor_file):
         raise CheckpointError(f"{path}: bad tensor_file {tensor_file!r}")
+    try:
+        # The tree is walked recursively (tensor_keys, decode): nesting that parsed here
+        # raised RecursionError deeper in a load's stack.
+        check_depth(doc.get("tree"), JSON_MAX_DEPTH)
+    except ValueError as err:
+        raise CheckpointError(f"{path}: the tree is {err}") from None
     return ObjectsFile(tree=doc.get("tree"), tensor_file=tensor_file)

@@ -24,6 +24,7 @@ Call order on one rank (the orchestration sits on top of this)::
 import concurrent.futures
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -44,6 +45,79 @@ class CheckpointError(RuntimeError):
     The message names the file (or tensor) at fault, so that the user knows what to
     delete or which tag to load instead.
     """
+
+
+# ----------------------------------------------------------------- untrusted JSON
+
+SMALL_RECORD_MAX_BYTES = 1 << 20
+"""Cap on a small JSON record read from a checkpoint directory (``latest``, the attempt
+record, a claim, a failure record): each holds a few dozen bytes when MoC writes it."""
+
+JSON_MAX_DEPTH = 100
+"""Deepest nesting accepted in the free-form parts of a checkpoint's JSON (a manifest's
+``layout`` and ``extra``, the objects tree). MoC writes a handful of levels; a crafted
+file nesting hundreds deep parses, then raises RecursionError in whatever walks it at a
+deeper point of a load's stack (a checksum's ``json.dumps``, decoding the objects)."""
+
+
+def parse_json(data: Any, source: str) -> Any:
+    """``json.loads(data)`` for text read from a checkpoint.
+
+    Raises:
+        CheckpointError: naming ``source``: not UTF-8, not JSON, nested too deeply for
+            the parser (``[[[...]]]`` 100000 deep raises RecursionError, which escaped
+            every ``except ValueError`` and stopped a load instead of skipping the
+            checkpoint), or too large to hold parsed in memory.
+    """
+    try:
+        if isinstance(data, (bytes, bytearray)):
+            data = bytes(data).decode("utf-8")
+        return json.loads(data)
+    except RecursionError:
+        raise CheckpointError(f"{source}: unreadable (JSON nested too deeply)") from None
+    except MemoryError:
+        raise CheckpointError(f"{source}: unreadable (too large to parse in memory)") from None
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+        raise CheckpointError(f"{source}: unreadable ({err})") from None
+
+
+def read_json(path: str, limit: int) -> Any:
+    """The parsed JSON file ``path``, read only up to ``limit`` bytes (:func:`fs.read_bytes`).
+
+    Raises:
+        FileNotFoundError: the file is missing (callers tell that apart: an incomplete
+            checkpoint, no record yet).
+        CheckpointError: naming the file: larger than ``limit``, unreadable, or not
+            JSON (:func:`parse_json`).
+    """
+    try:
+        data = fs.read_bytes(path, limit=limit)
+    except (FileNotFoundError, CheckpointError):
+        raise
+    except OSError as err:
+        raise CheckpointError(f"{path}: unreadable ({err})") from None
+    return parse_json(data, path)
+
+
+def check_depth(value: Any, max_depth: int = JSON_MAX_DEPTH) -> None:
+    """ValueError when parsed JSON nests lists/objects deeper than ``max_depth``.
+
+    Iterative (a recursive walk would itself overflow on the input it refuses); its
+    cost is one visit per container.
+    """
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        if depth > max_depth:
+            raise ValueError(f"nested deeper than {max_depth} levels")
+        stack.extend((child, depth + 1) for child in children
+                     if isinstance(child, (dict, list)))
 
 
 @dataclass(frozen=True)
@@ -244,7 +318,7 @@ def check_file(path: str, nbytes: int, sha256: Optional[str] = None) -> Optional
         size = fs.getsize(path)
     except FileNotFoundError:
         return f"{path}: file missing"
-    except OSError as err:
+    except (OSError, ValueError) as err:  # ValueError: a NUL in a name a manifest lists
         return f"{path}: cannot stat ({err})"
     if size != nbytes:
         how = "truncated" if size < nbytes else "larger than recorded"
@@ -521,6 +595,71 @@ _MAX_HEADER = 256 << 20
 """Largest safetensors header accepted from a URL: a bigger length field means the file
 is not safetensors (safetensors itself refuses headers over 100 MB)."""
 
+_ITEM_SIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+               "U8": 1, "BOOL": 1, "U16": 2, "U32": 4, "U64": 8, "C64": 8, "F8_E4M3": 1,
+               "F8_E5M2": 1}
+"""Bytes per element of each safetensors dtype code of :data:`_SAFETENSORS_CODES`."""
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def check_safetensors_header(header: Any, data_size: int) -> Dict[str, Dict[str, Any]]:
+    """The tensor entries of a parsed safetensors header, checked as safetensors' own
+    reader checks a local file's: each entry an object with a known ``dtype`` code, a
+    ``shape`` of non-negative ints and ``data_offsets`` ``[begin, end]`` whose span is
+    exactly the shape's bytes; the spans, in order, tile ``[0, data_size)`` without gap
+    or overlap; ``__metadata__`` (optional) maps strings to strings.
+
+    A header used unchecked raised TypeError/ValueError out of a load on a dtype list or
+    a shape of strings (not the checkpoint error that skips to an older checkpoint),
+    and offsets past a tensor's own span read another tensor's bytes as its data.
+
+    Raises:
+        ValueError: naming the entry and what is wrong with it.
+    """
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    metadata = header.get("__metadata__")
+    if metadata is not None and (not isinstance(metadata, dict) or not all(
+            isinstance(v, str) for v in metadata.values())):
+        raise ValueError("__metadata__ is not an object of strings")
+    entries, spans = {}, []
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        if not isinstance(entry, dict):
+            raise ValueError(f"tensor {key!r}: entry is not an object")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in _ITEM_SIZES:
+            raise ValueError(f"tensor {key!r}: unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(_is_count(n) for n in shape):
+            raise ValueError(f"tensor {key!r}: shape {shape!r} is not a list of "
+                             f"non-negative ints")
+        if (not isinstance(offsets, list) or len(offsets) != 2
+                or not all(_is_count(n) for n in offsets) or offsets[0] > offsets[1]):
+            raise ValueError(f"tensor {key!r}: data_offsets {offsets!r} are not two ordered "
+                             f"non-negative ints")
+        nbytes = math.prod(shape) * _ITEM_SIZES[dtype]
+        if offsets[1] - offsets[0] != nbytes:
+            raise ValueError(f"tensor {key!r}: data_offsets {offsets} span "
+                             f"{offsets[1] - offsets[0]} bytes, its {dtype} {shape} needs {nbytes}")
+        entries[key] = entry
+        spans.append((offsets[0], offsets[1], key))
+    end = 0
+    for begin, stop, key in sorted(spans):
+        if begin != end:
+            raise ValueError(f"tensor {key!r}: data_offsets start at {begin}, the previous "
+                             f"tensor ends at {end} ({'overlap' if begin < end else 'gap'})")
+        end = stop
+    if end > data_size:
+        raise ValueError(f"truncated: the tensors end at byte {end} of the data, the file "
+                         f"holds {data_size}")
+    if end < data_size:
+        raise ValueError(f"{data_size - end} bytes after the last tensor's data")
+    return entries
+
 
 class _UrlSafetensors:
     """The safetensors header of a file behind a URL, and ranged reads of its tensors
@@ -529,19 +668,22 @@ class _UrlSafetensors:
     def __init__(self, path: str):
         self.path = path
         try:
+            size = fs.getsize(path)
             head = fs.read_range(path, 0, 8)
             length = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if not 0 < length <= _MAX_HEADER:
-                raise ValueError(f"header length field {length}")
-            header = json.loads(fs.read_range(path, 8, 8 + length).decode("utf-8"))
-            if not isinstance(header, dict):
-                raise ValueError("header is not a JSON object")
+            if not 0 < length <= _MAX_HEADER or 8 + length > size:
+                raise ValueError(f"header length field {length} (file of {size} bytes)")
+            header = parse_json(fs.read_range(path, 8, 8 + length), path)
+            self.entries: Dict[str, Dict[str, Any]] = check_safetensors_header(
+                header, size - 8 - length)
         except FileNotFoundError:
             raise CheckpointError(f"{path}: file missing") from None
-        except (ValueError, UnicodeDecodeError) as err:
-            raise CheckpointError(f"{path}: not a readable safetensors file ({err})") from None
-        self._metadata = header.pop("__metadata__", None) or {}
-        self.entries: Dict[str, Dict[str, Any]] = header
+        except (ValueError, CheckpointError) as err:
+            text = str(err)
+            if text.startswith(path + ": "):
+                text = text[len(path) + 2:]
+            raise CheckpointError(f"{path}: not a readable safetensors file ({text})") from None
+        self._metadata = header.get("__metadata__") or {}
         self.data_start = 8 + length
 
     def metadata(self) -> Dict[str, str]:

@@ -10,7 +10,6 @@ All ranks call :func:`save_checkpoint` and :func:`load_checkpoint` together.
 """
 
 import argparse
-import json
 import os
 import time
 import traceback
@@ -20,14 +19,19 @@ from typing import Dict, Optional, Tuple
 import torch.distributed as dist
 
 from deepspeed_ext import fs
-from deepspeed_ext.storage import atomic_write_json, atomic_write_text
+from deepspeed_ext.storage import (SMALL_RECORD_MAX_BYTES, CheckpointError, atomic_write_json,
+                                   atomic_write_text, read_json)
 from megatron.training.arguments import MODEL_SHAPE_ARGS
 from megatron.training.errors import ConfigError
 from megatron.training.log import print_rank_0
 from megatron.training.rng import get_rng_state, set_rng_state
 
 META_FILE = "megatron_meta.json"
+META_MAX_BYTES = 16 << 20
+"""Largest ``megatron_meta.json`` read (the saved arguments: kilobytes)."""
 LATEST_FILE = "latest"
+LATEST_MAX_BYTES = SMALL_RECORD_MAX_BYTES
+"""Largest DeepSpeed ``latest`` read (one tag): one linked to /dev/zero was read forever."""
 
 
 @dataclass
@@ -109,13 +113,47 @@ def save_checkpoint(engine, args: argparse.Namespace, scheduler, state: ResumeSt
 
 
 def find_latest_tag(load_dir: str) -> Optional[str]:
-    """The tag DeepSpeed's ``latest`` file names, or None when there is no checkpoint."""
+    """The tag DeepSpeed's ``latest`` file names, or None when there is no checkpoint.
+
+    Raises:
+        ConfigError: naming the file, when it is not one directory name inside
+            ``load_dir`` (:func:`_check_baseline_tag`), or is too large or not UTF-8.
+    """
     latest = fs.join(load_dir, LATEST_FILE)
     try:
-        tag = fs.read_text(latest).strip()
+        tag = fs.read_text(latest, limit=LATEST_MAX_BYTES).strip()
     except (FileNotFoundError, IsADirectoryError):
         return None
-    return tag or None
+    except (CheckpointError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--load: {latest}: {e}; it must name a checkpoint directory "
+                          f"inside {load_dir}") from None
+    if not tag:
+        return None
+    _check_baseline_tag(load_dir, latest, tag)
+    return tag
+
+
+def _check_baseline_tag(load_dir: str, latest: str, tag: str) -> None:
+    """Refuse a ``latest`` that does not name a directory inside ``load_dir``.
+
+    DeepSpeed joins the tag into a path and unpickles the files it finds there: an
+    absolute path (``/elsewhere``), a ``..``, or a tag directory linked outside sent the
+    load, and its pickles, out of ``--load``. A tag is one path component (no
+    separator, not ``.``/``..``, no NUL) whose resolved path lies inside ``load_dir``.
+
+    Raises:
+        ConfigError: naming the file and what it holds.
+    """
+    bad = (tag in (".", "..") or "/" in tag or "\\" in tag or "\0" in tag
+           or (os.sep != "/" and os.sep in tag) or (os.altsep and os.altsep in tag))
+    if not bad and not fs.is_url(load_dir):
+        root = os.path.realpath(load_dir)
+        bad = os.path.dirname(os.path.realpath(os.path.join(load_dir, tag))) != root
+    if bad:
+        raise ConfigError(f"--load: {latest} names {tag[:200]!r}, which is not a checkpoint "
+                          f"directory inside {load_dir} (one directory name, not a path); "
+                          f"refusing to load it: write the tag of a checkpoint in {load_dir} "
+                          f"into {latest}")
 
 
 def _moc_newest_tag(load_dir: str) -> Optional[str]:
@@ -233,8 +271,15 @@ def _saved_meta(engine, load_dir: str, tag: str) -> Dict:
     if not os.path.isfile(meta_path):
         raise ConfigError(f"--load: {meta_path} is missing: {path} is not a complete checkpoint "
                           "of this trainer (was it saved with --moc-checkpoint?)")
-    with open(meta_path) as f:
-        return json.load(f)
+    try:
+        meta = read_json(meta_path, META_MAX_BYTES)
+    except (CheckpointError, OSError) as e:  # too large, not JSON, nested too deeply
+        raise ConfigError(f"--load: {e} (a damaged checkpoint: load another)") from None
+    # check_compatible reads these fields: another shape raised a stray AttributeError.
+    if not isinstance(meta, dict) or not isinstance(meta.get("args", {}), dict):
+        raise ConfigError(f"--load: {meta_path}: not this trainer's metadata (expected an "
+                          f"object with an \"args\" object)")
+    return meta
 
 
 def _exact_resume(engine, args, scheduler, exact, tag: Optional[str]) -> Optional[ResumeState]:

@@ -538,3 +538,97 @@ def test_a_late_committer_removes_only_its_own_reports_and_claim(tmp_path):
     assert sorted(os.listdir(tag_dir)) == sorted([CLAIM_NAME, report_name(0)])
     remove_reports(tag_dir, 2, claim="new")
     assert os.listdir(tag_dir) == []
+
+
+# ------------------------------------------ untrusted commit records (issue 20, 4/5)
+
+def test_retention_is_decided_and_done_in_one_step_under_the_directory_lock(tmp_path, monkeypatch):
+    """The committer asked, unlocked, whether a later attempt had started, and then ran
+    retention, unlocked: a restart recording its start (under the lock) and reading
+    ``latest`` in between had the checkpoint it resumes from deleted under it. The check
+    and the deletion now share one hold of the lock that record_attempt takes."""
+    import contextlib
+    from deepspeed_ext import manifest as mf
+    holds, seen = [], {}
+    real_lock, real_check, real_retention = mf.locked_dir, mf.later_attempt_started, mf.apply_retention
+
+    @contextlib.contextmanager
+    def tracked(path):
+        with real_lock(path):
+            holds.append(object())
+            try:
+                yield
+            finally:
+                holds.pop()
+
+    def check(save_dir, attempt_started):
+        seen["check"] = holds[-1] if holds else None
+        return real_check(save_dir, attempt_started)
+
+    def retention(save_dir, keep):
+        seen["retention"] = holds[-1] if holds else None
+        return real_retention(save_dir, keep)
+    monkeypatch.setattr(mf, "locked_dir", tracked)
+    monkeypatch.setattr(mf, "later_attempt_started", check)
+    monkeypatch.setattr(mf, "apply_retention", retention)
+    save_dir = str(tmp_path)
+    _commit_keep(save_dir, "global_step10", 10, 1.0, 100.0, keep=1)
+    assert _commit_keep(save_dir, "global_step20", 20, 2.0, 100.0, keep=1) == [
+        "retention: removed global_step10"]
+    assert seen["check"] is not None and seen["check"] is seen["retention"], seen
+    seen.clear()
+    mf.record_attempt(save_dir, 200.0)
+    logged = _commit_keep(save_dir, "global_step30", 30, 3.0, 100.0, keep=1)
+    assert seen["check"] is not None and "retention" not in seen, seen
+    assert any("left to the later attempt" in line for line in logged), logged
+
+
+def test_damaged_commit_records_are_commit_errors(tmp_path, monkeypatch):
+    """Reports, claims and failure records nested 100000 deep raised RecursionError out
+    of the committer and of every rank's wait, a huge one was read whole, and a report
+    payload of the wrong shape raised KeyError/TypeError out of commit_checkpoint. Each
+    is now the commit's own error (the save fails cleanly), naming the file or rank."""
+    from deepspeed_ext import commit as cm
+    from deepspeed_ext import manifest as mf
+    from deepspeed_ext.commit import commit_outcome
+    nested = "[" * 100_000 + "]" * 100_000
+    tag_dir = tmp_path / "global_step10"
+    tag_dir.mkdir()
+    (tag_dir / report_name(0)).write_text(nested)
+    with pytest.raises(CommitError, match="nested"):
+        wait_for_reports(str(tag_dir), 1, timeout_s=1)
+    ok, why = commit_outcome(str(tag_dir), 1)
+    assert not ok and report_name(0) in why
+    (tag_dir / report_name(0)).unlink()
+    (tag_dir / CLAIM_NAME).write_text(nested)
+    with pytest.raises(CommitError, match="nested"):
+        read_claim(str(tag_dir))
+    (tag_dir / CLAIM_NAME).write_text('{"claim": ["not", "a", "string"]}')
+    with pytest.raises(CommitError, match=CLAIM_NAME):
+        read_claim(str(tag_dir))
+    (tag_dir / CLAIM_NAME).unlink()
+    (tag_dir / FAILURE_NAME).write_text(nested)
+    ok, why = commit_outcome(str(tag_dir), 1)
+    assert not ok and FAILURE_NAME in why
+    (tag_dir / FAILURE_NAME).unlink()
+    write_report(str(tag_dir), 0, {"x": "y" * 100})
+    monkeypatch.setattr(cm, "REPORT_MAX_BYTES", 64)
+    with pytest.raises(CommitError, match="larger than 64 bytes"):
+        wait_for_reports(str(tag_dir), 1, timeout_s=1)
+    monkeypatch.undo()
+    # A payload of the wrong shape: refused before anything is written.
+    save_dir, tag = str(tmp_path / "run"), "global_step10"
+    run_dir = mf.prepare_checkpoint_dir(save_dir, tag)
+    for rank in range(2):
+        _write_share(save_dir, tag, rank, 1.0)
+    claim = read_claim(run_dir)
+    shares = wait_for_reports(run_dir, 2, timeout_s=5, claim=claim)
+    layout = _commit_job(save_dir, tag, 10, claim)["commit"]["layout"]
+    for broken in ({"report": {"rank": 0}}, {"report": "x", "objects": None},
+                   dict(shares[1], report=dict(shares[1]["report"], fragments=[{"name": 1}])),
+                   dict(shares[1], report=dict(shares[1]["report"], nbytes="12")),
+                   "not an object"):
+        with pytest.raises(CommitError, match="rank 1"):
+            commit_checkpoint(save_dir, tag, 10, layout, [shares[0], broken], None, None, None,
+                              True, 0, log=lambda line: None, claim=claim)
+    assert not os.path.exists(os.path.join(run_dir, mf.MANIFEST_FILE))

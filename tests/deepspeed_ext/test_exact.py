@@ -389,3 +389,34 @@ def test_a_frame_carries_the_fp16_loss_scaler(monkeypatch):
     snaps._restore_objects({"engine": {"global_steps": 40}, "optimizer_scalars": [],
                             "loss_scaler": saved})
     assert st.loss_scaler_state(fresh) == saved and fresh.global_steps == 40
+
+
+@pytest.mark.parametrize("fields", [
+    {"global_steps": 40, "optimizer": None},        # an engine attribute, not a counter
+    {"global_steps": 40, "__class__": "x"},
+    {"global_steps": "40"}, {"global_steps": 40.0}, {"global_steps": True},
+    {"global_steps": -1}, {"skipped_steps": [1]},
+])
+def test_a_frame_sets_only_known_non_negative_engine_counters(monkeypatch, fields):
+    """Exact recovery setattr'ed every key of a frame's unchecked ``engine`` record onto
+    the engine: a crafted frame could replace its optimizer (or any attribute) or make
+    global_steps a string. Only global_steps, global_samples and skipped_steps, as
+    non-negative ints, are applied; anything else is refused, as a damaged frame is,
+    before the engine is touched."""
+    import types
+    from deepspeed_ext import state as st
+    touched = []
+    monkeypatch.setattr(st, "ensure_optimizer_state", lambda engine: touched.append("optim"))
+    monkeypatch.setattr(st, "set_optimizer_scalars", lambda engine, scalars: None)
+    monkeypatch.setattr(st, "set_loss_scaler_state", lambda engine, state: None)
+    engine = types.SimpleNamespace(optimizer="the optimizer", global_steps=7, global_samples=70,
+                                   skipped_steps=0)
+    snaps = ex.ExactSnapshots.__new__(ex.ExactSnapshots)
+    snaps.engine = engine
+    with pytest.raises(RuntimeError, match="engine"):
+        snaps._restore_objects({"engine": fields, "optimizer_scalars": []})
+    assert vars(engine) == {"optimizer": "the optimizer", "global_steps": 7,
+                            "global_samples": 70, "skipped_steps": 0} and touched == []
+    snaps._restore_objects({"engine": {"global_steps": 40, "global_samples": 400,
+                                       "skipped_steps": 1}, "optimizer_scalars": []})
+    assert (engine.global_steps, engine.global_samples, engine.skipped_steps) == (40, 400, 1)

@@ -151,8 +151,10 @@ def test_url_reader_errors_name_the_object(url):
     record = write_fragment_file(good, {"a": torch.arange(100, dtype=torch.float32)})
     fs.write_bytes(good, fs.read_bytes(good)[:-8])  # cut short, as by a torn upload
     assert "truncated" in check_file(good, record.nbytes, record.sha256)
-    with FragmentReader(good) as reader, pytest.raises(CheckpointError, match="truncated"):
-        reader.read("a", 90, 10)
+    # Refused at open, as safetensors refuses a local file cut short: the header's
+    # offsets reach past the file (it was read unchecked, and only reads failed).
+    with pytest.raises(CheckpointError, match="good.safetensors: .*truncated"):
+        FragmentReader(good)
 
 
 def test_checkpoints_on_a_url_resolve_verify_and_load(url):
@@ -186,3 +188,42 @@ def test_retention_and_deletion_on_a_url(url):
     assert mf.list_checkpoints(url) == [] and not fs.exists(fs.join(url, "global_step20"))
     assert mf.prepare_checkpoint_dir(url, "global_step15") == partial
     assert not fs.exists(fs.join(partial, "rank00000.safetensors"))
+
+
+def test_whole_file_reads_stop_past_their_limit(tmp_path, url):
+    """``latest`` linked to /dev/zero was read forever (and a multi-GiB file whole into
+    memory): a whole-file read takes at most ``limit`` + 1 bytes and refuses more, on a
+    local path and a URL alike. A FIFO does not block the read either."""
+    small = tmp_path / "small"
+    small.write_bytes(b"x" * 10)
+    assert fs.read_bytes(str(small), limit=10) == b"x" * 10
+    with pytest.raises(CheckpointError, match=r"small: larger than 9 bytes"):
+        fs.read_bytes(str(small), limit=9)
+    remote = fs.join(url, "small")
+    fs.write_bytes(remote, b"y" * 10)
+    assert fs.read_text(remote, limit=10) == "y" * 10
+    with pytest.raises(CheckpointError, match=f"{remote}: larger than 9 bytes"):
+        fs.read_text(remote, limit=9)
+    with pytest.raises(FileNotFoundError):
+        fs.read_bytes(fs.join(url, "missing"), limit=9)
+    if os.path.exists("/dev/zero"):
+        os.symlink("/dev/zero", tmp_path / "zero")
+        with pytest.raises(CheckpointError, match="larger than 1024 bytes"):
+            fs.read_text(str(tmp_path / "zero"), limit=1024)
+    os.mkfifo(tmp_path / "fifo")
+    assert fs.read_bytes(str(tmp_path / "fifo"), limit=10) == b""
+    assert fs.DEFAULT_READ_LIMIT > 0  # a read without its own limit is bounded too
+
+
+def test_a_url_checkpoint_with_a_malformed_header_is_skipped(url):
+    """A rank file on an object store whose header names a dtype list (same size, so
+    it passes the size check) raised TypeError out of a restart's search for a
+    loadable checkpoint; now that checkpoint is skipped, as a local one is."""
+    three_checkpoints(url)
+    path = fs.join(url, "global_step30", mf.rank_file_name(0))
+    data = fs.read_bytes(path)
+    assert b'"dtype":"F32"' in data
+    fs.write_bytes(path, data.replace(b'"dtype":"F32"', b'"dtype":[320]', 1))
+    tag, skipped = find_loadable(url, checksums=False)
+    assert tag == "global_step20" and "not a readable safetensors file" in skipped[0], skipped
+    assert mf.rank_file_name(0) in skipped[0]

@@ -621,3 +621,137 @@ def test_locked_dir_locks_a_writable_file_and_excludes_other_processes(tmp_path)
     acquired = float(child.communicate(timeout=60)[0])
     assert acquired >= released
     assert mf.scan_checkpoints(str(tmp_path)).complete == []  # the lock file is no checkpoint
+
+
+# ------------------------------------------------- untrusted manifests (issue 20, 4/5)
+
+def test_validate_costs_what_the_file_lists_not_what_its_layout_declares(tmp_path, monkeypatch):
+    """A crafted layout declaring 10^9 MoE layers x 10^9 experts made validate() build
+    every expert key of the product: hours of CPU and all memory, at every restart,
+    instead of skipping the checkpoint. The missing experts are counted from the keys
+    the file lists; at most a handful more are named."""
+    run = FakeRun(tmp_path)
+    manifest = run.save("global_step10", 10, 2)
+    calls = []
+    real = mf.expert_key
+
+    def counted(layer, expert):
+        calls.append(1)
+        if len(calls) > 10_000:
+            raise AssertionError("validate() iterates over the declared layers x experts")
+        return real(layer, expert)
+    monkeypatch.setattr(mf, "expert_key", counted)
+    manifest.layout.update(num_moe_layers=10 ** 9, num_experts=10 ** 9)
+    problems = manifest.validate()
+    assert any(f"lacks {10 ** 18 - LAYERS * EXPERTS} of {10 ** 18} experts" in p
+               and "first: 0/4" in p for p in problems), problems
+    assert len(calls) <= 4 * len(manifest.expert_index) + 5  # what the file lists
+    # The same through a load: the checkpoint is skipped (with its reason), fast.
+    edit_manifest(tmp_path, "global_step10",
+                  lambda d: d["layout"].update(num_moe_layers=10 ** 9, num_experts=10 ** 9))
+    problems = verify_checkpoint(str(tmp_path), "global_step10", checksums=False)
+    assert any("lacks" in p for p in problems), problems
+
+
+@pytest.mark.parametrize("layers, experts", [("2", 4), (2, [4]), (True, 4), (-1, 4), (2, 4.0)])
+def test_declared_expert_counts_of_the_wrong_type_are_problems(tmp_path, layers, experts):
+    """num_moe_layers/num_experts decide the completeness check: a string, list, bool,
+    float or negative count is a damaged manifest, not a count to skip silently."""
+    run = FakeRun(tmp_path)
+    manifest = run.save("global_step10", 10, 2)
+    manifest.layout.update(num_moe_layers=layers, num_experts=experts)
+    assert any("num_moe_layers" in p and "num_experts" in p for p in manifest.validate())
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def test_deeply_nested_json_in_a_manifest_is_a_checkpoint_error(tmp_path):
+    """``[[[[...]]]]`` 100000 deep raised RecursionError out of read_manifest, and so out
+    of `moc-ckpt inspect`/`verify` and a restart's load, instead of skipping that
+    checkpoint. Nesting that parses at the reader's depth but not deeper in a load's
+    stack (inside the free-form ``extra``) is refused the same way."""
+    from deepspeed_ext.reader import find_loadable
+    three_checkpoints(tmp_path)
+    tag_dir = str(tmp_path / "global_step30")
+    path = os.path.join(tag_dir, mf.MANIFEST_FILE)
+    good = open(path).read()
+    with open(path, "w") as f:
+        f.write(_nested(100_000))
+    for call in (lambda: read_manifest(tag_dir), lambda: mf.read_expert_versions(tag_dir)):
+        with pytest.raises(CheckpointError, match="nested") as err:
+            call()
+        assert path in str(err.value)
+    assert verify_checkpoint(str(tmp_path), "global_step30")[0].startswith(path)
+    assert scan_checkpoints(str(tmp_path)).corrupt[0][0] == "global_step30"
+    update_latest(str(tmp_path), "global_step20")
+    tag, skipped = find_loadable(str(tmp_path), checksums=False)
+    assert tag == "global_step20" and any("global_step30" in s for s in skipped)
+    data = json.loads(good)
+    data["extra"]["deep"] = json.loads(_nested(900))
+    with open(path, "w") as f:
+        json.dump(mf.sign_manifest(data), f)
+    with pytest.raises(CheckpointError, match="nested"):
+        read_manifest(tag_dir)
+
+
+def test_every_json_file_read_has_a_size_cap(tmp_path, monkeypatch):
+    """A manifest, ``latest`` or attempt record of any size was read whole into memory
+    (``latest`` linked to /dev/zero: forever). Each kind has its cap; past it the file
+    is a checkpoint error naming it (the attempt record: unreadable, so ignored)."""
+    three_checkpoints(tmp_path)
+    tag_dir = str(tmp_path / "global_step30")
+    size = os.path.getsize(os.path.join(tag_dir, mf.MANIFEST_FILE))
+    monkeypatch.setattr(mf, "MANIFEST_MAX_BYTES", size - 1)
+    for call in (lambda: read_manifest(tag_dir), lambda: mf.read_expert_versions(tag_dir)):
+        with pytest.raises(CheckpointError, match=f"larger than {size - 1} bytes"):
+            call()
+    monkeypatch.setattr(mf, "MANIFEST_MAX_BYTES", size)
+    assert read_manifest(tag_dir).step == 30
+    latest = tmp_path / mf.LATEST_FILE
+    latest.write_text("global_step" + "3" * mf.LATEST_MAX_BYTES)
+    with pytest.raises(CheckpointError, match="latest: larger than"):
+        read_latest(str(tmp_path))
+    (tmp_path / mf.ATTEMPT_FILE).write_text(
+        '{"attempt_started": 1e9, "pad": "' + " " * mf.ATTEMPT_MAX_BYTES + '"}')
+    assert not mf.later_attempt_started(str(tmp_path), 1.0)
+    (tmp_path / mf.ATTEMPT_FILE).write_text(_nested(100_000))
+    assert not mf.later_attempt_started(str(tmp_path), 1.0)
+
+
+def test_latest_linked_to_dev_zero_is_refused_not_read_forever(tmp_path):
+    """The load used to read ``latest`` until memory ran out. Run in a child with a
+    memory limit and a deadline, so that the old code fails instead of taking the
+    machine down."""
+    import subprocess
+    import sys
+    if not os.path.exists("/dev/zero"):
+        pytest.skip("needs /dev/zero")
+    os.symlink("/dev/zero", tmp_path / mf.LATEST_FILE)
+    script = ("import resource, sys\n"
+              "resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))\n"
+              "from deepspeed_ext import manifest as mf\n"
+              "try:\n"
+              "    mf.read_latest(sys.argv[1])\n"
+              "except mf.CheckpointError as err:\n"
+              "    print('refused:', err)\n")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "refused:" in done.stdout, done.stderr[-2000:]
+    assert "latest: larger than" in done.stdout
+
+
+def test_a_file_name_with_a_nul_is_a_problem_not_a_stray_error(tmp_path):
+    """A manifest listing a file named with a NUL made os.stat raise ValueError out of
+    verify_checkpoint and the restart's search, instead of skipping that checkpoint."""
+    from deepspeed_ext.reader import find_loadable
+    three_checkpoints(tmp_path)
+
+    def rename(data):
+        data["files"]["rank\x0000.safetensors"] = data["files"].pop(rank_file_name(0))
+    edit_manifest(tmp_path, "global_step30", rename)
+    problems = verify_checkpoint(str(tmp_path), "global_step30", checksums=False)
+    assert any("not a plain file name" in p for p in problems), problems
+    tag, skipped = find_loadable(str(tmp_path), checksums=False)
+    assert tag == "global_step20" and "global_step30" in skipped[0]

@@ -192,3 +192,33 @@ def test_objects_file_errors_name_the_file(tmp_path):
     tree, _ = encode({"t": torch.zeros(1)})
     with pytest.raises(ValueError, match="name the file"):
         write_objects_file(str(tmp_path), tree, None)
+
+
+def test_deep_or_huge_objects_files_are_checkpoint_errors(tmp_path, monkeypatch):
+    """``[[[...]]]`` 100000 deep raised RecursionError out of read_objects_file, and a
+    tree that parsed but nested deeper than decode's recursion could follow raised it
+    out of a load's objects(); both are checkpoint errors naming the file (decode alone:
+    ValueError). The file is also read only up to its size cap."""
+    from deepspeed_ext import objects as ob
+    path = tmp_path / OBJECTS_FILE
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointError, match="nested") as err:
+        read_objects_file(str(tmp_path))
+    assert str(path) in str(err.value)
+    path.write_text('{"format": "moc-objects", "version": 1, "tensor_file": null, "tree": '
+                    + "[" * 900 + "]" * 900 + "}")
+    with pytest.raises(CheckpointError, match="nested"):
+        read_objects_file(str(tmp_path))
+    with pytest.raises(ValueError, match="nested"):
+        decode(_deep_list(5000), {})
+    write_objects_file(str(tmp_path), {"x": 1}, None)
+    monkeypatch.setattr(ob, "OBJECTS_MAX_BYTES", 8)
+    with pytest.raises(CheckpointError, match="larger than 8 bytes"):
+        read_objects_file(str(tmp_path))
+
+
+def _deep_list(depth: int) -> list:
+    node: list = []
+    for _ in range(depth):
+        node = [node]
+    return node

@@ -196,3 +196,83 @@ def test_atomic_write_fsyncs_only_when_durable(tmp_path, monkeypatch, durable, s
     assert json.loads(open(path).read()) == {"claim": "x"}
     assert os.listdir(tmp_path) == ["claim.json"]  # no temp file left
     assert bool(calls) == syncs
+
+
+# ------------------------------------------------ untrusted headers (issue 20, 4/5)
+
+def _safetensors_bytes(header, data: bytes = b"\0" * 16) -> bytes:
+    text = json.dumps(header).encode() if not isinstance(header, bytes) else header
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + data
+
+
+_GOOD = {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}
+_BAD_HEADERS = {
+    "dtype not a string": {"a": {"dtype": ["F32"], "shape": [4], "data_offsets": [0, 16]}},
+    "unknown dtype": {"a": {"dtype": "F33", "shape": [4], "data_offsets": [0, 16]}},
+    "shape not a list": {"a": {"dtype": "F32", "shape": "4", "data_offsets": [0, 16]}},
+    "shape of strings": {"a": {"dtype": "F32", "shape": ["4"], "data_offsets": [0, 16]}},
+    "negative shape": {"a": {"dtype": "F32", "shape": [-4], "data_offsets": [0, 16]}},
+    "one offset": {"a": {"dtype": "F32", "shape": [4], "data_offsets": [16]}},
+    "offsets of strings": {"a": {"dtype": "F32", "shape": [4], "data_offsets": ["0", "16"]}},
+    "offsets reversed": {"a": {"dtype": "F32", "shape": [4], "data_offsets": [16, 0]}},
+    "offsets past the file": {"a": {"dtype": "F32", "shape": [4], "data_offsets": [16, 32]}},
+    "size not the shape's": {"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 16]}},
+    "overlapping tensors": {"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+                            "b": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}},
+    "entry not an object": {"a": [0, 16]},
+    "entry without fields": {"a": {}},
+    "metadata not strings": {"__metadata__": {"k": 1}, **_GOOD},
+    "header not an object": [1, 2],
+    "nested too deeply": b"[" * 100_000 + b"]" * 100_000,
+}
+
+
+@pytest.fixture
+def memory_url():
+    import uuid
+    from deepspeed_ext import fs
+    base = f"memory://moc-test-{uuid.uuid4().hex[:10]}"
+    yield base
+    fs.rmtree(base)
+
+
+@pytest.mark.parametrize("where", ["local", "url"])
+@pytest.mark.parametrize("case", sorted(_BAD_HEADERS))
+def test_malformed_safetensors_headers_are_checkpoint_errors(tmp_path, memory_url, where, case):
+    """A header read from a URL was used unchecked: a dtype list, a shape of strings or a
+    single offset raised TypeError/ValueError out of a load (instead of the checkpoint
+    error that skips to an older checkpoint), and offsets past the file read other
+    tensors' bytes. Both paths (safetensors' own reader locally, ours for URLs) refuse
+    each at open, naming the file."""
+    from deepspeed_ext import fs
+    data = _safetensors_bytes(_BAD_HEADERS[case])
+    if where == "local":
+        path = str(tmp_path / "bad.safetensors")
+        with open(path, "wb") as f:
+            f.write(data)
+    else:
+        path = fs.join(memory_url, "bad.safetensors")
+        fs.write_bytes(path, data)
+    with pytest.raises(CheckpointError, match="bad.safetensors"):
+        with FragmentReader(path) as reader:
+            for key in reader.keys():
+                reader.dtype(key), reader.read(key)
+
+
+@pytest.mark.parametrize("where", ["local", "url"])
+def test_a_well_formed_handmade_header_reads_on_both_paths(tmp_path, memory_url, where):
+    from deepspeed_ext import fs
+    data = _safetensors_bytes({"__metadata__": {"k": "v"}, **_GOOD,
+                               "e": {"dtype": "BF16", "shape": [0, 3], "data_offsets": [16, 16]}},
+                              torch.arange(4, dtype=torch.float32).numpy().tobytes())
+    path = str(tmp_path / "ok.safetensors") if where == "local" else fs.join(memory_url, "ok.safetensors")
+    if where == "local":
+        with open(path, "wb") as f:
+            f.write(data)
+    else:
+        fs.write_bytes(path, data)
+    with FragmentReader(path) as reader:
+        assert reader.keys() == ["a", "e"] and reader.metadata() == {"k": "v"}
+        assert reader.read("a").tolist() == [0.0, 1.0, 2.0, 3.0]
+        assert reader.shape("e") == [0, 3] and reader.dtype("e") == torch.bfloat16

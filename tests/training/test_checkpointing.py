@@ -173,3 +173,61 @@ def test_a_lost_or_damaged_latest_resumes_from_the_newest_complete_checkpoint(tm
     assert found == {"intact": ("global_step10", meta), "missing": ("global_step20", meta),
                      "not utf-8": ("global_step20", meta), "incomplete": ("global_step20", meta),
                      "none complete": (None, {})}
+
+
+@pytest.mark.parametrize("content", ["/etc", "../elsewhere", "global_step5/../../x", ".", "..",
+                                     "a\\b", "escape", "global_step5\0", "\xff"])
+def test_a_baseline_latest_must_name_a_tag_inside_load(tmp_path, content):
+    """DeepSpeed's ``latest`` was joined into a path unchecked: an absolute path or
+    ``..`` (or a tag directory linked outside) sent DeepSpeed's load, which unpickles
+    what it finds, out of --load. It must be one directory name inside --load; anything
+    else stops the run naming the file, before anything is loaded."""
+    from megatron.training.checkpointing import find_latest_tag
+    from megatron.training.errors import ConfigError
+    load = tmp_path / "ckpt"
+    (load / "global_step5").mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    os.symlink(tmp_path / "outside", load / "escape")
+    (load / "latest").write_bytes(content.encode("utf-8", "surrogateescape")
+                                  if content != "\xff" else b"\xff")
+    with pytest.raises(ConfigError, match="latest") as err:
+        find_latest_tag(str(load))
+    assert str(load / "latest") in str(err.value)
+
+
+def test_a_baseline_latest_or_meta_file_is_read_only_up_to_its_cap(tmp_path):
+    """``latest`` linked to /dev/zero was read forever; a huge or malformed
+    megatron_meta.json was read whole or raised a stray error. Both are refused naming
+    the file; a good ``latest`` still reads."""
+    import subprocess
+    import sys
+    import types
+    from megatron.training import checkpointing as ck
+    from megatron.training.errors import ConfigError
+    load = tmp_path / "ckpt"
+    (load / "global_step5").mkdir(parents=True)
+    (load / "latest").write_text("global_step5\n")
+    assert ck.find_latest_tag(str(load)) == "global_step5"
+    (load / "latest").unlink()
+    os.symlink("/dev/zero", load / "latest")
+    # In a child with a memory limit and a deadline: the old code read until memory ran out.
+    script = ("import resource, sys\n"
+              "resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))\n"
+              "from megatron.training.checkpointing import find_latest_tag\n"
+              "from megatron.training.errors import ConfigError\n"
+              "try:\n"
+              "    find_latest_tag(sys.argv[1])\n"
+              "except ConfigError as err:\n"
+              "    print('refused:', err)\n")
+    done = subprocess.run([sys.executable, "-c", script, str(load)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "larger than" in done.stdout, done.stderr[-2000:]
+    engine = types.SimpleNamespace(moc=None)
+    meta = load / "global_step5" / META_FILE
+    for text in ["[" * 100_000 + "]" * 100_000, '{"args": [1]}', '["x"]',
+                 '{"args": {}, "pad": "' + " " * ck.META_MAX_BYTES + '"}']:
+        meta.write_text(text)
+        with pytest.raises(ConfigError, match=META_FILE):
+            ck._saved_meta(engine, str(load), "global_step5")
+    meta.write_text('{"args": {"num_layers": 2}, "world_size": 2}')
+    assert ck._saved_meta(engine, str(load), "global_step5")["world_size"] == 2
