@@ -123,9 +123,36 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Keep the out dir (every checkpoint and the rank logs) at the end.")
     g.add_argument("--timeout", type=float, default=1200,
                    help="Seconds the ranks may run before they are killed.")
+    g.add_argument("--checksum-speed", action="store_true",
+                   help="Only measure the memory checksums (deepspeed_ext.memsum) against "
+                        "SHA-256 on one core over 256 MiB, print a table and exit.")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--shm-root", help=argparse.SUPPRESS)
     return p
+
+
+def checksum_speed(nbytes: int = 256 << 20, repeats: int = 3) -> int:
+    """Print GiB/s of each checksum a snapshot could use (best of ``repeats``)."""
+    import hashlib
+    sys.path.insert(0, REPO)
+    from deepspeed_ext import memsum
+    data = memoryview(os.urandom(1 << 20) * (nbytes >> 20))
+    rows = [(name, lambda a=name: memsum.digest(data, a)) for name in ("xxh3_64", "crc32")
+            if name != "xxh3_64" or memsum.xxhash is not None]
+    rows.append(("sha256 (storage)", lambda: hashlib.sha256(data).hexdigest()))
+    print(f"checksum over {nbytes >> 20} MiB on one core (best of {repeats})")
+    print(f"{'checksum':<18} | {'GiB/s':>7} | {'ms per 100 MiB':>14}")
+    for name, run in rows:
+        best = min(_timed(run) for _ in range(repeats))
+        print(f"{name:<18} | {nbytes / 2**30 / best:7.2f} | {best / (nbytes / (100 << 20)) * 1e3:14.1f}")
+    print(f"memory snapshots use: {memsum.default_algorithm()}")
+    return 0
+
+
+def _timed(run) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
 
 
 def _intervals(text: str) -> list:
@@ -1166,6 +1193,8 @@ def _has_accelerator() -> bool:
 
 def main() -> int:
     opts = build_parser().parse_args()
+    if opts.checksum_speed:
+        return checksum_speed()
     if opts.worker:
         worker_main(opts)
         return 0

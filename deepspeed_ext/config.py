@@ -39,9 +39,10 @@ class MoCConfig:
     """The job's shared-memory directory (one ``nodeN/`` per node); required with two_level.
     Created private (mode 0700) or refused when another user could reach it."""
     save_dir: str = ""
-    """The job's checkpoint directory (``--save``): keeps its run id, which binds the
-    shared memory to this job (:mod:`deepspeed_ext.job_identity`); empty: the job is
-    known by ``shm_dir`` alone."""
+    """The job's checkpoint directory (``--save``, or ``--load`` without one): keeps its
+    run id, which binds the shared memory to this job (:mod:`deepspeed_ext.job_identity`),
+    and is the only directory its keepers persist into; empty: the job is known by
+    ``shm_dir`` alone."""
     ranks_per_node: int = 0
     """Ranks per node for keeper placement; 0: ``LOCAL_WORLD_SIZE`` (``--moc-ranks-per-node``
     simulates several nodes on one machine)."""

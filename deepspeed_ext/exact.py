@@ -49,7 +49,7 @@ import time
 import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -108,6 +108,34 @@ class ExactConfig:
             raise ValueError(f"hide_fraction must be in [0, 1] (0: automatic), got {self.hide_fraction}")
         if not 0.0 <= self.reorder_threshold <= 1.0:
             raise ValueError(f"reorder_threshold must be in [0, 1], got {self.reorder_threshold}")
+
+
+ENGINE_COUNTERS = ("global_steps", "global_samples", "skipped_steps")
+"""The engine attributes a frame restores (what :meth:`ExactSnapshots._record` saves)."""
+
+
+def engine_counters(objects: Any) -> Dict[str, int]:
+    """The engine counters of a frame's objects, checked: only :data:`ENGINE_COUNTERS`,
+    as non-negative ints. Every key of a frame's ``engine`` record used to be set on the
+    engine, so a crafted frame could replace its optimizer (or any attribute) or make
+    ``global_steps`` a string.
+
+    Raises:
+        CheckpointError: anything else (the window is unusable, as a damaged one is).
+    """
+    from deepspeed_ext.storage import CheckpointError
+    counters = objects.get("engine") if isinstance(objects, dict) else None
+    if not isinstance(counters, dict):
+        raise CheckpointError(f"frame objects: engine counters are {type(counters).__name__}, "
+                              f"not an object")
+    for key, value in counters.items():
+        if key not in ENGINE_COUNTERS:
+            raise CheckpointError(f"frame objects: engine field {key!r} is not a counter a "
+                                  f"frame restores")
+        if type(value) is not int or value < 0:
+            raise CheckpointError(f"frame objects: engine counter {key} is {value!r}, not a "
+                                  f"non-negative int")
+    return counters
 
 
 # ----------------------------------------------------------------------- operators
@@ -183,13 +211,25 @@ def list_frames(save_dir: str) -> List[int]:
     return sorted(int(m.group(1)) for m in map(FRAME_RE.match, names) if m)
 
 
+MARKER_MAX_BYTES = 64 << 20
+"""Longest frame marker read (its objects: RNG state, counters, the schedule's groups)."""
+
+
 def read_marker(save_dir: str, frame: int, rank: int) -> Optional[Dict[str, Any]]:
-    """A rank's frame record, or None if it is missing or unreadable (frame incomplete)."""
+    """A rank's frame record, or None if it is missing, unreadable, too long, nested too
+    deeply or not a JSON object (the frame counts as incomplete)."""
+    path = _marker(save_dir, frame, rank)
     try:
-        with open(_marker(save_dir, frame, rank)) as f:
-            return json.load(f)
-    except (OSError, ValueError):
+        if not os.path.isfile(path):  # a FIFO or device planted there must not block
+            return None
+        with open(path, "rb") as f:
+            data = f.read(MARKER_MAX_BYTES + 1)
+        if len(data) > MARKER_MAX_BYTES:
+            return None
+        record = json.loads(data)
+    except (OSError, ValueError, RecursionError, MemoryError):
         return None
+    return record if isinstance(record, dict) else None
 
 
 @dataclass
@@ -311,22 +351,38 @@ class ExactSnapshots:
                                                         self.naming.expert_of(local_name))
         self.node_dir: Optional[str] = None
         self.keeper_error: Optional[str] = None
+        self.run_id: Optional[str] = None
+        """This job's identity (:mod:`deepspeed_ext.job_identity`), with a memory level."""
         if config.memory_dir:
             self._start_keeper()
         self._wrap_step()
 
     def _start_keeper(self) -> None:
         """Every rank: attach to (or start) this node's keeper. Without one, frames go
-        straight to storage, which the log says once."""
+        straight to storage, which the log says once; but a node directory that is not
+        private or serves another job is refused on every rank (one collective), before
+        training, naming ``--moc-shm-dir``."""
         from deepspeed_ext import keeper
+        from deepspeed_ext.job_identity import ForeignJobError, agree_run_id
+        from deepspeed_ext.private_dir import UnsafeDirectoryError
+        self.run_id = agree_run_id(self.save_dir, self.cfg.memory_dir, log=self._log)
         per_node = self.cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
         self.node = self.rank // per_node
         self.first_of_node = self.rank % per_node == 0
         self.node_dir = os.path.join(self.cfg.memory_dir, f"node{self.node}")
+        refused = None
         try:
-            keeper.ensure_keeper(self.node_dir, self.cfg.keeper_idle_timeout_s)
+            keeper.ensure_keeper(self.node_dir, self.cfg.keeper_idle_timeout_s,
+                                 run_id=self.run_id, save_dir=self.save_dir)
+        except (UnsafeDirectoryError, ForeignJobError) as e:
+            refused = f"rank {self.rank}: {e}"
         except Exception as e:
             self._keeper_lost(e)
+        problems: List = [None] * self.world
+        dist.all_gather_object(problems, refused)
+        problems = [p for p in problems if p]
+        if problems:
+            raise RuntimeError("exact recovery's shared memory: " + "; ".join(problems))
 
     @staticmethod
     def _warn(message: str) -> None:
@@ -727,7 +783,7 @@ class ExactSnapshots:
             root = self.save_dir if self.keeper_error or not self.node_dir else self.node_dir
             ensure_dir(frame_dir(root, frame))
             rec = write_fragment_file(_data(root, frame, self.rank), copies)
-            record.update(sha256=rec.sha256, nbytes=rec.nbytes)
+            record.update(sha256=rec.sha256, nbytes=rec.nbytes, run_id=self.run_id)
             # The marker is written last: a frame counts only once every rank's exists.
             atomic_write_json(_marker(root, frame, self.rank), record)
             if root != self.save_dir:
@@ -750,7 +806,8 @@ class ExactSnapshots:
         job = {"kind": "frame", "data": _data(self.node_dir, frame, self.rank),
                "marker": _marker(self.node_dir, frame, self.rank),
                "dst_data": _data(self.save_dir, frame, self.rank),
-               "dst_marker": _marker(self.save_dir, frame, self.rank)}
+               "dst_marker": _marker(self.save_dir, frame, self.rank),
+               "save_dir": self.save_dir, "run_id": self.run_id}
         job["id"] = keeper.job_id(f"frame{frame}", self.rank)
         why: Exception = keeper.KeeperError(f"it did not take the copy of frame {frame}")
         try:
@@ -811,10 +868,16 @@ class ExactSnapshots:
 
     # -- recovery ------------------------------------------------------------------------
 
-    def recover(self, load_dir: str, newer_than: Optional[int] = None) -> Optional[Dict[str, Any]]:
+    def recover(self, load_dir: str, newer_than: Optional[int] = None,
+                check_client_state: Optional[Callable[[Any], None]] = None) -> Optional[Dict[str, Any]]:
         """Every rank: start a replay from the newest complete window under ``load_dir``
         (the job's ``--load``), if it ends after iteration ``newer_than`` (the checkpoint
         a normal load would use).
+
+        ``check_client_state`` (the caller's) raises on a window's first frame's
+        ``client_state`` that it could not use: checked with the frames, before the ranks'
+        outcome exchange, so that a malformed one makes the window unusable on every rank
+        instead of failing one rank after the replay began.
 
         A window that cannot be used (a frame failing its checksum or unreadable on some
         rank) is tried again from storage alone when memory supplied any of it; if that
@@ -829,7 +892,8 @@ class ExactSnapshots:
         began = time.perf_counter()
         failure = None  # (window start, every rank's errors) of the first unusable window
         for memory in (True, False):
-            found, frames, sources, errors = self._try_window(load_dir, newer_than, memory)
+            found, frames, sources, errors = self._try_window(load_dir, newer_than, memory,
+                                                              check_client_state)
             if found is None:  # storage alone may hold no complete window at all
                 break
             if not errors:
@@ -846,7 +910,8 @@ class ExactSnapshots:
             self._failed_in = os.path.abspath(load_dir)
         return None
 
-    def _try_window(self, load_dir: str, newer_than: Optional[int], memory: bool):
+    def _try_window(self, load_dir: str, newer_than: Optional[int], memory: bool,
+                    check_client_state: Optional[Callable[[Any], None]] = None):
         """Every rank: agree on the newest complete window (frames from the node's memory
         first when ``memory``, else storage only) and load this rank's frames of it.
 
@@ -882,6 +947,11 @@ class ExactSnapshots:
             # start from scratch): a frame missing a tensor would otherwise raise on one
             # rank inside the replay's collectives.
             self._check_window(found.start, schedule, {f: t for f, (t, _) in frames.items()})
+            for _, objects in frames.values():
+                engine_counters(objects)  # a crafted frame: this window is unusable
+            if check_client_state is not None:
+                first = frames[found.start][1]
+                check_client_state(first.get("client_state") if isinstance(first, dict) else None)
         except Exception as e:
             error = f"rank {self.rank}: {type(e).__name__}: {e}"
             frames = {}
@@ -924,6 +994,9 @@ class ExactSnapshots:
         for root in roots:  # later roots win: memory over storage
             for f in list_frames(root):
                 record = read_marker(root, f, self.rank)
+                if root == self.node_dir and isinstance(record, dict) \
+                        and record.get("run_id") != self.run_id:
+                    continue  # not this job's frame: never recovered from
                 if record is not None:
                     out[f] = (record, root)
         return out
@@ -979,33 +1052,10 @@ class ExactSnapshots:
     def _restore_objects(self, objects: Dict[str, Any]) -> None:
         from deepspeed_ext.state import (ensure_optimizer_state, set_loss_scaler_state,
                                          set_optimizer_scalars)
-        from deepspeed_ext.storage import CheckpointError
         engine = self.engine
-        # The frame's record is read back from storage or shared memory unchecked: every
-        # key of it was setattr'ed onto the engine, so a crafted frame could replace the
-        # optimizer (or any attribute) or make global_steps a string. Only the counters
-        # _record writes, as non-negative ints, are applied; anything else refuses the
-        # frame as a damaged one is refused, before the engine is touched.
-        counters = objects.get("engine") if isinstance(objects, dict) else None
-        problem = None
-        if not isinstance(counters, dict):
-            problem = f"engine counters are {type(counters).__name__}, not an object"
-        else:
-            for key, value in counters.items():
-                if key not in ("global_steps", "global_samples", "skipped_steps"):
-                    problem = f"engine field {key!r} is not a counter a frame restores"
-                elif type(value) is not int or value < 0:
-                    problem = f"engine counter {key} is {value!r}, not a non-negative int"
-                if problem:
-                    break
-        if dist.is_available() and dist.is_initialized():
-            # Every rank restores its own frame together: one rank raising alone would
-            # leave the others waiting in the replay's first collective.
-            problems: List = [None] * dist.get_world_size()
-            dist.all_gather_object(problems, problem)
-            problem = "; ".join(f"rank {r}: {p}" for r, p in enumerate(problems) if p) or None
-        if problem:
-            raise CheckpointError(f"frame objects: {problem}")
+        # Checked again (the window's frames were before its outcome exchange, in
+        # _try_window): nothing but the known counters is ever set on the engine.
+        counters = engine_counters(objects)
         ensure_optimizer_state(engine)
         self._fragments = None  # moments may have just been created
         for key, value in counters.items():
@@ -1076,7 +1126,7 @@ class ExactSnapshots:
             from deepspeed_ext import keeper
             dist.barrier()
             if self.first_of_node:
-                keeper.shutdown_keeper(self.node_dir)
+                keeper.shutdown_keeper(self.node_dir, run_id=self.run_id)
             dist.barrier()
             if self.rank == 0:
                 try:

@@ -10,7 +10,8 @@ Lifecycle:
 
 * :func:`ensure_keeper` is called by every rank of the node at start-up; the first one
   to get the directory lock starts the keeper when nothing listens on its socket
-  (``python -m deepspeed_ext.keeper``, in a new session so the launcher's kill of the
+  (``python -c <bootstrap> ... deepspeed_ext.keeper --dir ...``, see :data:`_BOOTSTRAP`,
+  in a new session so the launcher's kill of the
   workers does not reach it); the others wait until it answers. A keeper that is only
   slow to answer is waited for: a second keeper would take over the socket, and the
   first would later delete the directory under it.
@@ -23,8 +24,16 @@ Lifecycle:
 Protocol: JSON lines over the Unix socket ``<dir>/keeper.sock`` (never pickle). Requests:
 ``{"op": "ping"}``, ``{"op": "hello", "pid": N}``, ``{"op": "persist", "job": {...}}``
 (see :func:`run_persist_job`; a job with an ``id`` already queued is not queued again),
-``{"op": "shutdown"}``. Every reply is a JSON object with
-``"ok"``.
+``{"op": "shutdown"}``; a keeper started for a job (``--run-id``) answers the last three
+only when they carry that ``run_id``. Every reply is a JSON object with ``"ok"``.
+
+Trust: the directory is private (mode 0700, this user's: :mod:`deepspeed_ext.private_dir`)
+and bound to one job (:mod:`deepspeed_ext.job_identity`); a connection from another
+user's process is dropped (``SO_PEERCRED``); a request is at most
+:data:`MAX_MESSAGE_BYTES` and must arrive within :data:`CONNECTION_TIMEOUT_S`; a persist
+job whose paths leave the keeper's directory or the job's save directory is refused
+(:mod:`deepspeed_ext.keeper_jobs`); liveness counts only this user's processes; and a
+snapshot is persisted only if its memory checksum still matches.
 """
 
 import argparse
@@ -37,6 +46,7 @@ import os
 import queue
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -45,11 +55,24 @@ import traceback
 import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
+from deepspeed_ext import memsum
+from deepspeed_ext.keeper_jobs import JobRefused, check_job
+from deepspeed_ext.private_dir import make_private_dir, open_private, open_private_file
+
 SOCKET_NAME = "keeper.sock"
 LOG_NAME = "keeper.log"
 LOCK_NAME = "keeper.lock"
 RECENT_JOB_IDS = 4096
 """Persist job ids a keeper remembers to drop retried requests (see :func:`hand_over`)."""
+MAX_MESSAGE_BYTES = 256 << 20
+"""Longest request or reply (a persist job lists every tensor of a rank's image: about
+200 bytes each). A longer one is cut off and refused: a client that never ends its
+line must not grow the keeper's memory without bound."""
+CONNECTION_TIMEOUT_S = 60.0
+"""A connection that sends nothing for this long is closed (one thread per connection:
+clients that open connections and go silent must not pile threads up)."""
+SUN_PATH_MAX = 107
+"""Longest Unix socket path Linux accepts (``sun_path`` is 108 bytes with its NUL)."""
 
 
 class KeeperError(RuntimeError):
@@ -62,16 +85,50 @@ def _log(directory: str, message: str) -> None:
 
 # ---------------------------------------------------------------------------- client side
 
-def read_line(sock: socket.socket) -> bytes:
+def read_line(sock: socket.socket, limit: int = MAX_MESSAGE_BYTES) -> bytes:
     """Bytes from ``sock`` up to and including the first newline (a protocol message),
-    or what came before the peer closed (no newline then)."""
-    data = b""
-    while not data.endswith(b"\n"):
+    or what came before the peer closed (no newline then).
+
+    Raises:
+        KeeperError: more than ``limit`` bytes came without a newline.
+    """
+    parts: List[bytes] = []
+    size = 0
+    while True:
         chunk = sock.recv(1 << 20)
         if not chunk:
             break
-        data += chunk
-    return data
+        parts.append(chunk)
+        size += len(chunk)
+        if chunk.endswith(b"\n"):
+            break
+        if size > limit:
+            raise KeeperError(f"a message longer than {limit} bytes")
+    return b"".join(parts)
+
+
+def socket_path(directory: str) -> str:
+    """The keeper's socket in ``directory``.
+
+    Raises:
+        KeeperError: the path is too long for a Unix socket (the bind would fail, and a
+            rank would wait its whole start timeout for a keeper that never ran).
+    """
+    path = os.path.join(directory, SOCKET_NAME)
+    if len(os.fsencode(path)) > SUN_PATH_MAX:
+        raise KeeperError(f"the keeper's socket {path} is {len(os.fsencode(path))} bytes long; "
+                          f"Unix sockets allow {SUN_PATH_MAX}: choose a shorter --moc-shm-dir")
+    return path
+
+
+def peer_credentials(sock: socket.socket) -> Optional[Tuple[int, int, int]]:
+    """``(pid, uid, gid)`` of the process at the other end of a Unix socket (Linux's
+    ``SO_PEERCRED``); None where the platform has no such option."""
+    option = getattr(socket, "SO_PEERCRED", None)
+    if option is None:
+        return None
+    raw = sock.getsockopt(socket.SOL_SOCKET, option, struct.calcsize("3i"))
+    return struct.unpack("3i", raw)
 
 
 def request(directory: str, message: Dict[str, Any], timeout_s: float = 10.0) -> Dict[str, Any]:
@@ -81,7 +138,7 @@ def request(directory: str, message: Dict[str, Any], timeout_s: float = 10.0) ->
         KeeperError: no keeper listens there (it died or was never started), or it
             answered with an error.
     """
-    path = os.path.join(directory, SOCKET_NAME)
+    path = socket_path(directory)
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout_s)
@@ -92,8 +149,10 @@ def request(directory: str, message: Dict[str, Any], timeout_s: float = 10.0) ->
         raise KeeperError(f"no keeper at {path}: {err}") from None
     try:
         reply = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise KeeperError(f"keeper at {path} sent a malformed reply") from None
+    if not isinstance(reply, dict):
+        raise KeeperError(f"keeper at {path} sent a malformed reply")
     if not reply.get("ok"):
         raise KeeperError(f"keeper at {path}: {reply.get('error')}")
     return reply
@@ -122,7 +181,10 @@ def hand_over(directory: str, job: Dict[str, Any], patience_s: float = 600.0,
     delay = 0.05
     while True:
         try:
-            request(directory, {"op": "persist", "job": job}, timeout_s=timeout_s)
+            message = {"op": "persist", "job": job}
+            if job.get("run_id") is not None:
+                message["run_id"] = job["run_id"]
+            request(directory, message, timeout_s=timeout_s)
             return True
         except KeeperError as e:
             if is_dead(directory):
@@ -163,7 +225,7 @@ def is_dead(directory: str) -> bool:
     A keeper that is merely busy (a slow or timed-out answer) is not dead: declaring it
     dead would abandon a persist it is still writing.
     """
-    path = os.path.join(directory, SOCKET_NAME)
+    path = socket_path(directory)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(5.0)
         try:
@@ -176,25 +238,37 @@ def is_dead(directory: str) -> bool:
 
 
 def ensure_keeper(directory: str, idle_timeout_s: float = 600.0,
-                  start_timeout_s: float = 60.0) -> None:
+                  start_timeout_s: float = 60.0, run_id: Optional[str] = None,
+                  save_dir: Optional[str] = None) -> None:
     """Make sure a keeper serves ``directory`` and register this process with it.
 
     Every rank of the node calls it; a file lock makes exactly one of them start the
     keeper when nothing listens on its socket (the others, and later restarts, attach
     to it; a keeper that is only slow to answer is waited for, never replaced).
 
+    ``directory`` and its parent are created private (mode 0700, this user's; see
+    :mod:`deepspeed_ext.private_dir`) or checked to be. With ``run_id``, the directory
+    is bound to that job (:func:`deepspeed_ext.job_identity.bind_node_dir`) and the
+    keeper serves only it; with ``save_dir`` too, the keeper persists only into it.
+
     Raises:
+        UnsafeDirectoryError: the directory (or its parent) is not private.
+        ForeignJobError: it serves another job.
         KeeperError: the keeper did not answer within ``start_timeout_s`` (its log is
-            named).
+            named), or the socket path is too long.
     """
+    socket_path(directory)  # too long: say so now, not after the start timeout
     lock = _lock_node(directory)
     with lock:
         try:
+            if run_id is not None:
+                from deepspeed_ext.job_identity import bind_node_dir
+                bind_node_dir(directory, run_id)
             # Start one only when nothing listens. A keeper that is slow to answer (busy
             # persisting on a loaded node) is still the node's keeper: a second one would
             # take over its socket, and the first would later delete the directory.
             if is_dead(directory):
-                _spawn(directory, idle_timeout_s)
+                _spawn(directory, idle_timeout_s, run_id, save_dir)
             deadline = time.monotonic() + start_timeout_s
             while not alive(directory):
                 if time.monotonic() > deadline:
@@ -205,20 +279,51 @@ def ensure_keeper(directory: str, idle_timeout_s: float = 600.0,
             # Registered under the lock: a keeper exiting for idleness takes the same lock
             # and looks at its clients once more, so it cannot leave between the check
             # above and this registration.
-            request(directory, {"op": "hello", "pid": os.getpid()})
+            hello: Dict[str, Any] = {"op": "hello", "pid": os.getpid()}
+            if run_id is not None:
+                hello["run_id"] = run_id
+            request(directory, hello)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _lock_node(directory: str, wait: bool = True):
+def claim_node_dir(directory: str, run_id: Optional[str] = None) -> None:
+    """Every rank of a node, before training: make ``directory`` (and its parent) private,
+    or check that they are, and bind it to the job ``run_id``, under the node's lock;
+    starts nothing (:func:`ensure_keeper` does, and checks again).
+
+    Raises:
+        UnsafeDirectoryError: the directory (or its parent) is not private.
+        ForeignJobError: it serves another job.
+        KeeperError: the socket path would be too long.
+    """
+    socket_path(directory)
+    lock = _lock_node(directory)
+    with lock:
+        try:
+            if run_id is not None:
+                from deepspeed_ext.job_identity import bind_node_dir
+                bind_node_dir(directory, run_id)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _lock_node(directory: str, wait: bool = True, make: bool = True):
     """The node directory's lock file, open and exclusively locked (None: another
     process holds it and ``wait`` is False). Retried when the file was replaced while
     this process waited (an exiting keeper deleted the directory): a lock on the
-    deleted file would exclude nobody who comes later."""
+    deleted file would exclude nobody who comes later.
+
+    The directory and its parent (the job's ``--moc-shm-dir``) are made private or
+    checked to be, every time: a directory another user created first (they are
+    predictable names in a world-writable ``/dev/shm``) is refused before anything is
+    written into it. ``make`` False (the keeper leaving): only the lock file is
+    opened, never through a link."""
     while True:
-        os.makedirs(directory, exist_ok=True)
+        if make:
+            make_private_dir(directory, root=os.path.dirname(os.path.abspath(directory)))
         path = os.path.join(directory, LOCK_NAME)
-        lock = open(path, "a")
+        lock = os.fdopen(open_private(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), "a")
         try:
             fcntl.flock(lock, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -232,30 +337,58 @@ def _lock_node(directory: str, wait: bool = True):
         lock.close()
 
 
-def _spawn(directory: str, idle_timeout_s: float) -> None:
-    log = open(os.path.join(directory, LOG_NAME), "a")
+_BOOTSTRAP = ("import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.')]; "
+              "sys.path.insert(0, sys.argv[1]); from deepspeed_ext.keeper import main; "
+              "sys.exit(main(sys.argv[3:]))")
+"""The keeper's start: ``python -c`` with the working directory taken off the import path
+(``python -m`` would put it first, and the job's working directory could hold another
+``deepspeed_ext`` that the keeper would then run). ``argv[1]`` is the package root,
+``argv[2]`` the name ``deepspeed_ext.keeper`` (for ``ps`` and ``pkill -f``)."""
+
+
+def _spawn(directory: str, idle_timeout_s: float, run_id: Optional[str] = None,
+           save_dir: Optional[str] = None) -> None:
+    log = open_private_file(os.path.join(directory, LOG_NAME), "a")
     env = dict(os.environ)
-    # The keeper must import deepspeed_ext from wherever this process did.
+    # The keeper imports deepspeed_ext from wherever this process did, and from nowhere
+    # else: relative or empty PYTHONPATH entries (the working directory) are dropped.
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = package_root + os.pathsep + env.get("PYTHONPATH", "")
-    subprocess.Popen([sys.executable, "-m", "deepspeed_ext.keeper", "--dir", directory,
-                      "--idle-timeout", str(idle_timeout_s)],
-                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+    inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if os.path.isabs(p)]
+    env["PYTHONPATH"] = os.pathsep.join([package_root] + inherited)
+    command = [sys.executable, "-c", _BOOTSTRAP, package_root, "deepspeed_ext.keeper",
+               "--dir", os.path.abspath(directory), "--idle-timeout", str(idle_timeout_s)]
+    if run_id is not None:
+        command += ["--run-id", run_id]
+    if save_dir:
+        command += ["--save-dir", os.path.abspath(save_dir) if "://" not in save_dir else save_dir]
+    subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                      start_new_session=True, close_fds=True, env=env)
     log.close()
 
 
-def shutdown_keeper(directory: str, timeout_s: float = 600.0) -> bool:
+def shutdown_keeper(directory: str, timeout_s: float = 600.0,
+                    run_id: Optional[str] = None) -> bool:
     """Ask the keeper to finish its queue, delete ``directory`` and exit.
+
+    Args:
+        run_id: the job asking (a keeper of another job refuses); None: the job the
+            directory is bound to (tools and tests that stop whatever this user left).
 
     Returns:
         True when a keeper answered; False when none was running (its directory, if
-        any, is then deleted here so no shared memory is left).
+        any, is then deleted here so no shared memory is left, but only when it is
+        this job's: private, and bound to ``run_id`` or to no job).
     """
+    if run_id is None:
+        from deepspeed_ext.job_identity import node_run_id
+        run_id = node_run_id(directory)
+    message: Dict[str, Any] = {"op": "shutdown"}
+    if run_id is not None:
+        message["run_id"] = run_id
     try:
-        request(directory, {"op": "shutdown"}, timeout_s=timeout_s)
+        request(directory, message, timeout_s=timeout_s)
     except KeeperError:
-        if is_dead(directory):
+        if is_dead(directory) and _ours(directory, run_id):
             shutil.rmtree(directory, ignore_errors=True)
         # else: alive but slow (its queue or a commit outlasted the timeout): deleting the
         # directory under it would remove the snapshots it is still persisting; it exits
@@ -269,25 +402,59 @@ def shutdown_keeper(directory: str, timeout_s: float = 600.0) -> bool:
     return True
 
 
+def _ours(directory: str, run_id: Optional[str]) -> bool:
+    """Whether ``directory`` may be deleted by this job: private to this user and not
+    bound to another job (:mod:`deepspeed_ext.job_identity`)."""
+    from deepspeed_ext.job_identity import ForeignJobError, NODE_RECORD, bind_node_dir
+    from deepspeed_ext.private_dir import UnsafeDirectoryError, check_private_dir
+    try:
+        check_private_dir(directory)
+    except (OSError, UnsafeDirectoryError):
+        return False
+    if run_id is None or not os.path.lexists(os.path.join(directory, NODE_RECORD)):
+        return True
+    try:
+        bind_node_dir(directory, run_id)  # the record exists: only checked
+        return True
+    except (ForeignJobError, OSError):
+        return False
+
+
 # ------------------------------------------------------------------------- persist jobs
 
 def write_image_subset(path: str, image_path: str, entries: List[Dict[str, Any]],
-                       keys: Optional[List[str]]) -> Dict[str, Any]:
+                       keys: Optional[List[str]], checksum: Optional[str] = None) -> Dict[str, Any]:
     """Write the tensors ``keys`` of the image file ``image_path`` as a safetensors file.
 
     ``entries`` is the image's layout (``key``, ``dtype``, ``shape``, ``start``,
     ``nbytes``); ``keys`` None writes every tensor. The output is written atomically
     (temp, fsync, rename) and its record returned.
+
+    Args:
+        checksum: the image's memory checksum (:mod:`deepspeed_ext.memsum`); when given,
+            the image is verified first, so that damaged memory is never written to
+            storage under a fresh SHA-256 that would vouch for it.
+
+    Raises:
+        RuntimeError: the image does not match ``checksum``, or is shorter than its layout.
     """
     from deepspeed_ext.image import layout_image
     from deepspeed_ext.storage import write_image_file, FileRecord
     chosen = [e for e in entries if keys is None or e["key"] in set(keys)]
     layout = layout_image([(e["key"], tuple(e["shape"]), e["dtype"]) for e in chosen])
     by_key = {e["key"]: e for e in chosen}
+    end = max((e["start"] + e["nbytes"] for e in entries), default=0)
     with open(image_path, "rb") as f:
         with mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mapped:
             view = memoryview(mapped)
             try:
+                if len(view) < end:
+                    raise RuntimeError(f"{image_path} holds {len(view)} bytes, its layout {end}")
+                if checksum is not None:
+                    problem = memsum.verify(view[:end], checksum)
+                    if problem is not None:
+                        raise RuntimeError(f"the snapshot in {image_path} is damaged in memory "
+                                           f"({problem}); not persisting it")
                 if keys is None:
                     # The image itself is already this file: write it as is.
                     total = max((e["start"] + e["nbytes"] for e in entries), default=0)
@@ -324,7 +491,12 @@ def persist_frame(job: Dict[str, Any]) -> None:
         print(f"[moc keeper {os.getpid()}] WARNING: {job['marker']} was gone before it "
               f"reached storage; its window stays incomplete there", flush=True)
         return
-    os.makedirs(os.path.dirname(job["dst_data"]), exist_ok=True)
+    frame_dir = os.path.dirname(job["dst_data"])
+    if not os.path.isdir(frame_dir):
+        os.makedirs(frame_dir, exist_ok=True)
+        # The new frame directory's own entry: without this fsync a power cut could lose
+        # the directory with the durably written files in it.
+        _fsync_dir(os.path.dirname(frame_dir))
     _write_durably(job["dst_data"], data)
     _write_durably(job["dst_marker"], marker)
     try:
@@ -349,7 +521,11 @@ def _write_durably(path: str, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fd = os.open(os.path.dirname(path), os.O_RDONLY)
+    _fsync_dir(os.path.dirname(path))
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -390,7 +566,7 @@ def run_persist_job(job: Dict[str, Any], log=print, background_commit: bool = Fa
         # tag again: writing now would put the old attempt's file into the new save.
         commit.check_claim(tag_dir, claim)
         record = write_image_subset(os.path.join(tag_dir, file_name), job["image"],
-                                    job["entries"], job["keys"])
+                                    job["entries"], job["keys"], job.get("checksum"))
         extra_files = dict(job.get("extra_files") or {})
         objects_in = file_name if job.get("objects_in_file") else None  # an older job
         if job.get("object_keys"):
@@ -536,9 +712,14 @@ def _warm_imports() -> None:
 class Keeper:
     """The keeper's state: registered clients, the persist queue, the stop flag."""
 
-    def __init__(self, directory: str, idle_timeout_s: float):
+    def __init__(self, directory: str, idle_timeout_s: float, run_id: Optional[str] = None,
+                 save_dir: Optional[str] = None):
         self.directory = directory
         self.idle_timeout_s = idle_timeout_s
+        self.run_id = run_id
+        """The job this keeper serves (None: any job of its user, as before run ids)."""
+        self.save_dir = save_dir
+        """The only save directory it persists into (None: each job's own)."""
         self.clients: List[int] = []
         self.clients_lock = threading.Lock()
         self.clients_at_stop: set = set()
@@ -552,17 +733,35 @@ class Keeper:
         self.stop = threading.Event()
         self.last_client_seen = time.monotonic()
 
-    def handle(self, message: Dict[str, Any]) -> Dict[str, Any]:
+    def handle(self, message: Dict[str, Any], peer_pid: Optional[int] = None) -> Dict[str, Any]:
+        """Answer one request. ``peer_pid``: the connecting process (its credentials),
+        None where the platform cannot tell."""
+        if not isinstance(message, dict):
+            return {"ok": False, "error": "a request must be a JSON object"}
         op = message.get("op")
         if op == "ping":
             return {"ok": True, "pid": os.getpid()}
+        if op in ("hello", "persist", "shutdown") and self.run_id is not None \
+                and message.get("run_id") != self.run_id:
+            return {"ok": False, "error": f"this keeper serves run {self.run_id}, not "
+                                          f"{message.get('run_id')!r}"}
         if op == "hello":
+            # Liveness counts the process that connected, not a pid it names: another
+            # process's pid would keep the keeper (and its memory) alive for ever.
+            pid = peer_pid if peer_pid is not None else message.get("pid")
+            if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+                return {"ok": False, "error": f"bad pid {pid!r}"}
             with self.clients_lock:
-                self.clients.append(int(message["pid"]))
+                self.clients.append(pid)
             self.last_client_seen = time.monotonic()
             return {"ok": True}
         if op == "persist":
-            job = message["job"]
+            job = message.get("job")
+            try:
+                check_job(job, self.directory, self.save_dir)
+            except JobRefused as e:
+                _log(self.directory, f"refused a persist job: {e}")
+                return {"ok": False, "error": f"job refused: {e}"}
             # Each connection has its own thread: a retry can be handled while the slow
             # first request still is, so checking and recording an id is one step.
             with self.ids_lock:
@@ -603,13 +802,19 @@ class Keeper:
         with self.clients_lock:  # a registration arriving meanwhile must not be lost
             living = []
             for pid in self.clients:
+                # Only a living process of this user counts (a pid reused by another
+                # user's process must not keep the keeper and its memory).
                 try:
-                    os.kill(pid, 0)
-                    living.append(pid)
-                except ProcessLookupError:
+                    if os.stat(f"/proc/{pid}").st_uid == os.geteuid():
+                        living.append(pid)
+                except FileNotFoundError:
                     pass
-                except PermissionError:
-                    living.append(pid)
+                except OSError:  # no /proc: signal 0 tells the same for this user
+                    try:
+                        os.kill(pid, 0)
+                        living.append(pid)
+                    except OSError:
+                        pass
             self.clients = living
             return bool(living)
 
@@ -625,11 +830,22 @@ class Keeper:
 
 def _serve_connection(keeper: Keeper, conn: socket.socket) -> None:
     with conn:
-        data = read_line(conn)
+        conn.settimeout(CONNECTION_TIMEOUT_S)
+        peer = peer_credentials(conn)
+        if peer is not None and peer[1] != os.geteuid():
+            # Another user's process (the directory is 0700, but a socket passed on or
+            # a looser parent must not make this keeper obey it).
+            _log(keeper.directory, f"refused a connection from pid {peer[0]} of uid {peer[1]}")
+            return
+        try:
+            data = read_line(conn)
+        except (OSError, KeeperError) as e:  # silent past the timeout, or too long
+            _log(keeper.directory, f"dropped a connection: {e}")
+            return
         if not data.endswith(b"\n"):
             return  # closed early (a connect-only probe of is_dead, or a client that died)
         try:
-            reply = keeper.handle(json.loads(data))
+            reply = keeper.handle(json.loads(data), peer[0] if peer is not None else None)
         except Exception as e:
             traceback.print_exc()
             reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
@@ -639,14 +855,25 @@ def _serve_connection(keeper: Keeper, conn: socket.socket) -> None:
             pass
 
 
-def serve(directory: str, idle_timeout_s: float) -> int:
-    """The keeper's main loop; returns when shut down or idle."""
-    keeper = Keeper(directory, idle_timeout_s)
-    path = os.path.join(directory, SOCKET_NAME)
-    if os.path.exists(path):
+def serve(directory: str, idle_timeout_s: float, run_id: Optional[str] = None,
+          save_dir: Optional[str] = None) -> int:
+    """The keeper's main loop; returns when shut down or idle.
+
+    Refuses to start (exit status 2) when ``directory`` is not private to this user.
+    """
+    from deepspeed_ext.private_dir import UnsafeDirectoryError, check_private_dir
+    try:
+        check_private_dir(directory)
+    except (OSError, UnsafeDirectoryError) as e:
+        _log(directory, f"not serving: {e}")
+        return 2
+    keeper = Keeper(directory, idle_timeout_s, run_id, save_dir)
+    path = socket_path(directory)
+    if os.path.lexists(path):
         os.remove(path)  # a dead keeper's socket: nobody answers on it
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
+    os.chmod(path, 0o600)
     server.listen(64)
     server.settimeout(0.5)
     worker = threading.Thread(target=keeper.persist_loop, name="persist", daemon=True)
@@ -683,7 +910,12 @@ def _leave(keeper: Keeper, directory: str, server: socket.socket, reason: str) -
     when the lock is held: a process attaching holds it while it waits for this thread
     to answer its ping, so waiting for it here would stall both until its start
     timeout."""
-    lock = _lock_node(directory, wait=False)
+    try:
+        lock = _lock_node(directory, wait=False, make=False)
+    except OSError as e:  # the directory vanished or was replaced: nothing of ours to delete
+        server.close()
+        _log(directory, f"exiting ({reason}); cannot lock {directory} ({e}), leaving it")
+        return True
     if lock is None:
         _log(directory, f"not exiting ({reason}): a training process is attaching")
         keeper.last_client_seen = time.monotonic()
@@ -710,8 +942,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--dir", required=True, help="the node's shared-memory directory")
     parser.add_argument("--idle-timeout", type=float, default=600.0,
                         help="exit when no registered training process is alive for this long")
+    parser.add_argument("--run-id", default=None, help="the only job this keeper serves")
+    parser.add_argument("--save-dir", default=None,
+                        help="the only save directory this keeper persists into")
     opts = parser.parse_args(argv)
-    return serve(opts.dir, opts.idle_timeout)
+    return serve(opts.dir, opts.idle_timeout, opts.run_id, opts.save_dir)
 
 
 if __name__ == "__main__":

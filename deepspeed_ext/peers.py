@@ -35,18 +35,18 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_ext import redundancy as rd
+from deepspeed_ext.private_dir import make_private_dir, open_private
+from deepspeed_ext.snapshot import image_end
 from deepspeed_ext.storage import atomic_write_json
 
 KEEP = 2
 """Protected steps kept per source: the newest, and the one before it while the newest
 is still being protected."""
 
+MAX_RECORD_BYTES = 256 << 20
+"""Longest piece record read (it holds the snapshots' layout metadata)."""
+
 _NAME = re.compile(r"^(replica-r(\d+)|parity)-s(\d+)\.json$")
-
-
-def image_end(meta: Dict[str, Any]) -> int:
-    """Bytes of a snapshot image: the end of its last tensor."""
-    return max((e["start"] + e["nbytes"] for e in meta.get("entries", [])), default=0)
 
 
 class PeerStore:
@@ -56,6 +56,7 @@ class PeerStore:
     rank that owns the directory writes it."""
 
     def __init__(self, node_dir: str, rank: int, keep: int = KEEP):
+        self.node_dir = node_dir
         self.dir = os.path.join(node_dir, "peers", f"rank{rank:05d}")
         self.keep = keep
 
@@ -66,13 +67,16 @@ class PeerStore:
     def allocate(self, base: str, nbytes: int) -> torch.Tensor:
         """A shared-memory uint8 tensor of ``nbytes`` for a piece being received; its old
         record is removed first, so a piece cut off half-way is never taken as complete."""
-        os.makedirs(self.dir, exist_ok=True)
+        make_private_dir(self.dir, root=self.node_dir)
         try:
             os.remove(base + ".json")
         except FileNotFoundError:
             pass
-        with open(base + ".img", "wb") as f:
-            os.ftruncate(f.fileno(), max(nbytes, 1))
+        fd = open_private(base + ".img", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+        try:
+            os.ftruncate(fd, max(nbytes, 1))
+        finally:
+            os.close(fd)
         return torch.from_file(base + ".img", shared=True, size=max(nbytes, 1),
                                dtype=torch.uint8)[:nbytes]
 
@@ -80,8 +84,22 @@ class PeerStore:
         atomic_write_json(base + ".json", record)
 
     def record(self, base: str) -> Dict[str, Any]:
-        with open(base + ".json", encoding="utf-8") as f:
-            return json.load(f)
+        """A piece's record (bounded read, never through a link).
+
+        Raises:
+            OSError, ValueError: missing, too long, or not a JSON object.
+        """
+        with os.fdopen(open_private(base + ".json", os.O_RDONLY), "rb") as f:
+            data = f.read(MAX_RECORD_BYTES + 1)
+        if len(data) > MAX_RECORD_BYTES:
+            raise ValueError(f"{base}.json is longer than {MAX_RECORD_BYTES} bytes")
+        try:
+            record = json.loads(data)
+        except RecursionError:
+            raise ValueError(f"{base}.json is nested too deeply") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{base}.json is not a JSON object")
+        return record
 
     def read(self, base: str, nbytes: int) -> torch.Tensor:
         """The piece's bytes, mapped (copy-on-write: never changes the file)."""
@@ -107,7 +125,7 @@ class PeerStore:
                 record = self.record(base)
                 if os.path.getsize(base + ".img") < record["nbytes"]:
                     continue
-            except (OSError, ValueError, KeyError):
+            except (OSError, ValueError, KeyError, TypeError):
                 continue
             step = int(match.group(3))
             if match.group(2) is not None:

@@ -18,6 +18,11 @@ Order for one snapshot (the training process)::
 
 A process killed anywhere in between leaves a slot without ``slotI.json``, which
 recovery ignores: a half-written snapshot is never taken for a complete one.
+
+Trust: the rank directory is private (:mod:`deepspeed_ext.private_dir`); a slot's
+metadata counts only when it names this job's run id (:mod:`deepspeed_ext.job_identity`)
+and its image is long enough for its layout; recovery checks the image's checksum
+(:meth:`SnapshotSlots.verify`, :mod:`deepspeed_ext.memsum`) before reading from it.
 """
 
 import json
@@ -27,9 +32,13 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from deepspeed_ext import memsum
+from deepspeed_ext.private_dir import make_private_dir, open_private
 from deepspeed_ext.storage import atomic_write_json, dtype_from_name
 
 SLOTS = 3
+MAX_META_BYTES = 256 << 20
+"""Longest slot metadata file read (a layout record per tensor: far below this)."""
 
 
 class SnapshotSlots:
@@ -37,15 +46,22 @@ class SnapshotSlots:
 
     def __init__(self, node_dir: str, rank: int, slots: int = SLOTS,
                  on_map: Optional[Callable[[torch.Tensor], None]] = None,
-                 on_unmap: Optional[Callable[[torch.Tensor], None]] = None):
+                 on_unmap: Optional[Callable[[torch.Tensor], None]] = None,
+                 run_id: Optional[str] = None):
         """
         Args:
             on_map, on_unmap: called with a whole mapping when it is created and before
                 it is dropped (a grown slot): CUDA page-locks the mapping there.
+            run_id: the job's run id, recorded in every slot's metadata; slots of another
+                run id are no snapshots of this job (None: not checked).
+
+        Raises:
+            UnsafeDirectoryError: the rank directory is not private to this user.
         """
         self.dir = os.path.join(node_dir, f"rank{rank:05d}")
         self.slots = slots
-        os.makedirs(self.dir, exist_ok=True)
+        self.run_id = run_id
+        make_private_dir(self.dir, root=node_dir)
         self._maps: Dict[int, torch.Tensor] = {}
         self._on_map, self._on_unmap = on_map, on_unmap
         self._metas: Dict[int, Optional[Dict[str, Any]]] = {}
@@ -64,17 +80,44 @@ class SnapshotSlots:
         because only the rank that owns a slot writes its metadata.
         """
         if i not in self._metas:
-            try:
-                with open(self._path(i, "json"), encoding="utf-8") as f:
-                    meta = json.load(f)
-                # A metadata file whose image is missing or shorter than its layout (the
-                # node's memory was lost under a running rank) is no snapshot: reading it
-                # would fail, or SIGBUS on the missing pages.
-                end = max((e["start"] + e["nbytes"] for e in meta.get("entries", [])), default=0)
-                self._metas[i] = meta if os.path.getsize(self.image_path(i)) >= end else None
-            except (OSError, ValueError, KeyError, TypeError):
-                self._metas[i] = None
+            self._metas[i] = self._read_meta(i)
         return self._metas[i]
+
+    def _read_meta(self, i: int) -> Optional[Dict[str, Any]]:
+        try:
+            with os.fdopen(open_private(self._path(i, "json"), os.O_RDONLY), "rb") as f:
+                data = f.read(MAX_META_BYTES + 1)
+            if len(data) > MAX_META_BYTES:
+                return None
+            meta = json.loads(data)
+            if not isinstance(meta, dict) or not isinstance(meta.get("step"), int):
+                return None
+            if self.run_id is not None and meta.get("run_id") != self.run_id:
+                return None  # another job's (a shared --moc-shm-dir), or an older version's
+            # A metadata file whose image is missing or shorter than its layout (the
+            # node's memory was lost under a running rank) is no snapshot: reading it
+            # would fail, or SIGBUS on the missing pages.
+            end = image_end(meta)
+            return meta if os.path.getsize(self.image_path(i)) >= end else None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+            return None
+
+    def verify(self, i: int) -> Optional[str]:
+        """Recovery, before using slot ``i``: None when its image matches the checksum
+        its metadata records; else why not (a slot without a checksum fails too)."""
+        meta = self.meta(i)
+        if meta is None:
+            return "no complete snapshot"
+        end = image_end(meta)
+        if end == 0:
+            return memsum.verify(b"", meta.get("checksum"))
+        with open(self.image_path(i), "rb") as f:
+            with mmap.mmap(f.fileno(), end, prot=mmap.PROT_READ) as mapped:
+                view = memoryview(mapped)
+                try:
+                    return memsum.verify(view, meta.get("checksum"))
+                finally:
+                    view.release()
 
     def complete(self) -> List[Tuple[int, Dict[str, Any]]]:
         """``(slot, meta)`` of every complete snapshot, oldest step first."""
@@ -87,8 +130,7 @@ class SnapshotSlots:
     def persist_marker(self, i: int) -> str:
         """Create and return the file the keeper deletes once slot ``i`` is persisted."""
         path = self._path(i, "persisting")
-        with open(path, "w"):
-            pass
+        os.close(open_private(path, os.O_WRONLY | os.O_CREAT))
         return path
 
     def choose(self, exclude=()) -> int:
@@ -130,8 +172,11 @@ class SnapshotSlots:
             return current[:nbytes]
         path = self.image_path(i)
         size = max(nbytes, os.path.getsize(path) if os.path.exists(path) else 0, 1)
-        with open(path, "ab") as f:
-            os.ftruncate(f.fileno(), size)
+        fd = open_private(path, os.O_RDWR | os.O_CREAT)  # never through a planted link
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
         if current is not None and self._on_unmap is not None:
             self._on_unmap(current)
         self._maps[i] = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
@@ -193,16 +238,22 @@ class SlotImage:
         into the engine would make two, for a recovery that restores a whole rank.
 
         Raises:
-            RuntimeError: ``out`` has a different number of elements (from ``copy_``).
+            RuntimeError: ``out`` has a different number of elements than the record, or
+                the record lies outside the image. (``copy_`` alone would broadcast a
+                one-element record into the whole tensor.)
         """
-        if entry["nbytes"] == 0:
-            if out.numel():
-                raise RuntimeError(f"{self.path}: empty record for a tensor of {out.numel()} elements")
+        dtype = dtype_from_name(entry["dtype"])
+        first, nbytes = entry["start"], entry["nbytes"]
+        if nbytes % dtype.itemsize or nbytes // dtype.itemsize != out.numel():
+            raise RuntimeError(f"{self.path}: record {entry.get('key')!r} holds {nbytes} bytes "
+                               f"of {entry['dtype']}, the tensor has {out.numel()} elements")
+        if nbytes == 0:
             return
-        first = entry["start"]
-        view = memoryview(self._map)[first:first + entry["nbytes"]]
+        if first < 0 or first + nbytes > len(self._map):
+            raise RuntimeError(f"{self.path}: record {entry.get('key')!r} lies outside the image")
+        view = memoryview(self._map)[first:first + nbytes]
         try:
-            src = torch.frombuffer(view, dtype=dtype_from_name(entry["dtype"]))
+            src = torch.frombuffer(view, dtype=dtype)
             out.copy_(src)
             del src  # releases its hold on the view, which the map's close needs
         finally:
@@ -210,3 +261,8 @@ class SlotImage:
 
     def close(self) -> None:
         self._map.close()
+
+
+def image_end(meta: Dict[str, Any]) -> int:
+    """Bytes of a snapshot image: the end of its last tensor (0 when it has none)."""
+    return max((e["start"] + e["nbytes"] for e in meta.get("entries", [])), default=0)

@@ -47,7 +47,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext import commit, fs, keeper
+from deepspeed_ext import commit, fs, keeper, memsum
 from deepspeed_ext.exchange import Exchanger
 from deepspeed_ext.objects import OBJECTS_TENSOR_FILE
 from deepspeed_ext.hostcopy import HostCopier
@@ -149,15 +149,18 @@ class TwoLevel:
         self.num_slots = SLOTS + (1 if self.spec.enabled and self.spec.mode == "erasure"
                                   and cfg.redundancy_interval > 1 else 0)
         from deepspeed_ext.state import describe_local_state
+        from deepspeed_ext.job_identity import agree_run_id
+        self.run_id = agree_run_id(cfg.save_dir, cfg.shm_dir, log=_log)
+        """This job's identity, recorded in every snapshot (:mod:`deepspeed_ext.job_identity`)."""
         frags = describe_local_state(ckpt.engine, ckpt.naming, with_moments=False)
-        self._check_memory_budget(frags)
         self.copier = HostCopier(HostCopier.device_of({f.key: f.tensor for f in frags}))
+        # The node's directory made private and bound to this job inside the budget
+        # check's collective (a refusal reaches every rank); then the keeper.
+        self._check_memory_budget(frags)
+        self._start_keeper()
         self.exchanger = Exchanger()
         self._load_exchanger: Optional[Exchanger] = None
         """The current load's exchanges (steps held, outcomes), preset to their small size."""
-        keeper.ensure_keeper(self.node_dir, cfg.keeper_idle_timeout_s)
-        self.slots = SnapshotSlots(self.node_dir, self.rank, slots=self.num_slots,
-                                   on_map=self.copier.register, on_unmap=self.copier.unregister)
         self.snap_policy = None
         if ckpt.layout is not None:
             k = cfg.k_snapshot or ckpt.layout.num_experts
@@ -206,13 +209,16 @@ class TwoLevel:
         self._wrap_step()
 
     def _check_memory_budget(self, frags) -> None:
-        """Before training: refuse a budget (or a shared-memory filesystem) too small for
-        the slots, on every rank (one ``all_gather_object``), naming the size needed.
+        """Before training: make this rank's home in shared memory (private directories
+        bound to this job, the snapshot slots; :meth:`_make_home`), then refuse a failure
+        there, or a budget (or a shared-memory filesystem) too small for the slots, on
+        every rank (one ``all_gather_object``), naming the flag or size to fix.
 
         Args:
             frags: this rank's fragments (fp32 master weights; moments are as large).
         """
         from deepspeed_ext.checkpointer import MoCCheckpointError
+        home_problem = self._make_home()
         # fp32 master weights plus Adam's two moments, for every slot.
         image = 3 * sum(f.length * 4 for f in frags)
         needed = self.num_slots * image
@@ -236,7 +242,7 @@ class TwoLevel:
             free = stat.f_bavail * stat.f_frsize
         gathered: List = [None] * self.world
         held = _bytes_held(os.path.join(self.node_dir, f"rank{self.rank:05d}"))  # SnapshotSlots.dir
-        dist.all_gather_object(gathered, (problem, needed, held, free,
+        dist.all_gather_object(gathered, (problem or home_problem, needed, held, free,
                                           self.node, root))
         problems = [p for p, *_ in gathered if p] + _short_nodes(gathered)
         if problems:
@@ -246,6 +252,37 @@ class TwoLevel:
              f"snapshot memory per rank ({self.num_slots} slots"
              + (f" and the peers' redundancy, {self.spec.describe()}" if self.spec.enabled else "")
              + f") under {self.cfg.shm_dir}")
+
+    def _make_home(self) -> Optional[str]:
+        """This rank, before the start-up exchange: make its node's directory private and
+        bind it to this job's run id, and open its slots; returns what went wrong (None:
+        nothing), for every rank to raise. Starts no keeper: a job refused here leaves
+        no process behind."""
+        from deepspeed_ext.job_identity import ForeignJobError
+        from deepspeed_ext.private_dir import UnsafeDirectoryError
+        try:
+            keeper.claim_node_dir(self.node_dir, self.run_id)
+            self.slots = SnapshotSlots(self.node_dir, self.rank, slots=self.num_slots,
+                                       on_map=self.copier.register,
+                                       on_unmap=self.copier.unregister, run_id=self.run_id)
+        except (UnsafeDirectoryError, ForeignJobError, keeper.KeeperError, OSError) as e:
+            self.slots = None
+            return f"rank {self.rank}: {e}"
+        return None
+
+    def _start_keeper(self) -> None:
+        """Every rank, after the start-up checks: attach to (or start) the node's keeper;
+        a keeper that does not answer on one node is raised on every rank (one
+        collective), not left to that node's ranks while the others train on."""
+        from deepspeed_ext.checkpointer import _all_outcomes, _raise_if_failed
+        ok, error = True, None
+        try:
+            keeper.ensure_keeper(self.node_dir, self.cfg.keeper_idle_timeout_s,
+                                 run_id=self.run_id, save_dir=self.cfg.save_dir or None)
+        except Exception as e:
+            traceback.print_exc()
+            ok, error = False, f"{type(e).__name__}: {e}"
+        _raise_if_failed(_all_outcomes(ok, error), f"MoC keeper of {self.node_dir}")
 
     # -- the stall point ---------------------------------------------------------
 
@@ -336,7 +373,7 @@ class TwoLevel:
             buffer = self.slots.buffer(slot, layout.nbytes)
             meta = {"step": step, "tag": tag, "signature": signature, "entries": entries,
                     "specs": specs, "experts": sorted(union) if union is not None else None,
-                    "objects_tree": tree}
+                    "objects_tree": tree, "run_id": self.run_id}
             self.last = {"slot": slot, "meta": meta, "pieces": pieces, "save_dir": save_dir,
                          "save_latest": save_latest, "object_keys": list(object_tensors),
                          "persisted": persist, "rng_state": rng_state, "rng_gathered": want}
@@ -516,7 +553,10 @@ class TwoLevel:
                # Every rank's writer holds the claim: a keeper still running this job
                # after a restart re-saved the tag stands down instead of writing this
                # attempt's file (or report) into the new save.
-               "claim": claim}
+               "claim": claim, "run_id": self.run_id,
+               # The image's memory checksum (set by the copy thread once it is known;
+               # _persist_newest's snapshot has it already): the keeper verifies it.
+               "checksum": meta.get("checksum")}
         if self.rank == 0:
             from deepspeed_ext.checkpointer import extended_tag
             job["commit"] = {
@@ -629,11 +669,15 @@ class TwoLevel:
         published = False
         try:
             self.copier.finish(event, buffer, layout, tensors)
+            # Recovery and the keeper check it before using the bytes: a bit flipped in
+            # memory must neither be loaded nor persisted under a fresh SHA-256.
+            meta["checksum"] = memsum.digest(buffer[:layout.nbytes])
             if self.fault_hook is not None:  # fault injection: die with the slot filled
                 self.fault_hook(meta["step"])  # but not yet published as complete
             self.slots.publish(slot, meta)
             published = True
             if job is not None:
+                job["checksum"] = meta["checksum"]
                 job["done_marker"] = self.slots.persist_marker(slot)
                 self.send_job = self.sender_pool.submit(self._send_safely, job)
         except Exception as e:
@@ -835,7 +879,7 @@ class TwoLevel:
                 _log(self.redundancy.summary())
             dist.barrier()
             if self.first_of_node and persisted:
-                keeper.shutdown_keeper(self.node_dir, self.cfg.commit_timeout_s)
+                keeper.shutdown_keeper(self.node_dir, self.cfg.commit_timeout_s, self.run_id)
             elif self.first_of_node:
                 print(f"[moc] rank {self.rank}: WARNING: the newest snapshots are not all on "
                       f"storage: leaving them in {self.node_dir}; its keeper exits "
@@ -918,7 +962,7 @@ class TwoLevel:
         if self.redundancy is not None and from_memory and tag is None:
             rebuilt = self._rebuild_from_peers(signature)
         mine = [dict(m, _slot=i, _entries={e["key"]: e for e in m["entries"]})
-                for i, m in self.slots.complete() if m["signature"] == signature]
+                for i, m in self._verified_slots(signature)]
         try:
             result = self._load(load_dir, tag, load_optimizer_states, load_lr_scheduler_states,
                                 from_memory, mine, fragments, start)
@@ -929,6 +973,23 @@ class TwoLevel:
             for image in self._images.values():
                 image.close()
             self._images = {}
+
+    def _verified_slots(self, signature: Optional[str]) -> List[Tuple[int, Dict[str, Any]]]:
+        """This rank's complete snapshots of this layout whose images match their
+        checksums (a damaged one is logged and left out: recovery uses an older slot or
+        storage instead of loading flipped bits)."""
+        good = []
+        for i, meta in self.slots.complete():
+            if meta.get("signature") != signature:
+                continue
+            problem = self.slots.verify(i)
+            if problem is not None:
+                print(f"[moc] rank {self.rank}: WARNING: not recovering from the step-"
+                      f"{meta['step']} snapshot in {self.slots.image_path(i)}: {problem}",
+                      flush=True)
+                continue
+            good.append((i, meta))
+        return good
 
     def _rebuild_from_peers(self, signature: str) -> bool:
         """Every rank, before a memory recovery: when some ranks lost their snapshots (a
@@ -941,7 +1002,7 @@ class TwoLevel:
         """
         from deepspeed_ext import redundancy as rd
         from deepspeed_ext.checkpointer import _all_outcomes
-        from deepspeed_ext.peers import image_end
+        from deepspeed_ext.snapshot import image_end
         start = time.perf_counter()
         own = {m["step"]: (i, m) for i, m in self.slots.complete() if m["signature"] == signature}
         replicas, parities = self.redundancy.holdings_record()

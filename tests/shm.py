@@ -27,3 +27,4 @@ def stop_keepers(shm: str) -> None:
                 except (KeeperError, OSError):
                     pass  # none was running
     shutil.rmtree(shm, ignore_errors=True)
+

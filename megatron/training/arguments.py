@@ -14,18 +14,18 @@ import os
 import threading
 from typing import Dict, List, Optional, Sequence
 
+from deepspeed_ext.keeper import SUN_PATH_MAX as UNIX_SOCKET_PATH_MAX
 from megatron.training.errors import ConfigError
+
+# UNIX_SOCKET_PATH_MAX (107 bytes: ``sockaddr_un.sun_path`` holds 108 with its NUL): a
+# node's keeper listens on :func:`keeper_socket_path`, so ``--moc-shm-dir`` must leave
+# room for it.
 
 # Settings that fix the shape of the model: a checkpoint saved with other values
 # cannot be loaded, and the error names the first one that differs.
 MODEL_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                     "num_experts", "expert_interval", "padded_vocab_size",
                     "max_position_embeddings", "position_embedding_type")
-
-UNIX_SOCKET_PATH_MAX = 107
-"""The longest path a Unix socket can be bound to on Linux: ``sockaddr_un.sun_path``
-holds 108 bytes, the last of them the terminating NUL. A node's keeper listens on
-:func:`keeper_socket_path`, so ``--moc-shm-dir`` must leave room for it."""
 
 MAX_TIMEOUT_S = threading.TIMEOUT_MAX
 """The longest wait (seconds) Python's timed waits accept; longer ones raise OverflowError
@@ -669,7 +669,7 @@ def moc_config_from_args(args: argparse.Namespace):
                      keep=args.moc_keep, commit_timeout_s=args.moc_commit_timeout,
                      async_save=not args.moc_sync_save, two_level=args.moc_two_level,
                      k_snapshot=args.moc_k_snapshot, persist_interval=args.moc_persist_interval,
-                     shm_dir=shm_dir, save_dir=args.save or "",
+                     shm_dir=shm_dir, save_dir=args.save or args.load or "",
                      ranks_per_node=args.moc_ranks_per_node,
                      host_memory_gb=args.moc_host_memory_gb, redundancy=args.moc_redundancy,
                      replicas=args.moc_replicas, ec_data=args.moc_ec_data,

@@ -282,6 +282,19 @@ def _saved_meta(engine, load_dir: str, tag: str) -> Dict:
     return meta
 
 
+def _check_exact_client_state(client) -> None:
+    """Raise unless a frame's ``client_state`` holds what :func:`_exact_resume` uses (a
+    crafted or damaged frame raised KeyError on one rank after its replay began)."""
+    if not isinstance(client, dict):
+        raise ValueError(f"the frame's client_state is {type(client).__name__}, not an object")
+    for key in ("iteration", "consumed_train_samples"):
+        if type(client.get(key)) is not int or client[key] < 0:
+            raise ValueError(f"the frame's client_state {key} is {client.get(key)!r}, not a "
+                             f"non-negative int")
+    if not isinstance(client.get("opt_param_scheduler"), dict):
+        raise ValueError("the frame's client_state has no opt_param_scheduler state")
+
+
 def _exact_resume(engine, args, scheduler, exact, tag: Optional[str]) -> Optional[ResumeState]:
     """``--moc-mode exact``: resume at the newest complete window of frames if it ends
     after checkpoint ``tag`` (every rank); None: load the checkpoint instead."""
@@ -289,7 +302,7 @@ def _exact_resume(engine, args, scheduler, exact, tag: Optional[str]) -> Optiona
     if tag is not None and tag.startswith("global_step") and tag[len("global_step"):].isdigit():
         newer_than = int(tag[len("global_step"):])
     start = time.perf_counter()
-    objects = exact.recover(args.load, newer_than)
+    objects = exact.recover(args.load, newer_than, check_client_state=_check_exact_client_state)
     if objects is None and exact.failed_window is not None and tag is None:
         # Starting from scratch would also drop the frames at the loop's start: the
         # next attempt (storage back, memory freed) may well replay them.

@@ -59,11 +59,18 @@ class _FakeKeeper:
         self.server.close()
 
 
+def _job(directory, job_id, tag="global_step3"):
+    """A well-formed persist job of ``directory``'s keeper (its checks refuse others)."""
+    return {"id": job_id, "tag": tag, "rank": 0, "step": 3, "save_dir": str(directory),
+            "image": os.path.join(str(directory), "rank00000", "slot0.img"), "entries": [],
+            "keys": None}
+
+
 def test_a_keeper_slow_to_answer_is_not_replaced(tmp_path, monkeypatch):
     """The running keeper answers its first ping after 2.5 s, past the ping's 2 s timeout:
     ensure_keeper must wait for it, not start a second keeper on the same directory."""
     spawned = []
-    monkeypatch.setattr(keeper, "_spawn", lambda d, t: spawned.append(d))
+    monkeypatch.setattr(keeper, "_spawn", lambda d, t, *rest: spawned.append(d))
     fake = _FakeKeeper(str(tmp_path), delay_s=2.5)
     try:
         start = time.monotonic()
@@ -83,7 +90,7 @@ def test_a_dead_keepers_socket_gets_a_new_keeper(tmp_path, monkeypatch):
     dead.close()  # the file stays, nothing listens: connect is refused
     started = []
 
-    def spawn(directory, idle_timeout_s):
+    def spawn(directory, idle_timeout_s, *rest):
         started.append(_FakeKeeper(directory, delay_s=0))
     monkeypatch.setattr(keeper, "_spawn", spawn)
     try:
@@ -99,7 +106,7 @@ def test_a_persist_handed_to_a_slow_keeper_is_sent_again_and_queued_once(tmp_pat
     instead of giving the keeper up, and the keeper queues the job's id once."""
     fake = _FakeKeeper(str(tmp_path), delay_s=1.0)
     try:
-        job = {"id": "global_step3:rank0", "tag": "global_step3"}
+        job = _job(tmp_path, "global_step3:rank0")
         assert keeper.hand_over(str(tmp_path), job, patience_s=30, timeout_s=0.3)
         assert fake.ops == ["persist", "persist"]
     finally:
@@ -108,9 +115,9 @@ def test_a_persist_handed_to_a_slow_keeper_is_sent_again_and_queued_once(tmp_pat
     for _ in range(2):
         assert real.handle({"op": "persist", "job": job})["ok"]
     assert real.jobs.qsize() == 1
-    assert real.handle({"op": "persist", "job": {"id": "global_step4:rank0"}})["queued"] == 2
+    assert real.handle({"op": "persist", "job": _job(tmp_path, "global_step4:rank0")})["queued"] == 2
     for i in range(keeper.RECENT_JOB_IDS):  # only recent ids are kept
-        real.handle({"op": "persist", "job": {"id": f"later{i}"}})
+        real.handle({"op": "persist", "job": _job(tmp_path, f"later{i}")})
     assert len(real.job_ids) == keeper.RECENT_JOB_IDS and job["id"] not in real.job_ids
 
 
@@ -200,7 +207,7 @@ def test_job_ids_repeat_for_retries_but_not_across_processes(tmp_path):
     assert theirs.startswith("global_step150:") and theirs != ours
     real = keeper.Keeper(str(tmp_path), idle_timeout_s=60)
     for job_id in (theirs, ours, ours):
-        assert real.handle({"op": "persist", "job": {"id": job_id}})["ok"]
+        assert real.handle({"op": "persist", "job": _job(tmp_path, job_id)})["ok"]
     assert real.jobs.qsize() == 2
 
 
@@ -210,7 +217,7 @@ def test_an_idle_keeper_serves_on_while_a_commit_runs_then_leaves(tmp_path, monk
     while it joined it, so a restarting job's ranks failed to attach for a minute. It
     now answers until the commit ends, then deletes its directory."""
     node = tmp_path / "node0"
-    node.mkdir()
+    node.mkdir(mode=0o700)
     done = threading.Event()
     commit = threading.Thread(target=done.wait, args=(30,), daemon=True)
     commit.start()
@@ -233,7 +240,7 @@ def test_a_process_registering_during_a_shutdown_keeps_the_keeper(tmp_path):
     keeper must not delete the directory under it (attaching and leaving both take the
     node's lock; the newcomer is seen)."""
     node = tmp_path / "node0"
-    node.mkdir()
+    node.mkdir(mode=0o700)
     real = keeper.Keeper(str(node), idle_timeout_s=60)
     old_job = subprocess.Popen(["sleep", "30"])
     try:
@@ -293,3 +300,189 @@ def test_an_exiting_keeper_serves_on_while_a_process_attaches(tmp_path):
     finally:
         server.close()
         attaching.close()
+
+
+# --------------------------------------------------------------------- shared-node safety
+
+def test_jobs_whose_paths_leave_their_directories_are_refused(tmp_path):
+    """A job may name only files in the keeper's directory (memory) and in its own save
+    directory (storage): today's attack copied /etc/hostname to a path of the caller's
+    choice and created /etc/hostname.copied."""
+    from deepspeed_ext.keeper_jobs import JobRefused, check_job
+    node, save = str(tmp_path / "node0"), str(tmp_path / "ckpt")
+    os.makedirs(node)
+    good = {"tag": "global_step3", "rank": 0, "step": 3, "save_dir": save,
+            "image": os.path.join(node, "rank00000", "slot0.img"), "keys": None,
+            "entries": [{"key": "w", "dtype": "float32", "shape": [2], "start": 0, "nbytes": 8}]}
+    check_job(good, node)
+    frame = {"kind": "frame", "data": os.path.join(node, "exact", "frame00000003", "rank00000.safetensors"),
+             "marker": os.path.join(node, "exact", "frame00000003", "rank00000.json"),
+             "dst_data": os.path.join(save, "exact", "frame00000003", "rank00000.safetensors"),
+             "dst_marker": os.path.join(save, "exact", "frame00000003", "rank00000.json"),
+             "save_dir": save}
+    check_job(frame, node)
+    os.symlink("/etc", os.path.join(node, "escape"))
+    bad = [dict(good, image="/etc/hostname"),
+           dict(good, image=os.path.join(node, "..", "other", "slot0.img")),
+           dict(good, image=os.path.join(node, "escape", "hostname")),  # a link out
+           dict(good, done_marker="/etc/passwd"),
+           dict(good, tag="../../etc"),
+           dict(good, tag="/etc"),
+           dict(good, save_dir=None),
+           dict(good, entries=[{"key": "w", "dtype": "float32", "shape": [2], "start": -8,
+                                "nbytes": 8}]),
+           dict(good, extra_files={"../x": {}}),
+           dict(frame, data="/etc/hostname"),
+           dict(frame, marker="/etc/hostname"),
+           dict(frame, dst_data="/tmp/anywhere"),
+           dict(frame, dst_marker=os.path.join(save, "elsewhere.json")),
+           "not a job"]
+    for job in bad:
+        with pytest.raises(JobRefused):
+            check_job(job, node)
+    with pytest.raises(JobRefused, match="not this job's save directory"):
+        check_job(good, node, save_dir=str(tmp_path / "another"))
+    real = keeper.Keeper(node, idle_timeout_s=60)
+    reply = real.handle({"op": "persist", "job": dict(frame, data="/etc/hostname")})
+    assert not reply["ok"] and "refused" in reply["error"] and real.jobs.qsize() == 0
+
+
+def test_a_keeper_started_for_a_job_answers_only_that_job(tmp_path):
+    real = keeper.Keeper(str(tmp_path), idle_timeout_s=60, run_id="a" * 32)
+    assert real.handle({"op": "ping"})["ok"]
+    for op in ("hello", "persist", "shutdown"):
+        for run in (None, "b" * 32):
+            message = {"op": op, "pid": os.getpid(), "job": _job(tmp_path, op)}
+            if run:
+                message["run_id"] = run
+            assert not real.handle(message)["ok"]
+    assert real.handle({"op": "hello", "pid": os.getpid(), "run_id": "a" * 32})["ok"]
+    assert not real.stop.is_set() and real.jobs.qsize() == 0
+
+
+def test_liveness_counts_only_this_users_processes(tmp_path):
+    """Another user's process (or a pid reused by one) must not keep the keeper and its
+    memory alive: root may signal it, so signal 0 alone said 'alive'."""
+    from tests.other_user import start_as_other_user
+    theirs = start_as_other_user(["sleep", "60"])
+    try:
+        real = keeper.Keeper(str(tmp_path), idle_timeout_s=60)
+        real.handle({"op": "hello", "pid": theirs.pid})
+        assert not real.any_client_alive()
+        real.handle({"op": "hello", "pid": os.getpid()})
+        assert real.any_client_alive() and real.clients == [os.getpid()]
+    finally:
+        theirs.kill()
+        theirs.wait()
+
+
+def test_hello_registers_the_connecting_process_not_the_pid_it_names(tmp_path):
+    real = keeper.Keeper(str(tmp_path), idle_timeout_s=60)
+    real.handle({"op": "hello", "pid": 1}, peer_pid=os.getpid())
+    assert real.clients == [os.getpid()]
+
+
+def test_requests_are_bounded_in_size_and_time(tmp_path, monkeypatch):
+    """A request that never ends its line is cut off (it grew the keeper's memory without
+    bound), and a connection that sends nothing is closed (its thread lived for ever)."""
+    left, right = socket.socketpair()
+    with left, right:
+        left.sendall(b"x" * 5000)
+        with pytest.raises(keeper.KeeperError, match="longer than"):
+            keeper.read_line(right, limit=1000)
+    monkeypatch.setattr(keeper, "CONNECTION_TIMEOUT_S", 0.5)
+    node = tmp_path / "node0"
+    node.mkdir(mode=0o700)
+    served = threading.Thread(target=keeper.serve, args=(str(node), 60), daemon=True)
+    served.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not keeper.alive(str(node)):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:
+            silent.settimeout(10)
+            silent.connect(str(node / keeper.SOCKET_NAME))
+            start = time.monotonic()
+            assert silent.recv(1) == b""  # closed by the keeper, not by this timeout
+            assert time.monotonic() - start < 5
+    finally:
+        keeper.shutdown_keeper(str(node), 30)
+
+
+def test_a_connection_from_another_user_is_refused(tmp_path):
+    """Peer credentials: even when the socket is reachable (a looser directory, a socket
+    passed on), a process of another user gets no answer and nothing is queued."""
+    from tests.other_user import other_user, run_as_other_user, shared_tmp
+    other_user()
+    shared = shared_tmp()
+    os.mkdir(os.path.join(shared, "shm"), 0o700)
+    node = os.path.join(shared, "shm", "node0")
+    os.mkdir(node, 0o700)
+    served = threading.Thread(target=keeper.serve, args=(node, 60), daemon=True)
+    served.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not keeper.alive(node):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        for directory in (os.path.dirname(node), node):  # reachable by path (checked at start only)
+            os.chmod(directory, 0o711)
+        os.chmod(os.path.join(node, keeper.SOCKET_NAME), 0o666)
+        job = {"kind": "frame", "data": "/etc/hostname", "marker": "/etc/hostname",
+               "dst_data": os.path.join(shared, "stolen"), "dst_marker": os.path.join(shared, "m"),
+               "save_dir": shared}
+        tried = run_as_other_user(
+            "import json, socket, sys\n"
+            "s = socket.socket(socket.AF_UNIX); s.settimeout(10); s.connect(sys.argv[1])\n"
+            "try:\n"
+            "    s.sendall(json.dumps({'op': 'persist', 'job': json.loads(sys.argv[2])}).encode() + b'\\n')\n"
+            "    print(repr(s.recv(4096)))\n"
+            "except (ConnectionResetError, BrokenPipeError):\n"
+            "    print(repr(b''))\n",
+            os.path.join(node, keeper.SOCKET_NAME), json.dumps(job))
+        assert tried.returncode == 0, tried.stderr
+        assert tried.stdout.strip() == "b''"  # no answer at all
+        time.sleep(0.5)
+        assert not os.path.exists(os.path.join(shared, "stolen"))
+    finally:
+        for directory in (os.path.dirname(node), node):
+            os.chmod(directory, 0o700)
+        keeper.shutdown_keeper(node, 30)
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_the_keeper_does_not_import_a_deepspeed_ext_from_the_working_directory(tmp_path, monkeypatch):
+    """``python -m deepspeed_ext.keeper`` put the job's working directory first on the path:
+    a ``deepspeed_ext`` there ran in place of ours."""
+    evil = tmp_path / "cwd" / "deepspeed_ext"
+    evil.mkdir(parents=True)
+    marker = tmp_path / "imported"
+    (evil / "__init__.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    (evil / "keeper.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    monkeypatch.chdir(tmp_path / "cwd")
+    monkeypatch.setenv("PYTHONPATH", "")
+    node = tmp_path / "shm" / "node0"
+    try:
+        keeper.ensure_keeper(str(node), idle_timeout_s=60, start_timeout_s=60)
+        assert keeper.alive(str(node))
+        assert not marker.exists()
+    finally:
+        keeper.shutdown_keeper(str(node), 30)
+
+
+def test_a_damaged_snapshot_is_not_persisted(tmp_path):
+    """A bit flipped in memory after the snapshot: the keeper used to write it with a
+    fresh SHA-256 that vouched for the damage; it checks the memory checksum first."""
+    from deepspeed_ext import memsum
+    image = tmp_path / "slot0.img"
+    data = bytearray(b"\x01" * 64)
+    image.write_bytes(bytes(data))
+    entries = [{"key": "w", "dtype": "float32", "shape": [16], "start": 0, "nbytes": 64}]
+    checksum = memsum.digest(bytes(data))
+    data[5] ^= 0x10
+    image.write_bytes(bytes(data))
+    out = tmp_path / "rank00000.safetensors"
+    with pytest.raises(RuntimeError, match="damaged in memory"):
+        keeper.write_image_subset(str(out), str(image), entries, None, checksum)
+    assert not out.exists()

@@ -71,3 +71,60 @@ def test_publish_after_the_node_memory_vanished_refuses(tmp_path):
     with pytest.raises(RuntimeError, match="vanished"):
         slots.publish(0, {"step": 2, "entries": []})
     assert not (tmp_path / "rank00000").exists()        # nothing re-created half-way
+
+
+def test_a_one_element_record_is_not_broadcast_into_a_larger_tensor(tmp_path):
+    """``copy_`` broadcasts a one-element source: a record of one float read into a
+    tensor of 4 filled it with that value instead of failing."""
+    slots = SnapshotSlots(str(tmp_path), 0)
+    meta = _fill(slots, 0, 3, [7.0])
+    image = SlotImage(slots.image_path(0))
+    with pytest.raises(RuntimeError, match="elements"):
+        image.read_into(meta["entries"][0], torch.zeros(4))
+    outside = dict(meta["entries"][0], start=1 << 20)
+    with pytest.raises(RuntimeError, match="outside"):
+        image.read_into(outside, torch.zeros(1))
+    image.close()
+
+
+def test_slots_of_another_run_are_no_snapshots_of_this_job(tmp_path):
+    """A slot another job wrote (a shared --moc-shm-dir, or planted) is not this job's
+    to recover from; it is free to be overwritten."""
+    theirs = SnapshotSlots(str(tmp_path), 0, run_id="b" * 32)
+    meta = _fill(theirs, 0, 9, [1.0, 2.0])
+    meta["run_id"] = "b" * 32
+    theirs.publish(0, meta)
+    ours = SnapshotSlots(str(tmp_path), 0, run_id="a" * 32)
+    assert ours.complete() == []
+    assert SnapshotSlots(str(tmp_path), 0, run_id="b" * 32).complete() == [(0, meta)]
+
+
+def test_a_flipped_bit_in_a_slot_is_found_before_recovery_uses_it(tmp_path):
+    from deepspeed_ext import memsum
+    slots = SnapshotSlots(str(tmp_path), 0)
+    data = torch.arange(16, dtype=torch.float32)
+    buf = slots.buffer(0, 64)
+    buf.copy_(data.view(torch.uint8))
+    meta = {"step": 5, "entries": [{"key": "w", "dtype": "float32", "shape": [16], "start": 0,
+                                    "nbytes": 64}], "checksum": memsum.digest(buf)}
+    slots.publish(0, meta)
+    assert slots.verify(0) is None
+    buf[17] ^= 1  # memory damaged after the snapshot
+    assert "mismatch" in slots.verify(0)
+    del meta["checksum"]
+    slots.publish(0, meta)
+    assert "no valid checksum" in slots.verify(0)  # unverifiable counts as damaged
+
+
+def test_planted_links_in_a_rank_directory_are_not_followed(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    node = tmp_path / "node"
+    node.mkdir(mode=0o700)
+    slots = SnapshotSlots(str(node), 0)
+    os.symlink(victim, slots.image_path(1))
+    with pytest.raises(OSError):
+        slots.buffer(1, 64)
+    os.symlink(victim, os.path.join(slots.dir, "slot2.json"))
+    assert slots.meta(2) is None
+    assert victim.read_bytes() == b"precious"

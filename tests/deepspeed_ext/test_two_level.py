@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from deepspeed_ext.job_identity import RUN_ID_FILE
 from tests.launch import describe, run_ranks
 from tests.shm import new_shm_dir, stop_keepers
 
@@ -71,6 +72,36 @@ def test_crash_then_recover_from_memory_bitwise(tmp_path):
         stop_keepers(shm)
 
 
+def test_a_snapshot_damaged_in_memory_is_not_recovered(tmp_path):
+    """A bit flipped in rank 1's newest snapshot after the crash: recovery used to load it
+    (the image has no checksum); now rank 1 refuses that slot, and every rank recovers
+    the newest step all of them still hold intact."""
+    shm, ckpt = new_shm_dir(), str(tmp_path / "ckpt")
+    try:
+        flags = _flags(shm, 2, 2, ["--moc-persist-interval", "100"])
+        _, results = _run(tmp_path, "first", 2, "train-save", flags + [
+            "--train-iters", "3", "--save", ckpt, "--save-interval", "1"],
+            env={"MOC_TEST_CRASH": "1"}, ok=False)
+        assert all(r.returncode == -signal.SIGKILL for r in results), describe(results)
+        rank1 = os.path.join(shm, "node0", "rank00001")
+        held = {json.load(open(os.path.join(rank1, n)))["step"]: n[:-len(".json")]
+                for n in os.listdir(rank1) if n.endswith(".json")}
+        assert 2 in held and 3 in held, held
+        with open(os.path.join(rank1, held[3] + ".img"), "r+b") as f:
+            f.seek(4096 + 3)
+            byte = f.read(1)
+            f.seek(4096 + 3)
+            f.write(bytes([byte[0] ^ 0x04]))
+        second, results = _run(tmp_path, "second", 2, "load-train-save", flags + [
+            "--train-iters", "4", "--load", ckpt, "--save", ckpt, "--save-interval", "1"])
+        assert "not recovering from the step-3 snapshot" in results[1].output, describe(results)
+        assert "checksum mismatch" in results[1].output
+        assert second[0]["client_state"] == {"step": 2}
+        assert all(r["load_source"] == "memory" for r in second)
+    finally:
+        stop_keepers(shm)
+
+
 def test_storage_newer_than_every_ranks_memory_wins(tmp_path):
     """Rank 1's memory lacks the newest step (a rank rebuilt from peers holds only the
     protected step; a slot lost): recovering the older step all ranks hold would throw
@@ -119,7 +150,13 @@ def test_failed_memory_recovery_with_nothing_on_storage_stops_every_rank(tmp_pat
         while not os.path.exists(os.path.join(ckpt, "global_step1", "manifest.json")):
             assert time.monotonic() < deadline, "step 1 was never committed"
             time.sleep(0.1)
-        shutil.rmtree(ckpt)  # storage lost; the snapshots of steps 2-3 are in memory
+        # Its checkpoints lost; the snapshots of steps 2-3 are in memory. (The run id
+        # stays: without it the memory would be another job's, and the start refused.)
+        for name in os.listdir(ckpt):
+            if name != RUN_ID_FILE:
+                shutil.rmtree(os.path.join(ckpt, name), ignore_errors=True)
+                if os.path.exists(os.path.join(ckpt, name)):
+                    os.remove(os.path.join(ckpt, name))
         out = tmp_path / "second"
         out.mkdir()
         results = run_ranks(2, ["load-train-save", str(out)] + flags + [
@@ -186,7 +223,8 @@ def test_memory_budget_too_small_fails_every_rank_before_training(tmp_path):
         for r in results:
             assert r.returncode != 0, describe(results)
             assert "--moc-host-memory-gb allows 0.0001" in r.output, describe(results)
-        assert not (tmp_path / "ckpt").exists()
+        # nothing but the job's run id was written (kept for its next start)
+        assert os.listdir(tmp_path / "ckpt") == [RUN_ID_FILE]
     finally:
         stop_keepers(shm)
 
@@ -324,7 +362,7 @@ def test_end_of_job_persists_a_snapshot_that_was_not_due(tmp_path):
             "--train-iters", "3", "--save", ckpt, "--save-interval", "1"])
         assert _latest(ckpt) == "global_step3" and _verify(ckpt, "global_step3") == []
         assert sorted(n for n in os.listdir(ckpt) if not n.startswith(".")) == [
-            "global_step1", "global_step3", "latest"]
+            "global_step1", "global_step3", "latest", RUN_ID_FILE]
         rng = read_objects_file(os.path.join(ckpt, "global_step3")).tree["rng_states"]
         assert len(rng) == 2 and all(state is not None for state in rng)
         assert not os.path.exists(shm)  # the end freed the memory: the next load is storage
@@ -351,8 +389,8 @@ def test_keeper_persists_to_an_fsspec_url(tmp_path):
         # step 1 persisted in the background, step 3 too unless step 1 was still being
         # written when its turn came (training never waits), step 4 at the end of the job
         names = set(os.listdir(local))
-        assert {"global_step1", "global_step4", "latest"} <= names
-        assert names <= {"global_step1", "global_step3", "global_step4", "latest"}
+        assert {"global_step1", "global_step4", "latest", RUN_ID_FILE} <= names
+        assert names <= {"global_step1", "global_step3", "global_step4", "latest", RUN_ID_FILE}
         assert _latest(str(local)) == "global_step4"
         assert _verify(url, "global_step1") == [] and _verify(url, "global_step4") == []
         assert not os.path.exists(shm)

@@ -231,3 +231,18 @@ def test_a_baseline_latest_or_meta_file_is_read_only_up_to_its_cap(tmp_path):
             ck._saved_meta(engine, str(load), "global_step5")
     meta.write_text('{"args": {"num_layers": 2}, "world_size": 2}')
     assert ck._saved_meta(engine, str(load), "global_step5")["world_size"] == 2
+
+
+@pytest.mark.parametrize("client", [None, [], {"iteration": "8"}, {"iteration": 8},
+                                    {"iteration": 8, "consumed_train_samples": -1,
+                                     "opt_param_scheduler": {}},
+                                    {"iteration": 8, "consumed_train_samples": 64,
+                                     "opt_param_scheduler": None}])
+def test_an_exact_frames_client_state_is_checked_before_its_replay(client):
+    """A frame's client_state was indexed after the replay began: a crafted or damaged one
+    raised KeyError on one rank. The check runs with the frames, before the ranks agree."""
+    from megatron.training.checkpointing import _check_exact_client_state
+    with pytest.raises(ValueError, match="client_state"):
+        _check_exact_client_state(client)
+    _check_exact_client_state({"iteration": 8, "consumed_train_samples": 64,
+                               "opt_param_scheduler": {"num_steps": 8}})

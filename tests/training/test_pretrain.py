@@ -271,3 +271,27 @@ def test_recovery_reports_plt_and_dynamic_k_doubles(corpus, tmp_path):
     assert manifest["extra"]["pec_k"] == 2
     saved_at_8 = [k for k, v in manifest["expert_index"].items() if v["step"] == 8]
     assert len(saved_at_8) == 2 * manifest["layout"]["num_moe_layers"], saved_at_8
+
+
+def test_a_shm_dir_one_node_cannot_trust_stops_every_rank_before_training(corpus, tmp_path):
+    """Two simulated nodes; node 1's directory in --moc-shm-dir is a link planted to a
+    directory elsewhere (where the job would have written its snapshots, keeper log and
+    socket). Rank 1 refuses it, and rank 0, whose node is fine, must stop too, before
+    the first iteration, with the reason naming --moc-shm-dir (not hang in a collective)."""
+    shm = new_shm_dir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    os.mkdir(shm, 0o700)
+    os.symlink(elsewhere, os.path.join(shm, "node1"))
+    try:
+        results = run_ranks(2, TINY + ["--data-path", corpus, "--save", str(tmp_path / "ckpt"),
+                                       "--moc-checkpoint", "--moc-two-level", "--moc-shm-dir", shm,
+                                       "--moc-ranks-per-node", "1"], timeout=180)
+        for r in results:
+            assert r.returncode != 0, describe(results)
+            assert "node1 is a symbolic link" in r.output and "--moc-shm-dir" in r.output, \
+                describe(results)
+            assert " iteration " not in r.output, describe(results)
+        assert os.listdir(elsewhere) == []
+    finally:
+        stop_keepers(shm)
