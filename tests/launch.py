@@ -60,11 +60,21 @@ def describe(results: List[RankResult]) -> str:
     return "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-4000:]}" for r in results)
 
 
-def fresh_python(code: str, timeout: float = 120) -> List[str]:
+def fresh_python(code: str, timeout: float = 120, args: Sequence[str] = (),
+                 memory_limit: Optional[int] = None) -> List[str]:
     """Run ``code`` in a new interpreter with the repository on its path (what a rank
-    imports, without this test process's modules); its stdout lines. Fails on an error."""
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=REPO, PYTHONWARNINGS="ignore"),
+    imports, without this test process's modules); its stdout lines. Fails on an error.
+
+    Args:
+        args: its ``sys.argv[1:]``.
+        memory_limit: bytes of address space it may use (``RLIMIT_AS``): for code that,
+            on a bug, would read until the machine's memory ran out.
+    """
+    if memory_limit is not None:
+        code = (f"import resource\nresource.setrlimit(resource.RLIMIT_AS, "
+                f"({memory_limit}, {memory_limit}))\n" + code)
+    out = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, capture_output=True,
+                         text=True, env=dict(os.environ, PYTHONPATH=REPO, PYTHONWARNINGS="ignore"),
                          timeout=timeout)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout.splitlines()

@@ -35,6 +35,16 @@ def _run(tmp_path, name, nproc, action, flags, env=None, ok=True):
     return [json.load(open(out / f"rank{r}.json")) for r in range(nproc)], results
 
 
+def _crashed_after_3(tmp_path, flags, ckpt, nproc=2):
+    """A job of ``nproc`` ranks saving every step, SIGKILLed after step 3's snapshot;
+    every rank's results."""
+    first, results = _run(tmp_path, "first", nproc, "train-save", flags + [
+        "--train-iters", "3", "--save", ckpt, "--save-interval", "1"],
+        env={"MOC_TEST_CRASH": "1"}, ok=False)
+    assert all(r.returncode == -signal.SIGKILL for r in results), describe(results)
+    return first
+
+
 def _keeper_pid(node_dir):
     from deepspeed_ext.keeper import request
     return request(node_dir, {"op": "ping"})["pid"]
@@ -45,10 +55,7 @@ def test_crash_then_recover_from_memory_bitwise(tmp_path):
     try:
         # persist only the first snapshot: steps 2 and 3 exist in memory only
         flags = _flags(shm, 2, 2, ["--moc-persist-interval", "100"])
-        first, results = _run(tmp_path, "first", 2, "train-save", flags + [
-            "--train-iters", "3", "--save", ckpt, "--save-interval", "1"],
-            env={"MOC_TEST_CRASH": "1"}, ok=False)
-        assert all(r.returncode == -signal.SIGKILL for r in results), describe(results)
+        first = _crashed_after_3(tmp_path, flags, ckpt)
         assert os.path.isdir(os.path.join(shm, "node0", "rank00001"))  # memory survived
         snapshot = first[0]["saved_states"]["3"]
         second, results = _run(tmp_path, "second", 2, "load-train-save", flags + [
@@ -79,10 +86,7 @@ def test_a_snapshot_damaged_in_memory_is_not_recovered(tmp_path):
     shm, ckpt = new_shm_dir(), str(tmp_path / "ckpt")
     try:
         flags = _flags(shm, 2, 2, ["--moc-persist-interval", "100"])
-        _, results = _run(tmp_path, "first", 2, "train-save", flags + [
-            "--train-iters", "3", "--save", ckpt, "--save-interval", "1"],
-            env={"MOC_TEST_CRASH": "1"}, ok=False)
-        assert all(r.returncode == -signal.SIGKILL for r in results), describe(results)
+        _crashed_after_3(tmp_path, flags, ckpt)
         rank1 = os.path.join(shm, "node0", "rank00001")
         held = {json.load(open(os.path.join(rank1, n)))["step"]: n[:-len(".json")]
                 for n in os.listdir(rank1) if n.endswith(".json")}
@@ -142,10 +146,7 @@ def test_failed_memory_recovery_with_nothing_on_storage_stops_every_rank(tmp_pat
     shm, ckpt = new_shm_dir(), str(tmp_path / "ckpt")
     try:
         flags = _flags(shm, 2, 2, ["--moc-persist-interval", "100"])
-        _, results = _run(tmp_path, "first", 2, "train-save", flags + [
-            "--train-iters", "3", "--save", ckpt, "--save-interval", "1"],
-            env={"MOC_TEST_CRASH": "1"}, ok=False)
-        assert all(r.returncode == -signal.SIGKILL for r in results), describe(results)
+        _crashed_after_3(tmp_path, flags, ckpt)
         deadline = time.monotonic() + 120  # the keeper's persist of step 1 lands first
         while not os.path.exists(os.path.join(ckpt, "global_step1", "manifest.json")):
             assert time.monotonic() < deadline, "step 1 was never committed"
