@@ -181,16 +181,27 @@ class HostCopier:
         return event
 
     def finish(self, event, buffer: torch.Tensor, layout: ImageLayout,
-               tensors: Mapping[str, torch.Tensor]) -> None:
-        """Background thread: wait for the queued copies (CUDA) or do them (CPU)."""
+               tensors: Mapping[str, torch.Tensor], checksum: bool = False) -> Optional[str]:
+        """Background thread: wait for the queued copies (CUDA) or do them (CPU).
+
+        Returns:
+            With ``checksum``, the image's memory checksum (:mod:`deepspeed_ext.memsum`):
+            on CPU computed piece by piece as the copy goes (each piece still in the
+            cache: reading the image again cost a second pass over memory), on CUDA over
+            the finished image; else None.
+        """
+        from deepspeed_ext import memsum
         if event is not None:
             # On the fragments' device: a CUDA call from a thread with no current device
             # would set up a context on GPU 0 for every rank of the node.
             with torch.cuda.device(self.stream.device):
                 event.synchronize()
-            return
+            return memsum.digest(buffer[:layout.nbytes]) if checksum else None
+        running = memsum.Running() if checksum else None
         with torch.no_grad():
-            fill_image(buffer, layout, tensors)
+            fill_image(buffer, layout, tensors,
+                       filled=running.update if running is not None else None)
+        return running.value() if running is not None else None
 
     @property
     def registered_bytes(self) -> int:

@@ -23,7 +23,7 @@ import math
 import struct
 import sys
 from dataclasses import dataclass
-from typing import Dict, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -118,11 +118,17 @@ def layout_of(tensors: Mapping[str, torch.Tensor],
 
 
 def fill_image(buffer: torch.Tensor, layout: ImageLayout,
-               tensors: Mapping[str, torch.Tensor], non_blocking: bool = False) -> None:
+               tensors: Mapping[str, torch.Tensor], non_blocking: bool = False,
+               filled: Optional[Callable[[torch.Tensor], None]] = None) -> None:
     """Copy the header and every tensor into ``buffer`` (uint8, at least ``layout.nbytes``).
 
     The caller owns synchronisation: with ``non_blocking`` on a CUDA source and a pinned
     buffer the copies are only queued on the current stream.
+
+    Args:
+        filled: called (blocking copies only) with each next piece of the image once its
+            bytes are in place, in order, together covering ``buffer[:layout.nbytes]``:
+            a checksum can read them while they are still in the cache.
 
     Raises:
         ValueError: the buffer is too small or not uint8, or a tensor does not match its
@@ -134,6 +140,7 @@ def fill_image(buffer: torch.Tensor, layout: ImageLayout,
         raise ValueError(f"image buffer holds {buffer.numel()} bytes, the image needs {layout.nbytes}")
     header = torch.frombuffer(bytearray(layout.header), dtype=torch.uint8)
     buffer[:len(layout.header)].copy_(header)
+    done = 0  # bytes handed to ``filled`` so far
     for entry in layout.entries:
         tensor = tensors[entry.key]
         if tuple(tensor.shape) != entry.shape or dtype_name(tensor.dtype) != entry.dtype:
@@ -143,6 +150,11 @@ def fill_image(buffer: torch.Tensor, layout: ImageLayout,
             continue
         target = buffer[entry.start:entry.start + entry.nbytes].view(tensor.dtype)
         target.copy_(tensor.detach().reshape(-1), non_blocking=non_blocking)
+        if filled is not None:
+            filled(buffer[done:entry.start + entry.nbytes])
+            done = entry.start + entry.nbytes
+    if filled is not None and done < layout.nbytes:
+        filled(buffer[done:layout.nbytes])
 
 
 def image_view(buffer: torch.Tensor, layout: ImageLayout) -> memoryview:

@@ -30,21 +30,39 @@ def default_algorithm() -> str:
 
 def digest(data, algorithm: Optional[str] = None) -> str:
     """The checksum of ``data`` (bytes-like, or a CPU uint8 tensor)."""
-    view = _view(data)
-    algorithm = algorithm or default_algorithm()
-    if algorithm == "xxh3_64":
-        if xxhash is None:
-            raise ValueError("checksum xxh3_64 needs the xxhash package (pip install xxhash)")
-        state = xxhash.xxh3_64()
+    running = Running(algorithm)
+    running.update(data)
+    return running.value()
+
+
+class Running:
+    """A checksum fed in order, piece by piece (the same value as :func:`digest` of the
+    pieces joined): the CPU snapshot copy hashes each tensor's bytes right after copying
+    them, while they are still in the cache, instead of reading the image again."""
+
+    def __init__(self, algorithm: Optional[str] = None):
+        self.algorithm = algorithm or default_algorithm()
+        if self.algorithm == "xxh3_64":
+            if xxhash is None:
+                raise ValueError("checksum xxh3_64 needs the xxhash package")
+            self._state = xxhash.xxh3_64()
+        elif self.algorithm == "crc32":
+            self._crc = 0
+        else:
+            raise ValueError(f"unknown memory checksum algorithm {self.algorithm!r}")
+
+    def update(self, data) -> None:
+        view = _view(data)
         for start in range(0, len(view), _CHUNK):
-            state.update(view[start:start + _CHUNK])
-        return f"xxh3_64:{state.hexdigest()}"
-    if algorithm == "crc32":
-        value = 0
-        for start in range(0, len(view), _CHUNK):
-            value = zlib.crc32(view[start:start + _CHUNK], value)
-        return f"crc32:{value:08x}"
-    raise ValueError(f"unknown memory checksum algorithm {algorithm!r}")
+            if self.algorithm == "xxh3_64":
+                self._state.update(view[start:start + _CHUNK])
+            else:
+                self._crc = zlib.crc32(view[start:start + _CHUNK], self._crc)
+
+    def value(self) -> str:
+        if self.algorithm == "xxh3_64":
+            return f"xxh3_64:{self._state.hexdigest()}"
+        return f"crc32:{self._crc:08x}"
 
 
 def verify(data, expected) -> Optional[str]:

@@ -47,7 +47,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext import commit, fs, keeper, memsum
+from deepspeed_ext import commit, fs, keeper
 from deepspeed_ext.exchange import Exchanger
 from deepspeed_ext.objects import OBJECTS_TENSOR_FILE
 from deepspeed_ext.hostcopy import HostCopier
@@ -668,10 +668,9 @@ class TwoLevel:
         redundancy thread."""
         published = False
         try:
-            self.copier.finish(event, buffer, layout, tensors)
-            # Recovery and the keeper check it before using the bytes: a bit flipped in
-            # memory must neither be loaded nor persisted under a fresh SHA-256.
-            meta["checksum"] = memsum.digest(buffer[:layout.nbytes])
+            # The checksum: recovery and the keeper check it before using the bytes (a bit
+            # flipped in memory must neither be loaded nor persisted under a fresh SHA-256).
+            meta["checksum"] = self.copier.finish(event, buffer, layout, tensors, checksum=True)
             if self.fault_hook is not None:  # fault injection: die with the slot filled
                 self.fault_hook(meta["step"])  # but not yet published as complete
             self.slots.publish(slot, meta)

@@ -113,3 +113,24 @@ def test_cuda_snapshot_sees_the_step_queued_before_it(shm_dir):
     got = image.read({"dtype": entry.dtype, "nbytes": entry.nbytes, "start": entry.start})
     image.close()
     assert torch.all(got == 1.0)
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3_64", "crc32"])
+def test_the_checksum_taken_during_the_cpu_copy_is_the_images(algorithm, monkeypatch):
+    """The CPU copy hashes each piece as it lands (a second pass over the image cost the
+    two cores of this machine several points of iteration time): the value must be the
+    checksum of the whole image, padding and empty tensors included."""
+    from deepspeed_ext import memsum
+    if algorithm == "xxh3_64" and memsum.xxhash is None:
+        pytest.skip("needs xxhash")
+    monkeypatch.setattr(memsum, "default_algorithm", lambda: algorithm)
+    tensors = {"a": torch.randn(1000), "b": torch.randn(33, 7), "empty": torch.zeros(0),
+               "d": torch.arange(5, dtype=torch.int64), "e": torch.randn(3, dtype=torch.float64)}
+    layout = layout_of(tensors)
+    buffer = torch.full((layout.nbytes + 64,), 7, dtype=torch.uint8)
+    value = HostCopier(torch.device("cpu")).finish(None, buffer, layout, tensors, checksum=True)
+    assert value.startswith(algorithm + ":")
+    assert value == memsum.digest(buffer[:layout.nbytes], algorithm)
+    assert memsum.verify(buffer[:layout.nbytes], value) is None
+    buffer[layout.nbytes - 1] ^= 1
+    assert memsum.verify(buffer[:layout.nbytes], value) is not None
