@@ -44,7 +44,8 @@ class MoCConfig:
     and is the only directory its keepers persist into; empty: the job is known by
     ``shm_dir`` alone."""
     ranks_per_node: int = 0
-    """Ranks per node for keeper placement; 0: ``LOCAL_WORLD_SIZE`` (``--moc-ranks-per-node``
+    """Ranks per node for keeper placement; 0: the launcher's count (``LOCAL_WORLD_SIZE``,
+    ``LOCAL_SIZE`` or ``SLURM_NTASKS_PER_NODE``: :mod:`deepspeed_ext.node_layout`; ``--moc-ranks-per-node``
     simulates several nodes on one machine)."""
     keeper_idle_timeout_s: float = 600.0
     """A keeper exits when none of its training processes has been alive this long."""

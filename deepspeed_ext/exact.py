@@ -85,7 +85,8 @@ class ExactConfig:
     """The job's shared-memory directory (one ``node<N>/`` per node, each with a keeper
     that persists frames to storage); empty: frames go straight to storage."""
     ranks_per_node: int = 0
-    """Ranks per node for the memory level; 0: ``LOCAL_WORLD_SIZE``."""
+    """Ranks per node for the memory level; 0: the launcher's count
+    (:mod:`deepspeed_ext.node_layout`)."""
     keeper_idle_timeout_s: float = 600.0
     """A keeper exits when none of its training processes has been alive this long."""
     expected_mtbf_s: float = 0.0
@@ -366,7 +367,8 @@ class ExactSnapshots:
         from deepspeed_ext.job_identity import ForeignJobError, agree_run_id
         from deepspeed_ext.private_dir import UnsafeDirectoryError
         self.run_id = agree_run_id(self.save_dir, self.cfg.memory_dir, log=self._log)
-        per_node = self.cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        from deepspeed_ext.node_layout import ranks_per_node
+        per_node = ranks_per_node(self.cfg.ranks_per_node, self.world)
         self.node = self.rank // per_node
         self.first_of_node = self.rank % per_node == 0
         self.node_dir = os.path.join(self.cfg.memory_dir, f"node{self.node}")

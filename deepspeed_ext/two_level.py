@@ -129,7 +129,8 @@ class TwoLevel:
         self.ckpt = ckpt
         self.cfg = cfg
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        per_node = cfg.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        from deepspeed_ext.node_layout import ranks_per_node
+        per_node = ranks_per_node(cfg.ranks_per_node, self.world)
         self.node = self.rank // per_node
         self.first_of_node = self.rank % per_node == 0
         self.node_dir = os.path.join(cfg.shm_dir, f"node{self.node}")

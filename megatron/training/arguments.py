@@ -165,7 +165,8 @@ def _add_moc_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moc-persist-interval", type=int, default=1,
                    help="Persist every N-th snapshot to storage.")
     g.add_argument("--moc-ranks-per-node", type=int, default=0,
-                   help="Ranks per node for the keepers; 0: the launcher's LOCAL_WORLD_SIZE. "
+                   help="Ranks per node for the keepers; 0: the launcher's (LOCAL_WORLD_SIZE, LOCAL_SIZE "
+                        "or SLURM_NTASKS_PER_NODE). "
                         "Smaller values simulate several nodes on one machine.")
     g.add_argument("--moc-redundancy", default="none", choices=("none", "replicate", "erasure"),
                    help="With --moc-two-level: keep the snapshots also in other nodes' memory, "
@@ -427,7 +428,8 @@ def _check_redundancy(args: argparse.Namespace, world_size: int) -> None:
     if not args.moc_two_level:
         raise ConfigError(f"--moc-redundancy {spec.mode} protects two-level snapshots: add "
                           "--moc-two-level")
-    per_node = args.moc_ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    from deepspeed_ext.node_layout import ranks_per_node
+    per_node = ranks_per_node(args.moc_ranks_per_node, world_size)
     try:
         rd.check_layout(spec, rd.Topology(world_size, per_node))
     except ValueError as err:
@@ -477,12 +479,8 @@ def effective_shm_dir(args: argparse.Namespace) -> Optional[str]:
 
 def _nodes_max_index(args: argparse.Namespace, world_size: int) -> int:
     """The largest node index of the job, computed as the keepers place ranks."""
-    per_node = args.moc_ranks_per_node
-    if not per_node:
-        try:
-            per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-        except ValueError:
-            per_node = 1
+    from deepspeed_ext.node_layout import ranks_per_node
+    per_node = ranks_per_node(args.moc_ranks_per_node, world_size)
     return (max(world_size, 1) - 1) // max(per_node, 1)
 
 
@@ -523,7 +521,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
                                  ("moc_window", 0, " (0: automatic)"),
                                  ("moc_snapshot_interval", 0, " (0: --save-interval)"),
                                  ("moc_persist_interval", 1, ""),
-                                 ("moc_ranks_per_node", 0, " (0: the launcher's LOCAL_WORLD_SIZE)"),
+                                 ("moc_ranks_per_node", 0, " (0: the launcher's count)"),
                                  ("moc_redundancy_interval", 1, ""),
                                  ("moc_restart_count", 0, "")):
         value = getattr(args, name)

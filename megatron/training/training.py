@@ -129,7 +129,8 @@ def _set_threads(args: argparse.Namespace) -> None:
     if args.num_threads > 0:
         torch.set_num_threads(args.num_threads)
     elif "OMP_NUM_THREADS" not in os.environ:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        from deepspeed_ext.node_layout import ranks_per_node
+        local = ranks_per_node(0, int(os.environ.get("WORLD_SIZE", "1") or 1))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
 
 
@@ -366,8 +367,8 @@ def _fault_injector(args: argparse.Namespace, engine):
         lose_memory = lambda: engine.moc_exact.drop_node_memory()  # noqa: E731
     emit = EventLog(args.moc_event_file).append if args.moc_event_file else None
     rank, world = dist.get_rank(), dist.get_world_size()
-    per_node = (getattr(args, "moc_ranks_per_node", 0)
-                or int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    from deepspeed_ext.node_layout import ranks_per_node
+    per_node = ranks_per_node(getattr(args, "moc_ranks_per_node", 0), world)
     node = rank // per_node
     def slow_compute(seconds: float) -> None:
         engine.module.register_forward_pre_hook(lambda *_: time.sleep(seconds))

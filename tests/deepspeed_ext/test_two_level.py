@@ -172,13 +172,16 @@ def test_failed_memory_recovery_with_nothing_on_storage_stops_every_rank(tmp_pat
 
 def test_node_memory_lost_two_level_recovery(tmp_path):
     """4 ranks as 2 nodes; node 1 loses its keeper and memory: storage for everything but
-    the experts node 0 holds newer in memory."""
+    the experts node 0 holds newer in memory. The nodes come from the environment
+    DeepSpeed's launcher sets (LOCAL_SIZE, no LOCAL_WORLD_SIZE): read only the latter,
+    every rank counted as node 0."""
     shm, ckpt = new_shm_dir(), str(tmp_path / "ckpt")
+    deepspeed_launcher = {"LOCAL_WORLD_SIZE": "", "LOCAL_SIZE": "2"}
     try:
-        flags = _flags(shm, 4, 4, ["--moc-persist-interval", "100", "--moc-ranks-per-node", "2"])
+        flags = _flags(shm, 4, 4, ["--moc-persist-interval", "100"])
         first, results = _run(tmp_path, "first", 4, "train-save", flags + [
             "--train-iters", "3", "--save", ckpt, "--save-interval", "1"],
-            env={"MOC_TEST_CRASH": "1"}, ok=False)
+            env={"MOC_TEST_CRASH": "1", **deepspeed_launcher}, ok=False)
         saved = first[0]["saved_states"]
         # the keepers finish persisting step 1 after the crash; then node 1 dies
         deadline = time.monotonic() + 120
@@ -189,7 +192,7 @@ def test_node_memory_lost_two_level_recovery(tmp_path):
         os.kill(_keeper_pid(lost), signal.SIGKILL)
         shutil.rmtree(lost)
         second, results = _run(tmp_path, "second", 4, "load-train-save", flags + [
-            "--train-iters", "3", "--load", ckpt])
+            "--train-iters", "3", "--load", ckpt], env=deepspeed_launcher)
         assert [r["load_source"] for r in second] == ["storage+memory"] * 2 + ["storage"] * 2
         assert second[0]["client_state"] == {"step": 1}
         assert "two-level recovery" in results[0].output
