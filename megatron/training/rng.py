@@ -1,7 +1,7 @@
 """Capture and restore the random-number state of a rank (Python, NumPy, torch, CUDA)."""
 
 import random
-from typing import Dict
+from typing import Dict, Optional
 
 import numpy as np
 import torch
@@ -17,16 +17,33 @@ def set_seed(seed: int) -> None:
 
 
 def get_rng_state() -> Dict:
-    """This rank's generator states, as a picklable dict."""
+    """This rank's generator states, as a picklable dict. CUDA: the current device's
+    generator only, the one this rank draws from (every visible device's, as saved
+    before, made a restart that sees fewer devices fail, and restored the wrong stream
+    when ranks were mapped to devices differently)."""
     return {"python": random.getstate(), "numpy": np.random.get_state(),
             "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def cuda_state_for_device(saved, device: int) -> Optional[torch.Tensor]:
+    """The CUDA generator state to restore on ``device`` from a saved ``cuda`` entry: the
+    state itself (one device's, as saved now), or, from a checkpoint that saved every
+    visible device's (a list), that device's entry; None when there is none for it."""
+    if saved is None:
+        return None
+    if isinstance(saved, (list, tuple)):
+        return saved[device] if 0 <= device < len(saved) else None
+    return saved
 
 
 def set_rng_state(state: Dict) -> None:
-    """Restore what :func:`get_rng_state` returned (the CUDA part only where there is CUDA)."""
+    """Restore what :func:`get_rng_state` returned (the CUDA part only where there is CUDA,
+    into the current device's generator)."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        cuda = cuda_state_for_device(state["cuda"], torch.cuda.current_device())
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)

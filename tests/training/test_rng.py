@@ -1,0 +1,34 @@
+"""A rank's RNG state: CUDA's is the current device's generator only."""
+
+import pytest
+import torch
+
+from megatron.training import rng
+
+
+def test_a_saved_cuda_state_is_restored_into_the_ranks_own_device():
+    one = torch.tensor([1, 2, 3], dtype=torch.uint8)
+    every_device = [torch.tensor([9], dtype=torch.uint8), one]  # older checkpoints: all visible
+    assert rng.cuda_state_for_device(one, 0) is one
+    assert rng.cuda_state_for_device(every_device, 1) is one
+    # a restart that sees fewer devices than the run that saved (or more) does not fail
+    assert rng.cuda_state_for_device(every_device, 5) is None
+    assert rng.cuda_state_for_device(None, 0) is None
+
+
+def test_cpu_state_round_trip():
+    state = rng.get_rng_state()
+    first = torch.rand(4)
+    rng.set_rng_state(state)
+    assert torch.equal(torch.rand(4), first)
+    if not torch.cuda.is_available():
+        assert state["cuda"] is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_state_is_one_devices_and_round_trips():
+    state = rng.get_rng_state()
+    assert isinstance(state["cuda"], torch.Tensor)  # not a list of every visible device's
+    first = torch.rand(4, device="cuda")
+    rng.set_rng_state(state)
+    assert torch.equal(torch.rand(4, device="cuda"), first)
