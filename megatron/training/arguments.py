@@ -86,6 +86,10 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
                    help="Samples per optimizer step; default: micro batch x data-parallel size.")
     g.add_argument("--train-iters", type=int, help="Optimizer steps to train for (required).")
     g.add_argument("--seed", type=int, default=1234, help="Seed of init, dropout and data order.")
+    g.add_argument("--deterministic", action="store_true",
+                   help="Deterministic kernels (torch.use_deterministic_algorithms, cuBLAS "
+                        "workspace, math attention): bitwise-repeatable runs on CUDA too. "
+                        "Implied by --moc-mode exact on CUDA.")
     g.add_argument("--clip-grad", type=float, default=1.0, help="Global gradient-norm clip; 0: off.")
     g.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay.")
     g.add_argument("--adam-beta1", type=float, default=0.9, help="AdamW beta1.")

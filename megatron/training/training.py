@@ -134,6 +134,17 @@ def _set_threads(args: argparse.Namespace) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
 
 
+def _set_determinism(args: argparse.Namespace) -> None:
+    """``--deterministic`` (or ``--moc-mode exact`` on CUDA): deterministic kernels."""
+    from megatron.training import determinism
+    on_cuda = torch.cuda.is_available()
+    if determinism.wanted(args.deterministic, getattr(args, "moc_mode", "pec"), on_cuda):
+        done = determinism.apply(on_cuda)
+        print_rank_0("> deterministic kernels" + ("" if args.deterministic else
+                                                   " (implied by --moc-mode exact on CUDA)")
+                     + ": " + "; ".join(done))
+
+
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> List[Dict]:
     """Decay and no-decay groups (biases and norms), split further into MoE groups for ZeRO."""
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
@@ -269,6 +280,7 @@ def pretrain(args: argparse.Namespace, extra_setup=None) -> TrainResult:
     """
     validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
     _set_threads(args)
+    _set_determinism(args)  # before any CUDA work (cuBLAS reads its workspace setting once)
     initialize_distributed(args)
     validate_args(args, dist.get_world_size())
     set_seed(args.seed)
