@@ -3,23 +3,34 @@
 #
 #   bash scripts/launch_cluster.sh HOSTFILE DATA_PATH CONFIG NODES GPUS_PER_NODE EP [extra flags...]
 #
-# HOSTFILE is a DeepSpeed hostfile ("hostname slots=8" per line); DATA_PATH an indexed
-# dataset prefix (tools/preprocess_data.py); CONFIG a YAML under configs/. Extra flags
-# go to pretrain_gpt_moe.py and win over the YAML (e.g. --save /ckpt --load /ckpt).
+# HOSTFILE is a DeepSpeed hostfile ("hostname slots=8" per line); the job runs on its
+# first NODES hosts, GPUS_PER_NODE ranks on each. DATA_PATH an indexed dataset prefix
+# (tools/preprocess_data.py); CONFIG a YAML under configs/. Extra flags go to
+# pretrain_gpt_moe.py and win over the YAML (e.g. --save /ckpt --load /ckpt).
 # The repository and its .venv must be at the same path on every node.
+#
+# MASTER_ADDR, MASTER_PORT: where rank 0 (on the first host used) listens, given to the
+# launcher when set; without MASTER_ADDR DeepSpeed takes the first address `hostname -I`
+# prints on that host, which can be an interface the other nodes cannot reach (docker0).
+# The launcher gives the other nodes' ranks only part of this environment (PYTHON*,
+# NCCL*, ...); this script also sends them every MOC_*, TORCH_NCCL_* and OMP_NUM_THREADS
+# variable set here (TORCH_NCCL_ASYNC_ERROR_HANDLING defaults to 1), through a file of
+# its own, to which it adds the lines of your .deepspeed_env in $HOME and in the
+# repository root (or of the files DS_ENV_FILE names there; read, never written; their
+# values win, as they do over NCCL_* ones with DeepSpeed alone).
 #
 # Automatic restarts (the DeepSpeed launcher has none of its own): MAX_RESTARTS=N runs the
 # job again, up to N times, after it fails (any rank's crash ends the launcher with a
 # non-zero status; --moc-monitor turns hangs into such failures); give --save and --load
 # the same directory so that each attempt resumes. EXCLUDE_SUSPECTS=1 with MOC_EVENT_FILE
 # (the job's --moc-event-file) also leaves out of the next attempt every host that a
-# hang or straggler event of this launch named (DeepSpeed's --exclude; the world size
-# shrinks, which MoC checkpoints load on; keep spare hosts in the hostfile so that NODES
-# remain). RESTART_DELAY seconds between attempts (10). DEEPSPEED: the launcher command
-# (default: deepspeed).
+# hang or straggler event of this launch named: that attempt runs on the first NODES
+# hosts of HOSTFILE without them (keep spare hosts in the hostfile so that NODES remain;
+# with fewer the world size shrinks, which MoC checkpoints load on). RESTART_DELAY
+# seconds between attempts (10). DEEPSPEED: the launcher command (default: deepspeed).
 set -euo pipefail
 if [ $# -lt 6 ]; then
-    sed -n '2,18p' "$0" >&2
+    sed -n '2,30p' "$0" >&2
     exit 2
 fi
 HOSTFILE="$1"; DATA_PATH="$2"; CONFIG="$3"; NODES="$4"; GPUS="$5"; EP="$6"; shift 6
@@ -27,11 +38,54 @@ cd "$(dirname "$0")/.."
 for f in "$HOSTFILE" "$CONFIG" "${DATA_PATH}.idx" "${DATA_PATH}.bin"; do
     [ -f "$f" ] || { echo "error: file not found: $f" >&2; exit 2; }
 done
-[ -x .venv/bin/python ] && source .venv/bin/activate
-export NCCL_ASYNC_ERROR_HANDLING="${NCCL_ASYNC_ERROR_HANDLING:-1}"
+for n in "NODES=$NODES" "GPUS_PER_NODE=$GPUS" "MAX_RESTARTS=${MAX_RESTARTS:-0}" \
+         "MASTER_PORT=${MASTER_PORT:-0}"; do
+    case "${n#*=}" in *[!0-9]*|'') echo "error: ${n%%=*} must be an integer" >&2; exit 2 ;; esac
+done
 MAX_RESTARTS="${MAX_RESTARTS:-0}"
-case "$MAX_RESTARTS" in *[!0-9]*|'') echo "error: MAX_RESTARTS must be an integer" >&2; exit 2 ;; esac
+# shellcheck disable=SC1091  # the project's venv, made by scripts/setup_env.sh
+[ -x .venv/bin/python ] && source .venv/bin/activate
+# TORCH_NCCL_ASYNC_ERROR_HANDLING is the current name (NCCL_ASYNC_ERROR_HANDLING is
+# deprecated); a value given under the old name still counts.
+export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-${NCCL_ASYNC_ERROR_HANDLING:-1}}"
 LAUNCHED_AT="$(date +%s)"
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/moc-launch.XXXXXX")"
+trap 'rm -rf "$WORK"' EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+# The environment of the other nodes' ranks. DeepSpeed's runner (launcher/runner.py)
+# exports to them the variables whose names start with one of its EXPORT_ENVS prefixes
+# (PYTHON, MLFLOW, MV2, UCX, and the accelerator's: NCCL on CUDA), then the KEY=VALUE
+# lines of the file named by DS_ENV_FILE (default .deepspeed_env) in $HOME and in its
+# working directory (this repository), a later value winning. MOC_*, TORCH_NCCL_* and
+# OMP_NUM_THREADS start with no such prefix, so they go into a file of this launch's,
+# followed by the lines of those files of the user's (which keep the last word), and
+# DS_ENV_FILE names it by absolute path (joined to either directory that is the file
+# itself, so the runner reads it and only it). Nothing is written to the user's files.
+# A one-node launch starts its ranks locally and they inherit this whole environment.
+python - "$WORK/deepspeed_env" "${DS_ENV_FILE:-.deepspeed_env}" <<'PY'
+import os, sys
+out, name = sys.argv[1], sys.argv[2]
+lines = []
+for key, value in sorted(os.environ.items()):
+    if key.startswith(("MOC_", "TORCH_NCCL_")) or key == "OMP_NUM_THREADS":
+        if "\n" in value:  # the runner reads the file line by line
+            print(f"[launch_cluster] warning: {key} holds a newline; not sent to other nodes",
+                  file=sys.stderr)
+            continue
+        lines.append(f"{key}={value}\n")
+read = set()
+for directory in (os.path.expanduser("~"), "."):  # the runner's DEEPSPEED_ENVIRONMENT_PATHS
+    path = os.path.join(directory, name)
+    if os.path.isfile(path) and os.path.realpath(path) not in read:
+        read.add(os.path.realpath(path))
+        with open(path) as f:  # blank lines dropped: the runner stops at a line without "="
+            lines += [line.rstrip("\n") + "\n" for line in f if line.strip()]
+with open(out, "w") as f:
+    f.writelines(lines)
+PY
+export DS_ENV_FILE="$WORK/deepspeed_env"
 
 # Hosts named by hang/straggler events written since this launch started.
 suspects() {
@@ -51,17 +105,76 @@ print("@".join(hosts))
 PY
 }
 
+# Writes HOSTFILE less the hosts in $1 (joined by @) to $WORK/hostfile; prints the first
+# host that remains (rank 0's). An event names a host by its hostname, which may be the
+# short form of the hostfile's name. Fails when no host remains.
+hostfile_without() {
+    python - "$HOSTFILE" "$1" "$WORK/hostfile" "$NODES" <<'PY'
+import re, sys
+source, leave_out, out, nodes = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+leave_out = set(filter(None, leave_out.split("@")))
+kept, hosts, matched = [], [], set()
+for line in open(source):
+    match = re.search(r"^(\S+)\s+slots=(\d+)", line.strip())  # as DeepSpeed's _parse_hostfile
+    if match and not line.strip().startswith("#"):
+        host = match.group(1)
+        short = host if re.fullmatch(r"[\d.]+", host) else host.split(".")[0]
+        named = leave_out & {host, short}
+        if named:
+            matched |= named
+            continue
+        hosts.append(host)
+    kept.append(line)
+for host in sorted(leave_out - matched):
+    print(f"[launch_cluster] warning: {host}, named by an event, is not in {source}; "
+          "it cannot be left out", file=sys.stderr)
+if not hosts:
+    print(f"[launch_cluster] error: no host of {source} is left" + (
+        f" without {', '.join(sorted(leave_out))}" if leave_out else ""), file=sys.stderr)
+    sys.exit(1)
+if len(hosts) < nodes:
+    print(f"[launch_cluster] warning: {len(hosts)} host(s) left for {nodes} nodes: the job "
+          "runs on fewer ranks", file=sys.stderr)
+with open(out, "w") as f:
+    f.writelines(kept)
+print(hosts[0])
+PY
+}
+
+FIRST_HOST="$(hostfile_without "")" || exit 2
 attempt=0
 while true; do
-    exclude=()
+    # Suspects leave the hostfile itself, and --num_nodes/--num_gpus pick the job's layout
+    # from what remains as from a full hostfile. Not DeepSpeed's --exclude: its runner
+    # refuses it next to --num_nodes/--num_gpus ("Cannot specify num_nodes/gpus with
+    # include/exclude"); alone it would run on every remaining host (spares included) and
+    # every slot of each (GPUS_PER_NODE ignored); and the MPI backends refuse it while
+    # they pass the hostfile to mpirun.
+    hostfile="$HOSTFILE"
+    first="$FIRST_HOST"
     excluded="$(suspects)"
-    [ -n "$excluded" ] && exclude=(--exclude "$excluded")
+    if [ -n "$excluded" ]; then
+        first="$(hostfile_without "$excluded")" || exit 1
+        hostfile="$WORK/hostfile"
+    fi
+    master=()
+    if [ -n "${MASTER_ADDR:-}" ]; then
+        if [ "$first" = "$FIRST_HOST" ]; then
+            master=(--master_addr "$MASTER_ADDR")
+        else
+            echo "[launch_cluster] MASTER_ADDR=$MASTER_ADDR is $FIRST_HOST's, which this" \
+                 "attempt leaves out: DeepSpeed takes $first's address ('hostname -I')" >&2
+        fi
+    fi
+    if [ -n "${MASTER_PORT:-}" ]; then
+        master+=(--master_port "$MASTER_PORT")
+    fi
     status=0
     # The attempt number as a flag: the launcher carries only some of its environment
     # (NCCL_*, PYTHON*, ...) to other nodes' ranks, which then all counted as attempt 0
     # and ETTR covered only the last attempt.
-    "${DEEPSPEED:-deepspeed}" --hostfile "$HOSTFILE" --num_nodes "$NODES" \
-        --num_gpus "$GPUS" "${exclude[@]}" pretrain_gpt_moe.py --config "$CONFIG" \
+    "${DEEPSPEED:-deepspeed}" --hostfile "$hostfile" --num_nodes "$NODES" \
+        --num_gpus "$GPUS" "${master[@]}" pretrain_gpt_moe.py --config "$CONFIG" \
         --data-path "$DATA_PATH" --moe-expert-parallel-size "$EP" "$@" \
         --moc-restart-count "$attempt" || status=$?
     if [ "$status" = 0 ] || [ "$status" = 2 ] || [ "$attempt" -ge "$MAX_RESTARTS" ]; then

@@ -3,7 +3,9 @@
 #   1. create or reuse .venv and install the project (scripts/setup_env.sh);
 #   2. turn a real corpus every machine with Python has -- the standard library's own
 #      source files -- into an indexed dataset (byte-level tokens);
-#   3. train configs/small.yaml on 2 CPU ranks (ZeRO-2, 8 experts, expert-parallel 2)
+#   3. train configs/small.yaml on 2 CPU ranks (ZeRO-2, 8 experts, expert-parallel 2;
+#      where torch sees GPUs, on one GPU per rank unless DS_ACCELERATOR=cpu: its
+#      "[quickstart] device:" line says which)
 #      with the deepspeed launcher and MoC two-level checkpointing: a snapshot of every
 #      iteration into the node keeper's shared memory, every 10th persisted to storage
 #      with 2 of the 8 experts per MoE layer (partial experts checkpointing); exit half
@@ -11,7 +13,7 @@
 #      last snapshot whole; keep 2 checkpoints (and the expert versions they need);
 #   4. start a fresh job that resumes from the checkpoint and finishes.
 # Environment: QUICKSTART_ITERS (default 200), QUICKSTART_RANKS (default 2),
-# QUICKSTART_DIR (default runs/quickstart).
+# QUICKSTART_DIR (default runs/quickstart), DS_ACCELERATOR (DeepSpeed's: cpu for CPU ranks).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
@@ -22,6 +24,26 @@ RUN_DIR="${QUICKSTART_DIR:-runs/quickstart}"
 HALF=$((ITERS / 2))
 DATA_PREFIX="data/stdlib"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+
+# Where the ranks run: DeepSpeed's accelerator, CUDA (rank r on cuda:r) when torch sees a
+# GPU, unless DS_ACCELERATOR names another (DS_ACCELERATOR=cpu: CPU ranks on a GPU host).
+GPUS_SEEN="$(python -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')"
+case "${DS_ACCELERATOR:-}" in
+    '' | cuda)
+        if [ "$GPUS_SEEN" -gt 0 ]; then
+            DEVICE=GPU
+            WHY="one per rank, cuda:0-$((RANKS - 1)) of the $GPUS_SEEN torch sees;"
+            WHY+=" DS_ACCELERATOR=cpu for CPU ranks"
+        else
+            DEVICE=CPU WHY="torch.cuda.is_available(): False"
+        fi ;;
+    *) DEVICE="${DS_ACCELERATOR^^}" WHY="DS_ACCELERATOR=$DS_ACCELERATOR" ;;
+esac
+echo "[quickstart] device: $DEVICE ($WHY)"
+if [ "$DEVICE" = GPU ] && [ "$GPUS_SEEN" -lt "$RANKS" ]; then
+    echo "error: $RANKS ranks need $RANKS GPUs and torch sees $GPUS_SEEN: run with DS_ACCELERATOR=cpu" >&2
+    exit 2
+fi
 
 if [ ! -f "${DATA_PREFIX}_text_document.idx" ]; then
     STDLIB="$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')"
@@ -40,7 +62,7 @@ common=(--config configs/small.yaml --data-path "${DATA_PREFIX}_text_document"
         --moc-checkpoint --moc-two-level --moc-snapshot-interval 1
         --moc-persist-interval 10 --moc-k-persist 2 --moc-keep 2)
 
-echo "[quickstart] training iterations 0-$HALF of $ITERS on $RANKS CPU ranks, then stopping"
+echo "[quickstart] training iterations 0-$HALF of $ITERS on $RANKS $DEVICE ranks, then stopping"
 deepspeed --num_gpus "$RANKS" --master_port "${MASTER_PORT:-29561}" pretrain_gpt_moe.py \
     "${common[@]}" --train-iters "$ITERS" --exit-interval "$HALF" 2>&1 | tee "$RUN_DIR/part1.log"
 

@@ -18,6 +18,7 @@ case "$NPROC$MAX_RESTARTS" in
     *[!0-9]*) echo "error: NPROC_PER_NODE and MAX_RESTARTS must be integers" >&2; exit 2 ;;
 esac
 cd "$(dirname "$0")/.."
+# shellcheck disable=SC1091  # the project's venv, made by scripts/setup_env.sh
 [ -x .venv/bin/python ] && source .venv/bin/activate
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ -n "${NNODES:-}" ] && [ "${NNODES}" != 1 ]; then

@@ -1,79 +1,243 @@
-"""scripts/launch_cluster.sh's restart loop, with a stand-in ``deepspeed`` on PATH that
-records each launch (this machine has no cluster to launch on)."""
+"""scripts/launch_cluster.sh's restart loop, host exclusion, master address and remote
+environment, with DeepSpeed's own runner standing in for the ``deepspeed`` command: it
+resolves the arguments, the hostfile and the exports as the real command does and records
+the launch instead of starting it (tests/fake_deepspeed.py; this machine has no cluster).
+And scripts/quickstart.sh's device line, in a sandbox with stand-ins for torch and the
+launcher."""
 
 import json
 import os
+import shutil
 import stat
 import subprocess
+import sys
 import time
+from pathlib import Path
 
-from tests.launch import REPO
+import pytest
 
-FAKE = """#!/usr/bin/env bash
-# Stand-in for the deepspeed launcher: logs its arguments and attempt, exits as scripted.
-n=$(cat "$STATE/count" 2>/dev/null || echo 0)
-echo $((n + 1)) > "$STATE/count"
-printf '%s\\n' "$*" >> "$STATE/launches"  # not its environment: other nodes do not get it
-codes=($EXIT_CODES)
-if [ "$n" = 0 ] && [ -n "${FIRST_ATTEMPT_EVENTS:-}" ]; then  # the job's watchdog reports
-    for host in $FIRST_ATTEMPT_EVENTS; do
-        printf '{"kind": "hang", "host": "%s", "time": %s}\\n' "$host" "$(date +%s)" >> "$MOC_EVENT_FILE"
-    done
-fi
-exit "${codes[$n]:-0}"
-"""
+from tests.launch import REPO as _REPO
+
+REPO = Path(_REPO)
+
+HOSTS = ("node-a", "node-b", "node-c")
+# What the caller's shell may set that these tests set themselves.
+CLEARED = ("MASTER_ADDR", "MASTER_PORT", "DS_ENV_FILE", "EXCLUDE_SUSPECTS", "MOC_EVENT_FILE",
+           "NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS", "DS_ACCELERATOR")
 
 
-def _run(tmp_path, exit_codes, max_restarts, extra_env=None):
+def _executable(path, text):
+    path.write_text(text)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return path
+
+
+def _clean_env(**extra):
+    env = {k: v for k, v in os.environ.items()
+           if k not in CLEARED and not k.startswith(("MOC_", "TORCH_NCCL_"))}
+    env.update(extra)
+    return env
+
+
+def _run(tmp_path, exit_codes, max_restarts, extra_env=None, hosts=HOSTS, nodes=2, gpus=8):
+    """launch_cluster.sh HOSTFILE corpus configs/tiny.yaml NODES GPUS 8 --save ckpt; returns
+    the process, each launch's arguments, and what DeepSpeed's runner made of each."""
     tmp_path.mkdir(exist_ok=True)
-    bin_dir, state = tmp_path / "bin", tmp_path / "state"
-    bin_dir.mkdir()
-    state.mkdir()
-    fake = bin_dir / "deepspeed"
-    fake.write_text(FAKE)
-    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    bin_dir, state, home = tmp_path / "bin", tmp_path / "state", tmp_path / "home"
+    for d in (bin_dir, state, home):
+        d.mkdir(exist_ok=True)
+    fake = _executable(bin_dir / "deepspeed", f'#!/bin/sh\nexec "{sys.executable}" '
+                       f'"{REPO}/tests/fake_deepspeed.py" "$@"\n')
     data = tmp_path / "corpus"
     for suffix in (".idx", ".bin"):
         (tmp_path / f"corpus{suffix}").write_bytes(b"x")
     hostfile = tmp_path / "hostfile"
-    hostfile.write_text("node-a slots=8\nnode-b slots=8\nnode-c slots=8\n")
-    env = dict(os.environ, DEEPSPEED=str(fake), STATE=str(state),
-               EXIT_CODES=" ".join(map(str, exit_codes)), MAX_RESTARTS=str(max_restarts),
-               RESTART_DELAY="0", **(extra_env or {}))
+    hostfile.write_text("# the cluster\n" + "".join(f"{h} slots=8\n" for h in hosts))
+    env = _clean_env(DEEPSPEED=str(fake), STATE=str(state), HOME=str(home),
+                     EXIT_CODES=" ".join(map(str, exit_codes)), MAX_RESTARTS=str(max_restarts),
+                     RESTART_DELAY="0", **(extra_env or {}))
     proc = subprocess.run(["bash", "scripts/launch_cluster.sh", str(hostfile), str(data),
-                           "configs/tiny.yaml", "2", "8", "8", "--save", "ckpt"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+                           "configs/tiny.yaml", str(nodes), str(gpus), "8", "--save", "ckpt"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     launches = (state / "launches").read_text().splitlines() if (state / "launches").exists() else []
-    return proc, launches
+    records = [json.loads(line) for line in (state / "launches.jsonl").read_text().splitlines()] \
+        if (state / "launches.jsonl").exists() else []
+    assert hostfile.read_text() == "# the cluster\n" + "".join(f"{h} slots=8\n" for h in hosts)
+    return proc, launches, records
+
+
+def _ranks(*hosts, gpus=8):
+    return {h: list(range(gpus)) for h in hosts}
 
 
 def test_failed_job_is_relaunched_until_it_succeeds(tmp_path):
-    proc, launches = _run(tmp_path, [1, 1, 0], max_restarts=3)
+    proc, launches, records = _run(tmp_path, [1, 1, 0], max_restarts=3)
     assert proc.returncode == 0, proc.stderr
     # the attempt travels as a flag, the last one (wins over a user's copy of it)
     assert [line.split()[-2:] for line in launches] == [
         ["--moc-restart-count", str(n)] for n in range(3)]
     assert all("pretrain_gpt_moe.py" in line and "--save ckpt" in line for line in launches)
     assert "restart 2 of 3" in proc.stderr
+    # NODES x GPUS_PER_NODE out of the hostfile, as DeepSpeed's runner resolves it
+    assert [r["resources"] for r in records] == [_ranks("node-a", "node-b")] * 3
 
 
 def test_restarts_are_bounded_and_bad_input_is_not_retried(tmp_path):
-    proc, launches = _run(tmp_path, [1, 1, 1, 1], max_restarts=1)
+    proc, launches, _ = _run(tmp_path, [1, 1, 1, 1], max_restarts=1)
     assert proc.returncode == 1 and len(launches) == 2
-    proc, launches = _run(tmp_path / "second", [2, 0], max_restarts=3)
+    proc, launches, _ = _run(tmp_path / "second", [2, 0], max_restarts=3)
     assert proc.returncode == 2 and len(launches) == 1  # exit 2: the flags are wrong
 
 
 def test_hosts_named_by_hang_events_are_excluded(tmp_path):
-    """An event of an earlier launch is ignored; the hosts the first attempt's watchdog
-    named are left out of the second attempt."""
+    """An event of an earlier launch is ignored; the host the first attempt's watchdog
+    named is left out of the second attempt, which runs on the next spare with the same
+    layout (2 nodes x 4 of their 8 slots), as DeepSpeed's real runner resolves the
+    arguments: it refuses --exclude next to --num_nodes/--num_gpus."""
     events = tmp_path / "events.jsonl"
     events.write_text(json.dumps({"kind": "hang", "host": "old-host",
                                   "time": time.time() - 3600}) + "\n")
     env = {"EXCLUDE_SUSPECTS": "1", "MOC_EVENT_FILE": str(events),
-           "FIRST_ATTEMPT_EVENTS": "node-b node-c"}
-    proc, launches = _run(tmp_path, [1, 0], max_restarts=2, extra_env=env)
-    assert proc.returncode == 0, proc.stderr
-    assert "--exclude" not in launches[0]
-    assert "--exclude node-b@node-c" in launches[1] and "old-host" not in launches[1]
-    assert "without node-b@node-c" in proc.stderr
+           "FIRST_ATTEMPT_EVENTS": "node-b"}
+    proc, launches, records = _run(tmp_path, [1, 0], max_restarts=2, extra_env=env,
+                                   hosts=("node-a", "node-b", "node-c", "node-d"), gpus=4)
+    assert proc.returncode == 0, proc.stderr + "".join(map(str, records))
+    assert [r.get("error") for r in records] == [None, None]
+    assert records[0]["resources"] == _ranks("node-a", "node-b", gpus=4)
+    assert records[1]["resources"] == _ranks("node-a", "node-c", gpus=4)
+    assert len(launches) == 2 and "old-host" not in proc.stderr
+    assert "without node-b" in proc.stderr
+
+
+def test_exclusion_matches_short_names_and_stops_when_no_host_is_left(tmp_path):
+    """An event names a host by its hostname: node-c stands for node-c.example.org; a
+    name the hostfile lacks is reported, not fatal. With every host left out, no attempt."""
+    events = tmp_path / "events.jsonl"
+    env = {"EXCLUDE_SUSPECTS": "1", "MOC_EVENT_FILE": str(events),
+           "FIRST_ATTEMPT_EVENTS": "node-c node-x"}
+    proc, _, records = _run(tmp_path, [1, 0], max_restarts=1, extra_env=env,
+                            hosts=("node-a", "node-c.example.org", "node-d"))
+    assert proc.returncode == 0, proc.stderr + "".join(map(str, records))
+    assert records[0]["resources"] == _ranks("node-a", "node-c.example.org")
+    assert records[1]["resources"] == _ranks("node-a", "node-d")
+    assert "node-x, named by an event, is not in" in proc.stderr
+
+    events = tmp_path / "second" / "events.jsonl"
+    events.parent.mkdir()
+    env.update(MOC_EVENT_FILE=str(events), FIRST_ATTEMPT_EVENTS="node-a node-b")
+    proc, launches, _ = _run(tmp_path / "second", [1, 0], max_restarts=3, extra_env=env,
+                             hosts=("node-a", "node-b"))
+    assert proc.returncode == 1 and len(launches) == 1
+    assert "no host of" in proc.stderr and "is left without node-a, node-b" in proc.stderr
+
+
+def test_master_address_and_port_reach_the_launcher(tmp_path):
+    """Without MASTER_ADDR, DeepSpeed takes the first address of `hostname -I` on the first
+    host (the stand-in answers docker0's first, as many GPU nodes do)."""
+    _, _, records = _run(tmp_path / "default", [0], max_restarts=0)
+    assert records[0]["master_addr"] == "172.17.0.1" and records[0]["master_port"] == 29500
+    events = tmp_path / "events.jsonl"
+    env = {"MASTER_ADDR": "10.9.9.9", "MASTER_PORT": "29999", "EXCLUDE_SUSPECTS": "1",
+           "MOC_EVENT_FILE": str(events), "FIRST_ATTEMPT_EVENTS": "node-a"}
+    proc, _, records = _run(tmp_path, [1, 0], max_restarts=1, extra_env=env)
+    assert proc.returncode == 0, proc.stderr + "".join(map(str, records))
+    assert (records[0]["master_addr"], records[0]["master_port"]) == ("10.9.9.9", 29999)
+    # node-a, whose address MASTER_ADDR was, is left out: rank 0 is on node-b now
+    assert records[1]["resources"] == _ranks("node-b", "node-c")
+    assert records[1]["probed_host"] == "node-b" and records[1]["master_port"] == 29999
+    assert "MASTER_ADDR=10.9.9.9 is node-a's" in proc.stderr
+    proc, launches, _ = _run(tmp_path / "bad", [0], max_restarts=0,
+                             extra_env={"MASTER_PORT": "29k"})
+    assert proc.returncode == 2 and not launches and "MASTER_PORT must be an integer" in proc.stderr
+
+
+def test_moc_omp_and_torch_nccl_variables_reach_other_nodes(tmp_path):
+    """DeepSpeed's runner exports to other nodes only some prefixes and its .deepspeed_env
+    files; the script adds MOC_*, OMP_NUM_THREADS and TORCH_NCCL_* (the current name of
+    the async error handling) and keeps the user's file: its lines still apply, and win."""
+    home = tmp_path / "home"
+    home.mkdir(parents=True)
+    user_file = home / ".deepspeed_env"
+    # (the blank line would stop DeepSpeed's runner: the script drops it)
+    user_file.write_text("OMP_NUM_THREADS=5\nUCX_TLS=rc,tcp\n\n")
+    repo_file = REPO / ".deepspeed_env"
+    repo_file_before = repo_file.read_bytes() if repo_file.exists() else None
+    env = {"MOC_FAULT_STATE": "/tmp/faults", "OMP_NUM_THREADS": "3",
+           "TORCH_NCCL_BLOCKING_WAIT": "1", "MOC_NOTE": "two words"}
+    proc, _, records = _run(tmp_path, [0], max_restarts=0, extra_env=env)
+    assert proc.returncode == 0, proc.stderr + "".join(map(str, records))
+    exports = records[0]["exports"]
+    assert exports["MOC_FAULT_STATE"] == "/tmp/faults" and exports["MOC_NOTE"] == "two words"
+    assert exports["TORCH_NCCL_BLOCKING_WAIT"] == "1"
+    assert exports["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert "NCCL_ASYNC_ERROR_HANDLING" not in exports  # the deprecated name
+    assert exports["OMP_NUM_THREADS"] == "5" and exports["UCX_TLS"] == "rc,tcp"
+    assert user_file.read_text() == "OMP_NUM_THREADS=5\nUCX_TLS=rc,tcp\n\n"
+    assert (repo_file.read_bytes() if repo_file.exists() else None) == repo_file_before
+    assert not os.path.exists(records[0]["env_file"])  # this launch's file, removed at exit
+
+    # a value under the deprecated name still sets the current one
+    proc, _, records = _run(tmp_path / "old_name", [0], max_restarts=0,
+                            extra_env={"NCCL_ASYNC_ERROR_HANDLING": "0"})
+    assert records[0]["exports"]["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"
+
+
+FAKE_TORCH = """import os
+class cuda:
+    is_available = staticmethod(lambda: int(os.environ["FAKE_GPUS"]) > 0)
+    device_count = staticmethod(lambda: int(os.environ["FAKE_GPUS"]))
+"""
+
+FAKE_LAUNCHER = """#!/usr/bin/env bash
+# records its arguments; writes the metrics and checkpoint directory the script reads
+printf '%s\\n' "$*" >> "$STATE/launches"
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --metrics-file) echo '{"kind": "train", "lm_loss": 5.0, "iteration": 1}' >> "$2" ;;
+        --save) mkdir -p "$2" ;;
+    esac
+    shift
+done
+"""
+
+
+def _quickstart(tmp_path, **env):
+    """scripts/quickstart.sh in a sandbox: a stub setup_env.sh puts a stand-in torch
+    (FAKE_GPUS GPUs) and launcher first on the paths; the corpus is there already."""
+    repo, fake_bin, fake_py, state = (tmp_path / d for d in ("repo", "bin", "py", "state"))
+    for d in (repo / "scripts", repo / "data", fake_bin, fake_py / "torch", state):
+        d.mkdir(parents=True)
+    shutil.copy(REPO / "scripts" / "quickstart.sh", repo / "scripts" / "quickstart.sh")
+    (repo / "scripts" / "setup_env.sh").write_text(
+        'export PATH="$FAKE_BIN:$PATH" PYTHONPATH="$FAKE_PY"\n')
+    (repo / "data" / "stdlib_text_document.idx").write_bytes(b"x")
+    (fake_py / "torch" / "__init__.py").write_text(FAKE_TORCH)
+    _executable(fake_bin / "deepspeed", FAKE_LAUNCHER)
+    os.symlink(sys.executable, fake_bin / "python")
+    proc = subprocess.run(["bash", "scripts/quickstart.sh"], cwd=repo, capture_output=True,
+                          text=True, timeout=60, env=_clean_env(
+                              FAKE_BIN=str(fake_bin), FAKE_PY=str(fake_py), STATE=str(state),
+                              QUICKSTART_DIR=str(tmp_path / "run"), **env))
+    launches = (state / "launches").read_text().splitlines() if (state / "launches").exists() else []
+    return proc, launches
+
+
+@pytest.mark.parametrize("gpus, accelerator, device", [
+    ("0", None, "CPU"), ("2", None, "GPU"), ("2", "cpu", "CPU")])
+def test_quickstart_says_which_device_its_ranks_use(tmp_path, gpus, accelerator, device):
+    env = {"FAKE_GPUS": gpus, **({"DS_ACCELERATOR": accelerator} if accelerator else {})}
+    proc, launches = _quickstart(tmp_path, **env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"[quickstart] device: {device} (" in proc.stdout
+    assert f"of 200 on 2 {device} ranks, then stopping" in proc.stdout
+    if device == "GPU":
+        assert "cuda:0-1" in proc.stdout
+    # the same launches whatever the device
+    assert [line.split()[:4] for line in launches] == [
+        ["--num_gpus", "2", "--master_port", "29561"]] * 2
+
+
+def test_quickstart_refuses_more_ranks_than_gpus(tmp_path):
+    proc, launches = _quickstart(tmp_path, FAKE_GPUS="1")
+    assert proc.returncode == 2 and not launches
+    assert "2 ranks need 2 GPUs and torch sees 1: run with DS_ACCELERATOR=cpu" in proc.stderr
