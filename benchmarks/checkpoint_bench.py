@@ -133,8 +133,9 @@ def _param_counts(engine, world: int, ep: int) -> dict:
     import torch.distributed as dist
     expert = sum(p.numel() for p in engine.module.parameters() if not getattr(p, "allreduce", True))
     dense = sum(p.numel() for p in engine.module.parameters() if getattr(p, "allreduce", True))
+    from deepspeed_ext.groups import metadata_group
     total_expert = torch.tensor([expert], dtype=torch.int64)
-    dist.all_reduce(total_expert)
+    dist.all_reduce(total_expert, group=metadata_group())  # a CPU tensor: never on NCCL
     expert_all = int(total_expert.item()) // (world // ep)  # each expert lives on world/ep ranks
     return {"params_total": expert_all + dense, "params_expert": expert_all,
             "params_non_expert": dense,

@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from deepspeed_ext import commit, fs
 from deepspeed_ext.config import MoCConfig
+from deepspeed_ext.groups import init_metadata_group, metadata_group
 from deepspeed_ext.image import ImageLayout
 from deepspeed_ext.objects import OBJECTS_TENSOR_FILE
 from deepspeed_ext.manifest import (FragmentSpec, prepare_checkpoint_dir,
@@ -86,7 +87,7 @@ def _rank_file(rank: int) -> str:
 def _all_outcomes(ok: bool, payload) -> List[Tuple[bool, object]]:
     """Every rank's (ok, payload); the collective that makes one rank's error everyone's."""
     gathered: List = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (ok, payload))
+    dist.all_gather_object(gathered, (ok, payload), group=metadata_group())
     return gathered
 
 
@@ -100,7 +101,7 @@ def _broadcast_outcome(action, what: str):
         except Exception as e:
             traceback.print_exc()
             status[0] = (False, f"{type(e).__name__}: {e}")
-    dist.broadcast_object_list(status, src=0)
+    dist.broadcast_object_list(status, src=0, group=metadata_group())
     if not status[0][0]:
         raise MoCCheckpointError(f"{what} failed on rank 0: {status[0][1]}")
     return status[0][1]
@@ -169,6 +170,7 @@ class MoCCheckpointer:
     def __init__(self, engine, config: Optional[MoCConfig] = None):
         from deepspeed_ext.pec import ExpertLayout, make_policy
         from deepspeed_ext.plt import TokenLedger
+        init_metadata_group()  # every rank, here: the group of all of MoC's collectives
         self.engine = engine
         self.config = config or MoCConfig()
         self.naming: ExpertNaming = expert_naming(engine.module)
@@ -276,7 +278,7 @@ class MoCCheckpointer:
         local = [(f.key, f.length * f.tensor.element_size(), f.holders, f.expert, f.kind)
                  for f in fragments]
         gathered: List = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, local)
+        dist.all_gather_object(gathered, local, group=metadata_group())
         pieces: Dict[str, Piece] = {}
         for rank_pieces in gathered:
             for key, nbytes, holders, expert, kind in rank_pieces:
@@ -338,7 +340,7 @@ class MoCCheckpointer:
             self.policy.mark_saved(selected, step)
             self.ledger.mark_saved(selected, step)
         rng_states: List = [None] * world
-        dist.all_gather_object(rng_states, get_rng_state())
+        dist.all_gather_object(rng_states, get_rng_state(), group=metadata_group())
         pending = _PendingSave(
             save_dir=save_dir, tag=tag, step=step, rank=rank, world=world,
             zero_stage=int(engine.zero_optimization_stage()),
@@ -403,13 +405,20 @@ class MoCCheckpointer:
             objects["rng_states"] = rng_states
             tree, object_tensors = encode(objects)
         layout = layout_of(tensors)
-        if self._buffer is None or self._buffer.numel() < layout.nbytes:
+        # On a GPU the buffer is page-locked and filled by DMA: a pageable buffer is
+        # copied through a bounce buffer at a fraction of the bandwidth, all of it in the
+        # save call. CPU: as before.
+        on_cuda = any(t.device.type == "cuda" for t in tensors.values())
+        if (self._buffer is None or self._buffer.numel() < layout.nbytes
+                or (on_cuda and not self._buffer.is_pinned())):
             # Allocated once and reused; grows only when a save's share is larger (PEC
             # selections differ in size). A new tensor: never resize memory that a
             # failed earlier writer might still be reading.
-            self._buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
+            self._buffer = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=on_cuda)
         with torch.no_grad():
-            fill_image(self._buffer, layout, tensors)
+            fill_image(self._buffer, layout, tensors, non_blocking=on_cuda)
+            if on_cuda:  # the writer thread reads the buffer next
+                torch.cuda.current_stream().synchronize()
         return _Staged(layout, mf.rank_file_name(rank), specs, tree, object_tensors)
 
     def _persist(self, pending: "_PendingSave", staged: "_Staged") -> None:
@@ -668,7 +677,7 @@ class MoCCheckpointer:
                 choice[0] = (True, self._choose(load_dir, tag, unusable))
             except Exception as e:
                 choice[0] = (False, f"{type(e).__name__}: {e}")
-        dist.broadcast_object_list(choice, src=0)
+        dist.broadcast_object_list(choice, src=0, group=metadata_group())
         ok, chosen = choice[0]
         if not ok:
             raise MoCCheckpointError(f"MoC load from {load_dir}: {chosen}")

@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_ext import window as win
+from deepspeed_ext.groups import init_metadata_group, metadata_group
 
 EXACT_DIR = "exact"
 FRAME_RE = re.compile(r"^frame(\d{8,})$")
@@ -314,6 +315,7 @@ class ExactSnapshots:
         from deepspeed_ext.state import expert_naming
         self.engine, self.save_dir, self.cfg = engine, save_dir, config
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        init_metadata_group()  # every rank, here: the group of all of this class's collectives
         self._log = log
         self.naming = expert_naming(engine.module)
         self.operators = build_operators(engine, self.naming)
@@ -381,7 +383,7 @@ class ExactSnapshots:
         except Exception as e:
             self._keeper_lost(e)
         problems: List = [None] * self.world
-        dist.all_gather_object(problems, refused)
+        dist.all_gather_object(problems, refused, group=metadata_group())
         problems = [p for p in problems if p]
         if problems:
             raise RuntimeError("exact recovery's shared memory: " + "; ".join(problems))
@@ -504,7 +506,7 @@ class ExactSnapshots:
         figures = torch.tensor([win.max_bytes_per_iteration(self.schedule, by_name),
                                 win.window_host_bytes(self.schedule, by_name)],
                                dtype=torch.float64)
-        dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+        dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=metadata_group())
         frame, window = (int(x) for x in figures.tolist())
         self.window_bytes = window
         self._log(f"[moc] exact recovery: W = {self.schedule.window}; per rank at most "
@@ -545,7 +547,7 @@ class ExactSnapshots:
                 choice = win.choose_window(ops, bandwidth, budget_s)
             mine = [choice.window, iter_s, choice.snapshot_s, 0.0]
         figures = torch.tensor(mine, dtype=torch.float64)
-        dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+        dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=metadata_group())
         if figures[3]:  # on every rank: one rank raising alone would hang the others
             raise RuntimeError("exact recovery: a rank could not write a probe frame where its "
                                "frames go (its node's --moc-shm-dir memory, or --save without "
@@ -575,7 +577,17 @@ class ExactSnapshots:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.no_grad():
-            copies = {f.key: f.tensor.detach().to("cpu", copy=True) for f in frags}
+            if self._on_gpu():
+                # As real frames are copied (_copy_from_gpu): into page-locked memory. A
+                # pageable .to("cpu") is several times slower, and the window was sized
+                # for that bandwidth.
+                copies = {}
+                for f in frags:
+                    host = torch.empty(f.tensor.shape, dtype=f.tensor.dtype, pin_memory=True)
+                    copies[f.key] = host.copy_(f.tensor.detach(), non_blocking=True)
+                torch.cuda.synchronize()
+            else:
+                copies = {f.key: f.tensor.detach().to("cpu", copy=True) for f in frags}
         copy_s = time.perf_counter() - t0
         root = self.node_dir if self.node_dir and not self.keeper_error else self.save_dir
         probe = os.path.join(root, EXACT_DIR, f"probe{self.rank:05d}.safetensors")
@@ -928,7 +940,8 @@ class ExactSnapshots:
             self._warn(f"[moc] rank {self.rank}: cannot list its frames ({e})")
             mine = {}
         gathered: List = [None] * self.world
-        dist.all_gather_object(gathered, {f: rec for f, (rec, _) in mine.items()})
+        dist.all_gather_object(gathered, {f: rec for f, (rec, _) in mine.items()},
+                               group=metadata_group())
         found = agree_window(gathered)
         if found is None or (newer_than is not None and found.start + found.window <= newer_than):
             return None, {}, [], []
@@ -960,7 +973,7 @@ class ExactSnapshots:
         # One decision for all ranks: a rank that alone fell back to a checkpoint would
         # wait in a collective the others never join.
         outcomes: List = [None] * self.world
-        dist.all_gather_object(outcomes, (error, sorted(sources)))
+        dist.all_gather_object(outcomes, (error, sorted(sources)), group=metadata_group())
         return (found, frames, [set(src) for _, src in outcomes],
                 [e for e, _ in outcomes if e is not None])
 
@@ -978,7 +991,7 @@ class ExactSnapshots:
         if os.path.abspath(load_dir) == os.path.abspath(self.save_dir):
             self._drop_frames_from(load_dir, self.replay.end)  # the incomplete window after it
         else:  # replaying another run's frames (moc-ckpt densify): leave them as they are
-            dist.barrier()
+            dist.barrier(group=metadata_group())
         self.last_source = "+".join(sorted(set().union(*sources)))
         self._log(f"[moc] exact recovery: window of {found.window} frames at iteration "
                   f"{found.start} loaded from {self.last_source} in "
@@ -1034,7 +1047,7 @@ class ExactSnapshots:
             for f in list_frames(self.node_dir):
                 if f >= first:
                     self._remove_own_memory_frame(f)
-        dist.barrier()
+        dist.barrier(group=metadata_group())
 
     def _load_frame(self, load_dir: str, frame: int):
         """This rank's frame ``frame`` under ``load_dir`` (storage or the node's memory),
@@ -1126,10 +1139,10 @@ class ExactSnapshots:
             # The keeper copies what it was given, then deletes the node's memory: a
             # finished run leaves no shared memory behind.
             from deepspeed_ext import keeper
-            dist.barrier()
+            dist.barrier(group=metadata_group())
             if self.first_of_node:
                 keeper.shutdown_keeper(self.node_dir, run_id=self.run_id)
-            dist.barrier()
+            dist.barrier(group=metadata_group())
             if self.rank == 0:
                 try:
                     os.rmdir(self.cfg.memory_dir)

@@ -168,9 +168,11 @@ class PeerRedundancy:
                  timeout_s: float = 600.0):
         self.spec, self.topo = spec, topo
         self.rank = dist.get_rank()
-        # Its own group: the training group may be NCCL, and its collectives must never
-        # queue behind (or interleave with) redundancy traffic from another thread.
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        # Its own group: the training group may be NCCL, and its collectives (and the
+        # metadata group's, on the main thread) must never queue behind (or interleave
+        # with) redundancy traffic from another thread.
+        from deepspeed_ext.groups import new_host_group
+        self.group = new_host_group(timedelta(seconds=timeout_s))
         self.store = PeerStore(node_dir, self.rank)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moc-redundancy")
         self.jobs: Dict[int, Future] = {}

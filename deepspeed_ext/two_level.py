@@ -49,6 +49,7 @@ import torch.distributed as dist
 
 from deepspeed_ext import commit, fs, keeper
 from deepspeed_ext.exchange import Exchanger
+from deepspeed_ext.groups import metadata_group
 from deepspeed_ext.objects import OBJECTS_TENSOR_FILE
 from deepspeed_ext.hostcopy import HostCopier
 from deepspeed_ext.snapshot import SLOTS
@@ -244,7 +245,7 @@ class TwoLevel:
         gathered: List = [None] * self.world
         held = _bytes_held(os.path.join(self.node_dir, f"rank{self.rank:05d}"))  # SnapshotSlots.dir
         dist.all_gather_object(gathered, (problem or home_problem, needed, held, free,
-                                          self.node, root))
+                                          self.node, root), group=metadata_group())
         problems = [p for p, *_ in gathered if p] + _short_nodes(gathered)
         if problems:
             raise MoCCheckpointError("; ".join(problems))
@@ -509,7 +510,7 @@ class TwoLevel:
         :meth:`_prepare_on_rank0` outcome), then :meth:`_raise_if_unprepared`; returns the
         directory's claim. For a persist outside a snapshot's exchange (the end of training)."""
         status = [self._prepare_on_rank0(save_dir, tag, step) if self.rank == 0 else None]
-        dist.broadcast_object_list(status, src=0)
+        dist.broadcast_object_list(status, src=0, group=metadata_group())
         return self._raise_if_unprepared(status[0], save_dir, tag, policy_before)
 
     def _prepare_on_rank0(self, save_dir: str, tag: str, step: int) -> Tuple[bool, Optional[str], Optional[str]]:
@@ -607,7 +608,7 @@ class TwoLevel:
             # with every rank's (gathered now) itself, into objects.safetensors, and a
             # failure there is raised on every rank.
             rng_states: List = [None] * self.world
-            dist.all_gather_object(rng_states, snap["rng_state"])
+            dist.all_gather_object(rng_states, snap["rng_state"], group=metadata_group())
             written = dict(snap, object_keys=[])
             try:
                 _broadcast_outcome(
@@ -877,7 +878,7 @@ class TwoLevel:
             if self.redundancy is not None:
                 self.redundancy.close()
                 _log(self.redundancy.summary())
-            dist.barrier()
+            dist.barrier(group=metadata_group())
             if self.first_of_node and persisted:
                 keeper.shutdown_keeper(self.node_dir, self.cfg.commit_timeout_s, self.run_id)
             elif self.first_of_node:
@@ -885,7 +886,7 @@ class TwoLevel:
                       f"storage: leaving them in {self.node_dir}; its keeper exits "
                       f"{self.cfg.keeper_idle_timeout_s:.0f} s after the last training "
                       f"process, and a restart before that recovers from them", flush=True)
-            dist.barrier()
+            dist.barrier(group=metadata_group())
             if self.rank == 0:
                 try:
                     os.rmdir(self.cfg.shm_dir)  # only when every node's directory is gone
@@ -1017,7 +1018,7 @@ class TwoLevel:
         own = {m["step"]: (i, m) for i, m in self.slots.complete() if m["signature"] == signature}
         replicas, parities = self.redundancy.holdings_record()
         gathered: List = [None] * self.world
-        dist.all_gather_object(gathered, (sorted(own), replicas, parities))
+        dist.all_gather_object(gathered, (sorted(own), replicas, parities), group=metadata_group())
         holdings = rd.Holdings(
             own={r: frozenset(g[0]) for r, g in enumerate(gathered)},
             replicas={r: {int(src): frozenset(steps) for src, steps in g[1].items()}
@@ -1269,7 +1270,7 @@ class TwoLevel:
         if taken:
             self.last_load_source = "storage+memory"
         totals: List = [None] * self.world
-        dist.all_gather_object(totals, (taken, sorted(newer.items())))
+        dist.all_gather_object(totals, (taken, sorted(newer.items())), group=metadata_group())
         for _, part in totals:
             versions = {**versions, **{tuple(k): v for k, v in part}}
         ck = self.ckpt

@@ -66,7 +66,8 @@ def remove_deepspeed_shm_buffers() -> None:
     and the benchmarks' workers."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() != "gloo":
         return
-    dist.barrier()
+    from deepspeed_ext.groups import metadata_group
+    dist.barrier(group=metadata_group())  # orders host work only
     unlink_deepspeed_shm_buffer()
 
 
@@ -107,6 +108,10 @@ def initialize_distributed(args: argparse.Namespace) -> None:
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         _init_from_agent_store(accel.communication_backend_name(), timeout)
     deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), timeout=timeout)
+    # Every rank, here: the gloo group of MoC's collectives on CPU tensors and objects
+    # (deepspeed_ext.groups), before any of them runs.
+    from deepspeed_ext.groups import init_metadata_group
+    init_metadata_group(timeout)
 
 
 def _init_from_agent_store(backend: str, timeout) -> None:
