@@ -10,7 +10,7 @@ wait (``tests/training/test_monitor.py`` checks that with ranks blocked in
 ``all_reduce`` and ``all_to_all_single``).
 
 **Hang.** Once every rank has beaten at least once (each publishes a *ready* beat of the
-iteration it resumes from before the loop: start-up and loading are not watched), the
+iteration it resumes from before the loop), the
 job hangs when no rank that is not finished has made progress (a new heartbeat; a
 *touch* after each evaluation step and before a save counts) for ``hang_timeout_s``
 seconds. In
@@ -25,6 +25,11 @@ once every rank detected it, so the launcher's restart machinery -- torchrun
 ``--max-restarts`` -- restarts the job); the hung rank's own watchdog finds itself the
 same way and exits too (its main thread sleeps or waits without the GIL). A rank stuck
 holding the GIL cannot run its watchdog: the others exit and the launcher kills it.
+
+**Start-up.** Before the loop there is no heartbeat yet: :class:`StartupWatch` times each
+start-up and loading phase of its own rank (process group, data, model and engine,
+checkpoint load) and reports a phase that outlasts ``startup_timeout_s`` as a hang
+naming the phase, exiting with :data:`EXIT_HANG` like a hang in the loop.
 
 **Straggler.** In synchronous training every rank's *wall-clock* iteration time is the
 same: the fast ranks wait inside the collectives for the slow one. So a heartbeat
@@ -58,8 +63,8 @@ Call order on every rank (the training loop wires it)::
     last_top = None
     while state.iteration < train_iters:
         injector.before_iteration(state.iteration + 1)   # a hang or slow fault acts here
-        top = time.perf_counter()
-        comm_s, calls = clock.take()                  # inside collectives since last beat
+        comm_s, calls = clock.take()                  # held by collectives since the last
+        top = time.perf_counter()                     # beat (first waits for the device)
         iter_s = top - last_top if last_top else None
         heartbeat.beat(state.iteration + 1, iter_s=iter_s,   # before the first collective
                        own_s=iter_s - comm_s if iter_s else None, comm_s=comm_s, ...)
@@ -79,6 +84,19 @@ and their own ``own_s`` stays normal. Not per-collective *arrival* times as C4 k
 them (no rank records when it entered which collective), but their sum per iteration,
 which is what the straggler rule needs.
 
+**Same numbers on NCCL as on gloo.** A gloo collective on CPU tensors blocks the host
+until every rank arrived, so its host wall time is the time the rank was held by it. An
+NCCL call (or gloo's on CUDA tensors) returns once queued; the device stream waits in
+it, and the host waits later, at the next ``.tolist()``/``.item()``, for that wait and
+the compute queued before it together. :class:`CollectiveClock` therefore times device
+collectives with CUDA events on the stream around the call, resolved at ``take()`` (see
+:class:`DeviceTimer`), and an ``async_op=True`` collective's launch plus its ``wait()``
+on either backend. ``comm_s`` is thus the time held by collectives and ``own_s`` the
+rest (compute, host work) on both. ``take()`` also waits for the device to pass the
+last collective before the beat, so no rank's heartbeat runs ahead of its device: the
+hang rule's "at most one iteration ahead" holds on NCCL too, and a rank blocked in an
+event wait or a ``.tolist()`` releases the GIL as a rank blocked in gloo does.
+
 Cost: a beat is one ``store.set``; a poll reads ``world_size`` keys, on every rank, so
 the store serves ``world_size**2`` reads per ``poll_s``: fine for tens of ranks; for
 thousands use a larger ``poll_s``.
@@ -87,6 +105,7 @@ thousands use a larger ``poll_s``.
 import argparse
 import atexit
 import functools
+import inspect
 import json
 import os
 import socket
@@ -137,8 +156,15 @@ class MonitorConfig:
     """``report``: emit an event only; ``stop``: exit like a hang (``--moc-straggler-action``)."""
     poll_s: float = 5.0
     """Seconds between two reads of all heartbeats (``--moc-monitor-poll``)."""
+    startup_timeout_s: float = 600.0
+    """A start-up or loading phase (process group, data, model and engine, checkpoint
+    load) lasting longer than this is a hang (``--moc-startup-timeout``): longer than an
+    iteration, since a phase may legitimately take minutes (a large load)."""
 
     def __post_init__(self):
+        if not 0 < self.startup_timeout_s < float("inf"):
+            raise ConfigError(f"--moc-startup-timeout {self.startup_timeout_s}: must be a "
+                              "finite number > 0 seconds")
         if not self.hang_timeout_s > 0:
             raise ConfigError(f"--moc-hang-timeout {self.hang_timeout_s}: must be > 0 seconds")
         if not self.straggler_factor > 1:
@@ -158,7 +184,8 @@ class MonitorConfig:
         """From the flags :func:`add_monitor_args` adds."""
         return cls(hang_timeout_s=args.moc_hang_timeout, straggler_factor=args.moc_straggler_factor,
                    straggler_window=args.moc_straggler_window,
-                   straggler_action=args.moc_straggler_action, poll_s=args.moc_monitor_poll)
+                   straggler_action=args.moc_straggler_action, poll_s=args.moc_monitor_poll,
+                   startup_timeout_s=getattr(args, "moc_startup_timeout", cls.startup_timeout_s))
 
 
 # ------------------------------------------------------------------------- heartbeat
@@ -219,9 +246,103 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_sca
                "broadcast_object_list", "gather_object")
 """``torch.distributed`` functions :class:`CollectiveClock` times."""
 
+WAIT_METHODS = ("wait", "synchronize", "block_current_stream")
+"""Methods of an asynchronous collective's handle (``async_op=True``) at which this rank
+waits for it: :class:`CollectiveClock` times them as part of the collective."""
+
+
+class DeviceTimer:
+    """How :class:`CollectiveClock` times a collective that returns before it finishes.
+
+    On a CUDA device (NCCL, or gloo with CUDA tensors) a collective call only queues the
+    work and returns; the device stream then waits inside it for the other ranks, and
+    the host waits later, wherever it next reads a result (``.tolist()``, ``.item()``),
+    together with the compute queued before. The host's time inside the call says
+    nothing there, so the clock asks a device timer instead: :meth:`mark` queues a point
+    on the stream before and after the call (or a handle's wait), and :meth:`seconds`
+    measures the stream's time between the two, at the next :meth:`CollectiveClock.take`.
+    That is the time the stream was held by the collective (waiting for the other ranks,
+    then moving data), not the compute queued before it: the same quantity a gloo
+    collective's host wall time is on the CPU.
+
+    :class:`CudaEventTimer` is the default; tests inject a scripted one through
+    ``CollectiveClock(device_timer=...)``. Only the thread that calls collectives (the
+    training loop's main thread) calls it.
+    """
+
+    def device_of(self, args: tuple, kwargs: dict) -> Optional[object]:
+        """The device whose stream a collective with these arguments runs on, or None
+        for a host collective (CPU tensors, object collectives, barrier: host-timed)."""
+        raise NotImplementedError
+
+    def mark(self, device) -> object:
+        """A point queued now on ``device``'s current stream; never waits."""
+        raise NotImplementedError
+
+    def seconds(self, start, end) -> float:
+        """Stream seconds from mark ``start`` to mark ``end``; waits until ``end`` passed."""
+        raise NotImplementedError
+
+
+class CudaEventTimer(DeviceTimer):
+    """:class:`DeviceTimer` on CUDA events: a collective with a CUDA tensor among its
+    arguments is timed on the current stream of that tensor's device."""
+
+    def device_of(self, args: tuple, kwargs: dict) -> Optional[object]:
+        import torch
+        for value in (*args, *kwargs.values()):
+            for t in (value if isinstance(value, (list, tuple)) else (value,)):
+                if isinstance(t, torch.Tensor) and t.is_cuda:
+                    # A timing event cannot be recorded into a CUDA graph being captured.
+                    return None if torch.cuda.is_current_stream_capturing() else t.device
+        return None
+
+    def mark(self, device) -> object:
+        import torch
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(device))
+        return event
+
+    def seconds(self, start, end) -> float:
+        end.synchronize()  # releases the GIL: the watchdog thread polls meanwhile
+        return start.elapsed_time(end) / 1000.0
+
+
+@functools.lru_cache(maxsize=None)
+def _timed_work_type():
+    """The handle :class:`CollectiveClock` returns for an asynchronous collective: a
+    ``torch.distributed.Work`` (isinstance checks still hold; C++ callers reach the
+    Python ``wait`` and ``get_future`` overrides) forwarding every method to the real
+    handle, with the waits of :data:`WAIT_METHODS` timed."""
+    import torch.distributed as dist
+
+    class TimedWork(dist.Work):
+        def __init__(self, work, clock: "CollectiveClock", device):
+            super().__init__()
+            self.work, self._clock, self._device = work, clock, device
+
+    def forward(name):
+        def method(self, *args, **kwargs):
+            return getattr(self.work, name)(*args, **kwargs)
+        method.__name__ = name
+        return method
+
+    def timed(name):
+        def method(self, *args, **kwargs):
+            return self._clock.time_wait(self._device, getattr(self.work, name), args, kwargs)
+        method.__name__ = name
+        return method
+
+    for name in dir(dist.Work):
+        if name.startswith("__") or name == "_pybind11_conduit_v1_" or isinstance(
+                inspect.getattr_static(dist.Work, name), (staticmethod, classmethod)):
+            continue  # pybind's own, and unbox (static): nothing of the handle's to forward
+        setattr(TimedWork, name, (timed if name in WAIT_METHODS else forward)(name))
+    return TimedWork
+
 
 class CollectiveClock:
-    """Seconds this rank spends inside collectives, per iteration (the C4 idea).
+    """Seconds this rank spends held by collectives, per iteration (the C4 idea).
 
     A rank that computes slowly arrives late at the next collective, and the others
     wait for it *inside* that collective; the slow rank itself barely waits. So the
@@ -230,37 +351,78 @@ class CollectiveClock:
     inside an iteration, which the time between iterations alone cannot see.
 
     :meth:`install` wraps the ``torch.distributed`` collectives (and the ones DeepSpeed's
-    communication backend bound at start-up); a wrapper adds the call's wall time to a
-    counter, once per outermost call (a wrapped function that reaches another wrapped
-    one counts once). Asynchronous calls count only their launch. Main thread and background
-    threads share the counter: only the training loop's main thread calls collectives.
+    communication backend bound at start-up); a wrapper times each outermost call (a
+    wrapped function that reaches another wrapped one counts once) in one of two ways:
+
+    * a host collective (gloo on CPU tensors, object collectives, ``barrier``, which
+      block the host until they finish): the call's host wall time;
+    * a device collective (a CUDA tensor among the arguments: NCCL, or gloo on CUDA
+      tensors, whose calls return once queued): the device stream's time from before to
+      after the call, through the :class:`DeviceTimer`, resolved at :meth:`take`. The
+      host's later wait at ``.tolist()``/``.item()`` is thus split correctly: the part
+      the stream spent in the collective counts here, the compute queued before it is
+      the rank's own time.
+
+    An asynchronous call (``async_op=True``) returns a handle whose waits
+    (:data:`WAIT_METHODS`) are timed the same way and added to the same counter: a
+    rank's time held by a collective is its launch plus its wait, not the work it
+    overlapped in between. Main thread and background threads share the counter: only
+    the training loop's main thread calls collectives.
 
     Every rank: ``clock.install()`` before the loop, ``clock.take()`` once per
-    iteration (at the heartbeat), ``clock.uninstall()`` after the loop.
+    iteration (at the heartbeat, before reading the iteration's end time),
+    ``clock.uninstall()`` after the loop.
+
+    Args:
+        device_timer: times device collectives (default :class:`CudaEventTimer`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device_timer: Optional[DeviceTimer] = None) -> None:
+        self._timer = device_timer if device_timer is not None else CudaEventTimer()
         self._total = 0.0
         self._calls = 0
+        self._marks: List[Tuple[object, object]] = []
+        """Device (start, end) marks not resolved yet: resolving one waits for the device."""
         self._depth = threading.local()
         self._saved: List = []
 
+    def _span(self, device, fn, args, kwargs):
+        """``fn(*args, **kwargs)`` as one outermost timed span."""
+        self._depth.n = 1
+        start = time.perf_counter() if device is None else self._timer.mark(device)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._depth.n = 0
+            if device is None:
+                self._total += time.perf_counter() - start
+            else:  # resolved at take(): waiting here would stall the launch queue
+                self._marks.append((start, self._timer.mark(device)))
+
+    def time_wait(self, device, wait, args: tuple, kwargs: dict):
+        """Call ``wait(*args, **kwargs)`` (an asynchronous collective's handle waiting),
+        adding its time to the collective it belongs to (``device``: that collective's
+        device, None for a host collective); not counted as a call of its own."""
+        if getattr(self._depth, "n", 0):  # inside another timed collective: that one counts
+            return wait(*args, **kwargs)
+        return self._span(device, wait, args, kwargs)
+
     def _wrap(self, fn):
+        import torch.distributed as dist
         clock = self
 
         @functools.wraps(fn)
         def timed(*args, **kwargs):
-            depth = getattr(clock._depth, "n", 0)
-            if depth:  # inside another timed collective: that one counts
+            if getattr(clock._depth, "n", 0):  # inside another timed collective: that one counts
                 return fn(*args, **kwargs)
-            clock._depth.n = 1
-            start = time.perf_counter()
+            device = clock._timer.device_of(args, kwargs)
             try:
-                return fn(*args, **kwargs)
+                result = clock._span(device, fn, args, kwargs)
             finally:
-                clock._depth.n = 0
-                clock._total += time.perf_counter() - start
                 clock._calls += 1
+            if isinstance(result, dist.Work):  # async_op=True: this rank waits at its wait
+                return _timed_work_type()(result, clock, device)
+            return result
         timed._moc_clock = clock
         return timed
 
@@ -291,9 +453,19 @@ class CollectiveClock:
         self._saved = []
 
     def take(self) -> Tuple[float, int]:
-        """``(seconds, calls)`` inside collectives since the last take; resets both."""
-        out = (self._total, self._calls)
-        self._total, self._calls = 0.0, 0
+        """``(seconds, calls)`` held by collectives since the last take; resets both.
+
+        With device collectives among them, first waits until the device passed the last
+        one's end (a host sync at the top of the iteration, where the loop's own
+        ``.tolist()`` already waited for nearly all of it). That keeps every rank's
+        heartbeat at most one iteration ahead of the device, as on gloo, which the hang
+        rule assumes; a collective that never finishes blocks here, before the next beat,
+        as it blocks inside the call on gloo (the GIL is released: the watchdog polls)."""
+        total = self._total
+        for start, end in self._marks:
+            total += self._timer.seconds(start, end)
+        out = (total, self._calls)
+        self._total, self._calls, self._marks = 0.0, 0, []
         return out
 
 
@@ -658,6 +830,113 @@ def _ranks(ranks: List[int]) -> str:
     return ",".join(str(r) for r in ranks)
 
 
+# -------------------------------------------------------------------------- start-up
+
+class StartupWatch:
+    """Start-up and loading watched like iterations: a phase lasting longer than
+    ``config.startup_timeout_s`` is a hang, reported naming the phase, and the rank exits
+    with :data:`EXIT_HANG` for the launcher to restart the job.
+
+    Heartbeats need the rendezvous store, which exists only once the process group does,
+    and :func:`find_hang` finds nothing before every rank beat once; so a rank stuck in
+    start-up (a JIT build waiting for a dead builder's lock file, a rendezvous a peer
+    never joins, a load from a stalled file system) waited forever, unreported. This
+    watch needs no store: each rank times its own phases in a daemon thread. A rank that
+    waits in a start-up collective for a stuck peer times out as well and names its own
+    phase; the launcher stops the others once one rank exits.
+
+    Every rank: ``watch = StartupWatch(rank, config).start()`` first, ``watch.phase(name)``
+    as each phase begins, ``watch.stop()`` once the training loop's :class:`Heartbeat` and
+    :class:`Watchdog` take over, and also when start-up fails. :meth:`poll_once` runs one
+    check in the caller's thread (tests).
+
+    Args:
+        rank: this process's global rank (the launcher's ``RANK``).
+        config: ``startup_timeout_s`` and ``poll_s`` are used.
+        emit: receives the hang event (default: print it as JSON). Every detecting rank
+            emits its own: there is no store to elect one.
+        on_hang: called after the event (default: exit with :data:`EXIT_HANG`).
+        hint: returns a line to add to the report (the JIT build locks present), or "".
+        log: prints the detection line (default: print, flushed).
+        clock: monotonic seconds (tests pass a fake clock).
+    """
+
+    def __init__(self, rank: int, config: MonitorConfig,
+                 emit: Optional[Callable[[Dict], None]] = None,
+                 on_hang: Optional[Callable[[Dict], None]] = None,
+                 hint: Optional[Callable[[], str]] = None,
+                 log: Optional[Callable[[str], None]] = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.rank, self.config = rank, config
+        self._emit = emit or _print_event
+        self._on_hang = on_hang or (lambda event: _exit_now(EXIT_HANG))
+        self._hint = hint
+        self._log = log or _print_flush
+        self._clock = clock
+        self._mutex = threading.Lock()
+        self._phase: Optional[str] = None
+        self._since = 0.0
+        self._reported = False
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self) -> "StartupWatch":
+        """Start checking in a daemon thread (it must never keep a process alive)."""
+        self._thread = threading.Thread(target=self._run, name=f"moc-startup-{self.rank}",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def phase(self, name: str) -> None:
+        """A new phase begins: its own timeout starts now."""
+        with self._mutex:
+            self._phase, self._since = name, self._clock()
+
+    def stop(self) -> None:
+        """Start-up is over (or failed): no more checks."""
+        self._stop.set()
+        with self._mutex:
+            self._phase = None
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.config.poll_s + 5.0)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.config.poll_s):
+            self.poll_once()
+
+    def poll_once(self) -> Optional[Dict]:
+        """Check the current phase once; the hang event if it just timed out, else None."""
+        with self._mutex:
+            phase, since = self._phase, self._since
+        if phase is None or self._reported:
+            return None
+        seconds = self._clock() - since
+        if seconds <= self.config.startup_timeout_s:
+            return None
+        self._reported = True
+        host, pid = socket.gethostname(), os.getpid()
+        event = {"kind": "hang", "rank": self.rank, "host": host, "pid": pid,
+                 "phase": phase, "seconds_since_progress": round(seconds, 3),
+                 "iteration": None, "time": time.time(), "detected_by": self.rank}
+        hint = ""
+        if self._hint is not None:
+            try:
+                hint = self._hint()
+            except Exception as e:  # the report must not die of its decoration
+                hint = f"(no hint: {type(e).__name__}: {e})"
+        self._log(f"[monitor] rank {self.rank}: HANG in start-up: phase {phase!r} has lasted "
+                  f"{seconds:.1f} s (--moc-startup-timeout {self.config.startup_timeout_s:g}) "
+                  f"on host {host}, pid {pid}; stopping with exit status {EXIT_HANG}"
+                  + (f"; {hint}" if hint else ""))
+        try:
+            self._emit(event)
+        except Exception as e:  # stopping must still happen (see Watchdog._emit_safely)
+            self._log(f"[monitor] rank {self.rank}: cannot record the hang event "
+                      f"({type(e).__name__}: {e}); acting on it anyway")
+        self._on_hang(event)
+        return event
+
+
 # ------------------------------------------------------------------------------ flags
 
 def add_monitor_args(parser: argparse.ArgumentParser) -> None:
@@ -677,3 +956,7 @@ def add_monitor_args(parser: argparse.ArgumentParser) -> None:
                    help=f"On a straggler: report it, or stop the job (exit {EXIT_STRAGGLER}).")
     g.add_argument("--moc-monitor-poll", type=float, default=d.poll_s,
                    help="Seconds between two checks of the heartbeats.")
+    g.add_argument("--moc-startup-timeout", type=float, default=d.startup_timeout_s,
+                   help="Seconds a start-up or loading phase (process group, data, model and "
+                        "engine, checkpoint load) may last before the rank reports a hang "
+                        f"naming the phase and exits with status {EXIT_HANG}.")

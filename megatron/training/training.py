@@ -63,7 +63,9 @@ def remove_deepspeed_shm_buffers() -> None:
     <addr>_<port>_<rank>``, 66 MiB each) and never unlinks it, so every CPU run left
     them in /dev/shm. Once every rank is past its last collective, each unlinks its own
     (the mappings stay valid until the processes exit). Called by pretrain_gpt_moe.py
-    and the benchmarks' workers."""
+    and the benchmarks' workers. Since :mod:`megatron.training.jit_ops` keeps that op
+    from loading, no buffer exists after :func:`initialize_distributed`; this stays for
+    processes that started DeepSpeed otherwise."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() != "gloo":
         return
     from deepspeed_ext.groups import metadata_group
@@ -105,6 +107,11 @@ def initialize_distributed(args: argparse.Namespace) -> None:
     if accel.device_name() != "cpu":
         accel.set_device(int(os.environ["LOCAL_RANK"]))
     timeout = timedelta(minutes=args.distributed_timeout_minutes)
+    # Before init_distributed, which JIT-built DeepSpeed's unused CPU shared-memory op in
+    # every rank: a rank killed in that build left a lock file every later start waited
+    # on forever. No unused op is built; a dead build's lock is removed or reported.
+    from megatron.training import jit_ops
+    jit_ops.prepare_start()
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         _init_from_agent_store(accel.communication_backend_name(), timeout)
     deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), timeout=timeout)
@@ -226,6 +233,9 @@ def train_step(engine, data_iterator: Iterator, args: argparse.Namespace) -> Ste
         counts = expert_counts if counts is None else counts + expert_counts
     sums /= args.gradient_accumulation_steps * dist.get_world_size()
     dist.all_reduce(sums)  # on the device: NCCL cannot reduce CPU tensors
+    # On NCCL the host waits here, for the all-reduce and the compute queued before it;
+    # the monitor's clock counts only the all-reduce's stream time as collective time
+    # (CUDA events), so a slow device still shows as this rank's own time.
     lm, aux = sums.tolist()
     grad_norm = engine.get_global_grad_norm()
     grad_norm = float(grad_norm) if grad_norm is not None else 0.0
@@ -284,57 +294,69 @@ def pretrain(args: argparse.Namespace, extra_setup=None) -> TrainResult:
         ConfigError: bad input, raised on every rank before training starts.
     """
     validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
-    _set_threads(args)
-    _set_determinism(args)  # before any CUDA work (cuBLAS reads its workspace setting once)
-    initialize_distributed(args)
-    validate_args(args, dist.get_world_size())
-    set_seed(args.seed)
-    from megatron.data import build_tokenizer, build_train_valid_test_datasets
-    tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
-    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by)
-    # Data before the model: a missing or unusable --data-path stops the job before
-    # the (slow) engine set-up.
-    datasets = build_train_valid_test_datasets(args, tokenizer)
-    _print_banner(args)
-    engine, scheduler = setup_model_and_optimizer(args)
-    injector = _fault_injector(args, engine)
-    if args.moc_checkpoint:
-        from deepspeed_ext import enable_moc_checkpointing
-        armed = injector.persist_env() if injector is not None else {}
-        os.environ.update(armed)  # the node keeper, started now, inherits it ...
-        try:
-            enable_moc_checkpointing(engine, moc_config_from_args(args))
-        finally:
-            for key in armed:  # ... but not this process, which persists in-process
-                os.environ.pop(key, None)  # when the keeper is gone
-        if injector is not None and engine.moc.two_level is not None:
-            engine.moc.two_level.fault_hook = injector.in_snapshot
-        print_rank_0(f"> MoC checkpointing on: K = {args.moc_pec_k or args.num_experts} of "
-                     f"{args.num_experts} experts per MoE layer per checkpoint, "
-                     f"policy {args.moc_pec_policy}"
-                     + (f", scope {args.moc_pec_scope}" if args.moc_pec_scope != "wo" else ""))
-    exact = None
-    if getattr(args, "moc_mode", "pec") == "exact":
-        from deepspeed_ext.exact import ExactConfig, ExactSnapshots
-        from deepspeed_ext.two_level import default_shm_dir
-        exact = ExactSnapshots(engine, args.save,
-                               ExactConfig(window=args.moc_window,
-                                           memory_dir=args.moc_shm_dir or default_shm_dir(args.save),
-                                           ranks_per_node=args.moc_ranks_per_node,
-                                           expected_mtbf_s=(args.moc_expected_mtbf
-                                                            or args.moc_fault_mtbf or 0.0),
-                                           host_memory_gb=args.moc_host_memory_gb),
-                               log=print_rank_0)
-        engine.moc_exact = exact  # for the lose-memory fault
-    if extra_setup is not None:
-        extra_setup(engine, args)
-    state = checkpointing.ResumeState()
-    checkpointing.record_attempt(engine, args)
-    if args.load:
-        state = checkpointing.load_checkpoint(engine, args, scheduler, exact=exact)
-    train_iter, valid_iter = _build_loaders(args, datasets, state)
-    if state.rng_state is not None:
-        set_rng_state(state.rng_state)
+    # Start-up and loading are watched like iterations (--moc-monitor): a phase that
+    # never ends (a JIT build waiting on a dead builder's lock, a peer that never joins
+    # the rendezvous, a stalled load) is reported by name instead of waiting forever.
+    startup = _startup_watch(args)
+    try:
+        _set_threads(args)
+        _set_determinism(args)  # before any CUDA work (cuBLAS reads its workspace setting once)
+        startup.phase("process group")
+        initialize_distributed(args)
+        validate_args(args, dist.get_world_size())
+        set_seed(args.seed)
+        startup.phase("data")
+        from megatron.data import build_tokenizer, build_train_valid_test_datasets
+        tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
+        args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by)
+        # Data before the model: a missing or unusable --data-path stops the job before
+        # the (slow) engine set-up.
+        datasets = build_train_valid_test_datasets(args, tokenizer)
+        _print_banner(args)
+        startup.phase("model and engine")
+        engine, scheduler = setup_model_and_optimizer(args)
+        injector = _fault_injector(args, engine)
+        if args.moc_checkpoint:
+            from deepspeed_ext import enable_moc_checkpointing
+            armed = injector.persist_env() if injector is not None else {}
+            os.environ.update(armed)  # the node keeper, started now, inherits it ...
+            try:
+                enable_moc_checkpointing(engine, moc_config_from_args(args))
+            finally:
+                for key in armed:  # ... but not this process, which persists in-process
+                    os.environ.pop(key, None)  # when the keeper is gone
+            if injector is not None and engine.moc.two_level is not None:
+                engine.moc.two_level.fault_hook = injector.in_snapshot
+            print_rank_0(f"> MoC checkpointing on: K = {args.moc_pec_k or args.num_experts} of "
+                         f"{args.num_experts} experts per MoE layer per checkpoint, "
+                         f"policy {args.moc_pec_policy}"
+                         + (f", scope {args.moc_pec_scope}" if args.moc_pec_scope != "wo" else ""))
+        exact = None
+        if getattr(args, "moc_mode", "pec") == "exact":
+            from deepspeed_ext.exact import ExactConfig, ExactSnapshots
+            from deepspeed_ext.two_level import default_shm_dir
+            exact = ExactSnapshots(engine, args.save,
+                                   ExactConfig(window=args.moc_window,
+                                               memory_dir=args.moc_shm_dir or default_shm_dir(args.save),
+                                               ranks_per_node=args.moc_ranks_per_node,
+                                               expected_mtbf_s=(args.moc_expected_mtbf
+                                                                or args.moc_fault_mtbf or 0.0),
+                                               host_memory_gb=args.moc_host_memory_gb),
+                                   log=print_rank_0)
+            engine.moc_exact = exact  # for the lose-memory fault
+        if extra_setup is not None:
+            extra_setup(engine, args)
+        startup.phase("checkpoint load")
+        state = checkpointing.ResumeState()
+        checkpointing.record_attempt(engine, args)
+        if args.load:
+            state = checkpointing.load_checkpoint(engine, args, scheduler, exact=exact)
+        startup.phase("data loaders")
+        train_iter, valid_iter = _build_loaders(args, datasets, state)
+        if state.rng_state is not None:
+            set_rng_state(state.rng_state)
+    finally:
+        startup.stop()  # the loop's heartbeat takes over (or start-up failed)
     writer = MetricsWriter(args.metrics_file, args.tensorboard_dir)
     watch = _Watch(args)
     try:
@@ -343,6 +365,22 @@ def pretrain(args: argparse.Namespace, extra_setup=None) -> TrainResult:
     finally:
         watch.stop()
         writer.close()
+
+
+def _startup_watch(args: argparse.Namespace):
+    """Every rank, first thing in :func:`pretrain`: the ``--moc-monitor`` watch of its
+    start-up phases (:class:`megatron.training.monitor.StartupWatch`); without the flag
+    the phases are recorded and nobody checks them."""
+    from megatron.training import jit_ops, monitor
+    watching = getattr(args, "moc_monitor", False)
+    cfg = monitor.MonitorConfig.from_args(args) if watching else monitor.MonitorConfig()
+    emit = None
+    if watching and args.moc_event_file:
+        from megatron.training.events import EventLog
+        emit = EventLog(args.moc_event_file).append
+    watch = monitor.StartupWatch(int(os.environ.get("RANK", "0")), cfg, emit=emit,
+                                 hint=jit_ops.lock_hint)
+    return watch.start() if watching else watch
 
 
 def _print_banner(args: argparse.Namespace) -> None:
@@ -429,8 +467,10 @@ class _Watch:
         of it this rank spent outside collectives (what tells a straggler apart)."""
         if self.heartbeat is None:
             return
-        top = time.perf_counter()
+        # take() first: it waits for the device to pass the last iteration's collectives
+        # (CUDA), so that wait belongs to the iteration that queued them, not the next.
         comm_s, calls = self.clock.take()
+        top = time.perf_counter()
         iter_s = top - self._last_top if self._last_top else None
         self.heartbeat.beat(iteration, iter_s=iter_s,
                             own_s=max(0.0, iter_s - comm_s) if iter_s is not None else None,
@@ -531,6 +571,7 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
         if moc is not None and stats.expert_counts.numel():
             counts = stats.expert_counts.clone()
             dist.all_reduce(counts)  # the policy state must be identical on every rank
+            # (the host waits at tolist(); the clock times the all-reduce on the stream)
             moc.observe_tokens(counts.tolist())
             if exact is not None:
                 exact.observe_tokens(counts.tolist())

@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from megatron.training import monitor
@@ -465,3 +466,163 @@ def test_collective_clock_times_outermost_collectives_and_uninstalls(tmp_path, m
     finally:
         if own:
             dist.destroy_process_group()
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A one-rank gloo default group (another in-process test may have left one: reuse it)."""
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                                world_size=1)
+    assert dist.get_world_size() == 1
+    yield
+    if own:
+        dist.destroy_process_group()
+
+
+class _ScriptedDeviceTimer(monitor.DeviceTimer):
+    """A device whose collectives return at once (as NCCL's do) and whose stream times are
+    scripted: each mark is the next stamp; every tensor counts as on the device."""
+
+    def __init__(self, stamps):
+        self._stamps = iter(stamps)
+        self.resolved = []
+
+    def device_of(self, args, kwargs):
+        tensors = [t for v in (*args, *kwargs.values())
+                   for t in (v if isinstance(v, (list, tuple)) else (v,))]
+        return "dev" if any(isinstance(t, torch.Tensor) for t in tensors) else None
+
+    def mark(self, device):
+        assert device == "dev"
+        return next(self._stamps)
+
+    def seconds(self, start, end):
+        self.resolved.append((start, end))
+        return end - start
+
+
+def test_collective_clock_counts_an_async_collectives_wait(one_rank_group, monkeypatch):
+    """gloo, async_op=True: the rank is held by the collective at its launch and at its
+    wait(), which comes later; the old clock counted only the launch. The handle is still
+    a Work and forwards the rest (is_completed, get_future) to the real one."""
+    clock = monitor.CollectiveClock().install()
+    try:
+        real = monitor.time.perf_counter
+        fake = iter([0.0, 0.25, 5.0, 7.0]).__next__  # launch 0.25 s, wait 2 s
+        monkeypatch.setattr(monitor.time, "perf_counter", fake)
+        t = torch.ones(3)
+        work = dist.all_reduce(t, async_op=True)
+        work.wait()
+        monkeypatch.setattr(monitor.time, "perf_counter", real)
+        assert isinstance(work, dist.Work) and work.is_completed()
+        assert work.get_future().wait()[0].tolist() == [1.0, 1.0, 1.0]
+        assert clock.take() == (2.25, 1)
+    finally:
+        clock.uninstall()
+
+
+def test_collective_clock_times_device_collectives_on_the_stream(one_rank_group, monkeypatch):
+    """On a device whose collectives return once queued (NCCL), the time counted is the
+    stream's inside the call (and inside an async handle's wait), resolved only at take()
+    (resolving earlier would stall the launch queue); the host's time inside the call
+    (the launch) is not counted. Host collectives (no tensor) keep the host clock."""
+    timer = _ScriptedDeviceTimer([0.0, 3.0,      # all_reduce: the stream waited 3 s in it
+                                  5.0, 5.0,      # async launch: the stream does not wait
+                                  20.0, 22.5])   # its wait(): the stream waited 2.5 s
+    clock = monitor.CollectiveClock(device_timer=timer).install()
+    try:
+        real = monitor.time.perf_counter
+        monkeypatch.setattr(monitor.time, "perf_counter", iter([100.0, 100.25]).__next__)
+        dist.all_reduce(torch.ones(2))
+        work = dist.all_reduce(torch.ones(2), async_op=True)
+        work.wait()
+        out = [None]
+        dist.all_gather_object(out, "x")  # no tensor: a host collective (0.25 s)
+        monkeypatch.setattr(monitor.time, "perf_counter", real)
+        assert timer.resolved == []  # nothing waited for the device before the heartbeat
+        assert clock.take() == (5.75, 3)
+        assert timer.resolved == [(0.0, 3.0), (5.0, 5.0), (20.0, 22.5)]
+        assert clock.take() == (0.0, 0)
+    finally:
+        clock.uninstall()
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_a_straggler_means_the_same_on_both_backends(one_rank_group, monkeypatch, backend):
+    """Three ranks' clocks through one iteration pattern: rank 1 computes 0.3 s longer, so
+    ranks 0 and 2 wait 0.3 s inside the collective; every iteration takes 0.4 s. On gloo
+    the wait is host time inside the call; on NCCL the call returns at once and the wait
+    is the stream's (the host waits at .tolist() instead). Both must find rank 1 with the
+    same slowdown (4x); the old clock saw no wait on NCCL and no straggler."""
+    iters, window, iter_s = 5, 3, 0.5
+    waits = {0: 0.375, 1: 0.0, 2: 0.375}  # dyadic: exact sums
+    store = dist.HashStore()
+    real = monitor.time.perf_counter
+    for rank, wait in waits.items():
+        if backend == "gloo":
+            host = [x for i in range(iters) for x in (10.0 * i, 10.0 * i + wait)]
+            clock = monitor.CollectiveClock()  # CPU tensors: host collectives
+        else:
+            host = [0.0] * (2 * iters)  # the launch: no time
+            clock = monitor.CollectiveClock(device_timer=_ScriptedDeviceTimer(
+                [x for i in range(iters) for x in (10.0 * i, 10.0 * i + wait)]))
+        clock.install()
+        hb = Heartbeat(store, rank, window=window)
+        try:
+            monkeypatch.setattr(monitor.time, "perf_counter", iter(host).__next__)
+            for i in range(iters):
+                dist.all_reduce(torch.ones(1))
+                comm_s, calls = clock.take()
+                hb.beat(i + 2, iter_s=iter_s, own_s=iter_s - comm_s, comm_s=comm_s,
+                        collectives=calls)
+        finally:
+            monkeypatch.setattr(monitor.time, "perf_counter", real)
+            clock.uninstall()
+    found = find_stragglers(_beats_from(store, 3), factor=2.0)
+    assert found == {1: 4.0}, found
+
+
+def _busy(a, n):
+    for _ in range(n):
+        a = a @ a / a.shape[0]
+    return a
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_event_clock_splits_device_waits_from_compute(one_rank_group):
+    """A real one-rank NCCL group (gloo on CUDA tensors without NCCL): compute queued
+    before a collective is the rank's own time although the host waits for both at
+    .tolist(); an async collective stuck behind a busy stream counts at its wait()."""
+    torch.cuda.set_device(0)
+    group = dist.new_group([0], backend="nccl" if dist.is_nccl_available() else "gloo")
+    a = torch.randn(2048, 2048, device="cuda")
+    x = torch.ones(1024, device="cuda")
+    dist.all_reduce(x, group=group)  # communicator set-up, outside the clock
+    torch.cuda.synchronize()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    _busy(a, 200)
+    end.record()
+    end.synchronize()
+    busy_s = begin.elapsed_time(end) / 1000.0  # what 200 products take on this device
+    clock = monitor.CollectiveClock().install()
+    try:
+        _busy(a, 200)                       # compute queued before the collective
+        dist.all_reduce(x, group=group)    # returns once queued (NCCL)
+        x.tolist()                         # the host waits for both here
+        seconds, calls = clock.take()
+        assert calls == 1 and seconds < 0.5 * busy_s, (seconds, busy_s)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            _busy(a, 200)                   # the collective's input stream is busy ...
+            work = dist.all_reduce(x, group=group, async_op=True)
+        work.wait()                        # ... so the current stream waits here
+        x.tolist()
+        seconds, calls = clock.take()
+        assert calls == 1 and seconds > 0.5 * busy_s, (seconds, busy_s)
+    finally:
+        clock.uninstall()
+        dist.destroy_process_group(group)
