@@ -244,6 +244,28 @@ def worker_main(opts) -> None:
     run_worker(opts, _worker)
 
 
+def host_barrier() -> None:
+    """Every rank: wait for this rank's queued device work, then a barrier on the metadata
+    group (:mod:`deepspeed_ext.groups`, made by :func:`build_engine`'s
+    ``initialize_distributed``). An NCCL barrier waited for the device too; the gloo one
+    does not, and a timing started after it would otherwise pay for earlier kernels."""
+    import torch
+    import torch.distributed as dist
+    from deepspeed_ext.groups import metadata_group
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    dist.barrier(group=metadata_group())
+
+
+def gather_objects(value, world: int) -> list:
+    """Every rank: ``value`` of every rank, in rank order (on the metadata group)."""
+    import torch.distributed as dist
+    from deepspeed_ext.groups import metadata_group
+    gathered = [None] * world
+    dist.all_gather_object(gathered, value, group=metadata_group())
+    return gathered
+
+
 def build_engine(opts, rank: int, world: int) -> tuple:
     """Every rank: the benchmark's engine, trained ``--train-steps`` steps so Adam state
     exists. Returns (engine, args, the results' config record)."""
@@ -318,7 +340,7 @@ def _worker(opts, rank: int, world: int) -> None:
         recorder.records.clear()
         if rank == 0:
             os.sync()  # no save pays for the writeback of an earlier one
-        dist.barrier()
+        host_barrier()
         error = None
         start = time.perf_counter()
         try:
@@ -339,8 +361,7 @@ def _worker(opts, rank: int, world: int) -> None:
             except Exception as e:
                 error = f"{type(e).__name__}: {e}"
                 traceback.print_exc()
-        gathered = [None] * world
-        dist.all_gather_object(gathered, (elapsed, error, list(recorder.records), durable))
+        gathered = gather_objects((elapsed, error, list(recorder.records), durable), world)
         errors = [(r, e) for r, (_, e, _, _) in enumerate(gathered) if e]
         entry = {"tag": tag, "save_s_per_rank": [g[0] for g in gathered],
                  "save_s": max(g[0] for g in gathered),
@@ -392,7 +413,7 @@ def _worker(opts, rank: int, world: int) -> None:
             drop_superseded(system, tag)
     results["complete"] = True
     publish()
-    dist.barrier()
+    host_barrier()
     from megatron.training.training import remove_deepspeed_shm_buffers
     remove_deepspeed_shm_buffers()
     dist.destroy_process_group()

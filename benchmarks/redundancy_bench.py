@@ -125,7 +125,7 @@ def _timed(fn, cold: str = "") -> tuple:
     import torch.distributed as dist
     if cold and dist.get_rank() == 0:
         _evict_page_cache(cold)
-    dist.barrier()
+    cb.host_barrier()
     start = time.perf_counter()
     result = fn()
     return result, time.perf_counter() - start
@@ -133,7 +133,6 @@ def _timed(fn, cold: str = "") -> tuple:
 
 def _turn(engine, args, opts, rank: int, index: int, mode: str, batch: int) -> dict:
     """One mode: train with snapshots, drain, lose a node, recover (every rank)."""
-    import torch.distributed as dist
     from deepspeed_ext.checkpointer import MoCCheckpointer
     from deepspeed_ext.peers import image_end
     name = f"{index}-{mode.replace(':', '-')}"
@@ -149,7 +148,7 @@ def _turn(engine, args, opts, rank: int, index: int, mode: str, batch: int) -> d
         two.redundancy.wait_slots()
     first_protected = len(two.redundancy.protected) if two.redundancy is not None else 0
     stalls_before = len(moc.stall_s)
-    dist.barrier()
+    cb.host_barrier()
     for _ in range(opts.iters):
         out["iter_s"].append(_iteration(engine, args, batch, rank))
         moc.save(save_dir, client_state={"batch": batch})
@@ -172,10 +171,10 @@ def _turn(engine, args, opts, rank: int, index: int, mode: str, batch: int) -> d
     out["slot_bytes"] = two.slots.host_bytes()
     out["snapshot_bytes"] = max(image_end(m) for _, m in two.slots.complete())
     out["newest_step"] = int(engine.global_steps)
-    dist.barrier()
+    cb.host_barrier()
     if two.node == opts.lost_node and two.first_of_node:
         two.drop_node_memory()
-    dist.barrier()
+    cb.host_barrier()
     # A restart: a fresh checkpointer finds what memory (its own, its peers') is left.
     again = MoCCheckpointer(engine, _config(opts, mode, name))
     _, out["recovery_s"] = _timed(lambda: again.load(save_dir), cold=save_dir)
@@ -202,12 +201,10 @@ def _worker(opts, rank: int, world: int) -> None:
     for index, mode in enumerate(opts.modes.split(",")):
         out = _turn(engine, args, opts, rank, index, mode, batch)
         batch = out["batch"]
-        gathered = [None] * world
-        dist.all_gather_object(gathered, out)
-        results["turns"].append(gathered)
+        results["turns"].append(cb.gather_objects(out, world))
         if rank == 0:
             cb.write_results(opts.out_dir, results)
-    dist.barrier()
+    cb.host_barrier()
     from megatron.training.training import remove_deepspeed_shm_buffers
     remove_deepspeed_shm_buffers()
     dist.destroy_process_group()

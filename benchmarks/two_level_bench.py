@@ -198,8 +198,10 @@ class _Bench:
     """What the systems share: the engine, the iteration loop, the process groups."""
 
     def __init__(self, engine, args, opts, rank: int, world: int, out_dir: str):
-        import torch.distributed as dist
         from deepspeed.accelerator import get_accelerator
+        from torch.distributed.constants import default_pg_timeout
+
+        from deepspeed_ext.groups import new_host_group
         self.engine, self.args, self.opts = engine, args, opts
         self.rank, self.world, self.out_dir = rank, world, out_dir
         self.device = get_accelerator().current_device_name()
@@ -207,8 +209,8 @@ class _Bench:
         self.save_profiler = None  # rank 0, --profile-saves: a cProfile.Profile of the saves
         self.recovery_profiler = None  # --profile-recovery: of this rank's memory recovery
         # DCP's upload thread runs collectives while the training loop runs its own:
-        # a group of its own keeps the two apart.
-        self.dcp_group = dist.new_group(backend="gloo")
+        # a group of its own keeps the two apart (torch's default timeout, as before).
+        self.dcp_group = new_host_group(default_pg_timeout)
         self.expert_names = {n for n, p in engine.module.named_parameters()
                              if not getattr(p, "allreduce", True)}
 
@@ -230,8 +232,7 @@ class _Bench:
         return time.perf_counter() - start
 
     def barrier(self):
-        import torch.distributed as dist
-        dist.barrier()
+        cb.host_barrier()
 
 
 class _Peer:
@@ -705,9 +706,7 @@ def _worker(opts, rank: int, world: int) -> None:
             cb.write_results(opts.out_dir, results)
 
     def gather(value):
-        gathered = [None] * world
-        dist.all_gather_object(gathered, value)
-        return gathered
+        return cb.gather_objects(value, world)
 
     def baseline(label: str):
         results["current"] = {"system": BASELINE, "label": label}
@@ -762,7 +761,7 @@ def _worker(opts, rank: int, world: int) -> None:
     baseline("after")
     results["complete"] = True
     write_results()
-    dist.barrier()
+    cb.host_barrier()
     from megatron.training.training import remove_deepspeed_shm_buffers
     remove_deepspeed_shm_buffers()
     dist.destroy_process_group()

@@ -44,8 +44,9 @@ from deepspeed_ext.manifest import (FragmentSpec, prepare_checkpoint_dir,
                                     set_aside_checkpoints_after)
 from megatron.training.rng import get_rng_state, set_rng_state
 from deepspeed_ext.state import (ExpertNaming, LocalFragment, describe_local_state,
-                                 ensure_optimizer_state, expert_naming, loss_scaler_state,
-                                 optimizer_scalars, refresh_compute_weights,
+                                 MomentPresence, expert_naming, loss_scaler_state,
+                                 moment_presence, optimizer_scalars, prepare_optimizer_state,
+                                 refresh_compute_weights,
                                  set_loss_scaler_state, set_optimizer_scalars)
 
 
@@ -297,6 +298,9 @@ class MoCCheckpointer:
                            "global_samples": engine.global_samples,
                            "skipped_steps": engine.skipped_steps},
                 "optimizer_scalars": optimizer_scalars(engine),
+                # which groups have moments yet (none before the first fp16 step that
+                # does not overflow): a load must not create what was not saved
+                "optimizer_moments": moment_presence(engine).to_record(),
                 "lr_scheduler": (engine.lr_scheduler.state_dict()
                                  if getattr(engine, "lr_scheduler", None) is not None else None),
                 "loss_scaler": loss_scaler_state(engine),
@@ -627,11 +631,12 @@ class MoCCheckpointer:
         start = time.perf_counter()
         described: List = []
 
-        def fragments():
+        def fragments(moments=None):
             if not described:  # only once there is something to load into them:
-                # creating the moments advances Adam's step counters
+                # creating the moments advances Adam's step counters; ``moments``: the
+                # checkpoint's MomentPresence (None: an older checkpoint, every group's)
                 if load_optimizer_states:
-                    ensure_optimizer_state(self.engine)
+                    prepare_optimizer_state(self.engine, moments)
                 described.append(describe_local_state(self.engine, self.naming,
                                                       with_moments=load_optimizer_states))
             return described[0]
@@ -707,11 +712,11 @@ class MoCCheckpointer:
             with CheckpointReader(load_dir, chosen, verify_checksums=self.config.verify_on_load,
                                   check_structure=False, resolution=resolution) as reader, \
                     torch.no_grad():
-                for frag in fragments():
+                objects = reader.objects()  # first: which moments the fragments include
+                for frag in fragments(MomentPresence.from_record(objects.get("optimizer_moments"))):
                     check_saved_shape(reader, frag, load_dir, chosen)
                     data = reader.read(frag.name, frag.kind, frag.offset, frag.length)
                     frag.tensor.copy_(data.to(device=frag.tensor.device, dtype=frag.tensor.dtype))
-                objects = reader.objects()
                 versions = {k: v[0] for k, v in reader.expert_versions().items()}
             restore(objects)
             return True, (objects, versions)

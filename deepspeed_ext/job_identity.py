@@ -146,13 +146,16 @@ def node_run_id(node_dir: str) -> Optional[str]:
 def agree_run_id(save_dir: str, shm_dir: str, log=None) -> str:
     """Every rank, at start-up: this job's run id, read (or created) by rank 0 in
     ``save_dir`` and broadcast (one collective; rank 0's failure is raised on every
-    rank). Without a save directory the job is known by ``shm_dir``
-    (:func:`run_id_for_memory_only`), and no collective runs.
+    rank; on the metadata group, which the caller has made: the checkpointer and exact
+    mode's constructors do, before this). Without a save directory the job is known by
+    ``shm_dir`` (:func:`run_id_for_memory_only`), and no collective runs.
 
     Raises:
         RuntimeError: rank 0 could not read or create the run id file.
     """
     import torch.distributed as dist
+
+    from deepspeed_ext.groups import metadata_group
     if not save_dir:
         return run_id_for_memory_only(shm_dir)
     status = [None]
@@ -168,7 +171,8 @@ def agree_run_id(save_dir: str, shm_dir: str, log=None) -> str:
             status[0] = (True, run_id_for_memory_only(shm_dir))
         except Exception as e:
             status[0] = (False, f"{type(e).__name__}: {e}")
-    dist.broadcast_object_list(status, src=0)
+    # Never the default group: on NCCL the pickled object would go through the device.
+    dist.broadcast_object_list(status, src=0, group=metadata_group())
     if not status[0][0]:
         raise RuntimeError(f"cannot keep the job's run id in {fs.join(save_dir, RUN_ID_FILE)} "
                            f"(rank 0: {status[0][1]}); check that --save is writable")

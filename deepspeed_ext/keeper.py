@@ -18,13 +18,19 @@ Lifecycle:
 * Every rank registers its pid (``hello``). The keeper exits on its own when none of
   its registered processes has been alive for ``idle_timeout_s`` (a crashed job
   whose launcher gave up), after finishing its persist queue.
-* :func:`shutdown_keeper` (end of training) finishes the queue, deletes the whole
-  directory and stops the keeper: no shared memory is left behind.
+* :func:`shutdown_keeper` (end of training) finishes the queue and the job's commits,
+  deletes the whole directory and stops the keeper, and returns once the keeper's
+  process has exited: no shared memory is left behind, and nothing of the job is still
+  writing when the training process returns. A keeper whose job died (no shutdown) may
+  still finish its persists and commits later, under the same rules (manifest before
+  ``latest``, claims, :func:`deepspeed_ext.manifest.advance_latest`).
 
 Protocol: JSON lines over the Unix socket ``<dir>/keeper.sock`` (never pickle). Requests:
 ``{"op": "ping"}``, ``{"op": "hello", "pid": N}``, ``{"op": "persist", "job": {...}}``
 (see :func:`run_persist_job`; a job with an ``id`` already queued is not queued again),
-``{"op": "shutdown"}``; a keeper started for a job (``--run-id``) answers the last three
+``{"op": "drain", "attempt_started": T}`` (answered once every queued job and the commits
+:func:`commits_to_finish` names are done: :func:`drain_keeper`), ``{"op": "shutdown",
+"attempt_started": T}``; a keeper started for a job (``--run-id``) answers the last four
 only when they carry that ``run_id``. Every reply is a JSON object with ``"ok"``.
 
 Trust: the directory is private (mode 0700, this user's: :mod:`deepspeed_ext.private_dir`)
@@ -53,7 +59,7 @@ import threading
 import time
 import traceback
 import uuid
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from deepspeed_ext import memsum
 from deepspeed_ext.keeper_jobs import JobRefused, check_job
@@ -366,13 +372,74 @@ def _spawn(directory: str, idle_timeout_s: float, run_id: Optional[str] = None,
     log.close()
 
 
+def drain_keeper(directory: str, timeout_s: float = 600.0, run_id: Optional[str] = None,
+                 attempt_started: Optional[float] = None) -> bool:
+    """The first rank of a node, at the end of a two-level wait: return once the node's
+    keeper has run every persist job queued so far and finished every commit of the
+    attempt ``attempt_started`` (manifest, ``latest``, retention) and every commit past
+    its reports (:func:`commits_to_finish`). The keeper serves on.
+
+    Returns:
+        True when the keeper answered; False when none listens (nothing is running).
+
+    Raises:
+        KeeperError: it still listens but did not answer within ``timeout_s``.
+    """
+    message: Dict[str, Any] = {"op": "drain", "attempt_started": attempt_started}
+    if run_id is not None:
+        message["run_id"] = run_id
+    try:
+        request(directory, message, timeout_s=timeout_s)
+    except KeeperError:
+        if is_dead(directory):
+            return False
+        raise
+    return True
+
+
+def _keeper_pid(directory: str) -> Optional[int]:
+    """The pid the node's keeper answers a ping with (None: none answers)."""
+    try:
+        pid = request(directory, {"op": "ping"}, timeout_s=2.0).get("pid")
+    except KeeperError:
+        return None
+    return pid if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0 else None
+
+
+def has_exited(pid: int) -> bool:
+    """Whether process ``pid`` has ended: gone, or a zombie (not yet reaped by the rank
+    that started it; its exit is under way, none of its code runs any more)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except OSError:  # no /proc: signal 0 tells whether it exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            pass
+        return False
+
+
 def shutdown_keeper(directory: str, timeout_s: float = 600.0,
-                    run_id: Optional[str] = None) -> bool:
-    """Ask the keeper to finish its queue, delete ``directory`` and exit.
+                    run_id: Optional[str] = None,
+                    attempt_started: Optional[float] = None) -> bool:
+    """Ask the keeper to finish its queue, delete ``directory`` and exit; returns once it
+    has exited (or after 30 s more).
+
+    The keeper first finishes every persist queued and every commit
+    :func:`commits_to_finish` names for ``attempt_started``; other commits stand down.
+    Waiting for the process itself, not only for its directory to go: a trainer that
+    returned while its keeper still ran could be followed by a reader or the next job
+    that saw the keeper's last writes land.
 
     Args:
         run_id: the job asking (a keeper of another job refuses); None: the job the
             directory is bound to (tools and tests that stop whatever this user left).
+        attempt_started: the asking job attempt's start (its commits are waited for).
 
     Returns:
         True when a keeper answered; False when none was running (its directory, if
@@ -382,9 +449,10 @@ def shutdown_keeper(directory: str, timeout_s: float = 600.0,
     if run_id is None:
         from deepspeed_ext.job_identity import node_run_id
         run_id = node_run_id(directory)
-    message: Dict[str, Any] = {"op": "shutdown"}
+    message: Dict[str, Any] = {"op": "shutdown", "attempt_started": attempt_started}
     if run_id is not None:
         message["run_id"] = run_id
+    pid = _keeper_pid(directory)
     try:
         request(directory, message, timeout_s=timeout_s)
     except KeeperError:
@@ -397,7 +465,8 @@ def shutdown_keeper(directory: str, timeout_s: float = 600.0,
     # The keeper deletes the directory right after answering; wait for it, so that a
     # caller checking for leftovers (or starting the next job) sees it gone.
     deadline = time.monotonic() + 30
-    while os.path.exists(directory) and time.monotonic() < deadline:
+    while (os.path.exists(directory) or (pid is not None and not has_exited(pid))) \
+            and time.monotonic() < deadline:
         time.sleep(0.02)
     return True
 
@@ -609,8 +678,9 @@ def run_persist_job(job: Dict[str, Any], log=print, background_commit: bool = Fa
         reports_in = threading.Event()
         thread = threading.Thread(target=_commit_job, args=(job, tag_dir, log, reports_in),
                                   daemon=True, name=f"commit-{job['tag']}")
-        _COMMITS[:] = [c for c in _COMMITS if c[0].is_alive()]  # a keeper lives for weeks
-        _COMMITS.append((thread, reports_in))
+        with _GATE.lock:
+            _COMMITS[:] = [c for c in _COMMITS if c[0].is_alive()]  # a keeper lives for weeks
+            _COMMITS.append(CommitRun(thread, reports_in, job["commit"].get("attempt_started")))
         thread.start()
     else:
         _commit_job(job, tag_dir, log)
@@ -633,10 +703,76 @@ def _hang(message: str) -> None:
         time.sleep(3600)
 
 
-_COMMITS: List[Tuple[threading.Thread, threading.Event]] = []
-"""The keeper's background commits, each with the event set once every report is in (it
-is then writing the manifest, ``latest`` and retention); :func:`serve` decides at exit
-which to wait for."""
+class CommitRun(NamedTuple):
+    """One background commit of the keeper."""
+
+    thread: threading.Thread
+    reports_in: threading.Event
+    """Set once every report is in and the gate let it write (manifest, ``latest``,
+    retention)."""
+    attempt_started: Optional[float] = None
+    """The job attempt whose save it commits (None: unknown)."""
+
+
+_COMMITS: List[CommitRun] = []
+"""The keeper's background commits; :func:`commits_to_finish` says which a drain or a
+shutdown waits for."""
+
+
+class _CommitGate:
+    """Whether a commit whose reports are all in may start writing, decided under one lock
+    with a shutdown's choice of the commits it waits for.
+
+    The failure it prevents: a requested shutdown waited only for the commits whose
+    reports were in when it was asked; one whose reports arrived a moment later (another
+    node's keeper finishing an earlier attempt's share) went on writing its manifest,
+    ``latest`` and retention while the keeper exited under it, after the training side
+    had been told that nothing was running any more. Once :meth:`close` ran, a commit
+    not chosen then writes nothing (its directory stays a manifest-less leftover for
+    retention, as a commit killed with its keeper would)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.closed = False
+        self.allowed: set = set()
+        """Threads a closing shutdown waits for: they may still write."""
+
+    def enter(self, reports_in: threading.Event) -> bool:
+        """A commit thread with every report in: True (``reports_in`` set) to write."""
+        with self.lock:
+            if self.closed and threading.current_thread() not in self.allowed:
+                return False
+            reports_in.set()
+            return True
+
+    def close(self, attempt_started: Optional[float]) -> List[threading.Thread]:
+        """A shutdown: from now on only the returned commits write; join them."""
+        with self.lock:
+            self.closed = True
+            chosen = commits_to_finish(attempt_started)
+            self.allowed = set(chosen)
+            return chosen
+
+    def reopen(self) -> None:
+        """The shutdown was called off (a new job attached): commits write again."""
+        with self.lock:
+            self.closed = False
+            self.allowed = set()
+
+
+_GATE = _CommitGate()
+
+
+def commits_to_finish(attempt_started: Optional[float]) -> List[threading.Thread]:
+    """The running commits a drain or shutdown asked by attempt ``attempt_started`` waits
+    for: those past their reports (writing the manifest, ``latest``, retention), and every
+    commit of that attempt (one still waiting for reports is bounded by its commit
+    timeout: the training side gave up on it, but it may still commit). A commit of
+    another attempt still waiting for reports (a crashed attempt's, waiting for a dead
+    node) is not: it would hold the caller for its whole timeout."""
+    return [c.thread for c in _COMMITS if c.thread.is_alive() and (
+        c.reports_in.is_set()
+        or (attempt_started is not None and c.attempt_started == attempt_started))]
 
 
 def _commit_job(job: Dict[str, Any], tag_dir: str, log,
@@ -647,8 +783,10 @@ def _commit_job(job: Dict[str, Any], tag_dir: str, log,
     try:
         shares = commit.wait_for_reports(tag_dir, info["layout"]["world_size"], info["timeout_s"],
                                          claim=claim)
-        if reports_in is not None:
-            reports_in.set()
+        if reports_in is not None and not _GATE.enter(reports_in):
+            log(f"not committing {tag_dir}: the keeper is shutting down (its reports came "
+                f"in after the shutdown was asked for)")
+            return
         commit.commit_checkpoint(job["save_dir"], job["tag"], info["step"], info["layout"],
                                  shares, info["previous_tag"], info["selected"],
                                  info["pec_k"], info["save_latest"], info["keep"], log=log,
@@ -665,19 +803,26 @@ def _commit_job(job: Dict[str, Any], tag_dir: str, log,
             commit.write_failure(tag_dir, f"{type(e).__name__}: {e}", claim=claim)
 
 
-def join_finishing_commits() -> None:
-    """On a requested shutdown: wait for the background commits whose reports are all in.
+def join_finishing_commits(attempt_started: Optional[float] = None) -> None:
+    """On a requested shutdown: close the gate (:class:`_CommitGate`) and wait for the
+    commits :func:`commits_to_finish` names.
 
-    The training processes have seen the manifest of every commit they asked for, so a
-    commit still waiting for reports belongs to an attempt that crashed, and would hold
-    the exiting keeper for its whole timeout; but a commit goes on after its manifest
-    (``latest``, retention), and exiting under it left ``latest`` at the previous
-    checkpoint and a stray ``latest.tmp.<pid>``: those are waited for. (An idle keeper
-    serves on until every commit has ended.)
+    A commit goes on after its manifest (``latest``, retention), and exiting under it
+    left ``latest`` at the previous checkpoint and a stray ``latest.tmp.<pid>``: those
+    are waited for. A commit of another attempt still waiting for reports is not, and
+    stands down should its reports still arrive. (An idle keeper serves on until every
+    commit has ended.)
     """
-    for thread, reports_in in list(_COMMITS):
-        if reports_in.is_set():
-            thread.join()
+    for thread in _GATE.close(attempt_started):
+        thread.join()
+
+
+def drain_commits(attempt_started: Optional[float] = None) -> None:
+    """A drain: wait for the commits :func:`commits_to_finish` names; the keeper serves on."""
+    with _GATE.lock:
+        chosen = commits_to_finish(attempt_started)
+    for thread in chosen:
+        thread.join()
 
 
 def _still_ours(tag_dir: str, claim: Optional[str]) -> bool:
@@ -741,7 +886,7 @@ class Keeper:
         op = message.get("op")
         if op == "ping":
             return {"ok": True, "pid": os.getpid()}
-        if op in ("hello", "persist", "shutdown") and self.run_id is not None \
+        if op in ("hello", "persist", "shutdown", "drain") and self.run_id is not None \
                 and message.get("run_id") != self.run_id:
             return {"ok": False, "error": f"this keeper serves run {self.run_id}, not "
                                           f"{message.get('run_id')!r}"}
@@ -773,9 +918,20 @@ class Keeper:
                         self.job_ids.popitem(last=False)
                 self.jobs.put(job)
             return {"ok": True, "queued": self.jobs.qsize()}
+        attempt = message.get("attempt_started")
+        if not isinstance(attempt, (int, float)) or isinstance(attempt, bool):
+            attempt = None
+        if op == "drain":
+            # The training side's final wait: every persist asked for written, and every
+            # commit of its attempt done (manifest, ``latest``, retention), before it
+            # returns; otherwise ``latest`` and retention still changed after the job had
+            # ended (a reader or the next job saw the directory mid-commit).
+            self.jobs.join()
+            drain_commits(attempt)
+            return {"ok": True}
         if op == "shutdown":
             self.jobs.join()  # finish every persist already asked for
-            join_finishing_commits()
+            join_finishing_commits(attempt)
             with self.clients_lock:
                 self.clients_at_stop = set(self.clients)
             self.stop.set()
@@ -825,7 +981,7 @@ class Keeper:
             return [pid for pid in self.clients if pid not in self.clients_at_stop]
 
     def commits_running(self) -> bool:
-        return any(thread.is_alive() for thread, _ in _COMMITS)
+        return any(c.thread.is_alive() for c in _COMMITS)
 
 
 def _serve_connection(keeper: Keeper, conn: socket.socket) -> None:
@@ -884,6 +1040,7 @@ def serve(directory: str, idle_timeout_s: float, run_id: Optional[str] = None,
             if _leave(keeper, directory, server, "shutdown requested"):
                 return 0
             keeper.stop.clear()
+            _GATE.reopen()
         try:
             conn, _ = server.accept()
         except socket.timeout:

@@ -1420,12 +1420,124 @@ def _last_write(tag_dir: str) -> Optional[float]:
         return None
 
 
+READERS_FILE = ".moc-readers"
+"""The file whose byte ranges pin checkpoints against retention (:func:`reading`), one
+range per tag; apart from :data:`LOCK_FILE`, because closing any descriptor of a file
+drops every POSIX lock the process holds on it (retention's probe would release
+:func:`locked_dir`'s lock)."""
+_READING: Dict[Tuple[str, str], int] = {}
+"""Pins held by this process (POSIX locks do not exclude the process holding them)."""
+_READING_GUARD = threading.Lock()
+
+
+def _reader_range(tag: str) -> int:
+    """The byte of :data:`READERS_FILE` that stands for ``tag`` (a hash: two tags sharing
+    one only keep each other a little longer)."""
+    return 1 + int.from_bytes(hashlib.sha256(tag.encode("utf-8")).digest()[:5], "big")
+
+
+def _reading_key(save_dir: str, tag: str) -> Tuple[str, str]:
+    return (fs.identity(save_dir) if fs.is_url(save_dir) else os.path.realpath(save_dir), tag)
+
+
+@contextlib.contextmanager
+def reading(save_dir: str, tag: str):
+    """Pin checkpoint ``tag`` against retention for the ``with`` block: a reader
+    (``moc-ckpt verify``) takes it before it reads the tag's manifest and files.
+
+    A shared lock on the tag's byte of ``<save_dir>/.moc-readers`` for a local directory
+    (retention, :func:`apply_retention`, skips a tag whose byte it cannot lock
+    exclusively), and this process's own count. The failure it prevents: retention run by
+    a committer (a keeper finishing a dead job's persist) deleted a checkpoint while
+    verify read it, and verify reported a healthy checkpoint directory as damaged.
+    Retention that held the byte first finishes its deletion before the pin is granted:
+    the reader must look for the manifest after entering (a pinned tag without one was
+    deleted). Without write access to ``save_dir`` the pin is this process's only.
+    """
+    key = _reading_key(save_dir, tag)
+    with _READING_GUARD:
+        _READING[key] = _READING.get(key, 0) + 1
+    fd = None
+    try:
+        if not fs.is_url(save_dir):
+            try:
+                fd = _pin(save_dir, tag)
+            except OSError:  # read-only storage: nothing for other processes to see
+                fd = None
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the pin
+        with _READING_GUARD:
+            _READING[key] -= 1
+            if not _READING[key]:
+                del _READING[key]
+
+
+def _pin(save_dir: str, tag: str) -> int:
+    """:func:`reading`'s shared lock; returns the descriptor holding it."""
+    path = os.path.join(save_dir, READERS_FILE)
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        # Created under the directory's lock, which retention holds from its look for
+        # the file to its last deletion: a file made in between went unseen.
+        with locked_dir(save_dir):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            return _lock_shared(fd, tag)
+    return _lock_shared(fd, tag)
+
+
+def _lock_shared(fd: int, tag: str) -> int:
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_SH, 1, _reader_range(tag))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class _RetentionProbe:
+    """Retention's side of :func:`reading`: :meth:`claim` locks a tag's byte exclusively
+    (held until :meth:`close`, so that a reader arriving during the deletion waits and
+    then finds the manifest gone), or says that a reader holds it. Made under
+    :func:`locked_dir` (as :func:`retain_unless_superseded` does)."""
+
+    def __init__(self, save_dir: str):
+        self.save_dir = save_dir
+        self.fd = None
+        if not fs.is_url(save_dir):
+            try:  # none: no reader ever pinned here (see _pin)
+                self.fd = os.open(os.path.join(save_dir, READERS_FILE), os.O_RDWR)
+            except OSError:
+                self.fd = None
+
+    def claim(self, tag: str) -> bool:
+        """False while a reader pins ``tag`` (in this process, or another one)."""
+        with _READING_GUARD:
+            if _READING.get(_reading_key(self.save_dir, tag)):
+                return False
+        if self.fd is None:
+            return True
+        try:
+            fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, _reader_range(tag))
+        except OSError:  # EAGAIN/EACCES: a reader holds it
+            return False
+        return True
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
 def apply_retention(save_dir: str, keep: int) -> List[str]:
     """Delete old checkpoints and leftovers of crashed saves (rank 0, after a save).
 
     Keeps the newest ``keep`` complete checkpoints, the one ``latest`` names, and every
     checkpoint their expert indexes reference (an old checkpoint may hold the newest
-    version of an expert not saved since). Deletes the other complete checkpoints,
+    version of an expert not saved since), and every checkpoint a reader pins
+    (:func:`reading`). Deletes the other complete checkpoints,
     oldest first, with :func:`remove_checkpoint`. Also deletes manifest-less tag
     directories whose files are all older than the newest complete checkpoint's
     manifest and that hold only MoC's own files (partial saves of crashed runs,
@@ -1465,10 +1577,19 @@ def apply_retention(save_dir: str, keep: int) -> List[str]:
         protected |= referenced_tags(save_dir, tag)
     commits = [fs.mtime(os.path.join(save_dir, t, MANIFEST_FILE)) for t in tags]
     newest_commit = None if None in commits else max(commits)
-    for tag in tags:
-        if tag not in protected:
-            remove_checkpoint(save_dir, tag)
-            deleted.append(tag)
+    probe = _RetentionProbe(save_dir)
+    try:
+        candidates = [t for t in tags if t not in protected]
+        # A checkpoint a reader pins (moc-ckpt verify) stays until a later retention, and
+        # so do the older ones its expert index makes it read.
+        for tag in [t for t in candidates if not probe.claim(t)]:
+            protected |= referenced_tags(save_dir, tag)
+        for tag in candidates:
+            if tag not in protected:
+                remove_checkpoint(save_dir, tag)
+                deleted.append(tag)
+    finally:
+        probe.close()
     for tag in scan.incomplete:
         tag_dir = os.path.join(save_dir, tag)
         last = _last_write(tag_dir) if newest_commit is not None else None
@@ -1550,12 +1671,31 @@ def _set_aside_after(save_dir: str, step: int, attempt_started: float,
     complete = scan_checkpoints(save_dir).complete
     doomed = [tag for ckpt_step, tag in reversed(complete)
               if ckpt_step >= step and tag != keep and _earlier_attempt(save_dir, tag, attempt_started)]
+    _move_latest_off(save_dir, doomed, keep, complete, fill_missing=True)
+    for tag in doomed:
+        _set_aside(save_dir, tag)
+    return doomed
+
+
+def _move_latest_off(save_dir: str, doomed: Sequence[str], keep: Optional[str],
+                     complete: List[Tuple[int, str]], fill_missing: bool = False) -> None:
+    """Under :func:`locked_dir`, before checkpoints ``doomed`` lose their manifests (set
+    aside, overwritten): when ``latest`` names one of them, point it at ``keep`` (the
+    checkpoint this run resumed from) if that stays, else at the newest complete
+    checkpoint that stays, else remove it. Moved first, atomically: a kill between the
+    two steps leaves ``latest`` on a checkpoint that still exists; the other order left
+    it naming a tag without a manifest (and a restart loading an older one, or nothing).
+
+    Args:
+        complete: :func:`scan_checkpoints`'s ``complete`` of ``save_dir``.
+        fill_missing: also write ``latest`` when there is none (or it is damaged).
+    """
     remaining = [tag for _, tag in complete if tag not in doomed]
     try:
         latest = read_latest(save_dir)
     except CheckpointError:
         latest = None
-    if remaining and (latest is None or latest in doomed):
+    if remaining and (latest in doomed or (fill_missing and latest is None)):
         update_latest(save_dir, keep if keep in remaining else remaining[-1])
     elif latest in doomed:
         # Nothing remains (a new run writing into another run's directory): a restart
@@ -1563,9 +1703,6 @@ def _set_aside_after(save_dir: str, step: int, attempt_started: float,
         # checkpoint that is gone, and load nothing at all.
         fs.remove(os.path.join(save_dir, LATEST_FILE))
         fsync_dir(save_dir)
-    for tag in doomed:
-        _set_aside(save_dir, tag)
-    return doomed
 
 
 def prepare_checkpoint_dir(save_dir: str, tag: str, overwrite: bool = False,
@@ -1608,9 +1745,13 @@ def _make_room(save_dir: str, tag: str, tag_dir: str, overwrite: bool,
     """:func:`prepare_checkpoint_dir`'s treatment of what already holds the name."""
     if fs.exists(os.path.join(tag_dir, MANIFEST_FILE)):
         if overwrite:
+            _move_latest_off(save_dir, [tag], keep, scan_checkpoints(save_dir).complete)
             remove_checkpoint(save_dir, tag)
         elif (attempt_started is not None and tag != keep
               and _earlier_attempt(save_dir, tag, attempt_started)):
+            # Say an earlier attempt's committer finished late and moved `latest` to it:
+            # set aside under `latest`, the tag had no manifest until this save committed.
+            _move_latest_off(save_dir, [tag], keep, scan_checkpoints(save_dir).complete)
             _set_aside(save_dir, tag)  # an abandoned timeline's (say, committed late)
             if log is not None:
                 log(f"WARNING: set aside checkpoint {tag_dir}, saved by an earlier attempt, "

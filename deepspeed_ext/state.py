@@ -13,6 +13,9 @@ rank holds, with a live 1-D view of those elements:
   expert-data-parallel group for experts).
 
 The bf16/fp16 compute copies are derivable from the fp32 master and never described.
+Moments that do not exist yet (before the first step, or the first fp16 step that does
+not overflow) are not described either; :class:`MomentPresence` records which groups
+have them, and :func:`prepare_optimizer_state` gives a loading engine the same.
 Every rank calls :func:`describe_local_state` on its own engine; no collectives.
 """
 
@@ -130,6 +133,82 @@ def has_optimizer_state(engine) -> bool:
     """Whether every (non-empty) parameter of the base optimizer has its moments."""
     opt = base_optimizer(engine)
     return all(opt.state.get(p) for g in opt.param_groups for p in g["params"] if p.numel())
+
+
+@dataclass(frozen=True)
+class MomentPresence:
+    """Which parameter groups of the base optimizer have their moments yet.
+
+    Torch creates Adam's moments at a group's first step, and DeepSpeed skips the step
+    of an fp16 iteration whose gradients overflowed: until the first step that does not
+    overflow there are none, and :func:`describe_local_state` describes none. A
+    checkpoint records this next to the fragments (:func:`moment_presence`, in its
+    objects), so that a load gives the engine no moments where the saved one had none
+    (:func:`prepare_optimizer_state`), as the uninterrupted run would have, instead of
+    creating them and finding them missing from the checkpoint ("snapshot lacks ...").
+    """
+
+    groups: Tuple[bool, ...]
+    """Per parameter group: False when this rank holds parameters of the group and none
+    of them has moments; True otherwise (a group without elements here lacks nothing)."""
+
+    def to_record(self) -> List[bool]:
+        """The JSON form kept in a checkpoint's objects."""
+        return list(self.groups)
+
+    @staticmethod
+    def from_record(record) -> Optional["MomentPresence"]:
+        """What :meth:`to_record` returned; None for a checkpoint saved without the record
+        (by an older MoC, which only loaded when every moment existed).
+
+        Raises:
+            ValueError: the record is not a list of booleans (a damaged checkpoint).
+        """
+        if record is None:
+            return None
+        if not isinstance(record, (list, tuple)) or not all(isinstance(v, bool) for v in record):
+            raise ValueError(f"optimizer_moments must be a list of booleans, not {record!r}")
+        return MomentPresence(tuple(record))
+
+
+def _lacks_moments(opt, group) -> bool:
+    params = [p for p in group["params"] if p.numel()]
+    return bool(params) and not any(
+        any(k in opt.state.get(p, {}) for k in MOMENT_KINDS) for p in params)
+
+
+def moment_presence(engine) -> MomentPresence:
+    """This rank's :class:`MomentPresence` (no collectives)."""
+    opt = base_optimizer(engine)
+    return MomentPresence(tuple(not _lacks_moments(opt, g) for g in opt.param_groups))
+
+
+def prepare_optimizer_state(engine, presence: Optional[MomentPresence]) -> None:
+    """Before loading into ``engine``: give its optimizer the moments the checkpoint
+    holds (created as :func:`ensure_optimizer_state` does) and no others (dropped, as
+    they were before the saved engine's first step). ``presence`` None (a checkpoint
+    without the record): every group's moments, as before.
+
+    Raises:
+        ValueError: ``presence`` has another number of parameter groups than the engine.
+    """
+    opt = base_optimizer(engine)
+    wanted = presence.groups if presence is not None else (True,) * len(opt.param_groups)
+    if len(wanted) != len(opt.param_groups):
+        raise ValueError(f"checkpoint records the moments of {len(wanted)} optimizer parameter "
+                         f"groups, this engine has {len(opt.param_groups)}")
+    if any(want and _lacks_moments(opt, g) for want, g in zip(wanted, opt.param_groups)):
+        ensure_optimizer_state(engine)  # every group's; the unwanted are dropped below
+    dropped = False
+    for want, group in zip(wanted, opt.param_groups):
+        if not want:
+            for p in group["params"]:
+                dropped |= opt.state.pop(p, None) is not None
+    if dropped and getattr(engine.optimizer, "_hp_optimizer_states_linked", None) is True:
+        # DeepSpeed links each parameter to its moments once, at the first step; left
+        # linked, its own readers (universal checkpoints) would see the dropped tensors.
+        # Unlinked, the next step links the moments that step creates.
+        engine.optimizer._hp_optimizer_states_linked = False
 
 
 def ensure_optimizer_state(engine) -> None:

@@ -185,6 +185,8 @@ class TwoLevel:
         self.copy_error: Optional[str] = None
         self.stall_s: List[float] = []
         self.keeper_gone = False
+        self.local_persists: List[threading.Thread] = []
+        """Persists run in this process since the keeper died (:meth:`_drain` joins them)."""
         self.persist: Optional[Dict[str, Any]] = None
         """The last persist requested and not yet seen committed."""
         self.last: Optional[Dict[str, Any]] = None
@@ -709,8 +711,10 @@ class TwoLevel:
                 self._fail_unsent(job, str(e))
                 return
             self._keeper_died("it did not take the persist of " + job["tag"])
-        threading.Thread(target=keeper.run_persist_job, args=(job,),
-                         name=f"moc-persist-{job['tag']}").start()
+        thread = threading.Thread(target=keeper.run_persist_job, args=(job,),
+                                  name=f"moc-persist-{job['tag']}")
+        self.local_persists = [t for t in self.local_persists if t.is_alive()] + [thread]
+        thread.start()
 
     def _fail_unsent(self, job, why: str) -> None:
         """Copy thread: a live keeper never took this rank's job. It may still run it
@@ -816,19 +820,51 @@ class TwoLevel:
         self.ckpt._undo_mark_saved(persist["policy_before"], persist["selected"])
 
     def wait(self) -> None:
-        """Every rank: returns once every snapshot taken so far is on storage. Joins the
-        copy, waits for the pending persist, then persists the newest snapshot if it was
-        not (see :meth:`_persist_newest`) and waits for that; any rank's failure is raised
-        on every rank."""
+        """Every rank: returns once every snapshot taken so far is on storage and nothing
+        this job asked for is still writing. Joins the copy, waits for the pending persist,
+        then persists the newest snapshot if it was not (see :meth:`_persist_newest`) and
+        waits for that; any rank's failure is raised on every rank. Last, also when it
+        raises, :meth:`_drain` (rank-local, no collective)."""
         from deepspeed_ext.checkpointer import _raise_if_failed
-        self.join_copy()
-        ok, message = self.copy_error is None, self.copy_error
-        self.copy_error = None
-        outcomes = self._wait_pending(ok, message)
-        _raise_if_failed(outcomes, "MoC two-level wait")
-        if self.last is not None and not self.last["persisted"]:
-            ok, message = self._persist_newest()
-            _raise_if_failed(self._wait_pending(ok, message), "MoC two-level wait")
+        try:
+            self.join_copy()
+            ok, message = self.copy_error is None, self.copy_error
+            self.copy_error = None
+            outcomes = self._wait_pending(ok, message)
+            _raise_if_failed(outcomes, "MoC two-level wait")
+            if self.last is not None and not self.last["persisted"]:
+                ok, message = self._persist_newest()
+                _raise_if_failed(self._wait_pending(ok, message), "MoC two-level wait")
+        finally:
+            self._drain()
+
+    def _drain(self) -> None:
+        """Every rank, at the end of :meth:`wait`: the hand-over and this process's own
+        persists (the keeper died) joined; the first rank of each node then drains its
+        keeper (:func:`keeper.drain_keeper`): every job queued so far run, every commit
+        of this attempt done.
+
+        The failure it prevents: the wait ended when the last manifest appeared, while the
+        committer went on moving ``latest`` and running retention; a job that returned
+        then (or a reader right after it) saw ``latest`` name a checkpoint that
+        retention was deleting, or lag behind the newest manifest. Waits at most
+        ``--moc-commit-timeout`` for each part; a keeper that takes longer is named in a
+        warning (it is hung: nothing it runs writes any more without a report)."""
+        if self.send_job is not None:
+            self.send_job.result()  # _send_safely does not raise
+        for thread in self.local_persists:
+            thread.join(self.cfg.commit_timeout_s)
+        self.local_persists = [t for t in self.local_persists if t.is_alive()]
+        if not self.first_of_node or self.keeper_gone:
+            return
+        try:
+            keeper.drain_keeper(self.node_dir, self.cfg.commit_timeout_s, self.run_id,
+                                self.ckpt.attempt_started)
+        except Exception as e:
+            print(f"[moc] rank {self.rank}: WARNING: the keeper of node {self.node} did not "
+                  f"finish its persists and commits within {self.cfg.commit_timeout_s:.0f} s "
+                  f"(--moc-commit-timeout; {type(e).__name__}: {e}); it may still write "
+                  f"into {self.cfg.save_dir}", flush=True)
 
     def _wait_pending(self, ok: bool, message) -> list:
         """Every rank: wait for the pending persist's commit (or failure); settle it;
@@ -880,7 +916,8 @@ class TwoLevel:
                 _log(self.redundancy.summary())
             dist.barrier(group=metadata_group())
             if self.first_of_node and persisted:
-                keeper.shutdown_keeper(self.node_dir, self.cfg.commit_timeout_s, self.run_id)
+                keeper.shutdown_keeper(self.node_dir, self.cfg.commit_timeout_s, self.run_id,
+                                       self.ckpt.attempt_started)
             elif self.first_of_node:
                 print(f"[moc] rank {self.rank}: WARNING: the newest snapshots are not all on "
                       f"storage: leaving them in {self.node_dir}; its keeper exits "
@@ -914,8 +951,8 @@ class TwoLevel:
 
     def load(self, load_dir: str, tag: Optional[str], load_optimizer_states: bool,
              load_lr_scheduler_states: bool, from_memory: bool = True):
-        from deepspeed_ext.state import (describe_local_state, ensure_optimizer_state,
-                                         has_optimizer_state)
+        from deepspeed_ext.state import (describe_local_state, has_optimizer_state,
+                                         prepare_optimizer_state)
         ck, engine = self.ckpt, self.ckpt.engine
         self.join_copy()
         if self.redundancy is not None:
@@ -928,12 +965,15 @@ class TwoLevel:
         start = time.perf_counter()
         described: List = []
 
-        def fragments(fresh: bool = False):
-            if fresh:  # after a storage load, which may have replaced tensors
+        def fragments(fresh: bool = False, moments=None):
+            # fresh: after a storage load, which may have replaced tensors, or for a
+            # snapshot's MomentPresence ``moments`` (None: every group's moments), which
+            # may create or drop some.
+            if fresh:
                 described.clear()
             if not described:
                 if load_optimizer_states:
-                    ensure_optimizer_state(engine)
+                    prepare_optimizer_state(engine, moments)
                 described.append(describe_local_state(engine, ck.naming,
                                                       with_moments=load_optimizer_states))
             return described[0]
@@ -1107,13 +1147,16 @@ class TwoLevel:
                 f"{self.cfg.shm_dir}') and remove {self.cfg.shm_dir}")
         self.last_load_source = "storage"
         if path is not None:  # every rank: the overlay ends in a collective
-            self._overlay_newer_experts(mine, lambda: fragments(fresh=True))
+            from deepspeed_ext.state import moment_presence
+            # The moments as the storage load left them (none where it had none).
+            self._overlay_newer_experts(
+                mine, lambda: fragments(fresh=True, moments=moment_presence(ck.engine)))
         return path, client
 
     def _load_memory(self, load_dir, step, mine, fragments, load_optimizer_states,
                      load_lr_scheduler_states, start):
         from deepspeed_ext.objects import decode, tensor_keys
-        from deepspeed_ext.state import refresh_compute_weights
+        from deepspeed_ext.state import MomentPresence, refresh_compute_weights
         ck = self.ckpt
         ok, error, objects, counts = True, None, None, {"memory": 0, "storage": 0}
         storage = None
@@ -1121,10 +1164,15 @@ class TwoLevel:
         snap_before = self.snap_policy.state_dict() if self.snap_policy is not None else None
         try:
             base = next(m for m in mine if m["step"] == step)
+            tree = base["objects_tree"]
+            objects = decode(tree, {k: self._read_slot(base, k) for k in tensor_keys(tree)})
+            # Before describing: a snapshot taken before the first (non-overflowing)
+            # step holds no moments, and the engine must then have none either.
+            moments = MomentPresence.from_record(objects.get("optimizer_moments"))
             storage = _StorageVersions(load_dir, step)
             try:
                 with torch.no_grad():
-                    for frag in fragments():
+                    for frag in fragments(fresh=True, moments=moments):
                         meta, data = self._newest(frag, base, step, mine, storage, counts,
                                                   versions)
                         if meta is not None:  # from memory: straight into the engine
@@ -1137,8 +1185,6 @@ class TwoLevel:
                 extends = storage.base_tag()
             finally:
                 storage.close()
-            tree = base["objects_tree"]
-            objects = decode(tree, {k: self._read_slot(base, k) for k in tensor_keys(tree)})
             counts["versions"] = sorted(versions.items())
             # Before the outcome exchange: it acts on this rank's own slot's objects, and
             # a failure after the exchange would leave the other ranks in the collective

@@ -19,6 +19,7 @@ from typing import Dict, Optional, Tuple
 import torch.distributed as dist
 
 from deepspeed_ext import fs
+from deepspeed_ext.groups import metadata_group
 from deepspeed_ext.storage import (SMALL_RECORD_MAX_BYTES, CheckpointError, atomic_write_json,
                                    atomic_write_text, read_json)
 from megatron.training.arguments import MODEL_SHAPE_ARGS
@@ -72,13 +73,15 @@ def save_checkpoint(engine, args: argparse.Namespace, scheduler, state: ResumeSt
     a checkpoint without its meta file, which stopped every restart with exit 2. With
     MoC the save runs no collective here: MoC keeps every rank's RNG state itself (a
     snapshot per iteration must not pay a gather for it). ``log`` False: no log line.
+    The gather and the barrier are host collectives, on the metadata group
+    (:mod:`deepspeed_ext.groups`, made by ``initialize_distributed``).
     """
     start = time.perf_counter()
     tag = tag_for(state.iteration)
     rng_states = None
     if getattr(engine, "moc", None) is None:
         rng_states = [None] * dist.get_world_size()
-        dist.all_gather_object(rng_states, get_rng_state())
+        dist.all_gather_object(rng_states, get_rng_state(), group=metadata_group())
     client_state = {"iteration": state.iteration,
                     "consumed_train_samples": state.consumed_train_samples,
                     "opt_param_scheduler": scheduler.state_dict(),
@@ -98,7 +101,7 @@ def save_checkpoint(engine, args: argparse.Namespace, scheduler, state: ResumeSt
                          f"{state.iteration:7d} to {args.save}/{tag} in "
                          f"{time.perf_counter() - start:.3f} s ({how})")
         return tag
-    dist.barrier()
+    dist.barrier(group=metadata_group())  # every rank's files written, before rank 0's meta
 
     def finish() -> None:
         atomic_write_json(os.path.join(args.save, tag, META_FILE), {
@@ -212,7 +215,7 @@ def _newest_tag(engine, load_dir: Optional[str]) -> Tuple[Optional[str], Dict]:
         except Exception as e:
             traceback.print_exc()
             outcome = [("error", f"{type(e).__name__}: {e}", None)]
-    dist.broadcast_object_list(outcome, src=0)
+    dist.broadcast_object_list(outcome, src=0, group=metadata_group())
     kind, value, meta = outcome[0]
     if kind == "config":
         raise ConfigError(value)

@@ -22,6 +22,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch.distributed as dist
 
+from deepspeed_ext.groups import metadata_group
 from megatron.training.events import PROGRESS_FILE, EventLog, Progress
 from megatron.training.log import print_rank_0
 
@@ -81,7 +82,7 @@ def account_recovery(engine, args: argparse.Namespace, iteration: int,
             payload[0] = (True, _rank0_report(moc, args, iteration, load_s))
         except Exception as e:  # every rank must learn it, or they would wait forever
             payload[0] = (False, f"{type(e).__name__}: {e}")
-    dist.broadcast_object_list(payload, src=0)
+    dist.broadcast_object_list(payload, src=0, group=metadata_group())  # a host object
     ok, report = payload[0]
     if not ok:
         raise RuntimeError(f"recovery accounting failed on rank 0: {report}")

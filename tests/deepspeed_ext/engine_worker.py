@@ -10,7 +10,8 @@ MoC), ``load-train-save`` (load from ``--load``, then the same) or ``load-resave
 (load, then save at once under the tag ``resaved`` into ``--save``) or
 ``snapshot-identity`` (two-level snapshots after the optimizer's moments were replaced
 by new tensors) or ``reload-memory`` (two-level: train on past a snapshot, then load it
-back in the same process). Each rank writes
+back in the same process) or ``early-save`` (a save while the optimizer has no moments,
+as before the first fp16 step that does not overflow). Each rank writes
 ``OUT_DIR/rank<R>.json`` with what the test checks.
 """
 
@@ -160,11 +161,11 @@ def _inject_describe_failure():
     MemoryError on that rank (one rank out of memory while the others load)."""
     if os.environ.get("MOC_TEST_FAIL_MOMENTS_RANK") != str(dist.get_rank()):
         return
-    from deepspeed_ext import checkpointer
+    from deepspeed_ext import state
 
     def failing(engine):
         raise MemoryError("cannot allocate the Adam moments (injected)")
-    checkpointer.ensure_optimizer_state = failing
+    state.ensure_optimizer_state = failing  # what every load's prepare_optimizer_state calls
 
 
 def _inject_slot_failure(engine):
@@ -250,6 +251,46 @@ def _reload_memory(engine, args):
     return out
 
 
+def _drop_moments(engine):
+    """As after an fp16 first step whose gradients overflowed: DeepSpeed skipped the
+    optimizer's step, so it holds no moments and has linked none."""
+    from deepspeed_ext.state import base_optimizer
+    base_optimizer(engine).state.clear()
+    if hasattr(engine.optimizer, "_hp_optimizer_states_linked"):
+        engine.optimizer._hp_optimizer_states_linked = False
+
+
+def _early_save(engine, args):
+    """Train step 1, drop the moments (:func:`_drop_moments`) and save (a two-level
+    snapshot, or a single-level checkpoint) at step 1 without them; then train on to
+    ``--train-iters`` without saving: the uninterrupted run (its state after every step).
+    MOC_TEST_RELOAD: then load step 1 back in this process (the moments exist now and
+    must go), train the same steps again saving every step (snapshots with moments),
+    and load the newest of those back."""
+    out = {"states": {}, "losses": []}
+    _train(engine, args, 0, 1, None)
+    _drop_moments(engine)
+    engine.save_checkpoint(args.save, client_state={"step": 1})
+    engine.moc.wait()
+    out["states"][1] = _state(engine)
+    for step in range(1, args.train_iters):
+        out["losses"] += _train(engine, args, step, step + 1, None)
+        out["states"][step + 1] = _state(engine)
+    if not os.environ.get("MOC_TEST_RELOAD"):
+        return out
+    path, client = engine.moc.load(args.save)
+    out["reloaded"] = {"source": engine.moc.last_load_source, "client_state": client,
+                       "state": _state(engine)}
+    again = {}
+    out["losses_again"] = _train(engine, args, 1, args.train_iters, args.save, again)
+    out["states_again"] = again
+    engine.moc.two_level.join_copy()
+    path, client = engine.moc.load(args.save)
+    out["reloaded_newest"] = {"source": engine.moc.last_load_source, "client_state": client,
+                              "state": _state(engine)}
+    return out
+
+
 def main():
     action, out_dir, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
     args = parse_args(BASE + argv)
@@ -277,6 +318,8 @@ def main():
         result.update(_snapshot_identity(engine, args))
     elif action == "reload-memory":
         result.update(_reload_memory(engine, args))
+    elif action == "early-save":
+        result.update(_early_save(engine, args))
     elif action == "save-reload-resave":
         # Save steps 1-4, load step 2 in this process, train and save 3-4 again.
         _train(engine, args, 0, 4, args.save)

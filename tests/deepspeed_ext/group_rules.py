@@ -30,7 +30,6 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_sca
 """``torch.distributed`` functions that talk to other ranks (``new_group`` too: creating
 a group is a collective, and every group of the project is made in ``groups.py``)."""
 
-PENDING = "PENDING (issue 21): a host collective outside this change's files; move to metadata_group()"
 DEFAULT_GROUP_CALLS: Dict[Tuple[str, str, str], Tuple[int, str]] = {
     # -- device tensors: the training's own group is right ------------------------------
     ("megatron/training/training.py", "train_step", "all_reduce"):
@@ -45,28 +44,7 @@ DEFAULT_GROUP_CALLS: Dict[Tuple[str, str, str], Tuple[int, str]] = {
     ("deepspeed_ext/groups.py", "init_metadata_group", "new_group"):
         (1, "the metadata group itself (every rank, at known points)"),
     ("deepspeed_ext/groups.py", "new_host_group", "new_group"):
-        (1, "a component's own gloo group (peers.py)"),
-    # -- not yet moved (files another change owns; each on the default group today) -----
-    ("deepspeed_ext/job_identity.py", "agree_run_id", "broadcast_object_list"): (1, PENDING),
-    ("megatron/training/checkpointing.py", "save_checkpoint", "all_gather_object"): (1, PENDING),
-    ("megatron/training/checkpointing.py", "save_checkpoint", "barrier"): (1, PENDING),
-    ("megatron/training/checkpointing.py", "_newest_tag", "broadcast_object_list"): (1, PENDING),
-    ("megatron/training/recovery.py", "account_recovery", "broadcast_object_list"): (1, PENDING),
-    ("benchmarks/checkpoint_bench.py", "_worker", "barrier"): (1, PENDING),
-    ("benchmarks/checkpoint_bench.py", "_worker.<locals>.measure", "barrier"): (1, PENDING),
-    ("benchmarks/checkpoint_bench.py", "_worker.<locals>.measure", "all_gather_object"):
-        (1, PENDING),
-    ("benchmarks/two_level_bench.py", "_Bench.__init__", "new_group"):
-        (1, "dcp-async's own gloo group, made on every rank at the same point; "
-            "PENDING (issue 21): to be made by deepspeed_ext.groups.new_host_group"),
-    ("benchmarks/two_level_bench.py", "_Bench.barrier", "barrier"): (1, PENDING),
-    ("benchmarks/two_level_bench.py", "_worker", "barrier"): (1, PENDING),
-    ("benchmarks/two_level_bench.py", "_worker.<locals>.gather", "all_gather_object"):
-        (1, PENDING),
-    ("benchmarks/redundancy_bench.py", "_timed", "barrier"): (1, PENDING),
-    ("benchmarks/redundancy_bench.py", "_turn", "barrier"): (3, PENDING),
-    ("benchmarks/redundancy_bench.py", "_worker", "all_gather_object"): (1, PENDING),
-    ("benchmarks/redundancy_bench.py", "_worker", "barrier"): (1, PENDING),
+        (1, "a component's own gloo group (peers.py, two_level_bench's DCP uploads)"),
 }
 """``(path, function's qualified name, collective) -> (calls there, why)``: the call
 sites allowed on the default group. A new one needs an entry and a reason."""

@@ -408,3 +408,52 @@ def test_densify_needs_the_projects_own_entry_point(tmp_path, replays, capsys, m
         assert "cannot find this project's pretrain_gpt_moe.py" in err
         assert str(tmp_path / "site") in err
     assert replays == []
+
+
+def test_verify_follows_latest_to_a_checkpoint_committed_while_it_ran(tmp_path, monkeypatch, capsys):
+    """A keeper still committing (a job that died left persists behind, as the keeper is
+    meant to finish them) moves ``latest`` to a checkpoint committed after verify listed
+    the directory. verify read ``latest`` only at the end and compared it with that
+    listing: it reported ``latest`` naming no complete checkpoint. It now verifies what
+    ``latest`` names."""
+    from tests.deepspeed_ext.test_commit import _commit_keep
+    save_dir = str(tmp_path)
+    for step in (10, 20):
+        _commit_keep(save_dir, f"global_step{step}", step, step / 10, 1.0, 0)
+    real = cli.verify_checkpoint
+    landed = []
+
+    def verify_while_a_commit_lands(path, tag, checksums=True):
+        if not landed:  # the keeper commits 30 (manifest, then latest) meanwhile
+            landed.append(_commit_keep(save_dir, "global_step30", 30, 3.0, 1.0, 0))
+        return real(path, tag, checksums)
+
+    monkeypatch.setattr(cli, "verify_checkpoint", verify_while_a_commit_lands)
+    assert cli.main(["verify", save_dir]) == 0, capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "OK     global_step30" in out and "FAILED" not in out
+
+
+def test_verify_is_not_undercut_by_retention_of_the_checkpoint_it_reads(tmp_path, monkeypatch,
+                                                                        capsys):
+    """A committer's retention running while verify reads a checkpoint that is no longer
+    among the newest: verify pins it, and retention leaves it (before, verify found its
+    files gone and reported it damaged)."""
+    from deepspeed_ext import manifest as mf
+    from tests.deepspeed_ext.test_commit import _commit_keep
+    save_dir = str(tmp_path)
+    for step in (10, 20, 30):
+        _commit_keep(save_dir, f"global_step{step}", step, step / 10, 1.0, 0)
+    real = cli.verify_checkpoint
+    removed = []
+
+    def verify_under_retention(path, tag, checksums=True):
+        if tag == "global_step10":
+            removed.extend(mf.apply_retention(save_dir, 1))
+        return real(path, tag, checksums)
+
+    monkeypatch.setattr(cli, "verify_checkpoint", verify_under_retention)
+    assert cli.main(["verify", save_dir]) == 0, capsys.readouterr().out
+    assert removed == ["global_step20"]
+    out = capsys.readouterr().out
+    assert "OK     global_step10" in out and "FAILED" not in out

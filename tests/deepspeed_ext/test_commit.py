@@ -632,3 +632,40 @@ def test_damaged_commit_records_are_commit_errors(tmp_path, monkeypatch):
             commit_checkpoint(save_dir, tag, 10, layout, [shares[0], broken], None, None, None,
                               True, 0, log=lambda line: None, claim=claim)
     assert not os.path.exists(os.path.join(run_dir, mf.MANIFEST_FILE))
+
+
+_PIN = r"""
+import sys
+from deepspeed_ext import manifest as mf
+with mf.reading(sys.argv[1], sys.argv[2]):
+    print("pinned", flush=True)
+    sys.stdin.readline()
+"""
+
+
+def test_retention_spares_a_checkpoint_another_process_is_verifying(tmp_path):
+    """``moc-ckpt verify`` pins each checkpoint it reads (``manifest.reading``): a
+    committer's retention in another process (the keeper) leaves it for a later
+    retention. Before, retention deleted it under the reader, which reported a healthy
+    directory as damaged."""
+    import subprocess
+    import sys
+    from deepspeed_ext import manifest as mf
+    from tests.launch import REPO
+    save_dir = str(tmp_path)
+    for step in (10, 20):
+        _commit_keep(save_dir, f"global_step{step}", step, step / 10, 1.0, 0)
+    reader = subprocess.Popen([sys.executable, "-c", _PIN, save_dir, "global_step10"], cwd=REPO,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=REPO))
+    try:
+        assert reader.stdout.readline().strip() == "pinned"
+        logged = _commit_keep(save_dir, "global_step30", 30, 3.0, 1.0, 1)
+        assert logged == ["retention: removed global_step20"]
+        assert mf.verify_checkpoint(save_dir, "global_step10") == []
+    finally:
+        reader.communicate("\n", timeout=60)
+    assert reader.returncode == 0
+    logged = _commit_keep(save_dir, "global_step40", 40, 4.0, 1.0, 1)
+    assert sorted(logged) == ["retention: removed global_step10",
+                              "retention: removed global_step30"]

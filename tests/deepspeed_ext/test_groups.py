@@ -16,8 +16,8 @@ from tests.shm import new_shm_dir, stop_keepers
 
 def test_no_project_collective_hands_the_default_group_host_data():
     """Every ``torch.distributed`` collective in deepspeed_ext/, megatron/, benchmarks/,
-    tools/ names its group, except the listed call sites (device tensors, the groups'
-    own creation, and the PENDING ones another change moves)."""
+    tools/ names its group, except the listed call sites (device tensors and the groups'
+    own creation)."""
     found = group_rules.scan()
     assert not group_rules.violations(found), "\n".join(group_rules.violations(found))
     stale = [key for key in group_rules.DEFAULT_GROUP_CALLS if key not in found]

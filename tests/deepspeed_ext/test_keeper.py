@@ -151,6 +151,7 @@ def test_a_shutdown_waits_for_commits_past_their_reports_only(tmp_path, monkeypa
 
     monkeypatch.setattr(commit, "commit_checkpoint", slow_commit)
     monkeypatch.setattr(keeper, "_COMMITS", [])
+    monkeypatch.setattr(keeper, "_GATE", keeper._CommitGate())
 
     def job(tag):
         os.makedirs(tmp_path / tag, exist_ok=True)
@@ -165,7 +166,7 @@ def test_a_shutdown_waits_for_commits_past_their_reports_only(tmp_path, monkeypa
         thread = threading.Thread(target=keeper._commit_job,
                                   args=(job(tag), str(tmp_path / tag), print, reports_in),
                                   daemon=True)
-        keeper._COMMITS.append((thread, reports_in))
+        keeper._COMMITS.append(keeper.CommitRun(thread, reports_in))
         thread.start()
     commit.write_report(str(tmp_path / "global_step1"), 0, {"report": None})  # step 2 never
     for _ in range(200):
@@ -221,7 +222,7 @@ def test_an_idle_keeper_serves_on_while_a_commit_runs_then_leaves(tmp_path, monk
     done = threading.Event()
     commit = threading.Thread(target=done.wait, args=(30,), daemon=True)
     commit.start()
-    monkeypatch.setattr(keeper, "_COMMITS", [(commit, threading.Event())])
+    monkeypatch.setattr(keeper, "_COMMITS", [keeper.CommitRun(commit, threading.Event())])
     served = threading.Thread(target=keeper.serve, args=(str(node), 0.2), daemon=True)
     served.start()
     deadline = time.monotonic() + 30
@@ -486,3 +487,119 @@ def test_a_damaged_snapshot_is_not_persisted(tmp_path):
     with pytest.raises(RuntimeError, match="damaged in memory"):
         keeper.write_image_subset(str(out), str(image), entries, None, checksum)
     assert not out.exists()
+
+
+def _commit_of(tmp_path, tag, attempt_started, timeout_s=60.0):
+    """A keeper commit job of a one-rank save ``tag`` (its directory made)."""
+    os.makedirs(tmp_path / tag, exist_ok=True)
+    return {"save_dir": str(tmp_path), "tag": tag, "claim": None, "commit": {
+        "step": 1, "previous_tag": None, "selected": None, "pec_k": None,
+        "save_latest": True, "keep": 0, "timeout_s": timeout_s,
+        "attempt_started": attempt_started,
+        "layout": {"world_size": 1, "ep_size": 1, "zero_stage": 2, "num_moe_layers": 0,
+                   "num_experts": 0}}}
+
+
+def _start_commit(tmp_path, tag, attempt_started):
+    """Run the keeper's background commit of ``tag`` as run_persist_job starts it."""
+    reports_in = threading.Event()
+    thread = threading.Thread(target=keeper._commit_job,
+                              args=(_commit_of(tmp_path, tag, attempt_started),
+                                    str(tmp_path / tag), print, reports_in), daemon=True)
+    keeper._COMMITS.append(keeper.CommitRun(thread, reports_in, attempt_started))
+    thread.start()
+    return thread
+
+
+def test_a_drain_returns_once_every_commit_of_its_attempt_is_done(tmp_path, monkeypatch):
+    """The training side's final wait drains its keeper: the reply comes only once every
+    commit of its attempt has written ``latest`` and run retention, also one whose last
+    report arrives during the drain. Before, the wait ended at the manifest and the
+    committer went on writing after the job had returned. A commit of an earlier
+    attempt still waiting for a dead rank is not waited for."""
+    from deepspeed_ext import commit
+    finished = []
+
+    def slow_commit(save_dir, tag, *args, **kwargs):
+        time.sleep(0.3)  # writing latest, running retention
+        finished.append(tag)
+
+    monkeypatch.setattr(commit, "commit_checkpoint", slow_commit)
+    monkeypatch.setattr(keeper, "_COMMITS", [])
+    monkeypatch.setattr(keeper, "_GATE", keeper._CommitGate())
+    commit.write_report(str(tmp_path / "global_step1"), 0, {"report": None})
+    _start_commit(tmp_path, "global_step1", 5.0)
+    _start_commit(tmp_path, "global_step2", 5.0)  # its report comes during the drain
+    old = _start_commit(tmp_path, "global_step0", 1.0)  # a crashed attempt's, never
+    late = threading.Timer(0.3, commit.write_report,
+                           args=(str(tmp_path / "global_step2"), 0, {"report": None}))
+    late.start()
+    reply = keeper.Keeper(str(tmp_path), 60.0).handle({"op": "drain", "attempt_started": 5.0})
+    late.join()
+    assert reply == {"ok": True}
+    assert sorted(finished) == ["global_step1", "global_step2"]
+    assert old.is_alive()
+
+
+def test_a_commit_whose_reports_arrive_after_a_shutdown_writes_nothing(tmp_path, monkeypatch):
+    """A shutdown waits for the commits past their reports; one of an earlier attempt
+    whose reports come in a moment later used to go on writing its manifest, ``latest``
+    and retention while the keeper exited under it, after the training side had been
+    told nothing ran any more. It now stands down."""
+    from deepspeed_ext import commit
+    finished = []
+    monkeypatch.setattr(commit, "commit_checkpoint",
+                        lambda save_dir, tag, *a, **k: finished.append(tag))
+    monkeypatch.setattr(keeper, "_COMMITS", [])
+    monkeypatch.setattr(keeper, "_GATE", keeper._CommitGate())
+    old = _start_commit(tmp_path, "global_step3", 1.0)
+    reply = keeper.Keeper(str(tmp_path), 60.0).handle({"op": "shutdown", "attempt_started": 5.0})
+    assert reply == {"ok": True}
+    commit.write_report(str(tmp_path / "global_step3"), 0, {"report": None})
+    old.join(30)
+    assert not old.is_alive() and finished == []
+    assert not (tmp_path / "global_step3" / commit.FAILURE_NAME).exists()
+
+
+_SLOW_EXIT_KEEPER = r"""
+import json, os, shutil, socket, sys, time
+directory = sys.argv[1]
+server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+server.bind(os.path.join(directory, "keeper.sock"))
+server.listen(8)
+print("ready", flush=True)
+while True:
+    conn, _ = server.accept()
+    with conn:
+        line = b""
+        while not line.endswith(b"\n"):
+            chunk = conn.recv(4096)
+            if not chunk:
+                break
+            line += chunk
+        if not line.endswith(b"\n"):
+            continue
+        op = json.loads(line)["op"]
+        conn.sendall(json.dumps({"ok": True, "pid": os.getpid()}).encode() + b"\n")
+    if op == "shutdown":
+        shutil.rmtree(directory)
+        time.sleep(1.5)  # still running (a commit thread finishing) after its directory went
+        sys.exit(0)
+"""
+
+
+def test_shutting_a_keeper_down_returns_once_its_process_has_exited(tmp_path):
+    """The end of a job waited for the keeper's directory to go, not for the keeper:
+    the training process returned while the keeper was still running."""
+    node = tmp_path / "node0"
+    node.mkdir(mode=0o700)
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_EXIT_KEEPER, str(node)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        assert keeper.shutdown_keeper(str(node), timeout_s=30)
+        assert keeper.has_exited(proc.pid), "shutdown_keeper returned while the keeper still ran"
+        assert not node.exists()
+    finally:
+        proc.kill()
+        proc.wait()

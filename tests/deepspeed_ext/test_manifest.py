@@ -749,3 +749,30 @@ def test_a_file_name_with_a_nul_is_a_problem_not_a_stray_error(tmp_path):
     assert any("not a plain file name" in p for p in problems), problems
     tag, skipped = find_loadable(str(tmp_path), checksums=False)
     assert tag == "global_step20" and "global_step30" in skipped[0]
+
+
+@pytest.mark.parametrize("how", ["set aside", "overwrite"])
+def test_preparing_a_save_over_the_checkpoint_latest_names_moves_latest_first(tmp_path, how):
+    """An earlier attempt's committer finished late and pointed ``latest`` at its
+    global_step20; this attempt, resumed from global_step10, saves step 20 again. Setting
+    the old one aside (or overwriting it) left ``latest`` naming a tag without a manifest
+    until the new save committed: a kill in between, and the restart had no ``latest``
+    to load. ``latest`` now moves to the checkpoint this run resumed from first."""
+    save_dir = str(tmp_path)
+    run = FakeRun(tmp_path)
+    run.save("global_step10", 10, 2)
+    run.save("global_step20", 20, 2)  # FakeRun records no attempt: an earlier one's
+    run.save("global_step5", 5, 2)
+    mf.update_latest(save_dir, "global_step20")
+    if how == "overwrite":
+        prepare_checkpoint_dir(save_dir, "global_step20", overwrite=True, keep="global_step10")
+    else:
+        prepare_checkpoint_dir(save_dir, "global_step20", attempt_started=300.0,
+                               keep="global_step10")
+        assert _set_aside_tags(tmp_path) == ["global_step20"]
+    assert read_latest(save_dir) == "global_step10"
+    assert os.path.isfile(tmp_path / "global_step10" / mf.MANIFEST_FILE)
+    # Without a checkpoint this run resumed from: the newest one that stays.
+    mf.update_latest(save_dir, "global_step10")
+    prepare_checkpoint_dir(save_dir, "global_step10", overwrite=True)
+    assert read_latest(save_dir) == "global_step5"
