@@ -265,8 +265,10 @@ def commit_checkpoint(save_dir: str, tag: str, step: int, layout: Mapping[str, A
         try:
             # The check for a later attempt and the deletion in one step under the
             # directory's lock (a restart recording its start in between lost the
-            # checkpoint it resumed from).
-            removed = mf.retain_unless_superseded(save_dir, keep, attempt_started)
+            # checkpoint it resumed from). Never the tag just committed, nor (inside
+            # apply_retention) the one `latest` names.
+            removed = mf.retain_unless_superseded(save_dir, keep, attempt_started,
+                                                  protect=(tag,))
             if removed is None:
                 log(f"retention after committing {tag} left to the later attempt of the job")
             for name in removed or ():

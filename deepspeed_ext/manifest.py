@@ -54,6 +54,7 @@ import json
 import math
 import os
 import re
+import struct
 import threading
 import time
 from collections import abc
@@ -1490,11 +1491,30 @@ def _pin(save_dir: str, tag: str) -> int:
 
 def _lock_shared(fd: int, tag: str) -> int:
     try:
-        fcntl.lockf(fd, fcntl.LOCK_SH, 1, _reader_range(tag))
+        _lock_byte(fd, _reader_range(tag), exclusive=False, wait=True)
     except BaseException:
         os.close(fd)
         raise
     return fd
+
+
+def _lock_byte(fd: int, offset: int, exclusive: bool, wait: bool) -> None:
+    """Lock one byte of ``fd``'s file; raises OSError (EAGAIN/EACCES) when ``wait`` is
+    False and another holder conflicts.
+
+    Linux: an open-file-description lock, held by ``fd`` alone. The failure it prevents:
+    a POSIX ``lockf`` lock belongs to the process and is dropped when the process closes
+    *any* descriptor of the file, so one pin ending (or retention's probe closing its
+    descriptor) silently unpinned a checkpoint another reader of the same process was
+    still loading. Elsewhere: ``lockf`` (that gap remains there)."""
+    command = getattr(fcntl, "F_OFD_SETLKW" if wait else "F_OFD_SETLK", None)
+    if command is None:
+        mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | (0 if wait else fcntl.LOCK_NB)
+        fcntl.lockf(fd, mode, 1, offset)
+        return
+    kind = fcntl.F_WRLCK if exclusive else fcntl.F_RDLCK
+    # struct flock: l_type, l_whence, l_start, l_len, l_pid (0: required for OFD locks)
+    fcntl.fcntl(fd, command, struct.pack("@hhqqi4x", kind, os.SEEK_SET, offset, 1, 0))
 
 
 class _RetentionProbe:
@@ -1520,7 +1540,7 @@ class _RetentionProbe:
         if self.fd is None:
             return True
         try:
-            fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, _reader_range(tag))
+            _lock_byte(self.fd, _reader_range(tag), exclusive=True, wait=False)
         except OSError:  # EAGAIN/EACCES: a reader holds it
             return False
         return True
@@ -1531,10 +1551,11 @@ class _RetentionProbe:
             self.fd = None
 
 
-def apply_retention(save_dir: str, keep: int) -> List[str]:
+def apply_retention(save_dir: str, keep: int, protect: Iterable[str] = ()) -> List[str]:
     """Delete old checkpoints and leftovers of crashed saves (rank 0, after a save).
 
-    Keeps the newest ``keep`` complete checkpoints, the one ``latest`` names, and every
+    Keeps the newest ``keep`` complete checkpoints, the one ``latest`` names, the tags in
+    ``protect`` (the committer's: the checkpoint it just committed), and every
     checkpoint their expert indexes reference (an old checkpoint may hold the newest
     version of an expert not saved since), and every checkpoint a reader pins
     (:func:`reading`). Deletes the other complete checkpoints,
@@ -1548,6 +1569,7 @@ def apply_retention(save_dir: str, keep: int) -> List[str]:
     Args:
         save_dir: the checkpoint root.
         keep: number of newest complete checkpoints to keep (>= 1).
+        protect: tags never deleted, with the checkpoints their expert indexes name.
 
     Returns:
         Tags deleted, in deletion order.
@@ -1572,6 +1594,10 @@ def apply_retention(save_dir: str, keep: int) -> List[str]:
         latest = None
     if latest in tags:
         kept.add(latest)
+    # The tag just committed, when `latest` was left elsewhere (a late commit of an
+    # older step, a `latest` that could not be moved): deleted right after its commit,
+    # the trainer's wait found its directory gone and failed a save that had succeeded.
+    kept |= set(protect) & set(tags)
     protected = set()
     for tag in kept:
         protected |= referenced_tags(save_dir, tag)
@@ -1599,8 +1625,8 @@ def apply_retention(save_dir: str, keep: int) -> List[str]:
     return deleted
 
 
-def retain_unless_superseded(save_dir: str, keep: int,
-                             attempt_started: Optional[float]) -> Optional[List[str]]:
+def retain_unless_superseded(save_dir: str, keep: int, attempt_started: Optional[float],
+                             protect: Iterable[str] = ()) -> Optional[List[str]]:
     """The committer's :func:`apply_retention`: skipped when a later attempt of the job
     has started (:func:`later_attempt_started`), which may have resumed from a
     checkpoint this retention would delete; its own commits run retention.
@@ -1608,7 +1634,11 @@ def retain_unless_superseded(save_dir: str, keep: int,
     The check and the deletion are one step under :func:`locked_dir`, the lock
     :func:`record_attempt` takes: checked unlocked, a restart could record its start
     and read ``latest`` between the check and the deletion, and then lose the
-    checkpoint it resumes from.
+    checkpoint it resumes from. Under the same lock as :func:`advance_latest`, so the
+    ``latest`` retention keeps is the one on storage until it is done.
+
+    Args:
+        protect: passed to :func:`apply_retention` (the tag just committed).
 
     Returns:
         The tags deleted, or None when retention was left to the later attempt.
@@ -1616,7 +1646,7 @@ def retain_unless_superseded(save_dir: str, keep: int,
     with locked_dir(save_dir):
         if later_attempt_started(save_dir, attempt_started):
             return None
-        return apply_retention(save_dir, keep)
+        return apply_retention(save_dir, keep, protect)
 
 
 def _earlier_attempt(save_dir: str, tag: str, attempt_started: float) -> bool:
@@ -1718,6 +1748,7 @@ def prepare_checkpoint_dir(save_dir: str, tag: str, overwrite: bool = False,
     expert indexes may point to it; or, given this run's ``attempt_started``, set aside
     when an earlier attempt committed it and it is not ``keep`` (the checkpoint this run
     resumed from), as :func:`set_aside_checkpoints_after` does (and said through ``log``).
+    Either way, ``latest`` naming it is first moved off it (:func:`_move_latest_off`).
 
     The new directory is claimed for this save (:func:`deepspeed_ext.commit.claim_dir`):
     a committer of an earlier attempt still waiting on this tag then stands down.

@@ -20,13 +20,14 @@ partitioning, expert parallel size) the checkpoint was written with.
 """
 
 import bisect
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from deepspeed_ext.manifest import (Manifest, Resolution, ResolvedTensor, read_latest,
+from deepspeed_ext.manifest import (Manifest, Resolution, ResolvedTensor, read_latest, reading,
                                     resolve_checkpoint, scan_checkpoints, tensor_key,
                                     verify_checkpoint, verify_resolution)
 from deepspeed_ext.objects import OBJECTS_FILE, decode, read_objects_file, tensor_keys
@@ -69,7 +70,10 @@ def find_loadable(save_dir: str, checksums: bool = True,
     Tries the tag in ``latest`` first, then every complete checkpoint from the newest
     step down, and returns the first that :func:`~deepspeed_ext.manifest.verify_checkpoint`
     passes. Call it on one rank (with ``checksums`` it reads every needed byte once) and
-    broadcast the result.
+    broadcast the result. Each candidate is verified under
+    :func:`~deepspeed_ext.manifest.reading`: a committer's retention in another process
+    (a keeper finishing a persist) deleting it meanwhile made a healthy checkpoint look
+    damaged, and the restart fell back to an older one.
 
     Args:
         save_dir: the checkpoint root.
@@ -108,7 +112,8 @@ def find_loadable(save_dir: str, checksums: bool = True,
         if exclude and tag in exclude:
             skipped.append(f"skipped checkpoint {tag}: {exclude[tag]}")
             continue
-        problems = verify_checkpoint(save_dir, tag, checksums=checksums, cache=cache)
+        with reading(save_dir, tag):
+            problems = verify_checkpoint(save_dir, tag, checksums=checksums, cache=cache)
         if not problems:
             return tag, skipped
         skipped.append(f"skipped checkpoint {tag}: " + "; ".join(problems))
@@ -141,6 +146,12 @@ class CheckpointReader:
             one rank read the manifests and sent it (else every rank reads every
             manifest the checkpoint's expert index names).
 
+    The checkpoint is pinned against retention (:func:`~deepspeed_ext.manifest.reading`,
+    which also keeps the older checkpoints its expert index names) from before its
+    manifest is read until :meth:`close`: retention run by a committer in another process
+    (a keeper still persisting) deleted files under a loading job, whose ranks then
+    failed to read what the manifest promised.
+
     File handles are cached until :meth:`close` (or the ``with`` block ends). Not
     thread-safe.
     """
@@ -149,11 +160,28 @@ class CheckpointReader:
                  verify_checksums: bool = True, check_structure: bool = True,
                  resolution: Optional[Resolution] = None):
         self.save_dir = save_dir
+        self._readers: Dict[Tuple[str, str], FragmentReader] = {}
+        self._pin = contextlib.ExitStack()
         if tag is None:
             tag = read_latest(save_dir)
             if tag is None:
                 raise CheckpointError(f"{os.path.join(save_dir, 'latest')}: missing or empty; "
                                       f"no complete checkpoint is recorded in {save_dir}")
+        try:
+            self._open(save_dir, tag, check_structure, resolution)
+        except BaseException:
+            self._pin.close()
+            raise
+        self.verify_checksums = verify_checksums
+        self._verified: set = set()
+        self._offsets: Dict[str, List[int]] = {}
+
+    def _open(self, save_dir: str, tag: str, check_structure: bool,
+              resolution: Optional[Resolution]) -> None:
+        """Pin ``tag``, then read (or take) its resolution and check its structure."""
+        # Before the manifest is read: a retention that held the tag first finishes its
+        # deletion, and the resolution below then finds no manifest.
+        self._pin.enter_context(reading(save_dir, tag))
         if resolution is not None and resolution.manifest.tag == tag:
             self._res = resolution
         else:
@@ -166,10 +194,6 @@ class CheckpointReader:
         if problems:
             raise CheckpointError(f"checkpoint {tag} in {save_dir} cannot be loaded:\n  "
                                   + "\n  ".join(problems))
-        self.verify_checksums = verify_checksums
-        self._readers: Dict[Tuple[str, str], FragmentReader] = {}
-        self._verified: set = set()
-        self._offsets: Dict[str, List[int]] = {}
 
     # ------------------------------------------------------------------ properties
     @property
@@ -310,10 +334,12 @@ class CheckpointReader:
         return reader
 
     def close(self) -> None:
-        """Close every cached file (reads afterwards reopen them)."""
+        """Close every cached file and release the pin (reads afterwards reopen the
+        files, unpinned: retention may delete them then)."""
         for reader in self._readers.values():
             reader.close()
         self._readers.clear()
+        self._pin.close()
 
     def __enter__(self) -> "CheckpointReader":
         return self

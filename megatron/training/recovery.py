@@ -222,6 +222,9 @@ def _failure(events: List[Dict], restart: int) -> Optional[str]:
             failures.append(event)
     if failures:
         e = failures[-1]
+        if e["kind"] == "hang" and e.get("phase") is not None:  # before the first iteration
+            return (f"hang detected on rank {e.get('rank')} (host {e.get('host')}) in "
+                    f"start-up phase '{e['phase']}'")
         if e["kind"] == "hang":  # a heartbeat says which iteration a rank *started*
             return (f"hang detected on rank {e.get('rank')} (host {e.get('host')}; its last "
                     f"heartbeat: iteration {e.get('iteration')})")

@@ -511,7 +511,7 @@ def test_a_retention_failure_after_the_commit_does_not_fail_the_save(tmp_path, m
     instead of being reported failed (which stops training on every rank)."""
     from deepspeed_ext import manifest as mf
 
-    def failing(save_dir, keep):
+    def failing(save_dir, keep, protect=()):
         raise FileNotFoundError(2, "No such file or directory (injected)")
     monkeypatch.setattr(mf, "apply_retention", failing)
     save_dir, tag = str(tmp_path), "global_step10"
@@ -565,9 +565,9 @@ def test_retention_is_decided_and_done_in_one_step_under_the_directory_lock(tmp_
         seen["check"] = holds[-1] if holds else None
         return real_check(save_dir, attempt_started)
 
-    def retention(save_dir, keep):
+    def retention(save_dir, keep, protect=()):
         seen["retention"] = holds[-1] if holds else None
-        return real_retention(save_dir, keep)
+        return real_retention(save_dir, keep, protect)
     monkeypatch.setattr(mf, "locked_dir", tracked)
     monkeypatch.setattr(mf, "later_attempt_started", check)
     monkeypatch.setattr(mf, "apply_retention", retention)
@@ -669,3 +669,26 @@ def test_retention_spares_a_checkpoint_another_process_is_verifying(tmp_path):
     logged = _commit_keep(save_dir, "global_step40", 40, 4.0, 1.0, 1)
     assert sorted(logged) == ["retention: removed global_step10",
                               "retention: removed global_step30"]
+
+
+def test_retention_never_deletes_the_checkpoint_just_committed_nor_latest(tmp_path):
+    """A commit that finished late (its step older than one the same attempt committed
+    since) leaves ``latest`` on the newer one; its retention then counted it as old and
+    deleted it right after writing its manifest, so the trainer's wait on it found the
+    directory gone and failed a save that had succeeded. The committer now protects the
+    tag it just committed; ``latest``'s target is kept as before."""
+    from deepspeed_ext import manifest as mf
+    from deepspeed_ext.commit import commit_outcome
+    save_dir = str(tmp_path)
+    _commit_keep(save_dir, "global_step20", 20, 2.0, 1.0, 1)
+    assert _commit_keep(save_dir, "global_step40", 40, 4.0, 1.0, 1) == [
+        "retention: removed global_step20"]
+    logged = _commit_keep(save_dir, "global_step30", 30, 3.0, 1.0, 1)  # the late one
+    assert not any(line.startswith("retention: removed") for line in logged), logged
+    assert mf.read_latest(save_dir) == "global_step40"
+    assert mf.verify_checkpoint(save_dir, "global_step40") == []
+    assert mf.verify_checkpoint(save_dir, "global_step30") == []
+    assert commit_outcome(os.path.join(save_dir, "global_step30"), 2) == (True, None)
+    # The next commit's retention removes it like any old checkpoint.
+    assert _commit_keep(save_dir, "global_step50", 50, 5.0, 1.0, 1) == [
+        "retention: removed global_step30", "retention: removed global_step40"]

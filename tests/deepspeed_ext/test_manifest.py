@@ -760,9 +760,9 @@ def test_preparing_a_save_over_the_checkpoint_latest_names_moves_latest_first(tm
     to load. ``latest`` now moves to the checkpoint this run resumed from first."""
     save_dir = str(tmp_path)
     run = FakeRun(tmp_path)
+    run.save("global_step5", 5, 2)
     run.save("global_step10", 10, 2)
     run.save("global_step20", 20, 2)  # FakeRun records no attempt: an earlier one's
-    run.save("global_step5", 5, 2)
     mf.update_latest(save_dir, "global_step20")
     if how == "overwrite":
         prepare_checkpoint_dir(save_dir, "global_step20", overwrite=True, keep="global_step10")

@@ -193,3 +193,75 @@ def test_latest_wins_over_a_newer_step(tmp_path):
     assert find_loadable(str(tmp_path)) == ("global_step10", [])
     with CheckpointReader(str(tmp_path)) as ckpt:
         assert ckpt.tag == "global_step10"
+
+
+_RETENTION = """
+import sys
+from deepspeed_ext.manifest import apply_retention
+print(",".join(apply_retention(sys.argv[1], keep=1)))
+"""
+
+
+def _full_checkpoints(save_dir) -> FakeRun:
+    """global_step10/20/30, each holding every expert (no expert index reaches back):
+    retention with keep=1 may delete 10 and 20."""
+    run = FakeRun(save_dir)
+    for step in (10, 20, 30):
+        run.save(f"global_step{step}", step, 2)
+    return run
+
+
+def test_retention_in_another_process_spares_a_checkpoint_being_loaded(tmp_path):
+    """A loading rank holds global_step10 open while a committer in another process (a
+    keeper still persisting) runs retention: the checkpoint stays until the reader is
+    closed. Before, retention deleted its files under the reader."""
+    from tests.launch import fresh_python
+    save_dir = str(tmp_path)
+    _full_checkpoints(tmp_path)
+    name = sorted(NON_EXPERT)[0]
+    with CheckpointReader(save_dir, "global_step10") as reader:
+        assert fresh_python(_RETENTION, args=[save_dir]) == ["global_step20"]
+        assert torch.equal(reader.read_full(name, KINDS[0]),
+                           value(name, KINDS[0], 10, NON_EXPERT[name]))
+        assert reader.objects()["iteration"] == 10
+    assert fresh_python(_RETENTION, args=[save_dir]) == ["global_step10"]  # unpinned now
+
+
+def test_find_loadable_pins_each_checkpoint_it_verifies(tmp_path, monkeypatch):
+    """``latest``'s global_step30 is damaged, so the loader verifies global_step20, which
+    retention (keep=1) may delete: a committer in another process running it meanwhile
+    made the fallback fail, and with 10 deleted too the restart found nothing loadable.
+    The loader pins what it verifies, so the fallback loads 20."""
+    from deepspeed_ext import reader as reader_module
+    from tests.launch import fresh_python
+    save_dir = str(tmp_path)
+    _full_checkpoints(tmp_path)
+    flip_last_byte(rank_file(tmp_path, "global_step30", 0))
+    real = reader_module.verify_checkpoint
+    removed = []
+
+    def verify_while_retention_runs(save_dir, tag, **kwargs):
+        if tag == "global_step20":
+            removed.extend(fresh_python(_RETENTION, args=[save_dir]))
+        return real(save_dir, tag, **kwargs)
+
+    monkeypatch.setattr(reader_module, "verify_checkpoint", verify_while_retention_runs)
+    tag, skipped = find_loadable(save_dir)
+    assert tag == "global_step20", skipped
+    assert removed == ["global_step10"]
+
+
+def test_a_pin_outlives_another_pin_of_the_same_process_ending(tmp_path):
+    """Two readers in one process: global_step10 stays pinned while a pin on global_step20
+    comes and goes. With per-process (POSIX) locks, closing the second pin's descriptor
+    dropped the first pin too, and retention in another process deleted 10 under its
+    reader."""
+    from deepspeed_ext.manifest import reading
+    from tests.launch import fresh_python
+    save_dir = str(tmp_path)
+    _full_checkpoints(tmp_path)
+    with CheckpointReader(save_dir, "global_step10"):
+        with reading(save_dir, "global_step20"):
+            pass
+        assert fresh_python(_RETENTION, args=[save_dir]) == ["global_step20"]
+    assert fresh_python(_RETENTION, args=[save_dir]) == ["global_step10"]

@@ -23,6 +23,8 @@ def world_of_one():
                    MASTER_PORT=str(port))
         for key, value in env.items():
             os.environ.setdefault(key, value)
+        from megatron.training import jit_ops
+        jit_ops.disable_unused_ops()  # as the trainer: no JIT build in the test process
         deepspeed.init_distributed(dist_backend="gloo")
     yield
 

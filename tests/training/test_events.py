@@ -61,6 +61,11 @@ def test_failure_named_at_a_restart_is_the_newest_since_the_last_recovery():
     assert _failure([crash, {"kind": "recovery"}, stopped], 2) == \
         "straggler stopped the job on rank 0 at iteration 9"
     assert _failure([crash, {"kind": "recovery"}], 0) is None  # a planned restart
+    # a hang before the first iteration names its start-up phase, not "iteration None"
+    startup = {"kind": "hang", "rank": 1, "host": "n1", "phase": "process group",
+               "iteration": None}
+    assert _failure([startup], 1) == \
+        "hang detected on rank 1 (host n1) in start-up phase 'process group'"
     # faults the run trains through never ended it
     for kind in ("slow", "slow-compute", "persist-crash"):
         through = {"kind": "fault", "fault": kind, "rank": 0, "iteration": 8}
