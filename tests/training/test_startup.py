@@ -18,7 +18,11 @@ def _fresh_cache_env(tmp_path) -> dict:
     """A user with an empty cache: DeepSpeed would have to build its ops now."""
     cache = tmp_path / "cache"
     cache.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    # Not this process's distributed variables either: an earlier in-process test may
+    # have set WORLD_SIZE=1, which would override run_ranks' own.
+    dropped = {"TORCH_EXTENSIONS_DIR", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+               "MASTER_ADDR", "MASTER_PORT"}
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     env.update(XDG_CACHE_HOME=str(cache), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     return env
 
