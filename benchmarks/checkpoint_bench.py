@@ -198,7 +198,7 @@ def _attribute_bytes(system: str, save_dir: str, tag: str, world: int, gathered:
                 per_rank[rank] += size
                 counted.add(path)
     else:
-        from deepspeed_ext.manifest import rank_file_name
+        from deepspeed_ext.format.naming import rank_file_name
         for rank in range(world):
             path = os.path.abspath(os.path.join(tag_dir, rank_file_name(rank)))
             if path in on_disk:
@@ -271,7 +271,7 @@ def build_engine(opts, rank: int, world: int) -> tuple:
     exists. Returns (engine, args, the results' config record)."""
     sys.path.insert(0, REPO)
     from megatron.training.arguments import padded_vocab_size, parse_args, validate_args
-    from megatron.training.rng import set_seed
+    from deepspeed_ext.engine.rng import set_seed
     from megatron.training.training import initialize_distributed, setup_model_and_optimizer
     args = parse_args(_trainer_argv(opts))
     validate_args(args, world)

@@ -108,10 +108,10 @@ def _config(opts, turn: str, name: str):
 
 def _wait_for_persist(two, timeout_s: float = 300.0) -> None:
     """Until the pending persist (if any) is committed or failed."""
-    from deepspeed_ext import commit
+    from deepspeed_ext.store import commit
     if two.persist is None:
         return
-    tag_dir = os.path.join(two.persist["save_dir"], two.persist["tag"])
+    tag_dir = os.path.join(two.persist.save_dir, two.persist.tag)
     deadline = time.monotonic() + timeout_s
     while commit.commit_outcome(tag_dir, two.world) is None:
         if time.monotonic() > deadline:

@@ -15,6 +15,7 @@ save/load), ``patch`` (the engine patch), ``cli`` (``moc-ckpt``).
 """
 
 from deepspeed_ext.config import MoCConfig
+from deepspeed_ext.runtime import log as _output  # noqa: F401  the package logger's console default
 
 
 def enable_moc_checkpointing(engine, config=None):

@@ -9,12 +9,12 @@ Multi-rank call order of :meth:`MoCCheckpointer.save` (every rank calls it):
    functions, :mod:`deepspeed_ext.pec` and :mod:`deepspeed_ext.plan`);
 4. rank 0 prepares ``<tag>/`` (its failure is broadcast); every rank copies its share
    into a reused host buffer laid out as its file's exact bytes
-   (:mod:`deepspeed_ext.image`); rank 0 adds the non-tensor state; one
+   (:mod:`deepspeed_ext.format.image`); rank 0 adds the non-tensor state; one
    ``all_gather_object`` of the outcomes makes any failure every rank's;
 5. the training loop goes on while a writer thread per rank writes the buffer to
    ``<tag>/rankNNNNN.safetensors`` (temp file, fsync, rename) and publishes a report
    file; rank 0's thread waits for all reports, then writes ``manifest.json`` (the
-   commit point), ``latest`` and applies retention (:mod:`deepspeed_ext.commit`; no
+   commit point), ``latest`` and applies retention (:mod:`deepspeed_ext.store.commit`; no
    collective, so a slow writer cannot hang anyone);
 6. the next ``save``/``load`` (or an explicit ``wait``) joins the thread and gathers
    every rank's outcome once: a failure anywhere is raised on every rank, and the
@@ -25,6 +25,7 @@ Multi-rank call order of :meth:`MoCCheckpointer.save` (every rank calls it):
 partitions, and one ``all_gather_object`` makes any rank's failure every rank's.
 """
 
+import logging
 import os
 import threading
 import time
@@ -35,19 +36,21 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext import commit, fs
 from deepspeed_ext.config import MoCConfig
+from deepspeed_ext.engine.rng import get_rng_state, set_rng_state
+from deepspeed_ext.format import fs
+from deepspeed_ext.format.assemble import FragmentSpec
+from deepspeed_ext.format.image import ImageLayout
+from deepspeed_ext.format.objects import OBJECTS_TENSOR_FILE
 from deepspeed_ext.groups import init_metadata_group, metadata_group
-from deepspeed_ext.image import ImageLayout
-from deepspeed_ext.objects import OBJECTS_TENSOR_FILE
-from deepspeed_ext.manifest import (FragmentSpec, prepare_checkpoint_dir,
-                                    set_aside_checkpoints_after)
-from megatron.training.rng import get_rng_state, set_rng_state
-from deepspeed_ext.state import (ExpertNaming, LocalFragment, describe_local_state,
-                                 MomentPresence, expert_naming, loss_scaler_state,
-                                 moment_presence, optimizer_scalars, prepare_optimizer_state,
-                                 refresh_compute_weights,
-                                 set_loss_scaler_state, set_optimizer_scalars)
+from deepspeed_ext.runtime.log import rank_zero_lines
+from deepspeed_ext.state import (ExpertNaming, LocalFragment, MomentPresence, describe_local_state,
+                                 expert_naming, loss_scaler_state, moment_presence,
+                                 optimizer_scalars, prepare_optimizer_state,
+                                 refresh_compute_weights, set_loss_scaler_state,
+                                 set_optimizer_scalars)
+from deepspeed_ext.store import claims, commit
+from deepspeed_ext.store.prepare import prepare_checkpoint_dir, set_aside_checkpoints_after
 
 
 def check_saved_shape(reader, frag: LocalFragment, load_dir: str, tag: str) -> None:
@@ -76,9 +79,9 @@ class MoCCheckpointError(RuntimeError):
     """A save or load failed on some rank; raised on every rank."""
 
 
-def _log(message: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"[moc] {message}", flush=True)
+logger = logging.getLogger(__name__)
+_log = rank_zero_lines(logger)
+"""Rank 0's ``[moc] ...`` lines about the job (the package's logger: runtime.log)."""
 
 
 def _rank_file(rank: int) -> str:
@@ -355,7 +358,7 @@ class MoCCheckpointer:
         try:
             # Every rank's report carries rank 0's claim on the directory (commit.py).
             pending.claim = _broadcast_outcome(
-                lambda: commit.read_claim(self.prepare_save_dir(save_dir, tag, step)),
+                lambda: claims.read_claim(self.prepare_save_dir(save_dir, tag, step)),
                 f"MoC save to {tag_dir}")
             ok, payload = True, None
             try:
@@ -391,17 +394,16 @@ class MoCCheckpointer:
 
     def _stage(self, rank, fragments, plan, rng_states, client_state) -> "_Staged":
         """Copy this rank's share (rank 0: also the non-tensor state) into the host buffer."""
-        from deepspeed_ext import manifest as mf
-        from deepspeed_ext import storage
-        from deepspeed_ext.image import fill_image, layout_of
-        from deepspeed_ext.objects import encode
+        from deepspeed_ext.format import assemble, dtypes, naming
+        from deepspeed_ext.format.image import fill_image, layout_of
+        from deepspeed_ext.format.objects import encode
         mine = set(plan.keys_for(rank))
         tensors, specs = {}, []
         for frag in fragments:
             if frag.key in mine:
                 tensors[frag.key] = frag.tensor
-                specs.append(mf.FragmentSpec(frag.name, frag.kind, frag.offset, frag.length,
-                                             frag.shape, storage.dtype_name(frag.tensor.dtype),
+                specs.append(assemble.FragmentSpec(frag.name, frag.kind, frag.offset, frag.length,
+                                             frag.shape, dtypes.dtype_name(frag.tensor.dtype),
                                              frag.expert))
         tree, object_tensors = None, {}
         if rank == 0:
@@ -423,14 +425,13 @@ class MoCCheckpointer:
             fill_image(self._buffer, layout, tensors, non_blocking=on_cuda)
             if on_cuda:  # the writer thread reads the buffer next
                 torch.cuda.current_stream().synchronize()
-        return _Staged(layout, mf.rank_file_name(rank), specs, tree, object_tensors)
+        return _Staged(layout, naming.rank_file_name(rank), specs, tree, object_tensors)
 
     def _persist(self, pending: "_PendingSave", staged: "_Staged") -> None:
         """Background thread of every rank: write, fsync, report; rank 0 then commits."""
-        from deepspeed_ext import manifest as mf
-        from deepspeed_ext import storage
-        from deepspeed_ext.image import image_view
-        from deepspeed_ext.objects import write_objects_file
+        from deepspeed_ext.format import assemble, storage
+        from deepspeed_ext.format.image import image_view
+        from deepspeed_ext.format.objects import write_objects_file
         tag_dir = os.path.join(pending.save_dir, pending.tag)
         rank = pending.rank
         claim = pending.claim
@@ -445,7 +446,7 @@ class MoCCheckpointer:
                 objects_record = write_objects_file(
                     tag_dir, staged.objects_tree,
                     OBJECTS_TENSOR_FILE if staged.object_tensors else None)
-            report = mf.RankReport(rank, staged.file_name, record.nbytes, record.sha256, staged.specs)
+            report = assemble.RankReport(rank, staged.file_name, record.nbytes, record.sha256, staged.specs)
             commit.write_report(tag_dir, rank, {
                 "report": report.to_json(),
                 "objects": objects_record.to_json() if objects_record is not None else None,
@@ -501,7 +502,7 @@ class MoCCheckpointer:
         later that an earlier attempt committed are set aside: the run resumed from an older
         checkpoint (a newer one was damaged, or ``latest`` named an older one), and this
         run's saves of those steps would otherwise collide with them
-        (:func:`~deepspeed_ext.manifest.set_aside_checkpoints_after`). The checkpoint
+        (:func:`~deepspeed_ext.store.prepare.set_aside_checkpoints_after`). The checkpoint
         this run resumed from is never touched: the new expert indexes extend it.
         """
         resumed = extended_tag(self._previous, save_dir)
@@ -564,12 +565,12 @@ class MoCCheckpointer:
         (:meth:`_load_storage`), in parallel, rather than here by one rank for the
         whole checkpoint; and the resolution goes to the other ranks, so that they do
         not all read every manifest it names."""
-        from deepspeed_ext import manifest as mf
-        from deepspeed_ext.reader import find_loadable
+        from deepspeed_ext.store import catalog, verify
+        from deepspeed_ext.store.reader import find_loadable
         manifests: Dict = {}
         if tag is not None:
             problems = [exclude[tag]] if tag in exclude else \
-                mf.verify_checkpoint(load_dir, tag, checksums=False, cache=manifests)
+                verify.verify_checkpoint(load_dir, tag, checksums=False, cache=manifests)
             if problems:
                 raise MoCCheckpointError(f"checkpoint {tag} in {load_dir} cannot be loaded: "
                                          + "; ".join(problems))
@@ -583,7 +584,7 @@ class MoCCheckpointer:
                 _log(f"WARNING: {line}")
             if chosen is None:
                 return None
-        return chosen, mf.resolve_checkpoint(load_dir, chosen, manifests)
+        return chosen, catalog.resolve_checkpoint(load_dir, chosen, manifests)
 
     def load(self, load_dir: str, tag: Optional[str] = None, load_optimizer_states: bool = True,
              load_lr_scheduler_states: bool = True,
@@ -704,8 +705,8 @@ class MoCCheckpointer:
             ``(True, (objects, expert versions))``, or ``(False, (kind, message))`` with
             kind ``damaged`` for a file that failed its checks, else ``error``.
         """
-        from deepspeed_ext.reader import CheckpointReader
-        from deepspeed_ext.storage import CheckpointError
+        from deepspeed_ext.format.errors import CheckpointError
+        from deepspeed_ext.store.reader import CheckpointReader
         try:
             # Rank 0 checked the structure while choosing; each rank checks the bytes it
             # reads, so no rank hashes (or opens) the whole checkpoint alone.

@@ -22,12 +22,17 @@ import sys
 import tempfile
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from deepspeed_ext import fs
-from deepspeed_ext.manifest import (LATEST_FILE, MANIFEST_FILE, SET_ASIDE_PREFIX, Manifest,
-                                    read_latest, read_manifest, reading, scan_checkpoints,
-                                    verify_checkpoint)
-from deepspeed_ext.reader import CheckpointReader, find_loadable
-from deepspeed_ext.storage import CheckpointError, write_safetensors_streaming
+from deepspeed_ext.format import fs
+from deepspeed_ext.format.errors import CheckpointError
+from deepspeed_ext.format.manifest import MANIFEST_FILE, Manifest, read_manifest
+from deepspeed_ext.format.naming import LATEST_FILE
+from deepspeed_ext.format.storage import write_safetensors_streaming
+from deepspeed_ext.store.catalog import scan_checkpoints
+from deepspeed_ext.store.latest import read_latest
+from deepspeed_ext.store.pins import reading
+from deepspeed_ext.store.prepare import SET_ASIDE_PREFIX
+from deepspeed_ext.store.reader import CheckpointReader, find_loadable
+from deepspeed_ext.store.verify import verify_checkpoint
 
 WEIGHTS_KIND = "fp32"
 """Kind of the fp32 master weights: the model a consolidated file holds."""
@@ -161,7 +166,7 @@ complete checkpoint a problem (each read after the first follows a commit that m
 
 def _verify_pinned(save_dir: str, tag: str, checksums: bool) -> Optional[List[str]]:
     """Problems of checkpoint ``tag``, verified under a pin that keeps retention off it
-    (:func:`deepspeed_ext.manifest.reading`); None when it has no manifest once pinned (a
+    (:func:`deepspeed_ext.store.pins.reading`); None when it has no manifest once pinned (a
     committer's retention deleted it since it was listed: not damage)."""
     with reading(save_dir, tag):
         if not fs.exists(os.path.join(save_dir, tag, MANIFEST_FILE)):
@@ -537,6 +542,62 @@ def _frames_world_size(save_dir: str) -> Optional[int]:
     return None
 
 
+def hostfile_slots(text: str, name: str) -> int:
+    """Total slots of a DeepSpeed hostfile (``host slots=N`` lines; ``#`` comments).
+
+    Raises:
+        UsageError: a line that is not ``host slots=N`` with N >= 1, or no host.
+    """
+    total = 0
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        if len(parts) != 2 or not parts[1].startswith("slots=") or \
+                not parts[1][len("slots="):].isdigit() or int(parts[1][len("slots="):]) < 1:
+            raise UsageError(f"--hostfile {name} line {number}: expected 'HOST slots=N', "
+                             f"got {line!r}")
+        total += int(parts[1][len("slots="):])
+    if not total:
+        raise UsageError(f"--hostfile {name} names no host")
+    return total
+
+
+def replay_launcher(world_size: int, hostfile: Optional[str],
+                    python_flags: List[str]) -> List[str]:
+    """The command that starts densify's ``world_size`` replay ranks, before the script.
+
+    Without ``hostfile``: torchrun on this host, refused when this host has CUDA but
+    fewer GPUs than ranks (NCCL refuses two ranks on one device, so a 16-rank run's
+    frames replayed on one 8-GPU host failed at the first collective). With it:
+    DeepSpeed's launcher over its hosts, which must have exactly ``world_size`` slots
+    and this project's directory at the same path.
+
+    Raises:
+        UsageError: naming ``--hostfile`` (unreadable, malformed, wrong slot count) or
+            the GPU shortfall.
+    """
+    if hostfile is None:
+        import torch
+        if torch.cuda.is_available() and torch.cuda.device_count() < world_size:
+            raise UsageError(
+                f"the frames were written by {world_size} ranks and this host has "
+                f"{torch.cuda.device_count()} GPU(s): replay on the job's hosts with "
+                f"--hostfile FILE (DeepSpeed's launcher, {world_size} slots in all)")
+        return [sys.executable, *python_flags, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", str(world_size)]
+    try:
+        text = fs.read_text(hostfile, limit=1 << 20)
+    except (OSError, ValueError, CheckpointError) as err:
+        raise UsageError(f"--hostfile {hostfile}: cannot read it ({err})") from None
+    slots = hostfile_slots(text, hostfile)
+    if slots != world_size:
+        raise UsageError(f"--hostfile {hostfile} has {slots} slots; the frames were written "
+                         f"by {world_size} ranks, and the replay needs exactly that many")
+    return ["deepspeed", "--hostfile", os.path.abspath(hostfile)]
+
+
 def cmd_densify(args: argparse.Namespace) -> int:
     """Replay the newest complete window of exact-mode frames under ``args.dir`` on one
     machine, and leave the dense state at the window's end as a checkpoint in
@@ -598,12 +659,18 @@ def cmd_densify(args: argparse.Namespace) -> int:
     # -P: the launcher does not import from the current directory (which may be the
     # checkpoint's); the workers import from the script's directory, this project's.
     safe_path = ["-P"] if sys.version_info >= (3, 11) else []
-    cmd = [sys.executable, *safe_path, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", str(found.world_size), script, *flags,
+    launcher = replay_launcher(found.world_size, args.hostfile, safe_path)
+    if args.hostfile is not None:
+        # Other hosts create the directory themselves (the trainer makes its own
+        # --moc-shm-dir private); this host's copy goes in the finally below.
+        where = f"the {found.world_size} slots of {args.hostfile}"
+    else:
+        where = f"{found.world_size} local processes"
+    cmd = [*launcher, script, *flags,
            "--load", os.path.abspath(args.dir), "--save", os.path.abspath(args.out),
            "--moc-shm-dir", shm, "--exit-interval", str(end)]
     print(f"replaying iterations {found.start + 1}..{end} of {args.dir} on "
-          f"{found.world_size} local processes, training flags {source}:\n"
+          f"{where}, training flags {source}:\n"
           f"  {shlex.join(cmd)}", flush=True)
     try:
         if args.dry_run:
@@ -649,9 +716,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "densify", help="replay exact-mode frames into a checkpoint at the end of their "
                         "newest complete window",
-        usage="moc-ckpt densify [-h] dir --out OUT [--dry-run] [-- TRAINING FLAGS...]",
+        usage="moc-ckpt densify [-h] dir --out OUT [--dry-run] [--hostfile FILE] "
+              "[-- TRAINING FLAGS...]",
         description="Replay the newest complete window of exact-mode frames with this "
-                    "project's pretrain_gpt_moe.py, on one machine, into a checkpoint at "
+                    "project's pretrain_gpt_moe.py, on this machine or --hostfile's, into a checkpoint at "
                     "the window's end. The training flags are those given after --, or "
                     "else those the frames record, checked: only flags pretrain_gpt_moe.py "
                     "knows, with plain values (a recorded --config file is read and "
@@ -661,6 +729,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="new directory for the checkpoint")
     p.add_argument("--dry-run", action="store_true",
                    help="print the replay command, run nothing")
+    p.add_argument("--hostfile", default=None,
+                   help="replay across these hosts with DeepSpeed's launcher (as many "
+                        "slots as the run had ranks; default: this host, torchrun)")
     p.set_defaults(func=cmd_densify, train_args=None)
     return parser
 

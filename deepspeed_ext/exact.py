@@ -42,6 +42,7 @@ Call order, every rank, every iteration (the trainer, ``megatron/training/traini
 """
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -55,7 +56,12 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_ext import window as win
+from deepspeed_ext.engine.rng import get_rng_state
 from deepspeed_ext.groups import init_metadata_group, metadata_group
+from deepspeed_ext.jobs import FrameJob
+from deepspeed_ext.runtime.log import log_line, rank_zero_lines
+
+logger = logging.getLogger(__name__)
 
 EXACT_DIR = "exact"
 FRAME_RE = re.compile(r"^frame(\d{8,})$")
@@ -125,7 +131,7 @@ def engine_counters(objects: Any) -> Dict[str, int]:
     Raises:
         CheckpointError: anything else (the window is unusable, as a damaged one is).
     """
-    from deepspeed_ext.storage import CheckpointError
+    from deepspeed_ext.format.errors import CheckpointError
     counters = objects.get("engine") if isinstance(objects, dict) else None
     if not isinstance(counters, dict):
         raise CheckpointError(f"frame objects: engine counters are {type(counters).__name__}, "
@@ -201,6 +207,16 @@ def _marker(save_dir: str, frame: int, rank: int) -> str:
 
 def _data(save_dir: str, frame: int, rank: int) -> str:
     return os.path.join(frame_dir(save_dir, frame), f"rank{rank:05d}.safetensors")
+
+
+def frame_job(node_dir: str, save_dir: str, frame: int, rank: int, run_id: Optional[str],
+              job_id: Optional[str] = None) -> FrameJob:
+    """The keeper's job copying frame ``frame`` of ``rank`` from the node's memory
+    directory ``node_dir`` to ``save_dir`` (its ``id``: ``job_id``)."""
+    return FrameJob(data=_data(node_dir, frame, rank), marker=_marker(node_dir, frame, rank),
+                    dst_data=_data(save_dir, frame, rank),
+                    dst_marker=_marker(save_dir, frame, rank),
+                    save_dir=save_dir, run_id=run_id, id=job_id)
 
 
 def list_frames(save_dir: str) -> List[int]:
@@ -308,15 +324,16 @@ class ExactSnapshots:
         engine: the DeepSpeed engine (ZeRO stage 0-2, ``deepspeed.moe`` layers allowed).
         save_dir: the job's ``--save``; frames go under ``<save_dir>/exact``.
         config: :class:`ExactConfig`.
-        log: where log lines go (rank 0 prints them).
+        log: where rank 0's lines about the job go (each already says ``[moc] ...``);
+            None: the module's logger (``deepspeed_ext.exact``), from rank 0.
     """
 
-    def __init__(self, engine, save_dir: str, config: ExactConfig, log=print):
+    def __init__(self, engine, save_dir: str, config: ExactConfig, log=None):
         from deepspeed_ext.state import expert_naming
         self.engine, self.save_dir, self.cfg = engine, save_dir, config
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         init_metadata_group()  # every rank, here: the group of all of this class's collectives
-        self._log = log
+        self._log = log if log is not None else rank_zero_lines(logger, prefix="")
         self.naming = expert_naming(engine.module)
         self.operators = build_operators(engine, self.naming)
         self._by_name = win.index_operators(self.operators)
@@ -390,8 +407,8 @@ class ExactSnapshots:
 
     @staticmethod
     def _warn(message: str) -> None:
-        """A line about this rank, printed by every rank (``log`` may be rank 0's only)."""
-        print(message, flush=True)
+        """A line about this rank, logged by every rank (``log`` may be rank 0's only)."""
+        log_line(logger, message)
 
     def _keeper_lost(self, error: Exception) -> None:
         if self.keeper_error is None:
@@ -568,7 +585,7 @@ class ExactSnapshots:
     def _measure_frame_cost(self) -> float:
         """Seconds per byte of this rank's state: a copy into host memory, plus writing
         it where frames go (memory), plus the keeper's copy to storage when there is one."""
-        from deepspeed_ext.storage import write_fragment_file
+        from deepspeed_ext.format.storage import write_fragment_file
         frags = [f for fs in self._fragments_by_op().values() for f in fs]
         nbytes = max(1, sum(f.tensor.numel() * f.tensor.element_size() for f in frags))
         if self._on_gpu():
@@ -710,9 +727,8 @@ class ExactSnapshots:
         return out
 
     def _record(self, iteration: int, t: int, client_state: Dict[str, Any]) -> Dict[str, Any]:
-        from deepspeed_ext.objects import encode
+        from deepspeed_ext.format.objects import encode
         from deepspeed_ext.state import loss_scaler_state, optimizer_scalars
-        from megatron.training.rng import get_rng_state
         engine = self.engine
         objects = {"rng": get_rng_state(), "client_state": client_state,
                    "engine": {"global_steps": engine.global_steps,
@@ -788,7 +804,7 @@ class ExactSnapshots:
 
     def _write_frame(self, frame: int, record: Dict[str, Any], copy: Future) -> None:
         """Background thread, after the copy: the frame file, then its marker."""
-        from deepspeed_ext.storage import atomic_write_json, ensure_dir, write_fragment_file
+        from deepspeed_ext.format.storage import atomic_write_json, ensure_dir, write_fragment_file
         try:
             copies = dict(copy.result())
             copies.update(record.pop("_object_tensors"))
@@ -817,17 +833,13 @@ class ExactSnapshots:
         does not answer is given up (later frames go straight to storage) and this one
         is copied here."""
         from deepspeed_ext import keeper
-        job = {"kind": "frame", "data": _data(self.node_dir, frame, self.rank),
-               "marker": _marker(self.node_dir, frame, self.rank),
-               "dst_data": _data(self.save_dir, frame, self.rank),
-               "dst_marker": _marker(self.save_dir, frame, self.rank),
-               "save_dir": self.save_dir, "run_id": self.run_id}
-        job["id"] = keeper.job_id(f"frame{frame}", self.rank)
+        job = frame_job(self.node_dir, self.save_dir, frame, self.rank, self.run_id,
+                        keeper.job_id(f"frame{frame}", self.rank))
         why: Exception = keeper.KeeperError(f"it did not take the copy of frame {frame}")
         try:
             # A frame copied twice is the same bytes written atomically twice: a keeper
             # silent for 20 s is given up and the frame copied here (no slot is reused).
-            handed = keeper.hand_over(self.node_dir, job, patience_s=20.0)
+            handed = keeper.hand_over(self.node_dir, job.to_json(), patience_s=20.0)
         except Exception as e:  # no socket, or silent: the same as a dead keeper
             handed, why = False, e
         if not handed:
@@ -1021,7 +1033,7 @@ class ExactSnapshots:
         way (hidden ``.moc-set-aside.exact.<ns>`` beside the checkpoints, listed by
         ``moc-ckpt inspect``, never read or deleted by MoC), so that the run that fell
         back to a checkpoint neither mixes its frames with them nor deletes them."""
-        from deepspeed_ext.manifest import SET_ASIDE_PREFIX
+        from deepspeed_ext.store.prepare import SET_ASIDE_PREFIX
         if self.rank != 0:
             return
         root = os.path.join(self.save_dir, EXACT_DIR)
@@ -1052,8 +1064,9 @@ class ExactSnapshots:
     def _load_frame(self, load_dir: str, frame: int):
         """This rank's frame ``frame`` under ``load_dir`` (storage or the node's memory),
         its checksum verified: ``(tensors, objects)``."""
-        from deepspeed_ext.objects import decode
-        from deepspeed_ext.storage import FragmentReader, check_file
+        from deepspeed_ext.format.fragment_reader import FragmentReader
+        from deepspeed_ext.format.objects import decode
+        from deepspeed_ext.format.storage import check_file
         record = read_marker(load_dir, frame, self.rank)
         path = _data(load_dir, frame, self.rank)
         problem = check_file(path, record["nbytes"], record["sha256"])

@@ -20,12 +20,15 @@ Order, per snapshot (the training process, main thread then copy thread)::
 """
 
 import ctypes
+import logging
 import time
 from typing import Callable, Dict, List, Mapping, Optional
 
 import torch
 
-from deepspeed_ext.image import ImageLayout, fill_image
+from deepspeed_ext.format.image import ImageLayout, fill_image
+
+logger = logging.getLogger(__name__)
 
 
 def wait_before_step(engine, pending: Callable[[], bool], join: Callable[[], None],
@@ -132,9 +135,10 @@ class HostCopier:
         if code != 0:
             _clear_cuda_error()
             if self.register_error is None:  # say it once: every later copy is slower
-                print(f"[moc] WARNING: cudaHostRegister of {nbytes} bytes of shared memory "
-                      f"failed (CUDA error {code}); snapshots copy to pageable memory, "
-                      f"which blocks the host", flush=True)
+                logger.warning(
+                    f"[moc] WARNING: cudaHostRegister of {nbytes} bytes of shared memory "
+                    f"failed (CUDA error {code}); snapshots copy to pageable memory, "
+                    f"which blocks the host")
             self.register_error = f"cudaHostRegister of {nbytes} bytes failed (error {code})"
             return
         self._registered[buffer.data_ptr()] = nbytes

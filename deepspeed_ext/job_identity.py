@@ -21,7 +21,8 @@ import re
 import uuid
 from typing import Optional
 
-from deepspeed_ext import fs
+from deepspeed_ext.format import fs
+from deepspeed_ext.format.errors import CheckpointError
 
 RUN_ID_FILE = "moc-run-id"
 """In the save directory: the job's run id, one line of 32 hex digits."""
@@ -63,7 +64,7 @@ def read_or_create_run_id(save_dir: str, log=None) -> str:
     run_id = uuid.uuid4().hex
     if not fs.is_url(save_dir):
         os.makedirs(save_dir, exist_ok=True)
-        from deepspeed_ext.storage import atomic_write_text
+        from deepspeed_ext.format.storage import atomic_write_text
         atomic_write_text(path, run_id + "\n")
     else:
         fs.makedirs(save_dir)
@@ -73,7 +74,6 @@ def read_or_create_run_id(save_dir: str, log=None) -> str:
 
 def _read_small(path: str) -> Optional[str]:
     """A small text file's contents; None when missing, unreadable or too long."""
-    from deepspeed_ext.storage import CheckpointError  # fs's error past its limit
     try:
         if fs.is_url(path):
             data = fs.read_bytes(path, limit=_MAX_RECORD)

@@ -23,7 +23,7 @@ Lifecycle:
   process has exited: no shared memory is left behind, and nothing of the job is still
   writing when the training process returns. A keeper whose job died (no shutdown) may
   still finish its persists and commits later, under the same rules (manifest before
-  ``latest``, claims, :func:`deepspeed_ext.manifest.advance_latest`).
+  ``latest``, claims, :func:`deepspeed_ext.store.latest.advance_latest`).
 
 Protocol: JSON lines over the Unix socket ``<dir>/keeper.sock`` (never pickle). Requests:
 ``{"op": "ping"}``, ``{"op": "hello", "pid": N}``, ``{"op": "persist", "job": {...}}``
@@ -47,6 +47,7 @@ import collections
 import importlib
 import fcntl
 import json
+import logging
 import mmap
 import os
 import queue
@@ -59,11 +60,15 @@ import threading
 import time
 import traceback
 import uuid
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Union
 
 from deepspeed_ext import memsum
+from deepspeed_ext.jobs import FrameJob, Job, PersistJob, job_from_json
+from deepspeed_ext.keeper_faults import crash_in_persist_if_due
 from deepspeed_ext.keeper_jobs import JobRefused, check_job
 from deepspeed_ext.private_dir import make_private_dir, open_private, open_private_file
+from deepspeed_ext.runtime.log import log_line
+from deepspeed_ext.runtime.retry import Backoff, poll_until
 
 SOCKET_NAME = "keeper.sock"
 LOG_NAME = "keeper.log"
@@ -85,8 +90,13 @@ class KeeperError(RuntimeError):
     """The keeper could not be started or reached."""
 
 
+logger = logging.getLogger(__name__)
+
+
 def _log(directory: str, message: str) -> None:
-    print(f"[moc keeper {os.getpid()} {time.strftime('%H:%M:%S')}] {message}", flush=True)
+    """One line of the keeper's, stamped with its pid and the time: several keepers may
+    have served ``directory`` and append to its ``keeper.log`` (their stdout)."""
+    log_line(logger, f"[moc keeper {os.getpid()} {time.strftime('%H:%M:%S')}] {message}")
 
 
 # ---------------------------------------------------------------------------- client side
@@ -183,9 +193,9 @@ def hand_over(directory: str, job: Dict[str, Any], patience_s: float = 600.0,
         KeeperError: it still listens but took no request within ``patience_s``: the
             job may be in its queue, so the caller must fail this persist, not write it.
     """
-    deadline = time.monotonic() + patience_s
-    delay = 0.05
-    while True:
+    last_error: List[KeeperError] = []
+
+    def attempt() -> Optional[bool]:
         try:
             message = {"op": "persist", "job": job}
             if job.get("run_id") is not None:
@@ -195,14 +205,20 @@ def hand_over(directory: str, job: Dict[str, Any], patience_s: float = 600.0,
         except KeeperError as e:
             if is_dead(directory):
                 return False
-            if time.monotonic() >= deadline:
-                raise KeeperError(f"the keeper of {directory} still listens but took no "
-                                  f"request within {patience_s:.0f} s ({e})") from None
-        # A request failing fast (a full backlog) would otherwise spin for patience_s,
-        # taking the GIL from the training step.
-        time.sleep(delay)
-        delay = min(1.0, delay * 2)
+            last_error[:] = [e]
+            return None
 
+    def timed_out() -> bool:
+        raise KeeperError(f"the keeper of {directory} still listens but took no "
+                          f"request within {patience_s:.0f} s ({last_error[0]})") from None
+
+    # The backoff: a request failing fast (a full backlog) would otherwise spin for
+    # patience_s, taking the GIL from the training step.
+    return poll_until(attempt, patience_s, HAND_OVER_BACKOFF, timed_out)
+
+
+HAND_OVER_BACKOFF = Backoff(first_s=0.05, max_s=1.0)
+"""Sleeps between the requests of :func:`hand_over` to a keeper that does not answer."""
 
 PROCESS_TOKEN = uuid.uuid4().hex[:12]
 """Part of every job ``id`` a training process sends (:func:`job_id`)."""
@@ -474,7 +490,7 @@ def shutdown_keeper(directory: str, timeout_s: float = 600.0,
 def _ours(directory: str, run_id: Optional[str]) -> bool:
     """Whether ``directory`` may be deleted by this job: private to this user and not
     bound to another job (:mod:`deepspeed_ext.job_identity`)."""
-    from deepspeed_ext.job_identity import ForeignJobError, NODE_RECORD, bind_node_dir
+    from deepspeed_ext.job_identity import NODE_RECORD, ForeignJobError, bind_node_dir
     from deepspeed_ext.private_dir import UnsafeDirectoryError, check_private_dir
     try:
         check_private_dir(directory)
@@ -507,8 +523,8 @@ def write_image_subset(path: str, image_path: str, entries: List[Dict[str, Any]]
     Raises:
         RuntimeError: the image does not match ``checksum``, or is shorter than its layout.
     """
-    from deepspeed_ext.image import layout_image
-    from deepspeed_ext.storage import write_image_file, FileRecord
+    from deepspeed_ext.format.image import layout_image
+    from deepspeed_ext.format.storage import FileRecord, write_image_file
     chosen = [e for e in entries if keys is None or e["key"] in set(keys)]
     layout = layout_image([(e["key"], tuple(e["shape"]), e["dtype"]) for e in chosen])
     by_key = {e["key"]: e for e in chosen}
@@ -540,36 +556,36 @@ def write_image_subset(path: str, image_path: str, entries: List[Dict[str, Any]]
                 view.release()
 
 
-def persist_frame(job: Dict[str, Any]) -> None:
+def persist_frame(job: FrameJob) -> None:
     """Copy one exact-recovery frame of one rank from memory to storage: the data file
     (temp file, fsync, rename), then its marker, last (``deepspeed_ext.exact``).
 
-    ``job`` fields: ``kind`` ``"frame"``, ``data`` and ``marker`` (the files in memory),
-    ``dst_data`` and ``dst_marker`` (their storage paths). Once both are on storage, a
+    ``job``: ``data`` and ``marker`` (the files in memory), ``dst_data`` and
+    ``dst_marker`` (their storage paths). Once both are on storage, a
     ``.copied`` file beside the marker in memory tells the rank it may retire the memory
     copy (``deepspeed_ext.exact``). A frame whose memory copy was already deleted (a lost
     node, or retired after waiting too long for this copy) is skipped, with a line in the
     keeper's log: its window stays incomplete on storage and recovery does not use it.
     """
     try:
-        with open(job["data"], "rb") as f:
+        with open(job.data, "rb") as f:
             data = f.read()
-        with open(job["marker"], "rb") as f:
+        with open(job.marker, "rb") as f:
             marker = f.read()
     except FileNotFoundError:
-        print(f"[moc keeper {os.getpid()}] WARNING: {job['marker']} was gone before it "
-              f"reached storage; its window stays incomplete there", flush=True)
+        logger.warning(f"[moc keeper {os.getpid()}] WARNING: {job.marker} was gone before it "
+                       f"reached storage; its window stays incomplete there")
         return
-    frame_dir = os.path.dirname(job["dst_data"])
+    frame_dir = os.path.dirname(job.dst_data)
     if not os.path.isdir(frame_dir):
         os.makedirs(frame_dir, exist_ok=True)
         # The new frame directory's own entry: without this fsync a power cut could lose
         # the directory with the durably written files in it.
         _fsync_dir(os.path.dirname(frame_dir))
-    _write_durably(job["dst_data"], data)
-    _write_durably(job["dst_marker"], marker)
+    _write_durably(job.dst_data, data)
+    _write_durably(job.dst_marker, marker)
     try:
-        with open(copied_marker(job["marker"]), "w"):
+        with open(copied_marker(job.marker), "w"):
             pass
     except FileNotFoundError:  # retired meanwhile: nothing left to tell
         pass
@@ -601,95 +617,92 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def run_persist_job(job: Dict[str, Any], log=print, background_commit: bool = False) -> None:
-    """Persist one rank's snapshot and, for the committing rank, commit the checkpoint.
+def run_persist_job(job: Union[Job, Dict[str, Any]], log=None,
+                    background_commit: bool = False) -> None:
+    """Persist one rank's snapshot and, for the committing rank, commit the checkpoint;
+    a :class:`~deepspeed_ext.jobs.FrameJob` is copied (:func:`persist_frame`). A plain
+    dict is parsed first (:func:`deepspeed_ext.jobs.job_from_json`).
 
-    ``job`` fields: ``image`` (slot file), ``entries`` (its layout), ``keys`` (the
-    tensors to persist, None: all), ``specs`` (their manifest fragment specs),
-    ``save_dir``, ``tag``, ``step``, ``rank``, ``claim`` (the save's claim on the tag
-    directory, from rank 0; None: unchecked), ``objects_tree`` (rank 0, else None),
-    ``object_keys`` (rank 0: the image's tensors of the objects, written to
-    ``objects.safetensors``; ``objects_in_file`` in jobs of older versions: they are in
-    the rank file), ``objects_record`` and ``extra_files`` (rank 0, when it wrote the
-    objects itself: their records), ``done_marker`` (a file deleted once the slot has been read,
-    so the training side may reuse it), and for rank 0 ``commit`` (arguments of
-    :func:`deepspeed_ext.commit.commit_checkpoint` plus ``timeout_s``).
+    The job's fields are described on :class:`~deepspeed_ext.jobs.PersistJob`: the slot
+    image and the tensors of it to write, the rank file's specs, the save's claim, the
+    objects (rank 0), the slot's done marker, and rank 0's
+    :class:`~deepspeed_ext.jobs.CommitSpec` (the arguments of
+    :func:`deepspeed_ext.store.commit.commit_checkpoint` plus ``timeout_s``).
 
     Args:
         background_commit: wait for the other ranks' reports on a separate thread. The
             keeper needs it: the reports of its other local ranks are written by jobs
             queued behind this one, so waiting here would deadlock its queue.
     """
-    if job.get("kind") == "frame":
+    if log is None:
+        log = lambda line: log_line(logger, line)  # noqa: E731
+    if not isinstance(job, (PersistJob, FrameJob)):
+        job = job_from_json(job)
+    if isinstance(job, FrameJob):
         persist_frame(job)
         return
-    from deepspeed_ext import commit
-    from deepspeed_ext import manifest as mf
-    from deepspeed_ext.objects import OBJECTS_TENSOR_FILE, write_objects_file
-    tag_dir = os.path.join(job["save_dir"], job["tag"])
-    rank = job["rank"]
-    claim = job.get("claim")
-    file_name = mf.rank_file_name(rank)
+    from deepspeed_ext.format import assemble, naming
+    from deepspeed_ext.format.objects import OBJECTS_TENSOR_FILE, write_objects_file
+    from deepspeed_ext.store import claims, commit
+    tag_dir = os.path.join(job.save_dir, job.tag)
+    rank = job.rank
+    claim = job.claim
+    entries = [e.to_json() for e in job.entries]
+    file_name = naming.rank_file_name(rank)
     try:
         # A job of an earlier attempt still queued when the restarted job saved the same
         # tag again: writing now would put the old attempt's file into the new save.
-        commit.check_claim(tag_dir, claim)
-        record = write_image_subset(os.path.join(tag_dir, file_name), job["image"],
-                                    job["entries"], job["keys"], job.get("checksum"))
-        extra_files = dict(job.get("extra_files") or {})
-        objects_in = file_name if job.get("objects_in_file") else None  # an older job
-        if job.get("object_keys"):
+        claims.check_claim(tag_dir, claim)
+        record = write_image_subset(os.path.join(tag_dir, file_name), job.image, entries,
+                                    list(job.keys) if job.keys is not None else None,
+                                    job.checksum)
+        extra_files = dict(job.extra_files or {})
+        objects_in = file_name if job.objects_in_file else None  # an older job
+        if job.object_keys:
             # Their own small file: in rank 0's share, every rank of a load checksummed
             # that whole file to read its RNG state.
             extra_files[OBJECTS_TENSOR_FILE] = write_image_subset(
-                os.path.join(tag_dir, OBJECTS_TENSOR_FILE), job["image"], job["entries"],
-                job["object_keys"])
+                os.path.join(tag_dir, OBJECTS_TENSOR_FILE), job.image, entries,
+                list(job.object_keys))
             objects_in = OBJECTS_TENSOR_FILE
-        _remove_quietly(job.get("done_marker"))  # the slot is read: it may be reused
-        if os.environ.get(CRASH_PERSIST_ENV):
-            # The trainer's --moc-fault persist-crash armed this keeper (never in normal
-            # runs, so the keeper does not depend on the trainer's package otherwise).
-            from megatron.training.faults import crash_in_persist_if_due
-            crash_in_persist_if_due(job["step"])
-        if job["step"] >= int(os.environ.get(HANG_PERSIST_ENV, "-1")) >= 0:
-            _hang(f"{HANG_PERSIST_ENV}: hanging after writing rank {rank}'s file of {job['tag']}")
-        objects_record = job.get("objects_record")  # rank 0 wrote the objects itself
-        if job.get("objects_tree") is not None:
-            objects_record = write_objects_file(tag_dir, job["objects_tree"], objects_in).to_json()
-        specs = [mf.FragmentSpec.from_json(s) for s in job["specs"]]
-        report = mf.RankReport(rank, file_name, record["nbytes"], record["sha256"], specs)
-        commit.check_claim(tag_dir, claim)  # the write took long: still this save's?
+        _remove_quietly(job.done_marker)  # the slot is read: it may be reused
+        # --moc-fault persist-crash, armed through the environment (keeper_faults);
+        # returns at once in normal runs.
+        crash_in_persist_if_due(job.step)
+        if job.step >= int(os.environ.get(HANG_PERSIST_ENV, "-1")) >= 0:
+            _hang(f"{HANG_PERSIST_ENV}: hanging after writing rank {rank}'s file of {job.tag}")
+        objects_record = job.objects_record  # rank 0 wrote the objects itself
+        if job.objects_tree is not None:
+            objects_record = write_objects_file(tag_dir, job.objects_tree, objects_in).to_json()
+        specs = [assemble.FragmentSpec.from_json(s) for s in job.specs]
+        report = assemble.RankReport(rank, file_name, record["nbytes"], record["sha256"], specs)
+        claims.check_claim(tag_dir, claim)  # the write took long: still this save's?
         commit.write_report(tag_dir, rank, {"report": report.to_json(), "objects": objects_record,
                                             "extra_files": extra_files}, claim=claim)
-    except commit.Superseded as e:
-        _remove_quietly(job.get("done_marker"))
-        log(f"not persisting rank {rank}'s share of {job['tag']}: {e}")
+    except claims.Superseded as e:
+        _remove_quietly(job.done_marker)
+        log(f"not persisting rank {rank}'s share of {job.tag}: {e}")
         return
     except Exception as e:
         traceback.print_exc()
-        _remove_quietly(job.get("done_marker"))
+        _remove_quietly(job.done_marker)
         if _still_ours(tag_dir, claim):
             commit.write_report(tag_dir, rank, None, error=f"{type(e).__name__}: {e}",
                                 claim=claim)
         return
-    if job.get("commit") is None:
+    if job.commit is None:
         return
     if background_commit:
         reports_in = threading.Event()
         thread = threading.Thread(target=_commit_job, args=(job, tag_dir, log, reports_in),
-                                  daemon=True, name=f"commit-{job['tag']}")
+                                  daemon=True, name=f"commit-{job.tag}")
         with _GATE.lock:
             _COMMITS[:] = [c for c in _COMMITS if c[0].is_alive()]  # a keeper lives for weeks
-            _COMMITS.append(CommitRun(thread, reports_in, job["commit"].get("attempt_started")))
+            _COMMITS.append(CommitRun(thread, reports_in, job.commit.attempt_started))
         thread.start()
     else:
         _commit_job(job, tag_dir, log)
 
-
-CRASH_PERSIST_ENV = "MOC_FAULT_CRASH_PERSIST_STEP"
-"""Fault injection (``--moc-fault persist-crash@N``, armed by
-:meth:`megatron.training.faults.FaultInjector.persist_env`): the keeper SIGKILLs itself
-while persisting the snapshot of step N or later, once per job."""
 
 HANG_PERSIST_ENV = "MOC_FAULT_HANG_PERSIST_STEP"
 """Fault injection: a persist of this step or a later one stops after writing a rank's
@@ -698,7 +711,7 @@ middle of a persist this way). The keeper inherits it from the rank that starts 
 
 
 def _hang(message: str) -> None:
-    print(f"[moc keeper {os.getpid()}] {message}", flush=True)
+    logger.info(f"[moc keeper {os.getpid()}] {message}")
     while True:
         time.sleep(3600)
 
@@ -775,25 +788,26 @@ def commits_to_finish(attempt_started: Optional[float]) -> List[threading.Thread
         or (attempt_started is not None and c.attempt_started == attempt_started))]
 
 
-def _commit_job(job: Dict[str, Any], tag_dir: str, log,
+def _commit_job(job: PersistJob, tag_dir: str, log,
                 reports_in: Optional[threading.Event] = None) -> None:
-    from deepspeed_ext import commit
-    info = job["commit"]
-    claim = job.get("claim")  # rank 0's, from preparing the directory (None: unchecked)
+    from deepspeed_ext.store import claims, commit
+    info = job.commit
+    claim = job.claim  # rank 0's, from preparing the directory (None: unchecked)
     try:
-        shares = commit.wait_for_reports(tag_dir, info["layout"]["world_size"], info["timeout_s"],
-                                         claim=claim)
+        shares = commit.wait_for_reports(tag_dir, info.world_size, info.timeout_s, claim=claim)
         if reports_in is not None and not _GATE.enter(reports_in):
             log(f"not committing {tag_dir}: the keeper is shutting down (its reports came "
                 f"in after the shutdown was asked for)")
             return
-        commit.commit_checkpoint(job["save_dir"], job["tag"], info["step"], info["layout"],
-                                 shares, info["previous_tag"], info["selected"],
-                                 info["pec_k"], info["save_latest"], info["keep"], log=log,
-                                 claim=claim, attempt_started=info.get("attempt_started"))
-        commit.remove_reports(tag_dir, info["layout"]["world_size"], claim)
+        commit.commit_checkpoint(job.save_dir, job.tag, info.step, dict(info.layout), shares,
+                                 info.previous_tag,
+                                 [list(p) for p in info.selected]
+                                 if info.selected is not None else None,
+                                 info.pec_k, info.save_latest, info.keep, log=log,
+                                 claim=claim, attempt_started=info.attempt_started)
+        commit.remove_reports(tag_dir, info.world_size, claim)
         log(f"committed {tag_dir}")
-    except commit.Superseded as e:
+    except claims.Superseded as e:
         # A restarted job claimed the tag (or retention removed it) while this commit of
         # an earlier attempt waited: its directory is not ours to mark failed.
         log(f"not committing: {e}")
@@ -829,13 +843,13 @@ def _still_ours(tag_dir: str, claim: Optional[str]) -> bool:
     """Whether a failed writer or commit may mark ``tag_dir`` failed: it was not claimed
     by another save since. An unreadable claim counts as ours: saying that the save
     failed beats leaving the training side to wait for it until the commit timeout."""
-    from deepspeed_ext import commit
+    from deepspeed_ext.store import claims
     try:
-        commit.check_claim(tag_dir, claim)
+        claims.check_claim(tag_dir, claim)
         return True
-    except commit.Superseded:
+    except claims.Superseded:
         return False
-    except commit.CommitError:
+    except claims.CommitError:
         return True
 
 
@@ -850,7 +864,8 @@ def _remove_quietly(path: Optional[str]) -> None:
 # ------------------------------------------------------------------------- keeper process
 
 def _warm_imports() -> None:
-    for module in ("deepspeed_ext.image", "deepspeed_ext.commit", "deepspeed_ext.manifest"):
+    for module in ("deepspeed_ext.format.image", "deepspeed_ext.store.commit",
+                   "deepspeed_ext.format.manifest"):
         importlib.import_module(module)
 
 
@@ -868,7 +883,7 @@ class Keeper:
         self.clients: List[int] = []
         self.clients_lock = threading.Lock()
         self.clients_at_stop: set = set()
-        self.jobs: "queue.Queue[Optional[Dict[str, Any]]]" = queue.Queue()
+        self.jobs: "queue.Queue[Optional[Job]]" = queue.Queue()
         self.ids_lock = threading.Lock()
         self.job_ids: "collections.OrderedDict[str, None]" = collections.OrderedDict()
         """``id`` of the last :data:`RECENT_JOB_IDS` persist jobs queued (a retry of
@@ -901,19 +916,21 @@ class Keeper:
             self.last_client_seen = time.monotonic()
             return {"ok": True}
         if op == "persist":
-            job = message.get("job")
             try:
-                check_job(job, self.directory, self.save_dir)
+                # Parsed and checked before it is queued: a malformed field failed the
+                # persist only once the keeper ran it (a KeyError in its log), and a
+                # path outside its directories was read or written.
+                job = check_job(message.get("job"), self.directory, self.save_dir)
             except JobRefused as e:
                 _log(self.directory, f"refused a persist job: {e}")
                 return {"ok": False, "error": f"job refused: {e}"}
             # Each connection has its own thread: a retry can be handled while the slow
             # first request still is, so checking and recording an id is one step.
             with self.ids_lock:
-                if job.get("id") is not None:
-                    if job["id"] in self.job_ids:  # a retry of a request that did arrive
+                if job.id is not None:
+                    if job.id in self.job_ids:  # a retry of a request that did arrive
                         return {"ok": True, "queued": self.jobs.qsize(), "duplicate": True}
-                    self.job_ids[job["id"]] = None
+                    self.job_ids[job.id] = None
                     while len(self.job_ids) > RECENT_JOB_IDS:
                         self.job_ids.popitem(last=False)
                 self.jobs.put(job)

@@ -13,17 +13,18 @@ user that speaks for another job can make the keeper read or write outside:
 * the image layout is well-formed (non-negative integer offsets and sizes), so that a
   job cannot make the keeper read past its slot.
 
-Pure checks on plain data (and ``realpath`` of local paths): no I/O beyond that, no
-heavy imports (a frame job must not wait for torch).
+Types and bounds are checked by the records' ``from_json`` (:mod:`deepspeed_ext.jobs`),
+paths here. Pure checks on plain data (and ``realpath`` of local paths): no I/O beyond
+that, no heavy imports (a frame job must not wait for torch).
 """
 
 import os
 import posixpath
-from typing import Any, Dict, Optional
+from typing import Any, Optional, Union
 
+from deepspeed_ext.jobs import FrameJob, Job, JobRefused, PersistJob, job_from_json
 
-class JobRefused(ValueError):
-    """A persist job the keeper will not run (the reason names the field)."""
+__all__ = ["JobRefused", "check_job", "inside"]  # JobRefused: re-exported, its old home
 
 
 def inside(path: Any, root: str) -> bool:
@@ -48,76 +49,50 @@ def _component(name: Any, field: str) -> None:
         raise JobRefused(f"{field} {name!r} is not one directory name")
 
 
-def _int(value: Any, field: str, low: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise JobRefused(f"{field} must be an integer >= {low}, got {value!r}")
-    return value
-
-
 def _same_dir(a: str, b: str) -> bool:
     if "://" in a or "://" in b:
         return a.rstrip("/") == b.rstrip("/")
     return os.path.realpath(a) == os.path.realpath(b)
 
 
-def check_job(job: Any, directory: str, save_dir: Optional[str] = None) -> None:
-    """Refuse a persist job whose paths leave its directories.
+def _in_memory(path: Optional[str], field: str, directory: str) -> None:
+    if path is not None and not inside(path, directory):
+        raise JobRefused(f"{field} {path!r} is not inside the keeper's directory {directory}")
+
+
+def check_job(job: Union[Job, Any], directory: str, save_dir: Optional[str] = None) -> Job:
+    """Parse a persist request's job (types and bounds: :mod:`deepspeed_ext.jobs`) and
+    refuse one whose paths leave its directories.
 
     Args:
-        job: the ``job`` of a ``persist`` request (see
-            :func:`deepspeed_ext.keeper.run_persist_job`).
+        job: the ``job`` of a ``persist`` request (JSON), or a record already parsed.
         directory: the keeper's node directory (memory).
         save_dir: the save directory the keeper was started for; None: the job's own
             ``save_dir`` is taken as given.
 
+    Returns:
+        The typed job (:class:`~deepspeed_ext.jobs.PersistJob` or
+        :class:`~deepspeed_ext.jobs.FrameJob`).
+
     Raises:
         JobRefused: naming the first offending field.
     """
-    if not isinstance(job, dict):
-        raise JobRefused("a job must be a JSON object")
-    target = job.get("save_dir")
-    if not isinstance(target, str) or not target:
-        raise JobRefused(f"save_dir must be a directory, got {target!r}")
+    if not isinstance(job, (PersistJob, FrameJob)):
+        job = job_from_json(job)
+    target = job.save_dir
     if save_dir is not None and not _same_dir(target, save_dir):
         raise JobRefused(f"save_dir {target!r} is not this job's save directory {save_dir!r}")
-    for field in ("image", "done_marker", "data", "marker"):
-        if field in job and job[field] is not None and not inside(job[field], directory):
-            raise JobRefused(f"{field} {job[field]!r} is not inside the keeper's directory "
-                             f"{directory}")
-    if job.get("kind") == "frame":
-        for field in ("data", "marker"):
-            if field not in job:
-                raise JobRefused(f"a frame job needs {field}")
+    if isinstance(job, FrameJob):
+        _in_memory(job.data, "data", directory)
+        _in_memory(job.marker, "marker", directory)
         exact = target.rstrip("/") + "/exact"
-        for field in ("dst_data", "dst_marker"):
-            if not inside(job.get(field), exact):
-                raise JobRefused(f"{field} {job.get(field)!r} is not inside {exact}")
-        return
-    if job.get("kind") not in (None, "snapshot"):
-        raise JobRefused(f"unknown job kind {job.get('kind')!r}")
-    _component(job.get("tag"), "tag")
-    _int(job.get("rank"), "rank")
-    _int(job.get("step"), "step")
-    if "image" not in job:
-        raise JobRefused("a snapshot job needs image")
-    entries = job.get("entries")
-    if not isinstance(entries, list):
-        raise JobRefused("entries must be a list")
-    for i, entry in enumerate(entries):
-        if not isinstance(entry, dict) or not isinstance(entry.get("key"), str) \
-                or not isinstance(entry.get("dtype"), str) \
-                or not isinstance(entry.get("shape"), list):
-            raise JobRefused(f"entries[{i}] is not a layout record")
-        _int(entry.get("start"), f"entries[{i}].start")
-        _int(entry.get("nbytes"), f"entries[{i}].nbytes")
-        for d in entry["shape"]:
-            _int(d, f"entries[{i}].shape")
-    keys = job.get("keys")
-    if keys is not None and (not isinstance(keys, list)
-                             or not all(isinstance(k, str) for k in keys)):
-        raise JobRefused("keys must be null or a list of strings")
-    extra: Dict[str, Any] = job.get("extra_files") or {}
-    if not isinstance(extra, dict):
-        raise JobRefused("extra_files must be an object")
-    for name in extra:
+        for field, path in (("dst_data", job.dst_data), ("dst_marker", job.dst_marker)):
+            if not inside(path, exact):
+                raise JobRefused(f"{field} {path!r} is not inside {exact}")
+        return job
+    _in_memory(job.image, "image", directory)
+    _in_memory(job.done_marker, "done_marker", directory)
+    _component(job.tag, "tag")
+    for name in job.extra_files or {}:
         _component(name, "extra_files name")
+    return job

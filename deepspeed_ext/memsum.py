@@ -8,7 +8,7 @@ the ``xxhash`` package, measured here at 14.9 GiB/s against zlib's CRC-32 at 2.1
 and SHA-256 at 1.3 GiB/s on one core (``python benchmarks/two_level_bench.py
 --checksum-speed``). Where ``xxhash`` is not installed, CRC-32 is used; the algorithm
 is recorded with the value, so a checksum is verified with the algorithm that made it.
-Storage keeps SHA-256 (:mod:`deepspeed_ext.storage`).
+Storage keeps SHA-256 (:mod:`deepspeed_ext.format.storage`).
 
 The value is a string ``"<algorithm>:<hex>"``.
 """

@@ -22,6 +22,7 @@ which the ordinary memory recovery reads it.
 """
 
 import json
+import logging
 import os
 import re
 import threading
@@ -35,9 +36,11 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_ext import redundancy as rd
+from deepspeed_ext.format.storage import atomic_write_json
 from deepspeed_ext.private_dir import make_private_dir, open_private
 from deepspeed_ext.snapshot import image_end
-from deepspeed_ext.storage import atomic_write_json
+
+logger = logging.getLogger(__name__)
 
 KEEP = 2
 """Protected steps kept per source: the newest, and the one before it while the newest
@@ -216,18 +219,19 @@ class PeerRedundancy:
         except Exception as e:
             traceback.print_exc()
             if self.failed is None:
-                print(f"[moc] rank {self.rank}: WARNING: snapshot redundancy failed at step "
-                      f"{step} ({type(e).__name__}: {e}); what this rank holds for its peers "
-                      f"may lack that step (storage still has what was persisted)", flush=True)
+                logger.warning(
+                    f"[moc] rank {self.rank}: WARNING: snapshot redundancy failed at step "
+                    f"{step} ({type(e).__name__}: {e}); what this rank holds for its peers "
+                    f"may lack that step (storage still has what was persisted)")
             self.failed = f"{type(e).__name__}: {e}"
             return
         seconds = time.perf_counter() - start
         with self._lock:
             self.protected.append((step, sent, seconds))
         if self.rank == 0 and len(self.protected) == 1:
-            print(f"[moc] redundancy ({self.spec.describe()}): snapshot of step {step} "
-                  f"protected; rank 0 sent {sent / 2**20:.2f} MiB in {seconds:.3f} s "
-                  f"({sent / 2**20 / max(seconds, 1e-9):.0f} MiB/s)", flush=True)
+            logger.info(f"[moc] redundancy ({self.spec.describe()}): snapshot of step {step} "
+                        f"protected; rank 0 sent {sent / 2**20:.2f} MiB in {seconds:.3f} s "
+                        f"({sent / 2**20 / max(seconds, 1e-9):.0f} MiB/s)")
 
     def _exchange(self, sends: List[Tuple[torch.Tensor, int]],
                   recvs: List[Tuple[torch.Tensor, int]]) -> None:

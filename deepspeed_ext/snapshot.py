@@ -2,7 +2,7 @@
 
 Each rank owns ``SLOTS`` (three) slots under the keeper's directory
 ``<node dir>/rankNNNNN/``: ``slotI.img`` (the snapshot's bytes, laid out by
-:mod:`deepspeed_ext.image`, mapped into the training process), ``slotI.json`` (what
+:mod:`deepspeed_ext.format.image`, mapped into the training process), ``slotI.json`` (what
 the image holds; its presence is the "complete" mark) and ``slotI.persisting`` (exists
 while the keeper writes the slot to storage). The three roles of triple buffering:
 the newest complete slot is kept for recovery, a slot being persisted is left alone,
@@ -33,8 +33,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from deepspeed_ext import memsum
+from deepspeed_ext.format.dtypes import dtype_from_name
+from deepspeed_ext.format.storage import atomic_write_json
 from deepspeed_ext.private_dir import make_private_dir, open_private
-from deepspeed_ext.storage import atomic_write_json, dtype_from_name
 
 SLOTS = 3
 MAX_META_BYTES = 256 << 20

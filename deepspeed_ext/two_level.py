@@ -21,7 +21,7 @@ then routes ``save``/``load``/``wait`` here. Every rank calls them, in the same 
    into a free slot (:mod:`deepspeed_ext.snapshot`; on CUDA the copy is queued on a side
    stream, :mod:`deepspeed_ext.hostcopy`); the thread marks the slot complete and hands it
    to the keeper for persistence (:func:`deepspeed_ext.keeper.run_persist_job`), which
-   commits through report files (:mod:`deepspeed_ext.commit`), no collective.
+   commits through report files (:mod:`deepspeed_ext.store.commit`), no collective.
 
 ``wait`` (every rank): joins the copy, waits for the pending persist, and persists the
 newest snapshot if it was not (gathering the RNG states it lacks), so that the end of a
@@ -37,36 +37,45 @@ snapshots from memory (two-level recovery). Every load logs where pieces came fr
 
 import hashlib
 import json
+import logging
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext import commit, fs, keeper
+from deepspeed_ext import keeper
+from deepspeed_ext.engine.rng import get_rng_state
 from deepspeed_ext.exchange import Exchanger
+from deepspeed_ext.format import fs
+from deepspeed_ext.format.errors import CheckpointError
+from deepspeed_ext.format.objects import OBJECTS_TENSOR_FILE
 from deepspeed_ext.groups import metadata_group
-from deepspeed_ext.objects import OBJECTS_TENSOR_FILE
 from deepspeed_ext.hostcopy import HostCopier
-from deepspeed_ext.snapshot import SLOTS
-from deepspeed_ext.snapshot import SlotImage, SnapshotSlots
+from deepspeed_ext.jobs import CommitSpec, ImageEntry, PersistJob
+from deepspeed_ext.runtime.log import rank_zero_lines
+from deepspeed_ext.runtime.retry import Backoff, poll_until
+from deepspeed_ext.snapshot import SLOTS, SlotImage, SnapshotSlots
 from deepspeed_ext.state import FP32
-from deepspeed_ext.storage import CheckpointError
+from deepspeed_ext.store import claims, commit
 
 LAYOUT_CACHE = 16
 """Image layouts a rank keeps (one per set of snapshotted experts and object shapes)."""
 LOAD_EXCHANGE_BYTES = 4096
 """Bytes per rank of a load's exchanges (steps held; outcome with the expert versions
 taken); a value that does not fit costs two more collectives, not an error."""
+COMMIT_POLL_BACKOFF = Backoff(first_s=0.01, max_s=0.2)
+"""Sleeps between a rank's polls for the pending persist's commit (:meth:`TwoLevel.wait`)."""
 
 
-def _log(message: str) -> None:
-    if dist.get_rank() == 0:
-        print(f"[moc] {message}", flush=True)
+logger = logging.getLogger(__name__)
+_log = rank_zero_lines(logger)
+"""Rank 0's ``[moc] ...`` lines about the job (the package's logger: runtime.log)."""
 
 
 def _bytes_held(directory: str) -> int:
@@ -103,9 +112,10 @@ def _newest_stored_step(load_dir: str) -> Optional[int]:
     """Rank 0, before recovery's first exchange (never raises): the step of the
     checkpoint ``latest`` names under ``load_dir``; None when there is none or it cannot
     be read (the storage load would then fall back to an older one: memory wins)."""
-    from deepspeed_ext import manifest as mf
+    from deepspeed_ext.format import manifest as mf
+    from deepspeed_ext.store import latest
     try:
-        tag = mf.read_latest(load_dir) if fs.isdir(load_dir) else None
+        tag = latest.read_latest(load_dir) if fs.isdir(load_dir) else None
         return mf.read_manifest(os.path.join(load_dir, tag)).step if tag else None
     except Exception as e:
         _log(f"recovery: cannot read the newest checkpoint of {load_dir} ({type(e).__name__}: "
@@ -119,6 +129,42 @@ def default_shm_dir(save_dir: str) -> str:
     root = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
     digest = hashlib.sha256(fs.identity(save_dir).encode()).hexdigest()[:12]
     return os.path.join(root, f"moc-{os.getuid()}-{digest}")
+
+
+@dataclass
+class NewestSnapshot:
+    """``TwoLevel.last``: the newest snapshot of this rank, as its persist needs it."""
+
+    slot: int
+    meta: Dict[str, Any]
+    """The slot's published metadata (``step``, ``tag``, ``entries``, ``specs``, ...)."""
+    pieces: Any
+    """The write plan's pieces (:func:`deepspeed_ext.plan.build_write_plan`)."""
+    save_dir: str
+    save_latest: bool
+    object_keys: List[str]
+    persisted: bool
+    """Whether a persist of it was asked for (every rank the same)."""
+    rng_state: Any
+    rng_gathered: bool
+    """Whether its objects hold every rank's RNG state (else only this rank's)."""
+
+
+@dataclass
+class PendingPersist:
+    """``TwoLevel.persist``: the last persist requested and not yet seen committed."""
+
+    save_dir: str
+    tag: str
+    selected: FrozenSet
+    """The experts it saves (empty without MoE), unmarked should it fail."""
+    policy_before: Any
+    """The PEC policy's state before this persist marked them."""
+    slot: int
+    in_process: bool
+    """Persisted by this process (its keeper was gone), not by the keeper."""
+    claim: Optional[str]
+    started: float = field(default_factory=time.monotonic)
 
 
 class TwoLevel:
@@ -150,8 +196,8 @@ class TwoLevel:
         # the others hold the newest snapshot and the one being persisted.
         self.num_slots = SLOTS + (1 if self.spec.enabled and self.spec.mode == "erasure"
                                   and cfg.redundancy_interval > 1 else 0)
-        from deepspeed_ext.state import describe_local_state
         from deepspeed_ext.job_identity import agree_run_id
+        from deepspeed_ext.state import describe_local_state
         self.run_id = agree_run_id(cfg.save_dir, cfg.shm_dir, log=_log)
         """This job's identity, recorded in every snapshot (:mod:`deepspeed_ext.job_identity`)."""
         frags = describe_local_state(ckpt.engine, ckpt.naming, with_moments=False)
@@ -187,9 +233,9 @@ class TwoLevel:
         self.keeper_gone = False
         self.local_persists: List[threading.Thread] = []
         """Persists run in this process since the keeper died (:meth:`_drain` joins them)."""
-        self.persist: Optional[Dict[str, Any]] = None
+        self.persist: Optional[PendingPersist] = None
         """The last persist requested and not yet seen committed."""
-        self.last: Optional[Dict[str, Any]] = None
+        self.last: Optional[NewestSnapshot] = None
         """The newest snapshot: its slot, metadata, write pieces, and whether it was persisted."""
         self.last_load_source: Optional[str] = None
         self._images: Dict[int, SlotImage] = {}
@@ -304,8 +350,7 @@ class TwoLevel:
 
     def save(self, save_dir: str, tag: Optional[str], client_state, save_latest: bool) -> bool:
         from deepspeed_ext.checkpointer import _raise_if_failed
-        from deepspeed_ext.objects import encode
-        from megatron.training.rng import get_rng_state
+        from deepspeed_ext.format.objects import encode
         ck, engine = self.ckpt, self.ckpt.engine
         start = time.perf_counter()
         self.join_copy()
@@ -345,7 +390,7 @@ class TwoLevel:
             rng_states[self.rank] = rng_state
         persist = want and self.persist is None
         if want and not persist:
-            _log(f"snapshot at step {step}: the previous persist ({self.persist['tag']}) is "
+            _log(f"snapshot at step {step}: the previous persist ({self.persist.tag}) is "
                  f"still running; this snapshot stays in memory only")
         snap_sel = self.snap_policy.select() if self.snap_policy is not None else None
         persist_sel = ck.select_experts(save_dir) if (persist and ck.policy is not None) \
@@ -378,9 +423,10 @@ class TwoLevel:
             meta = {"step": step, "tag": tag, "signature": signature, "entries": entries,
                     "specs": specs, "experts": sorted(union) if union is not None else None,
                     "objects_tree": tree, "run_id": self.run_id}
-            self.last = {"slot": slot, "meta": meta, "pieces": pieces, "save_dir": save_dir,
-                         "save_latest": save_latest, "object_keys": list(object_tensors),
-                         "persisted": persist, "rng_state": rng_state, "rng_gathered": want}
+            self.last = NewestSnapshot(slot=slot, meta=meta, pieces=pieces, save_dir=save_dir,
+                                       save_latest=save_latest,
+                                       object_keys=list(object_tensors), persisted=persist,
+                                       rng_state=rng_state, rng_gathered=want)
             job = self._persist_job(self.last, persist_sel if union is not None else None,
                                     policy_before, claim) if persist else None
             # CUDA: the copies are queued on a side stream now (microseconds); the thread
@@ -415,8 +461,9 @@ class TwoLevel:
                 # snapshot's protection: do it here, or the peers' messages stop pairing.
                 self.redundancy.protect(step, -1, None, None)
             self.copy_error = f"snapshot {tag}: {type(e).__name__}: {e}"
-            print(f"[moc] rank {self.rank}: WARNING: {self.copy_error} (raised on every rank at "
-                  f"the next persisted snapshot)", flush=True)
+            logger.warning(
+                f"[moc] rank {self.rank}: WARNING: {self.copy_error} (raised on every rank at "
+                f"the next persisted snapshot)")
             return False
 
     def _fragments(self) -> Tuple[list, str, list]:
@@ -440,7 +487,7 @@ class TwoLevel:
         set of keys, shapes and dtypes (the same every snapshot unless K's expert choice
         or the layout changes). The entries are shared by the snapshots' metadata and
         never modified."""
-        from deepspeed_ext.image import layout_of
+        from deepspeed_ext.format.image import layout_of
         key = tuple((k, tuple(t.shape), t.dtype) for k, t in tensors.items())
         hit = self._layouts.get(key)
         if hit is None:
@@ -476,10 +523,11 @@ class TwoLevel:
                 raise
         if not self._evict_warned:
             self._evict_warned = True
-            print(f"[moc] rank {self.rank}: WARNING: reusing the slot of step "
-                  f"{self._protected[1]}'s snapshot, the newest one erasure coding protects "
-                  f"(the other slots are newer or still being persisted): a node lost "
-                  f"before the next protected snapshot recovers from storage", flush=True)
+            logger.warning(
+                f"[moc] rank {self.rank}: WARNING: reusing the slot of step "
+                f"{self._protected[1]}'s snapshot, the newest one erasure coding protects "
+                f"(the other slots are newer or still being persisted): a node lost "
+                f"before the next protected snapshot recovers from storage")
         return self.slots.choose()
 
     def _kept_for_rebuild(self) -> set:
@@ -498,11 +546,11 @@ class TwoLevel:
     def _spec(self, frag) -> Dict[str, Any]:
         """The manifest spec of a fragment, built once per fragment (every snapshot needs
         hundreds of them, and they change only with the layout)."""
-        from deepspeed_ext import manifest as mf
+        from deepspeed_ext.format import assemble
         cache_key = (frag.key, frag.length, tuple(frag.shape), frag.tensor.dtype, frag.expert)
         spec = self._specs.get(cache_key)
         if spec is None:
-            spec = self._specs[cache_key] = mf.FragmentSpec(
+            spec = self._specs[cache_key] = assemble.FragmentSpec(
                 frag.name, frag.kind, frag.offset, frag.length, frag.shape,
                 str(frag.tensor.dtype).rsplit(".", 1)[-1], frag.expert).to_json()
         return spec
@@ -519,7 +567,7 @@ class TwoLevel:
         """Rank 0: create a persist's tag directory; ``(ok, error, claim)``, never raises."""
         try:
             self.ckpt.prepare_save_dir(save_dir, tag, step)
-            return True, None, commit.read_claim(os.path.join(save_dir, tag))
+            return True, None, claims.read_claim(os.path.join(save_dir, tag))
         except Exception as e:
             traceback.print_exc()
             return False, f"{type(e).__name__}: {e}", None
@@ -537,46 +585,48 @@ class TwoLevel:
                                      f"on rank 0: {why}")
         return prepared[2]
 
-    def _persist_job(self, snap: Dict[str, Any], selected, policy_before,
-                     claim: Optional[str]) -> Dict[str, Any]:
+    def _persist_job(self, snap: NewestSnapshot, selected, policy_before,
+                     claim: Optional[str]) -> PersistJob:
         """This rank's persist job for the snapshot ``snap`` (a ``self.last`` record)
         holding ``selected`` experts on storage (None: no MoE), under rank 0's ``claim``
-        on its directory; records it as the pending persist. Plain data: the keeper runs
-        it (:func:`keeper.run_persist_job`)."""
+        on its directory; records it as the pending persist. The keeper runs it
+        (:func:`keeper.run_persist_job`; its JSON crosses the keeper's socket)."""
         from deepspeed_ext.plan import build_write_plan
-        ck, meta = self.ckpt, snap["meta"]
-        save_dir, tag, step = snap["save_dir"], meta["tag"], meta["step"]
-        plan = build_write_plan(snap["pieces"], self.world, selected)
+        ck, meta = self.ckpt, snap.meta
+        save_dir, tag, step = snap.save_dir, meta["tag"], meta["step"]
+        plan = build_write_plan(snap.pieces, self.world, selected)
         keys = list(plan.keys_for(self.rank))
-        job = {"image": self.slots.image_path(snap["slot"]), "entries": meta["entries"],
-               "keys": keys, "specs": [meta["specs"][k] for k in keys if k in meta["specs"]],
-               "save_dir": save_dir, "tag": tag, "step": step, "rank": self.rank,
-               "objects_tree": meta["objects_tree"] if self.rank == 0 else None,
-               # the objects' tensors go to their own small file (objects.OBJECTS_TENSOR_FILE)
-               "object_keys": list(snap["object_keys"]) if self.rank == 0 else [],
-               # Every rank's writer holds the claim: a keeper still running this job
-               # after a restart re-saved the tag stands down instead of writing this
-               # attempt's file (or report) into the new save.
-               "claim": claim, "run_id": self.run_id,
-               # The image's memory checksum (set by the copy thread once it is known;
-               # _persist_newest's snapshot has it already): the keeper verifies it.
-               "checksum": meta.get("checksum")}
+        commit_spec = None
         if self.rank == 0:
             from deepspeed_ext.checkpointer import extended_tag
-            job["commit"] = {
-                "step": step,
-                "layout": ck._layout_record(self.world, int(ck.engine.zero_optimization_stage())),
-                "previous_tag": extended_tag(ck._previous, save_dir),
-                "selected": sorted(selected) if selected is not None else None,
-                "pec_k": ck.policy.k if ck.policy is not None else None,
-                "save_latest": snap["save_latest"], "keep": self.cfg.keep,
-                "timeout_s": self.cfg.commit_timeout_s,
-                "attempt_started": ck.attempt_started}
-        self.persist = {"save_dir": save_dir, "tag": tag,
-                        "selected": selected if selected is not None else frozenset(),
-                        "policy_before": policy_before, "slot": snap["slot"],
-                        "in_process": self.keeper_gone, "claim": claim,
-                        "started": time.monotonic()}
+            commit_spec = CommitSpec(
+                step=step,
+                layout=ck._layout_record(self.world, int(ck.engine.zero_optimization_stage())),
+                previous_tag=extended_tag(ck._previous, save_dir),
+                selected=tuple(sorted(selected)) if selected is not None else None,
+                pec_k=ck.policy.k if ck.policy is not None else None,
+                save_latest=snap.save_latest, keep=self.cfg.keep,
+                timeout_s=self.cfg.commit_timeout_s, attempt_started=ck.attempt_started)
+        job = PersistJob(
+            image=self.slots.image_path(snap.slot),
+            entries=tuple(ImageEntry.from_json(e) for e in meta["entries"]),
+            keys=tuple(keys), specs=tuple(meta["specs"][k] for k in keys if k in meta["specs"]),
+            save_dir=save_dir, tag=tag, step=step, rank=self.rank,
+            objects_tree=meta["objects_tree"] if self.rank == 0 else None,
+            # the objects' tensors go to their own small file (objects.OBJECTS_TENSOR_FILE)
+            object_keys=tuple(snap.object_keys) if self.rank == 0 else (),
+            # Every rank's writer holds the claim: a keeper still running this job after
+            # a restart re-saved the tag stands down instead of writing this attempt's
+            # file (or report) into the new save.
+            claim=claim, run_id=self.run_id,
+            # The image's memory checksum (set by the copy thread once it is known;
+            # _persist_newest's snapshot has it already): the keeper verifies it.
+            checksum=meta.get("checksum"), commit=commit_spec)
+        self.persist = PendingPersist(
+            save_dir=save_dir, tag=tag,
+            selected=selected if selected is not None else frozenset(),
+            policy_before=policy_before, slot=snap.slot, in_process=self.keeper_gone,
+            claim=claim)
         return job
 
     def _persist_newest(self) -> Tuple[bool, Optional[str]]:
@@ -594,24 +644,24 @@ class TwoLevel:
         """
         from deepspeed_ext.checkpointer import _broadcast_outcome
         snap = self.last
-        if snap is None or snap["persisted"]:
+        if snap is None or snap.persisted:
             return True, None
-        ck, meta = self.ckpt, snap["meta"]
+        ck, meta = self.ckpt, snap.meta
         selected = frozenset(tuple(e) for e in meta["experts"]) \
             if meta["experts"] is not None else None
         policy_before = ck.policy.state_dict() if ck.policy is not None else None
         if ck.policy is not None and selected is not None:
             ck.policy.mark_saved(selected, meta["step"])
-        claim = self._prepare_dir(snap["save_dir"], meta["tag"], meta["step"], policy_before)
-        snap["persisted"] = True
+        claim = self._prepare_dir(snap.save_dir, meta["tag"], meta["step"], policy_before)
+        snap.persisted = True
         extra = {}
-        if not snap["rng_gathered"]:  # the same on every rank: a collective is safe here
+        if not snap.rng_gathered:  # the same on every rank: a collective is safe here
             # The snapshot holds only this rank's RNG state; rank 0 writes the objects
             # with every rank's (gathered now) itself, into objects.safetensors, and a
             # failure there is raised on every rank.
             rng_states: List = [None] * self.world
-            dist.all_gather_object(rng_states, snap["rng_state"], group=metadata_group())
-            written = dict(snap, object_keys=[])
+            dist.all_gather_object(rng_states, snap.rng_state, group=metadata_group())
+            written = replace(snap, object_keys=[])
             try:
                 _broadcast_outcome(
                     lambda: extra.update(self._write_objects_with(written, rng_states)),
@@ -619,13 +669,12 @@ class TwoLevel:
             except Exception:
                 if ck.policy is not None:
                     ck.policy.load_state_dict(policy_before)
-                snap["persisted"] = False
+                snap.persisted = False
                 raise
             snap = written
         try:
-            job = self._persist_job(snap, selected, policy_before, claim)
-            job.update(extra)
-            job["done_marker"] = self.slots.persist_marker(snap["slot"])
+            job = replace(self._persist_job(snap, selected, policy_before, claim), **extra,
+                          done_marker=self.slots.persist_marker(snap.slot))
             _log(f"persisting the newest snapshot {meta['tag']} (step {meta['step']}) before "
                  f"returning from wait")
             self._send(job)
@@ -633,26 +682,27 @@ class TwoLevel:
             traceback.print_exc()
             why = f"{type(e).__name__}: {e}"
             try:  # the committer stops at this report instead of at its timeout
-                commit.write_report(os.path.join(snap["save_dir"], meta["tag"]), self.rank,
+                commit.write_report(os.path.join(snap.save_dir, meta["tag"]), self.rank,
                                     None, error=why, claim=claim)
             except Exception:
                 pass
             return False, why
         return True, None
 
-    def _write_objects_with(self, snap: Dict[str, Any], rng_states: List) -> Dict[str, Any]:
+    def _write_objects_with(self, snap: NewestSnapshot, rng_states: List) -> Dict[str, Any]:
         """Rank 0: write the snapshot's objects, with ``rng_states`` of every rank, as
         ``objects.json`` plus ``objects.safetensors`` into the persist's tag directory.
 
         Returns:
-            Job fields that make the keeper use these files instead of writing objects.
+            :class:`~deepspeed_ext.jobs.PersistJob` fields that make the keeper use these
+            files instead of writing objects.
         """
-        from deepspeed_ext.objects import decode, encode, tensor_keys, write_objects_file
-        from deepspeed_ext.storage import write_fragment_file
-        meta = snap["meta"]
-        tag_dir = os.path.join(snap["save_dir"], meta["tag"])
+        from deepspeed_ext.format.objects import decode, encode, tensor_keys, write_objects_file
+        from deepspeed_ext.format.storage import write_fragment_file
+        meta = snap.meta
+        tag_dir = os.path.join(snap.save_dir, meta["tag"])
         tree = meta["objects_tree"]
-        image = SlotImage(self.slots.image_path(snap["slot"]))
+        image = SlotImage(self.slots.image_path(snap.slot))
         try:
             entries = {e["key"]: e for e in meta["entries"]}
             objects = decode(tree, {k: image.read(entries[k]) for k in tensor_keys(tree)})
@@ -680,8 +730,8 @@ class TwoLevel:
             self.slots.publish(slot, meta)
             published = True
             if job is not None:
-                job["checksum"] = meta["checksum"]
-                job["done_marker"] = self.slots.persist_marker(slot)
+                job = replace(job, checksum=meta["checksum"],
+                              done_marker=self.slots.persist_marker(slot))
                 self.send_job = self.sender_pool.submit(self._send_safely, job)
         except Exception as e:
             traceback.print_exc()
@@ -692,7 +742,7 @@ class TwoLevel:
                 image = buffer if published else None
                 self.redundancy.protect(meta["step"], slot, image, meta if published else None)
 
-    def _send_safely(self, job) -> None:
+    def _send_safely(self, job: PersistJob) -> None:
         """Hand-over thread: :meth:`_send`; an error fails this persist (reported in its
         directory, so the pending persist ends) instead of vanishing with the thread."""
         try:
@@ -701,45 +751,46 @@ class TwoLevel:
             traceback.print_exc()
             self._fail_unsent(job, f"{type(e).__name__}: {e}")
 
-    def _send(self, job) -> None:
+    def _send(self, job: PersistJob) -> None:
         if not self.keeper_gone:
-            job["id"] = keeper.job_id(job["tag"], self.rank)
+            job = replace(job, id=keeper.job_id(job.tag, self.rank))
             try:
-                if keeper.hand_over(self.node_dir, job, patience_s=self.cfg.commit_timeout_s):
+                if keeper.hand_over(self.node_dir, job.to_json(),
+                                    patience_s=self.cfg.commit_timeout_s):
                     return
             except keeper.KeeperError as e:
                 self._fail_unsent(job, str(e))
                 return
-            self._keeper_died("it did not take the persist of " + job["tag"])
+            self._keeper_died("it did not take the persist of " + job.tag)
         thread = threading.Thread(target=keeper.run_persist_job, args=(job,),
-                                  name=f"moc-persist-{job['tag']}")
+                                  name=f"moc-persist-{job.tag}")
         self.local_persists = [t for t in self.local_persists if t.is_alive()] + [thread]
         thread.start()
 
-    def _fail_unsent(self, job, why: str) -> None:
+    def _fail_unsent(self, job: PersistJob, why: str) -> None:
         """Copy thread: a live keeper never took this rank's job. It may still run it
         (the slot stays marked as persisting until it has read it), so this process
         does not write it too: the persist ends as failed (rank 0 also marks the
         commit failed, having no committer) and training goes on."""
-        tag_dir = os.path.join(job["save_dir"], job["tag"])
-        print(f"[moc] rank {self.rank}: WARNING: persist of {job['tag']} abandoned: {why}",
-              flush=True)
+        tag_dir = os.path.join(job.save_dir, job.tag)
+        logger.warning(f"[moc] rank {self.rank}: WARNING: persist of {job.tag} abandoned: {why}")
         try:
-            commit.write_report(tag_dir, self.rank, None, error=why, claim=job.get("claim"))
-            if job.get("commit") is not None:
-                commit.write_failure(tag_dir, why, claim=job.get("claim"))
+            commit.write_report(tag_dir, self.rank, None, error=why, claim=job.claim)
+            if job.commit is not None:
+                commit.write_failure(tag_dir, why, claim=job.claim)
         except Exception as e:  # the pending persist then ends at its deadline
-            print(f"[moc] rank {self.rank}: WARNING: cannot mark {tag_dir} failed "
-                  f"({type(e).__name__}: {e})", flush=True)
+            logger.warning(f"[moc] rank {self.rank}: WARNING: cannot mark {tag_dir} failed "
+                           f"({type(e).__name__}: {e})")
 
     def _keeper_died(self, why: str) -> None:
         """Switch to persisting in this process; say so once per rank."""
         if self.keeper_gone:
             return
         self.keeper_gone = True
-        print(f"[moc] rank {self.rank}: WARNING: the keeper of node {self.node} is gone ({why}); "
-              f"training goes on, persisting from this process (snapshots still go to "
-              f"{self.node_dir}; a restart starts a new keeper)", flush=True)
+        logger.warning(
+            f"[moc] rank {self.rank}: WARNING: the keeper of node {self.node} is gone ({why}); "
+            f"training goes on, persisting from this process (snapshots still go to "
+            f"{self.node_dir}; a restart starts a new keeper)")
 
     def _abandon_persist_of_dead_keeper(self) -> None:
         """Every rank, before the persist outcome is looked at: a keeper that died with this
@@ -749,27 +800,27 @@ class TwoLevel:
         would be deferred behind it."""
         p = self.persist
         # Once the keeper is known gone, every persist since runs in this process.
-        if p is None or p["in_process"] or self.keeper_gone:
+        if p is None or p.in_process or self.keeper_gone:
             return
         if self.send_job is not None and not self.send_job.done():
             return  # the hand-over decides (and persists here if the keeper is dead)
         if not keeper.is_dead(self.node_dir):  # a socket connect, only while a persist is pending
             return
         self._keeper_died("it stopped answering while persisting")
-        tag_dir = os.path.join(p["save_dir"], p["tag"])
-        why = f"the keeper of node {self.node} died while persisting {p['tag']}"
+        tag_dir = os.path.join(p.save_dir, p.tag)
+        why = f"the keeper of node {self.node} died while persisting {p.tag}"
         try:  # called before collectives: a storage error is logged, never raised
             if not fs.exists(os.path.join(tag_dir, commit.report_name(self.rank))):
-                commit.write_report(tag_dir, self.rank, None, error=why, claim=p["claim"])
-            if self.rank == 0 and commit.commit_outcome(tag_dir, self.world, p["claim"]) is None:
-                commit.write_failure(tag_dir, why, claim=p["claim"])
+                commit.write_report(tag_dir, self.rank, None, error=why, claim=p.claim)
+            if self.rank == 0 and commit.commit_outcome(tag_dir, self.world, p.claim) is None:
+                commit.write_failure(tag_dir, why, claim=p.claim)
         except Exception as e:
-            print(f"[moc] rank {self.rank}: WARNING: cannot mark {tag_dir} failed "
-                  f"({type(e).__name__}: {e}); its commit ends at the commit timeout instead",
-                  flush=True)
+            logger.warning(
+                f"[moc] rank {self.rank}: WARNING: cannot mark {tag_dir} failed "
+                f"({type(e).__name__}: {e}); its commit ends at the commit timeout instead")
         # The keeper would have removed it once the slot was read: the slot is free again.
         try:
-            os.remove(os.path.join(self.slots.dir, f"slot{p['slot']}.persisting"))
+            os.remove(os.path.join(self.slots.dir, f"slot{p.slot}.persisting"))
         except OSError:
             pass
 
@@ -784,13 +835,13 @@ class TwoLevel:
 
     def _persist_view(self):
         """Rank 0: the outcome of the last persist, None while it is running."""
-        from deepspeed_ext.commit import commit_outcome
+        from deepspeed_ext.store.commit import commit_outcome
         if self.persist is None:
             return "none"
-        tag_dir = os.path.join(self.persist["save_dir"], self.persist["tag"])
+        tag_dir = os.path.join(self.persist.save_dir, self.persist.tag)
         try:
-            outcome = commit_outcome(tag_dir, self.world, self.persist["claim"])
-            if outcome is None and time.monotonic() - self.persist["started"] > \
+            outcome = commit_outcome(tag_dir, self.world, self.persist.claim)
+            if outcome is None and time.monotonic() - self.persist.started > \
                     self.cfg.commit_timeout_s:
                 # A commit that ends with neither a manifest nor a failure record (a
                 # committer that died, a job dropped) would otherwise defer every later
@@ -801,7 +852,7 @@ class TwoLevel:
             # Read before the snapshot's exchange, which the other ranks are already in:
             # a storage error counts as "still running" (the snapshot stays in memory
             # only, and the next one that is due looks again).
-            _log(f"WARNING: cannot read the outcome of persist {self.persist['tag']} "
+            _log(f"WARNING: cannot read the outcome of persist {self.persist.tag} "
                  f"({type(e).__name__}: {e}); treating it as still running")
             return None
         return list(outcome) if outcome is not None else None
@@ -813,11 +864,11 @@ class TwoLevel:
         ok, message = view
         persist, self.persist = self.persist, None
         if ok:
-            self.ckpt._previous = (persist["save_dir"], persist["tag"])
+            self.ckpt._previous = (persist.save_dir, persist.tag)
             return
-        _log(f"WARNING: persisting {persist['tag']} failed ({message}); latest still names "
+        _log(f"WARNING: persisting {persist.tag} failed ({message}); latest still names "
              f"the previous checkpoint, and its experts will be saved again")
-        self.ckpt._undo_mark_saved(persist["policy_before"], persist["selected"])
+        self.ckpt._undo_mark_saved(persist.policy_before, persist.selected)
 
     def wait(self) -> None:
         """Every rank: returns once every snapshot taken so far is on storage and nothing
@@ -832,7 +883,7 @@ class TwoLevel:
             self.copy_error = None
             outcomes = self._wait_pending(ok, message)
             _raise_if_failed(outcomes, "MoC two-level wait")
-            if self.last is not None and not self.last["persisted"]:
+            if self.last is not None and not self.last.persisted:
                 ok, message = self._persist_newest()
                 _raise_if_failed(self._wait_pending(ok, message), "MoC two-level wait")
         finally:
@@ -861,38 +912,35 @@ class TwoLevel:
             keeper.drain_keeper(self.node_dir, self.cfg.commit_timeout_s, self.run_id,
                                 self.ckpt.attempt_started)
         except Exception as e:
-            print(f"[moc] rank {self.rank}: WARNING: the keeper of node {self.node} did not "
-                  f"finish its persists and commits within {self.cfg.commit_timeout_s:.0f} s "
-                  f"(--moc-commit-timeout; {type(e).__name__}: {e}); it may still write "
-                  f"into {self.cfg.save_dir}", flush=True)
+            logger.warning(
+                f"[moc] rank {self.rank}: WARNING: the keeper of node {self.node} did not "
+                f"finish its persists and commits within {self.cfg.commit_timeout_s:.0f} s "
+                f"(--moc-commit-timeout; {type(e).__name__}: {e}); it may still write "
+                f"into {self.cfg.save_dir}")
 
     def _wait_pending(self, ok: bool, message) -> list:
         """Every rank: wait for the pending persist's commit (or failure); settle it;
         return every rank's (ok, message)."""
         from deepspeed_ext.checkpointer import _all_outcomes
         if self.persist is not None and ok:
-            tag_dir = os.path.join(self.persist["save_dir"], self.persist["tag"])
-            deadline = time.monotonic() + self.cfg.commit_timeout_s
-            delay = 0.01
-            while True:
+            tag_dir = os.path.join(self.persist.save_dir, self.persist.tag)
+
+            def poll() -> Optional[Tuple[bool, str]]:
                 try:
                     # Checked on every poll: a keeper dying meanwhile ends the wait with
                     # its error instead of after the whole commit timeout.
                     self._abandon_persist_of_dead_keeper()
-                    outcome = commit.commit_outcome(tag_dir, self.world, self.persist["claim"])
+                    return commit.commit_outcome(tag_dir, self.world, self.persist.claim)
                 except Exception as e:  # storage unreachable: reported, not raised here
                     traceback.print_exc()
-                    outcome = (False, f"{type(e).__name__}: {e}")
-                if outcome is not None:
-                    ok, message = outcome
-                    break
-                if time.monotonic() >= deadline:
-                    ok, message = False, (f"{tag_dir} not committed within "
-                                          f"{self.cfg.commit_timeout_s:.0f} s "
-                                          f"(--moc-commit-timeout)")
-                    break
-                time.sleep(delay)
-                delay = min(0.2, delay * 2)
+                    return (False, f"{type(e).__name__}: {e}")
+
+            def timed_out() -> Tuple[bool, str]:
+                return False, (f"{tag_dir} not committed within "
+                               f"{self.cfg.commit_timeout_s:.0f} s (--moc-commit-timeout)")
+
+            ok, message = poll_until(poll, self.cfg.commit_timeout_s, COMMIT_POLL_BACKOFF,
+                                     timed_out)
         outcomes = _all_outcomes(ok, message)
         if self.persist is not None:
             self._settle_persist([all(o for o, _ in outcomes), "see the rank errors"])
@@ -919,10 +967,11 @@ class TwoLevel:
                 keeper.shutdown_keeper(self.node_dir, self.cfg.commit_timeout_s, self.run_id,
                                        self.ckpt.attempt_started)
             elif self.first_of_node:
-                print(f"[moc] rank {self.rank}: WARNING: the newest snapshots are not all on "
-                      f"storage: leaving them in {self.node_dir}; its keeper exits "
-                      f"{self.cfg.keeper_idle_timeout_s:.0f} s after the last training "
-                      f"process, and a restart before that recovers from them", flush=True)
+                logger.warning(
+                    f"[moc] rank {self.rank}: WARNING: the newest snapshots are not all on "
+                    f"storage: leaving them in {self.node_dir}; its keeper exits "
+                    f"{self.cfg.keeper_idle_timeout_s:.0f} s after the last training "
+                    f"process, and a restart before that recovers from them")
             dist.barrier(group=metadata_group())
             if self.rank == 0:
                 try:
@@ -1039,8 +1088,9 @@ class TwoLevel:
         return checked[::-1]
 
     def _warn_damaged(self, slot: int, meta: Dict[str, Any], problem: str) -> None:
-        print(f"[moc] rank {self.rank}: WARNING: not recovering from the step-{meta['step']} "
-              f"snapshot in {self.slots.image_path(slot)}: {problem}", flush=True)
+        logger.warning(
+            f"[moc] rank {self.rank}: WARNING: not recovering from the step-{meta['step']} "
+            f"snapshot in {self.slots.image_path(slot)}: {problem}")
 
     def _rebuild_from_peers(self, signature: str) -> bool:
         """Every rank, before a memory recovery: when some ranks lost their snapshots (a
@@ -1155,7 +1205,7 @@ class TwoLevel:
 
     def _load_memory(self, load_dir, step, mine, fragments, load_optimizer_states,
                      load_lr_scheduler_states, start):
-        from deepspeed_ext.objects import decode, tensor_keys
+        from deepspeed_ext.format.objects import decode, tensor_keys
         from deepspeed_ext.state import MomentPresence, refresh_compute_weights
         ck = self.ckpt
         ok, error, objects, counts = True, None, None, {"memory": 0, "storage": 0}
@@ -1304,8 +1354,8 @@ class TwoLevel:
                                            f"{frag.length}")
                     staged.append((frag, data, newest["step"]))
         except Exception as e:  # this rank keeps storage's versions; the others go on
-            print(f"[moc] rank {self.rank}: WARNING: cannot read its memory snapshots "
-                  f"({type(e).__name__}: {e}); keeping the versions from storage", flush=True)
+            logger.warning(f"[moc] rank {self.rank}: WARNING: cannot read its memory snapshots "
+                           f"({type(e).__name__}: {e}); keeping the versions from storage")
             staged = []
         with torch.no_grad():
             for frag, data, step in staged:
@@ -1335,7 +1385,10 @@ class _StorageVersions:
     verified) only if a fragment is actually read from storage."""
 
     def __init__(self, load_dir: str, step: int):
-        from deepspeed_ext import manifest as mf
+        from deepspeed_ext.format import errors
+        from deepspeed_ext.format import manifest as mf
+        from deepspeed_ext.store.catalog import scan_checkpoints
+        from deepspeed_ext.store.latest import read_latest
         self.load_dir, self.step, self.tag = load_dir, step, None
         self._versions: Optional[Dict] = None
         self._reader = None
@@ -1345,13 +1398,13 @@ class _StorageVersions:
             self._versions = {}
             return
         try:
-            latest = mf.read_latest(load_dir)
-        except mf.CheckpointError:
+            latest = read_latest(load_dir)
+        except errors.CheckpointError:
             latest = None
         if latest and fs.exists(os.path.join(load_dir, latest, mf.MANIFEST_FILE)):
             self.latest = latest
         else:  # no or a dangling ``latest``: the newest complete checkpoint is it
-            complete = mf.scan_checkpoints(load_dir).complete
+            complete = scan_checkpoints(load_dir).complete
             self.latest = complete[-1][1] if complete else None
 
     def base_tag(self) -> Optional[str]:
@@ -1373,20 +1426,21 @@ class _StorageVersions:
         return self._versions
 
     def _resolve(self) -> Dict:
-        from deepspeed_ext import manifest as mf
+        from deepspeed_ext.format import errors, expert_index
+        from deepspeed_ext.store import catalog
         # Normally ``latest`` is it: one manifest read. Only when storage is ahead of the
         # memory snapshot (or ``latest`` is damaged) are all manifests scanned.
         found = None
         try:
             if self.latest:
-                found = (self.latest, *mf.read_expert_versions(
+                found = (self.latest, *expert_index.read_expert_versions(
                     os.path.join(self.load_dir, self.latest)))
-        except mf.CheckpointError:
+        except errors.CheckpointError:
             found = None
         if found is None or found[1] > self.step:
-            complete = mf.scan_checkpoints(self.load_dir).complete
+            complete = catalog.scan_checkpoints(self.load_dir).complete
             candidates = [t for s, t in complete if s <= self.step]
-            found = ((candidates[-1], *mf.read_expert_versions(
+            found = ((candidates[-1], *expert_index.read_expert_versions(
                 os.path.join(self.load_dir, candidates[-1]))) if candidates else None)
         if found is None:
             return {}
@@ -1394,7 +1448,7 @@ class _StorageVersions:
         return found[2]
 
     def reader(self):
-        from deepspeed_ext.reader import CheckpointReader
+        from deepspeed_ext.store.reader import CheckpointReader
         if self._reader is None:
             # Each file this rank reads is checked (size, checksum) before its first read;
             # not every rank's files, which would make every rank open the whole

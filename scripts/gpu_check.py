@@ -496,7 +496,7 @@ def check_exact_replay(ctx: Context, cap_s: float) -> CheckResult:
         return result(name, FAIL, f"expected one exact replay, got "
                       f"{[r.get('source') for r in recoveries]}", **metrics)
     import torch
-    from deepspeed_ext.reader import CheckpointReader
+    from deepspeed_ext.store.reader import CheckpointReader
     tensors = []
     for root in (os.path.join(ref, "ckpt"), ckpt):
         with CheckpointReader(root, "global_step12") as reader:

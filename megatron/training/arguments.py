@@ -402,7 +402,7 @@ def _check_storage_urls(args: argparse.Namespace) -> None:
     """``--save``/``--load`` may be fsspec URLs (``s3://...``) with --moc-checkpoint only,
     and the URL's filesystem package must be importable: fail here, not at the first save
     hours into the run."""
-    from deepspeed_ext import fs
+    from deepspeed_ext.format import fs
     for flag in ("save", "load"):
         value = getattr(args, flag)
         if not value or not fs.is_url(value):
@@ -607,7 +607,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                               "go to <save>/exact)")
         if args.moc_two_level:
             raise ConfigError("--moc-mode exact does not combine with --moc-two-level yet")
-        from deepspeed_ext import fs
+        from deepspeed_ext.format import fs
         if fs.is_url(args.save):
             raise ConfigError(f"--moc-mode exact: --save {args.save} must be a local path")
     _check_redundancy(args, world_size)

@@ -18,14 +18,15 @@ from typing import Dict, Optional, Tuple
 
 import torch.distributed as dist
 
-from deepspeed_ext import fs
+from deepspeed_ext.engine.rng import get_rng_state, set_rng_state
+from deepspeed_ext.format import fs
+from deepspeed_ext.format.errors import CheckpointError
+from deepspeed_ext.format.storage import (SMALL_RECORD_MAX_BYTES, atomic_write_json,
+                                          atomic_write_text, read_json)
 from deepspeed_ext.groups import metadata_group
-from deepspeed_ext.storage import (SMALL_RECORD_MAX_BYTES, CheckpointError, atomic_write_json,
-                                   atomic_write_text, read_json)
 from megatron.training.arguments import MODEL_SHAPE_ARGS
 from megatron.training.errors import ConfigError
 from megatron.training.log import print_rank_0
-from megatron.training.rng import get_rng_state, set_rng_state
 
 META_FILE = "megatron_meta.json"
 META_MAX_BYTES = 16 << 20
@@ -167,15 +168,17 @@ def _moc_newest_tag(load_dir: str) -> Optional[str]:
     manifest and ``latest``, a copy without it) started the run from scratch, and its
     first save then set every existing checkpoint aside as an abandoned timeline.
     """
-    from deepspeed_ext import manifest as mf
+    from deepspeed_ext.format import errors
+    from deepspeed_ext.format import manifest as mf
+    from deepspeed_ext.store import catalog, latest
     try:
-        tag = mf.read_latest(load_dir)
-    except mf.CheckpointError as e:
+        tag = latest.read_latest(load_dir)
+    except errors.CheckpointError as e:
         print_rank_0(f"WARNING: {e}; resuming from the newest complete checkpoint instead")
         tag = None
     if tag is not None and fs.isfile(os.path.join(load_dir, tag, mf.MANIFEST_FILE)):
         return tag
-    complete = mf.scan_checkpoints(load_dir).complete
+    complete = catalog.scan_checkpoints(load_dir).complete
     if complete:
         print_rank_0(f"WARNING: {fs.join(load_dir, LATEST_FILE)} "
                      f"{'names ' + repr(tag) + ', not a complete checkpoint' if tag else 'is missing'}; "
@@ -253,9 +256,9 @@ def _saved_meta(engine, load_dir: str, tag: str) -> Dict:
     """The saved arguments (and world size) of checkpoint ``tag``, read without its tensors."""
     path = os.path.join(load_dir, tag)
     if getattr(engine, "moc", None) is not None:
-        from deepspeed_ext.objects import OBJECTS_FILE
-        from deepspeed_ext.reader import CheckpointReader
-        from deepspeed_ext.storage import FileRecord, verify_file
+        from deepspeed_ext.format.objects import OBJECTS_FILE
+        from deepspeed_ext.format.storage import FileRecord, verify_file
+        from deepspeed_ext.store.reader import CheckpointReader
         try:
             with CheckpointReader(load_dir, tag, verify_checksums=False) as reader:
                 # The arguments live in objects.json (its tensors, possibly in rank 0's
@@ -333,7 +336,7 @@ def _exact_resume(engine, args, scheduler, exact, tag: Optional[str]) -> Optiona
 
 def record_attempt(engine, args: argparse.Namespace) -> None:
     """Every rank, before :func:`load_checkpoint` (rank 0 writes): record this attempt's
-    start in ``--save`` (:data:`deepspeed_ext.manifest.ATTEMPT_FILE`), so that a committer
+    start in ``--save`` (:data:`deepspeed_ext.store.latest.ATTEMPT_FILE`), so that a committer
     of an earlier attempt finishing late neither moves ``latest`` under this attempt's
     load nor runs a retention that could delete the checkpoint it resumes from.
 
@@ -343,7 +346,7 @@ def record_attempt(engine, args: argparse.Namespace) -> None:
     moc = getattr(engine, "moc", None)
     if moc is None or not args.save or dist.get_rank() != 0:
         return
-    from deepspeed_ext.manifest import ATTEMPT_FILE, record_attempt as write_record
+    from deepspeed_ext.store.latest import ATTEMPT_FILE, record_attempt as write_record
     try:
         write_record(args.save, moc.attempt_started)
     except Exception as e:

@@ -91,7 +91,7 @@ class Progress:
 
 def default_event_file(save: Optional[str]) -> Optional[str]:
     """``<save>/moc-events.jsonl`` for a local ``--save``; None for none or a URL."""
-    from deepspeed_ext import fs
+    from deepspeed_ext.format import fs
     if not save or fs.is_url(save):
         return None
     return os.path.join(save, EVENT_FILE)

@@ -47,21 +47,22 @@ Call order on every rank (the training loop wires it)::
         ...                                 # the iteration; during a two-level snapshot
         injector.in_snapshot(iteration)     # copy, the checkpoint code calls this
 
-The keeper process calls :func:`crash_in_persist_if_due` while it persists a snapshot.
+The keeper process calls :func:`deepspeed_ext.keeper_faults.crash_in_persist_if_due`
+while it persists a snapshot: the keeper's side of ``persist-crash`` and the state file
+live in the checkpoint library (the keeper does not import the trainer); this module
+arms it through the environment (:meth:`FaultInjector.persist_env`).
 """
 
 import argparse
-import fcntl
-import json
 import os
 import random
-import signal
-import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
+from deepspeed_ext.keeper_faults import (FAULT_KEY_ENV, FAULT_STATE_ENV, PERSIST_CRASH_ENV,
+                                         read_state, record_fired, sigkill_self, state_lock,
+                                         write_state)
 from megatron.training.errors import ConfigError
 
 KINDS = ("crash", "raise", "hang", "slow", "slow-compute", "snapshot-crash", "persist-crash",
@@ -73,13 +74,6 @@ _LOOP_KINDS = ("slow", "slow-compute", "lose-memory", "crash", "raise", "hang")
 """Kinds :meth:`FaultInjector.before_iteration` fires, in firing order: ``slow`` first,
 since it lets the rank go on and another fault due at the same iteration still fires."""
 
-PERSIST_CRASH_ENV = "MOC_FAULT_CRASH_PERSIST_STEP"
-"""Set for a node's keeper: it SIGKILLs itself while persisting a snapshot of an
-iteration >= this value."""
-FAULT_STATE_ENV = "MOC_FAULT_STATE"
-"""Set for a node's keeper: the fault state file, where it records the crash first."""
-FAULT_KEY_ENV = "MOC_FAULT_KEY"
-"""Set for a node's keeper: the fault's key in the state file."""
 JOB_START_ENV = "MOC_JOB_START"
 """Seconds since the epoch when the job (not the restart) started; a launcher may set it
 so every rank and every restart measure MTBF crash times from the same origin."""
@@ -214,52 +208,6 @@ def mtbf_schedule(mtbf_s: float, seed: int, horizon_s: float,
 
 # ------------------------------------------------------------------------ state file
 
-@contextmanager
-def _locked(state_path: str):
-    """Hold an exclusive lock for a read-modify-write of ``state_path``.
-
-    Without it two ranks recording different faults at once could each rewrite the
-    file from the same old content and lose the other's record. The lock is on a side
-    file: the state file itself is replaced by rename, which a lock on it would not survive.
-    """
-    os.makedirs(os.path.dirname(os.path.abspath(state_path)), exist_ok=True)
-    with open(state_path + ".lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def read_state(state_path: str) -> Dict:
-    """The state file's content: ``{"job_start": float, "fired": {key: record}}``;
-    an empty state when the file does not exist yet."""
-    try:
-        with open(state_path) as f:
-            state = json.load(f)
-    except FileNotFoundError:
-        return {"fired": {}}
-    except ValueError as e:
-        raise RuntimeError(f"fault state file {state_path} is not valid JSON ({e}); "
-                           "delete it to start the faults over") from None
-    state.setdefault("fired", {})
-    return state
-
-
-def _write_state(state_path: str, state: Dict) -> None:
-    from deepspeed_ext.storage import atomic_write_json  # imports torch: only when writing
-    atomic_write_json(state_path, state, sort_keys=True)
-
-
-def record_fired(state_path: str, key: str, record: Mapping) -> None:
-    """Add ``key`` to the fired faults (fsynced before returning: the caller may SIGKILL
-    itself next)."""
-    with _locked(state_path):
-        state = read_state(state_path)
-        state["fired"][key] = dict(record)
-        _write_state(state_path, state)
-
-
 def _job_start(state_path: str, explicit: Optional[float], clock: Callable[[], float]) -> float:
     """The job's start time, the same on every rank and after every restart.
 
@@ -270,25 +218,17 @@ def _job_start(state_path: str, explicit: Optional[float], clock: Callable[[], f
         return float(explicit)
     if os.environ.get(JOB_START_ENV):
         return float(os.environ[JOB_START_ENV])
-    with _locked(state_path):
+    with state_lock(state_path):
         state = read_state(state_path)
         if "job_start" not in state:
             state["job_start"] = clock()
-            _write_state(state_path, state)
+            write_state(state_path, state)
         return float(state["job_start"])
 
 
 def _print_flush(message: str) -> None:
     # Flushed: a rank that SIGKILLs itself next would lose a buffered line.
     print(message, flush=True)
-
-
-def _sigkill_self() -> None:
-    """Die like a killed node: no exception, no atexit, no flushing by Python."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(60)  # SIGKILL is delivered asynchronously; never run on meanwhile
 
 
 # -------------------------------------------------------------------------- injector
@@ -403,7 +343,8 @@ class FaultInjector:
     def persist_env(self) -> Dict[str, str]:
         """Environment for the node keeper this rank starts: arms its ``persist-crash``
         fault (empty when there is none, or it fired earlier in the job). The keeper
-        calls :func:`crash_in_persist_if_due`, which records the firing."""
+        calls :func:`deepspeed_ext.keeper_faults.crash_in_persist_if_due`, which records
+        the firing."""
         for spec in self._node_persist:
             if spec.kind == "persist-crash":
                 return {PERSIST_CRASH_ENV: str(spec.iteration), FAULT_KEY_ENV: spec.text,
@@ -436,7 +377,7 @@ class FaultInjector:
         else:
             if spec.kind == "lose-memory":
                 self._lose_memory()
-            _sigkill_self()
+            sigkill_self()
 
     def _mtbf_key(self, index: int) -> str:
         return f"mtbf={self._mtbf_s:g}:seed={self._seed}:#{index}"
@@ -470,7 +411,7 @@ class FaultInjector:
                   f"(--moc-fault-mtbf {self._mtbf_s:g} --moc-fault-seed {self._seed}: "
                   f"crash #{index} due at {t:.1f} s)")
         self._event("crash", iteration, self._mtbf_key(index))
-        _sigkill_self()
+        sigkill_self()
 
     def _event(self, fault: str, iteration: int, spec: str) -> None:
         if self._emit is None:
@@ -480,23 +421,6 @@ class FaultInjector:
                         "iteration": iteration, "spec": spec})
         except Exception as e:  # the fault still fires: reporting it is secondary
             self._log(f"[fault] rank {self.rank}: could not record the event: {e}")
-
-
-def crash_in_persist_if_due(step: int, environ: Optional[Mapping[str, str]] = None,
-                            log: Callable[[str], None] = _print_flush) -> None:
-    """The node keeper, while persisting the snapshot of iteration ``step``: SIGKILL
-    itself if :meth:`FaultInjector.persist_env` armed a ``persist-crash`` for a step
-    ``<= step``; the firing is recorded first, so the restarted job does not re-arm it."""
-    env = os.environ if environ is None else environ
-    if PERSIST_CRASH_ENV not in env or step < int(env[PERSIST_CRASH_ENV]):
-        return
-    key = env.get(FAULT_KEY_ENV, f"persist-crash@{env[PERSIST_CRASH_ENV]}")
-    if env.get(FAULT_STATE_ENV):
-        record_fired(env[FAULT_STATE_ENV], key, {
-            "kind": "persist-crash", "iteration": step, "time": time.time(), "pid": os.getpid()})
-    log(f"[fault] keeper pid {os.getpid()}: injected persist-crash while persisting "
-        f"iteration {step} (--moc-fault {key})")
-    _sigkill_self()
 
 
 # ------------------------------------------------------------------------------ flags

@@ -19,6 +19,7 @@ from typing import Callable, Deque, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from deepspeed_ext.engine.rng import set_rng_state, set_seed
 from megatron.training import checkpointing
 from megatron.training.arguments import (moc_config_from_args, model_config_from_args,
                                          padded_vocab_size, validate_args)
@@ -26,7 +27,6 @@ from megatron.training.ds_config import build_ds_config
 from megatron.training.errors import ConfigError
 from megatron.training.log import (MetricsWriter, eval_log_line, print_rank_0, timestamp,
                                    training_log_line)
-from megatron.training.rng import set_rng_state, set_seed
 
 
 @dataclass

@@ -26,7 +26,7 @@ import torch.distributed as dist  # noqa: E402
 
 from megatron.training.arguments import (moc_config_from_args, padded_vocab_size,  # noqa: E402
                                          parse_args, validate_args)
-from megatron.training.rng import set_seed  # noqa: E402
+from deepspeed_ext.engine.rng import set_seed  # noqa: E402
 from megatron.training.training import initialize_distributed, setup_model_and_optimizer  # noqa: E402
 
 BASE = ["--config", "configs/tiny.yaml", "--data-path", "unused", "--lr-warmup-iters", "0",
@@ -97,7 +97,7 @@ def _kill_keeper_at(engine, step):
 
 def _record_hashed_files():
     """The files this rank checksums (``storage.sha256_file``), in order."""
-    from deepspeed_ext import storage
+    from deepspeed_ext.format import storage
     real, hashed = storage.sha256_file, []
 
     def recording(path):
@@ -109,7 +109,7 @@ def _record_hashed_files():
 
 def _record_manifest_reads():
     """The manifests this rank reads (``manifest.read_manifest``), in order."""
-    from deepspeed_ext import manifest
+    from deepspeed_ext.format import manifest
     real, read = manifest.read_manifest, []
 
     def recording(ckpt_dir):
@@ -123,7 +123,7 @@ def _inject_save_failure(engine):
     """MOC_TEST_FAIL_RANK/MOC_TEST_FAIL_STEP: that rank's file write raises at that step."""
     if os.environ.get("MOC_TEST_FAIL_RANK") != str(dist.get_rank()):
         return
-    from deepspeed_ext import storage
+    from deepspeed_ext.format import storage
     real = storage.write_image_file
     fail_tag = f"global_step{int(os.environ['MOC_TEST_FAIL_STEP'])}"
 
@@ -195,7 +195,7 @@ def _inject_outcome_failure():
     storage raises (a transient storage error), just before a snapshot's exchange."""
     if os.environ.get("MOC_TEST_FAIL_OUTCOME_RANK") != str(dist.get_rank()):
         return
-    from deepspeed_ext import commit
+    from deepspeed_ext.store import commit
     commit.commit_outcome = _failing_on_call(
         commit.commit_outcome, 1, OSError(5, "Input/output error (injected)"))
 
@@ -222,8 +222,8 @@ def _snapshot_identity(engine, args):
     out["changed_after_replace"] = not first.same(state_identity(engine))
     engine.save_checkpoint(args.save)
     two.join_copy()
-    image = SlotImage(two.slots.image_path(two.last["slot"]))
-    entries = {e["key"]: e for e in two.last["meta"]["entries"]}
+    image = SlotImage(two.slots.image_path(two.last.slot))
+    entries = {e["key"]: e for e in two.last.meta["entries"]}
     live = [f for f in describe_local_state(engine, engine.moc.naming) if f.key in entries]
     out["moments_in_snapshot"] = sum(f.kind in ("exp_avg", "exp_avg_sq") for f in live)
     out["snapshot_equals_live_state"] = all(

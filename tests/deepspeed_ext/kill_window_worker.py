@@ -15,8 +15,8 @@ import sys
 
 def main() -> int:
     seed, kill_at = int(sys.argv[1]), sys.argv[2]
-    from deepspeed_ext import commit, keeper
-    from deepspeed_ext import manifest as mf
+    from deepspeed_ext import keeper
+    from deepspeed_ext.store import commit, retention
     rng = random.Random(seed)
     target = kill_at.split(":") if kill_at != "-" else None
     calls = {}
@@ -37,9 +37,10 @@ def main() -> int:
             return result
         setattr(module, name, step)
 
-    for module, name in ((commit, "write_report"), (mf, "write_manifest"),
-                         (mf, "advance_latest"), (mf, "retain_unless_superseded"),
-                         (mf, "remove_checkpoint")):
+    # Each where the committer looks it up: commit.py imports its steps by name.
+    for module, name in ((commit, "write_report"), (commit, "write_manifest"),
+                         (commit, "advance_latest"), (commit, "retain_unless_superseded"),
+                         (retention, "remove_checkpoint")):
         faulty(module, name)
     return keeper.main(sys.argv[sys.argv.index("--") + 1:])
 

@@ -85,7 +85,8 @@ def test_pec_saves_after_resuming_from_another_spelling_or_directory(tmp_path):
     checkpoint in the first case, and hold every expert in the second (an index names
     only its own directory's checkpoints). Each save failed before ("saved in no
     checkpoint"), and so did every later one."""
-    from deepspeed_ext.manifest import read_manifest, verify_checkpoint
+    from deepspeed_ext.format.manifest import read_manifest
+    from deepspeed_ext.store.verify import verify_checkpoint
     ckpt, other = str(tmp_path / "ckpt"), str(tmp_path / "other")
     flags = _layout(2, 2, 2) + ["--moc-pec-k", "1"]
     _run(tmp_path, "first", 2, "train-save", flags + [
@@ -107,7 +108,9 @@ def test_a_reload_in_the_same_process_starts_a_new_timeline(tmp_path):
     """A library user (or a benchmark) reloads an older step and saves its steps again:
     the first timeline's later checkpoints are set aside and ``latest`` follows the new
     one. Before, saving global_step3 again was refused as "a complete checkpoint"."""
-    from deepspeed_ext.manifest import read_latest, read_manifest, verify_checkpoint
+    from deepspeed_ext.format.manifest import read_manifest
+    from deepspeed_ext.store.latest import read_latest
+    from deepspeed_ext.store.verify import verify_checkpoint
     ckpt = tmp_path / "ckpt"
     result = _run(tmp_path, "run", 2, "save-reload-resave", _layout(2, 2, 2) + [
         "--save", str(ckpt), "--save-interval", "1"])

@@ -439,7 +439,7 @@ def test_verify_is_not_undercut_by_retention_of_the_checkpoint_it_reads(tmp_path
     """A committer's retention running while verify reads a checkpoint that is no longer
     among the newest: verify pins it, and retention leaves it (before, verify found its
     files gone and reported it damaged)."""
-    from deepspeed_ext import manifest as mf
+    from deepspeed_ext.store import retention
     from tests.deepspeed_ext.test_commit import _commit_keep
     save_dir = str(tmp_path)
     for step in (10, 20, 30):
@@ -449,7 +449,7 @@ def test_verify_is_not_undercut_by_retention_of_the_checkpoint_it_reads(tmp_path
 
     def verify_under_retention(path, tag, checksums=True):
         if tag == "global_step10":
-            removed.extend(mf.apply_retention(save_dir, 1))
+            removed.extend(retention.apply_retention(save_dir, 1))
         return real(path, tag, checksums)
 
     monkeypatch.setattr(cli, "verify_checkpoint", verify_under_retention)
@@ -457,3 +457,54 @@ def test_verify_is_not_undercut_by_retention_of_the_checkpoint_it_reads(tmp_path
     assert removed == ["global_step20"]
     out = capsys.readouterr().out
     assert "OK     global_step10" in out and "FAILED" not in out
+
+
+# ------------------------------------------------------------- densify: where it runs
+
+def test_densify_replays_across_a_hostfile_with_deepspeeds_launcher(tmp_path, replays, capsys):
+    """A run's frames from 4 ranks on 2 hosts: with --hostfile the replay starts
+    DeepSpeed's launcher over those hosts (before: always torchrun on this host)."""
+    _frames(tmp_path / "ckpt", ["pretrain_gpt_moe.py", "--num-layers", "2"], world=4)
+    hosts = tmp_path / "hosts"
+    hosts.write_text("# the job's nodes\nnode-a slots=2\nnode-b slots=2\n")
+    argv = ["densify", str(tmp_path / "ckpt"), "--out", str(tmp_path / "dense"),
+            "--hostfile", str(hosts)]
+    assert cli.main(argv) == 0, capsys.readouterr()
+    cmd = replays[0][0]
+    assert cmd[:3] == ["deepspeed", "--hostfile", str(hosts)], cmd
+    assert "torch.distributed.run" not in cmd
+    assert "the 4 slots of" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("node-a slots=2\n", "has 2 slots; the frames were written by 4 ranks"),
+    ("node-a slots=2\nnode-b\n", "line 2: expected 'HOST slots=N'"),
+    ("node-a slots=0\nnode-b slots=4\n", "line 1"),
+    ("# nothing\n", "names no host"),
+])
+def test_densify_refuses_a_hostfile_that_does_not_fit_the_frames(tmp_path, replays, capsys,
+                                                                 text, problem):
+    _frames(tmp_path / "ckpt", ["pretrain_gpt_moe.py", "--num-layers", "2"], world=4)
+    hosts = tmp_path / "hosts"
+    hosts.write_text(text)
+    argv = ["densify", str(tmp_path / "ckpt"), "--out", str(tmp_path / "dense"),
+            "--hostfile", str(hosts)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--hostfile" in err and problem in err, err
+    assert replays == []
+
+
+def test_densify_on_one_host_refuses_more_ranks_than_its_gpus(tmp_path, replays, capsys,
+                                                              monkeypatch):
+    """4 ranks' frames on a host with 2 GPUs: NCCL would refuse two ranks on one device
+    at the first collective; densify says so up front and names --hostfile."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    _frames(tmp_path / "ckpt", ["pretrain_gpt_moe.py", "--num-layers", "2"], world=4)
+    argv = ["densify", str(tmp_path / "ckpt"), "--out", str(tmp_path / "dense")]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "4 ranks" in err and "2 GPU(s)" in err and "--hostfile" in err, err
+    assert replays == []

@@ -8,9 +8,10 @@ import time
 
 import pytest
 
-from deepspeed_ext.commit import (CLAIM_NAME, FAILURE_NAME, CommitError, Superseded, check_claim,
-                                  claim_dir, commit_checkpoint, read_claim, remove_reports,
-                                  report_name, wait_for_reports, write_report)
+from deepspeed_ext.store.claims import (CLAIM_NAME, CommitError, Superseded, check_claim,
+                                        claim_dir, read_claim)
+from deepspeed_ext.store.commit import (FAILURE_NAME, commit_checkpoint, remove_reports,
+                                        report_name, wait_for_reports, write_report)
 
 
 def test_waits_for_every_report_in_rank_order(tmp_path):
@@ -65,18 +66,18 @@ def _write_share(save_dir, tag, rank, value, claim=None, objects=None):
     the rank's one tensor (tells saves apart); ``claim``: the save's claim the report
     carries (None: the directory's current one)."""
     import torch
-    from deepspeed_ext import manifest as mf
-    from deepspeed_ext.objects import encode, write_objects_file
-    from deepspeed_ext.storage import write_fragment_file
+    from deepspeed_ext.format import assemble, naming
+    from deepspeed_ext.format.objects import encode, write_objects_file
+    from deepspeed_ext.format.storage import write_fragment_file
     tag_dir = os.path.join(save_dir, tag)
-    spec = mf.FragmentSpec("w", "fp32", 2 * rank, 2, (4,), "float32")
-    record = write_fragment_file(os.path.join(tag_dir, mf.rank_file_name(rank)),
+    spec = assemble.FragmentSpec("w", "fp32", 2 * rank, 2, (4,), "float32")
+    record = write_fragment_file(os.path.join(tag_dir, naming.rank_file_name(rank)),
                                  {spec.key: torch.full((2,), float(value))})
     record_of_objects = None
     if rank == 0:
         tree, _ = encode(objects if objects is not None else {"value": value})
         record_of_objects = write_objects_file(tag_dir, tree, None).to_json()
-    report = mf.RankReport.from_record(rank, mf.rank_file_name(rank), record, [spec])
+    report = assemble.RankReport.from_record(rank, naming.rank_file_name(rank), record, [spec])
     write_report(tag_dir, rank, {"report": report.to_json(), "objects": record_of_objects},
                  claim=claim if claim is not None else read_claim(tag_dir))
 
@@ -90,23 +91,32 @@ def _commit_job(save_dir, tag, step, claim, timeout_s=30.0):
                    "num_experts": 0}}}
 
 
+def _keeper_job(save_dir, tag, step, claim, timeout_s=30.0):
+    """Rank 0's keeper job (:class:`deepspeed_ext.jobs.PersistJob`) with that commit."""
+    from deepspeed_ext.jobs import PersistJob
+    return PersistJob.from_json(dict(
+        _commit_job(save_dir, tag, step, claim, timeout_s), step=step, rank=0, keys=None,
+        image=os.path.join(save_dir, "unused.img"), entries=[], specs=[]))
+
+
 def test_a_committer_of_an_earlier_attempt_stands_down_when_the_tag_is_saved_again(tmp_path):
     """A keeper commit waiting for a dead rank's report while the restarted job saves the
     same tag: the old commit must neither commit the new files under its own record nor
     mark the new save failed; the new save commits."""
     from deepspeed_ext import keeper
-    from deepspeed_ext import manifest as mf
+    from deepspeed_ext.format import manifest as mf
+    from deepspeed_ext.store import latest, prepare
     save_dir, tag = str(tmp_path), "global_step20"
-    tag_dir = mf.prepare_checkpoint_dir(save_dir, tag)
+    tag_dir = prepare.prepare_checkpoint_dir(save_dir, tag)
     old_claim = read_claim(tag_dir)
     _write_share(save_dir, tag, 0, 1.0)  # rank 1 died before its report
     logged = []
     old = threading.Thread(target=keeper._commit_job,
-                           args=(_commit_job(save_dir, tag, 20, old_claim), tag_dir, logged.append))
+                           args=(_keeper_job(save_dir, tag, 20, old_claim), tag_dir, logged.append))
     old.start()
     time.sleep(0.3)
     # The restarted job: prepare empties the crashed save and claims it again.
-    assert mf.prepare_checkpoint_dir(save_dir, tag) == tag_dir
+    assert prepare.prepare_checkpoint_dir(save_dir, tag) == tag_dir
     new_claim = read_claim(tag_dir)
     assert new_claim not in (None, old_claim)
     _write_share(save_dir, tag, 0, 2.0)
@@ -120,33 +130,33 @@ def test_a_committer_of_an_earlier_attempt_stands_down_when_the_tag_is_saved_aga
     assert any(line.startswith("not committing: ") and ("claimed by another save" in line
                                                         or "was deleted" in line)
                for line in logged), logged
-    keeper._commit_job(_commit_job(save_dir, tag, 20, new_claim), tag_dir, logged.append)
+    keeper._commit_job(_keeper_job(save_dir, tag, 20, new_claim), tag_dir, logged.append)
     manifest = mf.read_manifest(tag_dir)
-    assert manifest.step == 20 and mf.read_latest(save_dir) == tag
+    assert manifest.step == 20 and latest.read_latest(save_dir) == tag
     assert os.listdir(tag_dir) and CLAIM_NAME not in os.listdir(tag_dir)  # cleaned with reports
 
 
 def test_a_committer_whose_directory_was_deleted_writes_nothing(tmp_path):
     from deepspeed_ext import keeper
-    from deepspeed_ext import manifest as mf
+    from deepspeed_ext.store import prepare
     save_dir, tag = str(tmp_path), "global_step20"
-    tag_dir = mf.prepare_checkpoint_dir(save_dir, tag)
+    tag_dir = prepare.prepare_checkpoint_dir(save_dir, tag)
     claim = read_claim(tag_dir)
     _write_share(save_dir, tag, 0, 1.0)
     shutil.rmtree(tag_dir)  # retention of the restarted job removed the crashed save
     logged = []
-    keeper._commit_job(_commit_job(save_dir, tag, 20, claim, timeout_s=5), tag_dir, logged.append)
+    keeper._commit_job(_keeper_job(save_dir, tag, 20, claim, timeout_s=5), tag_dir, logged.append)
     assert not os.path.exists(tag_dir)  # not recreated by a failure file
     assert any("was deleted" in line for line in logged), logged
 
 
 def test_a_commit_that_fails_on_its_own_directory_is_marked_failed(tmp_path):
     from deepspeed_ext import keeper
-    from deepspeed_ext import manifest as mf
+    from deepspeed_ext.store import prepare
     save_dir, tag = str(tmp_path), "global_step20"
-    tag_dir = mf.prepare_checkpoint_dir(save_dir, tag)
+    tag_dir = prepare.prepare_checkpoint_dir(save_dir, tag)
     _write_share(save_dir, tag, 0, 1.0)
-    keeper._commit_job(_commit_job(save_dir, tag, 20, read_claim(tag_dir), timeout_s=0.3),
+    keeper._commit_job(_keeper_job(save_dir, tag, 20, read_claim(tag_dir), timeout_s=0.3),
                        tag_dir, lambda line: None)
     assert "rank(s) 1 within" in open(os.path.join(tag_dir, FAILURE_NAME)).read()
 
@@ -156,17 +166,17 @@ def test_a_damaged_claim_ends_the_save_as_failed_instead_of_silently(tmp_path):
     the save failed, with this save's claim, so the training side's poll ends at once
     instead of at the commit timeout (a different claim would have made them stand down)."""
     from deepspeed_ext import keeper
-    from deepspeed_ext import manifest as mf
-    from deepspeed_ext.commit import commit_outcome
+    from deepspeed_ext.store import prepare
+    from deepspeed_ext.store.commit import commit_outcome
     save_dir, tag = str(tmp_path / "ckpt"), "global_step20"
-    tag_dir = mf.prepare_checkpoint_dir(save_dir, tag)
+    tag_dir = prepare.prepare_checkpoint_dir(save_dir, tag)
     claim = read_claim(tag_dir)
     with open(os.path.join(tag_dir, CLAIM_NAME), "w") as f:
         f.write("{damaged")
     marker = str(tmp_path / "slot1.persisting")
     keeper.run_persist_job(_persist_job_of(save_dir, tag, 1, claim, str(tmp_path), marker),
                            log=lambda line: None)
-    keeper._commit_job(_commit_job(save_dir, tag, 20, claim, timeout_s=5), tag_dir,
+    keeper._commit_job(_keeper_job(save_dir, tag, 20, claim, timeout_s=5), tag_dir,
                        lambda line: None)
     ok, why = commit_outcome(tag_dir, 2, claim)
     assert not ok and "unreadable" in why, why
@@ -190,8 +200,8 @@ def test_check_claim(tmp_path):
 
 def _commit(save_dir, tag, step, value, attempt_started=None, objects=None):
     """A committed two-rank checkpoint (rank 0's objects: ``objects``, see _write_share)."""
-    from deepspeed_ext import manifest as mf
-    tag_dir = mf.prepare_checkpoint_dir(save_dir, tag)
+    from deepspeed_ext.store import prepare
+    tag_dir = prepare.prepare_checkpoint_dir(save_dir, tag)
     for rank in range(2):
         _write_share(save_dir, tag, rank, value, objects=objects)
     logged = []
@@ -203,47 +213,50 @@ def _commit(save_dir, tag, step, value, attempt_started=None, objects=None):
 
 
 def test_latest_is_not_moved_over_a_later_attempts_checkpoint(tmp_path):
-    from deepspeed_ext import manifest as mf
+    from deepspeed_ext.format import manifest as mf
+    from deepspeed_ext.store import latest
     save_dir = str(tmp_path)
     assert _commit(save_dir, "global_step30", 30, 3.0, attempt_started=200.0) == []
     # The first attempt's keeper finishes its commit of 20 only now.
     logged = _commit(save_dir, "global_step20", 20, 2.0, attempt_started=100.0)
-    assert mf.read_latest(save_dir) == "global_step30"
+    assert latest.read_latest(save_dir) == "global_step30"
     assert len(logged) == 1 and "latest stays at global_step30" in logged[0]
     assert mf.read_manifest(os.path.join(save_dir, "global_step20")).step == 20  # still committed
     assert mf.read_manifest(os.path.join(save_dir, "global_step30")).extra["attempt_started"] == 200.0
     assert _commit(save_dir, "global_step40", 40, 4.0, attempt_started=200.0) == []
-    assert mf.read_latest(save_dir) == "global_step40"
+    assert latest.read_latest(save_dir) == "global_step40"
     # A later attempt may move it back: it resumed from an older checkpoint, or is a new
     # run writing into this directory.
     assert _commit(save_dir, "global_step10", 10, 1.0, attempt_started=300.0) == []
-    assert mf.read_latest(save_dir) == "global_step10"
+    assert latest.read_latest(save_dir) == "global_step10"
     # Unknown attempts (a caller that does not say): moved, as before.
     assert _commit(save_dir, "global_step5", 5, 0.5) == []
-    assert mf.read_latest(save_dir) == "global_step5"
+    assert latest.read_latest(save_dir) == "global_step5"
 
 
 def test_a_late_commit_of_an_earlier_step_of_the_same_attempt_keeps_latest(tmp_path):
     """The training side starts the next persist once a manifest exists, while that
     commit still writes ``latest``: a commit of step 20 finishing after step 30's must
     not move ``latest`` back (a restart would lose ten steps)."""
-    from deepspeed_ext import manifest as mf
+    from deepspeed_ext.store import latest
     save_dir = str(tmp_path)
     assert _commit(save_dir, "global_step30", 30, 3.0, attempt_started=200.0) == []
     logged = _commit(save_dir, "global_step20", 20, 2.0, attempt_started=200.0)
-    assert mf.read_latest(save_dir) == "global_step30"
+    assert latest.read_latest(save_dir) == "global_step30"
     assert len(logged) == 1 and "latest stays at global_step30" in logged[0]
     assert _commit(save_dir, "global_step40", 40, 4.0, attempt_started=200.0) == []
-    assert mf.read_latest(save_dir) == "global_step40"
+    assert latest.read_latest(save_dir) == "global_step40"
 
 
 def test_committers_of_one_process_take_turns_on_a_url(tmp_path, monkeypatch):
     """No flock on a URL: two commit threads of one keeper must still not interleave
     their read and write of ``latest`` (they share the writer's temporary name too)."""
-    from deepspeed_ext import manifest as mf
+    from deepspeed_ext.format import assemble
+    from deepspeed_ext.format import manifest as mf
+    from deepspeed_ext.store import latest, prepare
     url = "file://" + str(tmp_path)
     inside, overlapped = [], []
-    real = mf.update_latest
+    real = latest.update_latest
 
     def slow_update(save_dir, tag):
         inside.append(tag)
@@ -254,15 +267,15 @@ def test_committers_of_one_process_take_turns_on_a_url(tmp_path, monkeypatch):
         inside.remove(tag)
 
     for step in (10, 20):
-        tag_dir = mf.prepare_checkpoint_dir(url, f"global_step{step}")
+        tag_dir = prepare.prepare_checkpoint_dir(url, f"global_step{step}")
         for rank in range(2):
             _write_share(url, f"global_step{step}", rank, step)
-        mf.write_manifest(tag_dir, mf.assemble_manifest(
+        mf.write_manifest(tag_dir, assemble.assemble_manifest(
             f"global_step{step}", step, 2, _commit_job(url, "x", step, None)["commit"]["layout"],
-            [mf.RankReport.from_json(s["report"]) for s in wait_for_reports(tag_dir, 2, 5)], {},
+            [assemble.RankReport.from_json(s["report"]) for s in wait_for_reports(tag_dir, 2, 5)], {},
             extra={"attempt_started": 1.0}))
-    monkeypatch.setattr(mf, "update_latest", slow_update)
-    threads = [threading.Thread(target=mf.advance_latest, args=(url, f"global_step{step}", 1.0, step))
+    monkeypatch.setattr(latest, "update_latest", slow_update)
+    threads = [threading.Thread(target=latest.advance_latest, args=(url, f"global_step{step}", 1.0, step))
                for step in (20, 10)]
     for thread in threads:
         thread.start()
@@ -270,14 +283,14 @@ def test_committers_of_one_process_take_turns_on_a_url(tmp_path, monkeypatch):
     for thread in threads:
         thread.join()
     assert overlapped == []
-    assert mf.read_latest(url) == "global_step20"
+    assert latest.read_latest(url) == "global_step20"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step10", "global_step20", "latest"]
 
 
 def _commit_keep(save_dir, tag, step, value, attempt_started, keep):
     """:func:`_commit` with retention ``keep``."""
-    from deepspeed_ext import manifest as mf
-    tag_dir = mf.prepare_checkpoint_dir(save_dir, tag)
+    from deepspeed_ext.store import prepare
+    tag_dir = prepare.prepare_checkpoint_dir(save_dir, tag)
     for rank in range(2):
         _write_share(save_dir, tag, rank, value)
     logged, claim = [], read_claim(tag_dir)
@@ -292,12 +305,13 @@ def test_a_late_commit_of_an_earlier_attempt_leaves_latest_and_retention_to_a_st
     attempt's committer finishing only then must not move ``latest`` (the restart loads
     another checkpoint than the one it named) nor run a retention that deletes the
     checkpoint the restart resumes from (with keep=1 and full saves nothing references it)."""
-    from deepspeed_ext import manifest as mf
+    from deepspeed_ext.format import manifest as mf
+    from deepspeed_ext.store import latest
     save_dir = str(tmp_path)
     assert _commit_keep(save_dir, "global_step20", 20, 2.0, 100.0, keep=1) == []
-    mf.record_attempt(save_dir, 200.0)  # the restart, about to load global_step20
+    latest.record_attempt(save_dir, 200.0)  # the restart, about to load global_step20
     logged = _commit_keep(save_dir, "global_step30", 30, 3.0, 100.0, keep=1)
-    assert mf.read_latest(save_dir) == "global_step20"
+    assert latest.read_latest(save_dir) == "global_step20"
     assert mf.read_manifest(os.path.join(save_dir, "global_step20")).step == 20
     assert any("a later attempt of the job started" in line for line in logged), logged
     assert any("retention after committing global_step30 left to the later" in line
@@ -305,10 +319,10 @@ def test_a_late_commit_of_an_earlier_attempt_leaves_latest_and_retention_to_a_st
     # The restarted attempt's own commits move latest and run retention.
     assert _commit_keep(save_dir, "global_step25", 25, 2.5, 200.0, keep=1) == [
         "retention: removed global_step20"]
-    assert mf.read_latest(save_dir) == "global_step25"
-    assert mf.later_attempt_started(save_dir, 100.0) and not mf.later_attempt_started(save_dir, 200.0)
-    (tmp_path / mf.ATTEMPT_FILE).write_text("{")  # damaged: commits go on as before
-    assert not mf.later_attempt_started(save_dir, 100.0)
+    assert latest.read_latest(save_dir) == "global_step25"
+    assert latest.later_attempt_started(save_dir, 100.0) and not latest.later_attempt_started(save_dir, 200.0)
+    (tmp_path / latest.ATTEMPT_FILE).write_text("{")  # damaged: commits go on as before
+    assert not latest.later_attempt_started(save_dir, 100.0)
 
 
 def test_a_restart_rolls_latest_forward_to_its_attempts_unnamed_commits(tmp_path):
@@ -316,26 +330,27 @@ def test_a_restart_rolls_latest_forward_to_its_attempts_unnamed_commits(tmp_path
     it failed): the restart, recording its start, points ``latest`` at 20, not at 10 (it
     would resume from 10 and its first save set 20 aside). Another attempt's later
     checkpoint is not taken."""
-    from deepspeed_ext import manifest as mf
+    from deepspeed_ext.store import latest
     save_dir = str(tmp_path)
     _commit(save_dir, "global_step10", 10, 1.0, attempt_started=100.0)
     _commit(save_dir, "global_step20", 20, 2.0, attempt_started=100.0)
     _commit(save_dir, "global_step30", 30, 3.0, attempt_started=50.0)  # an older attempt's
-    mf.update_latest(save_dir, "global_step10")  # the crash between manifest and latest
-    mf.record_attempt(save_dir, 200.0)
-    assert mf.read_latest(save_dir) == "global_step20"
-    mf.record_attempt(save_dir, 300.0)  # nothing newer of that attempt: unchanged
-    assert mf.read_latest(save_dir) == "global_step20"
+    latest.update_latest(save_dir, "global_step10")  # the crash between manifest and latest
+    latest.record_attempt(save_dir, 200.0)
+    assert latest.read_latest(save_dir) == "global_step20"
+    latest.record_attempt(save_dir, 300.0)  # nothing newer of that attempt: unchanged
+    assert latest.read_latest(save_dir) == "global_step20"
 
 
 def test_a_failure_moving_latest_after_the_manifest_does_not_fail_the_save(tmp_path, monkeypatch):
     """The checkpoint is complete once its manifest is written: failing the save there
     undid its expert marks on every rank while it stayed on storage."""
-    from deepspeed_ext import manifest as mf
+    from deepspeed_ext.format import manifest as mf
+    from deepspeed_ext.store import latest
 
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(mf, "update_latest", full)
+    monkeypatch.setattr(latest, "update_latest", full)
     logged = _commit(save_dir := str(tmp_path), "global_step10", 10, 1.0, attempt_started=1.0)
     assert mf.read_manifest(os.path.join(save_dir, "global_step10")).step == 10
     assert any("latest could not be moved (OSError" in line for line in logged), logged
@@ -346,10 +361,12 @@ def test_a_restart_preparing_a_tag_waits_for_a_committer_writing_its_manifest(tm
     when the restarted job prepares the same tag. The preparation used to empty the
     directory meanwhile, the manifest then landed in the recreated one, and the new save
     looked committed before any of its files existed."""
-    from deepspeed_ext import manifest as mf
-    from deepspeed_ext.commit import commit_outcome
+    from deepspeed_ext.format import manifest as mf
+    from deepspeed_ext.store import commit as cm
+    from deepspeed_ext.store import prepare
+    from deepspeed_ext.store.commit import commit_outcome
     save_dir, tag = str(tmp_path), "global_step20"
-    tag_dir = mf.prepare_checkpoint_dir(save_dir, tag)
+    tag_dir = prepare.prepare_checkpoint_dir(save_dir, tag)
     for rank in range(2):
         _write_share(save_dir, tag, rank, 2.0)
     old_claim = read_claim(tag_dir)
@@ -359,45 +376,46 @@ def test_a_restart_preparing_a_tag_waits_for_a_committer_writing_its_manifest(tm
         writing.set()
         time.sleep(0.5)  # holding the directory's lock, past its claim check
         real(ckpt_dir, manifest)
-    monkeypatch.setattr(mf, "write_manifest", slow_write)
+    monkeypatch.setattr(cm, "write_manifest", slow_write)  # where the committer looks it up
     old = threading.Thread(target=commit_checkpoint, args=(
         save_dir, tag, 20, _commit_job(save_dir, tag, 20, old_claim)["commit"]["layout"],
         wait_for_reports(tag_dir, 2, timeout_s=5, claim=old_claim), None, None, None, True, 0),
         kwargs={"log": lambda m: None, "claim": old_claim, "attempt_started": 100.0})
     old.start()
     assert writing.wait(10)
-    mf.prepare_checkpoint_dir(save_dir, tag, attempt_started=200.0, log=lambda m: None)
+    prepare.prepare_checkpoint_dir(save_dir, tag, attempt_started=200.0, log=lambda m: None)
     old.join(10)
     new_claim = read_claim(tag_dir)
     assert new_claim not in (None, old_claim)
     assert commit_outcome(tag_dir, 2, claim=new_claim) is None  # the new save is running
     assert not os.path.exists(os.path.join(tag_dir, mf.MANIFEST_FILE))
-    aside = [n for n in os.listdir(save_dir) if n.startswith(mf.SET_ASIDE_PREFIX + tag)]
+    aside = [n for n in os.listdir(save_dir) if n.startswith(prepare.SET_ASIDE_PREFIX + tag)]
     assert len(aside) == 1  # the old attempt's commit, kept for a human
 
 
 def test_latest_naming_nothing_loadable_is_replaced(tmp_path):
-    from deepspeed_ext import manifest as mf
+    from deepspeed_ext.format import manifest as mf
+    from deepspeed_ext.store import latest
     save_dir = str(tmp_path)
     _commit(save_dir, "global_step30", 30, 3.0, attempt_started=200.0)
     os.remove(os.path.join(save_dir, "global_step30", mf.MANIFEST_FILE))
     _commit(save_dir, "global_step20", 20, 2.0, attempt_started=100.0)
-    assert mf.read_latest(save_dir) == "global_step20"
+    assert latest.read_latest(save_dir) == "global_step20"
 
 
 def test_a_crashed_save_with_its_claim_is_removed_by_retention(tmp_path):
     """The claim file is one of MoC's own names: a crashed save holding it is still
     recognised as a leftover (else retention would leave it forever)."""
-    from deepspeed_ext import manifest as mf
+    from deepspeed_ext.store import prepare, retention
     save_dir = str(tmp_path)
-    tag_dir = mf.prepare_checkpoint_dir(save_dir, "global_step10")
+    tag_dir = prepare.prepare_checkpoint_dir(save_dir, "global_step10")
     _write_share(save_dir, "global_step10", 0, 1.0)  # crashed: no manifest
     assert CLAIM_NAME in os.listdir(tag_dir)
     old = time.time() - 100
     for name in os.listdir(tag_dir):
         os.utime(os.path.join(tag_dir, name), (old, old))
     _commit(save_dir, "global_step20", 20, 2.0)
-    assert "global_step10" in mf.apply_retention(save_dir, 1)
+    assert "global_step10" in retention.apply_retention(save_dir, 1)
     assert not os.path.exists(tag_dir)
 
 
@@ -418,13 +436,13 @@ def test_reports_of_another_claim_do_not_count(tmp_path):
 
 def _wait_with_claim(tag_dir, claim, timeout_s):
     """wait_for_reports holding ``claim`` (the directory's claim file says the same)."""
-    from deepspeed_ext.storage import atomic_write_json
+    from deepspeed_ext.format.storage import atomic_write_json
     atomic_write_json(os.path.join(tag_dir, CLAIM_NAME), {"claim": claim})
     return wait_for_reports(tag_dir, 2, timeout_s=timeout_s, claim=claim)
 
 
 def test_commit_outcome_ignores_another_claims_errors(tmp_path):
-    from deepspeed_ext.commit import commit_outcome, write_failure
+    from deepspeed_ext.store.commit import commit_outcome, write_failure
     tag_dir = str(tmp_path)
     (tmp_path / CLAIM_NAME).write_text(json.dumps({"claim": "new"}))
     write_report(tag_dir, 1, None, error="OSError: old attempt", claim="old")
@@ -439,13 +457,13 @@ def test_commit_outcome_ends_when_the_save_was_superseded(tmp_path):
     """Its committer stood down (the tag saved again under another claim, or the
     directory deleted) and writes no failure record: nothing else would end the wait,
     and every later persist was deferred behind it for the rest of the run."""
-    from deepspeed_ext import manifest as mf
-    from deepspeed_ext.commit import commit_outcome
+    from deepspeed_ext.store import prepare
+    from deepspeed_ext.store.commit import commit_outcome
     save_dir = str(tmp_path)
-    tag_dir = mf.prepare_checkpoint_dir(save_dir, "global_step5")
+    tag_dir = prepare.prepare_checkpoint_dir(save_dir, "global_step5")
     mine = read_claim(tag_dir)
     assert commit_outcome(tag_dir, 2, claim=mine) is None  # running
-    mf.prepare_checkpoint_dir(save_dir, "global_step5")  # a restarted job claims it
+    prepare.prepare_checkpoint_dir(save_dir, "global_step5")  # a restarted job claims it
     ok, why = commit_outcome(tag_dir, 2, claim=mine)
     assert not ok and "claimed by another save" in why
     shutil.rmtree(tag_dir)
@@ -459,8 +477,8 @@ def test_commit_outcome_ends_when_the_save_was_superseded(tmp_path):
 def _persist_job_of(save_dir, tag, rank, claim, image_dir, done_marker):
     """A keeper persist job of one rank: a one-tensor slot image in ``image_dir``."""
     import torch
-    from deepspeed_ext import manifest as mf
-    from deepspeed_ext.image import fill_image, layout_of
+    from deepspeed_ext.format import assemble
+    from deepspeed_ext.format.image import fill_image, layout_of
     tensors = {"w": torch.arange(4, dtype=torch.float32) + rank}
     layout = layout_of(tensors)
     buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)
@@ -470,7 +488,7 @@ def _persist_job_of(save_dir, tag, rank, claim, image_dir, done_marker):
         f.write(buffer.numpy().tobytes())
     with open(done_marker, "w"):
         pass
-    spec = mf.FragmentSpec("w", "fp32", 4 * rank, 4, (8,), "float32")
+    spec = assemble.FragmentSpec("w", "fp32", 4 * rank, 4, (8,), "float32")
     return {"image": image, "keys": None, "specs": [spec.to_json()],
             "entries": [{"key": e.key, "dtype": e.dtype, "shape": list(e.shape),
                          "start": e.start, "nbytes": e.nbytes} for e in layout.entries],
@@ -483,11 +501,12 @@ def test_a_keeper_job_of_an_earlier_attempt_writes_nothing_into_the_new_save(tmp
     the restarted job saved the same tag again: it must not put the old attempt's file or
     report into the new save (the new committer could take them), and it frees its slot."""
     from deepspeed_ext import keeper
-    from deepspeed_ext import manifest as mf
+    from deepspeed_ext.format import naming
+    from deepspeed_ext.store import prepare
     save_dir, tag = str(tmp_path / "ckpt"), "global_step20"
-    tag_dir = mf.prepare_checkpoint_dir(save_dir, tag)
+    tag_dir = prepare.prepare_checkpoint_dir(save_dir, tag)
     old_claim = read_claim(tag_dir)
-    mf.prepare_checkpoint_dir(save_dir, tag)  # the restarted job's save of the same tag
+    prepare.prepare_checkpoint_dir(save_dir, tag)  # the restarted job's save of the same tag
     marker = str(tmp_path / "slot1.persisting")
     logged = []
     keeper.run_persist_job(_persist_job_of(save_dir, tag, 1, old_claim, str(tmp_path), marker),
@@ -502,27 +521,28 @@ def test_a_keeper_job_of_an_earlier_attempt_writes_nothing_into_the_new_save(tmp
     with open(os.path.join(tag_dir, report_name(1))) as f:
         report = json.load(f)
     assert report["ok"] and report["claim"] == new_claim
-    assert os.path.exists(os.path.join(tag_dir, mf.rank_file_name(1)))
+    assert os.path.exists(os.path.join(tag_dir, naming.rank_file_name(1)))
 
 
 def test_a_retention_failure_after_the_commit_does_not_fail_the_save(tmp_path, monkeypatch):
     """The manifest and `latest` are written when retention raises (another attempt's
     retention removed a directory first): the save stays committed, with a warning,
     instead of being reported failed (which stops training on every rank)."""
-    from deepspeed_ext import manifest as mf
+    from deepspeed_ext.format import manifest as mf
+    from deepspeed_ext.store import latest, prepare, retention
 
     def failing(save_dir, keep, protect=()):
         raise FileNotFoundError(2, "No such file or directory (injected)")
-    monkeypatch.setattr(mf, "apply_retention", failing)
+    monkeypatch.setattr(retention, "apply_retention", failing)
     save_dir, tag = str(tmp_path), "global_step10"
-    tag_dir = mf.prepare_checkpoint_dir(save_dir, tag)
+    tag_dir = prepare.prepare_checkpoint_dir(save_dir, tag)
     for rank in range(2):
         _write_share(save_dir, tag, rank, 1.0)
     claim, logged = read_claim(tag_dir), []
     commit_checkpoint(save_dir, tag, 10, _commit_job(save_dir, tag, 10, claim)["commit"]["layout"],
                       wait_for_reports(tag_dir, 2, timeout_s=5, claim=claim), None, None, None,
                       True, 1, log=logged.append, claim=claim)
-    assert mf.read_latest(save_dir) == tag and mf.read_manifest(tag_dir).step == 10
+    assert latest.read_latest(save_dir) == tag and mf.read_manifest(tag_dir).step == 10
     assert any("retention after committing global_step10 failed" in line for line in logged)
 
 
@@ -532,7 +552,7 @@ def test_a_late_committer_removes_only_its_own_reports_and_claim(tmp_path):
     tag_dir = str(tmp_path)
     write_report(tag_dir, 0, {"who": 0}, claim="new")
     write_report(tag_dir, 1, {"who": 1}, claim="old")
-    from deepspeed_ext.storage import atomic_write_json
+    from deepspeed_ext.format.storage import atomic_write_json
     atomic_write_json(os.path.join(tag_dir, CLAIM_NAME), {"claim": "new"})
     remove_reports(tag_dir, 2, claim="old")
     assert sorted(os.listdir(tag_dir)) == sorted([CLAIM_NAME, report_name(0)])
@@ -548,9 +568,10 @@ def test_retention_is_decided_and_done_in_one_step_under_the_directory_lock(tmp_
     ``latest`` in between had the checkpoint it resumes from deleted under it. The check
     and the deletion now share one hold of the lock that record_attempt takes."""
     import contextlib
-    from deepspeed_ext import manifest as mf
+    from deepspeed_ext.store import latest, locking, retention
     holds, seen = [], {}
-    real_lock, real_check, real_retention = mf.locked_dir, mf.later_attempt_started, mf.apply_retention
+    real_lock, real_check = locking.locked_dir, latest.later_attempt_started
+    real_retention = retention.apply_retention
 
     @contextlib.contextmanager
     def tracked(path):
@@ -565,19 +586,20 @@ def test_retention_is_decided_and_done_in_one_step_under_the_directory_lock(tmp_
         seen["check"] = holds[-1] if holds else None
         return real_check(save_dir, attempt_started)
 
-    def retention(save_dir, keep, protect=()):
+    def tracked_retention(save_dir, keep, protect=()):
         seen["retention"] = holds[-1] if holds else None
         return real_retention(save_dir, keep, protect)
-    monkeypatch.setattr(mf, "locked_dir", tracked)
-    monkeypatch.setattr(mf, "later_attempt_started", check)
-    monkeypatch.setattr(mf, "apply_retention", retention)
+    # Where retain_unless_superseded looks them up.
+    monkeypatch.setattr(retention, "locked_dir", tracked)
+    monkeypatch.setattr(retention, "later_attempt_started", check)
+    monkeypatch.setattr(retention, "apply_retention", tracked_retention)
     save_dir = str(tmp_path)
     _commit_keep(save_dir, "global_step10", 10, 1.0, 100.0, keep=1)
     assert _commit_keep(save_dir, "global_step20", 20, 2.0, 100.0, keep=1) == [
         "retention: removed global_step10"]
     assert seen["check"] is not None and seen["check"] is seen["retention"], seen
     seen.clear()
-    mf.record_attempt(save_dir, 200.0)
+    latest.record_attempt(save_dir, 200.0)
     logged = _commit_keep(save_dir, "global_step30", 30, 3.0, 100.0, keep=1)
     assert seen["check"] is not None and "retention" not in seen, seen
     assert any("left to the later attempt" in line for line in logged), logged
@@ -588,9 +610,10 @@ def test_damaged_commit_records_are_commit_errors(tmp_path, monkeypatch):
     of the committer and of every rank's wait, a huge one was read whole, and a report
     payload of the wrong shape raised KeyError/TypeError out of commit_checkpoint. Each
     is now the commit's own error (the save fails cleanly), naming the file or rank."""
-    from deepspeed_ext import commit as cm
-    from deepspeed_ext import manifest as mf
-    from deepspeed_ext.commit import commit_outcome
+    from deepspeed_ext.format import manifest as mf
+    from deepspeed_ext.store import commit as cm
+    from deepspeed_ext.store import prepare
+    from deepspeed_ext.store.commit import commit_outcome
     nested = "[" * 100_000 + "]" * 100_000
     tag_dir = tmp_path / "global_step10"
     tag_dir.mkdir()
@@ -618,7 +641,7 @@ def test_damaged_commit_records_are_commit_errors(tmp_path, monkeypatch):
     monkeypatch.undo()
     # A payload of the wrong shape: refused before anything is written.
     save_dir, tag = str(tmp_path / "run"), "global_step10"
-    run_dir = mf.prepare_checkpoint_dir(save_dir, tag)
+    run_dir = prepare.prepare_checkpoint_dir(save_dir, tag)
     for rank in range(2):
         _write_share(save_dir, tag, rank, 1.0)
     claim = read_claim(run_dir)
@@ -636,21 +659,21 @@ def test_damaged_commit_records_are_commit_errors(tmp_path, monkeypatch):
 
 _PIN = r"""
 import sys
-from deepspeed_ext import manifest as mf
-with mf.reading(sys.argv[1], sys.argv[2]):
+from deepspeed_ext.store.pins import reading
+with reading(sys.argv[1], sys.argv[2]):
     print("pinned", flush=True)
     sys.stdin.readline()
 """
 
 
 def test_retention_spares_a_checkpoint_another_process_is_verifying(tmp_path):
-    """``moc-ckpt verify`` pins each checkpoint it reads (``manifest.reading``): a
+    """``moc-ckpt verify`` pins each checkpoint it reads (``store.pins.reading``): a
     committer's retention in another process (the keeper) leaves it for a later
     retention. Before, retention deleted it under the reader, which reported a healthy
     directory as damaged."""
     import subprocess
     import sys
-    from deepspeed_ext import manifest as mf
+    from deepspeed_ext.store import verify
     from tests.launch import REPO
     save_dir = str(tmp_path)
     for step in (10, 20):
@@ -662,7 +685,7 @@ def test_retention_spares_a_checkpoint_another_process_is_verifying(tmp_path):
         assert reader.stdout.readline().strip() == "pinned"
         logged = _commit_keep(save_dir, "global_step30", 30, 3.0, 1.0, 1)
         assert logged == ["retention: removed global_step20"]
-        assert mf.verify_checkpoint(save_dir, "global_step10") == []
+        assert verify.verify_checkpoint(save_dir, "global_step10") == []
     finally:
         reader.communicate("\n", timeout=60)
     assert reader.returncode == 0
@@ -677,17 +700,17 @@ def test_retention_never_deletes_the_checkpoint_just_committed_nor_latest(tmp_pa
     deleted it right after writing its manifest, so the trainer's wait on it found the
     directory gone and failed a save that had succeeded. The committer now protects the
     tag it just committed; ``latest``'s target is kept as before."""
-    from deepspeed_ext import manifest as mf
-    from deepspeed_ext.commit import commit_outcome
+    from deepspeed_ext.store import latest, verify
+    from deepspeed_ext.store.commit import commit_outcome
     save_dir = str(tmp_path)
     _commit_keep(save_dir, "global_step20", 20, 2.0, 1.0, 1)
     assert _commit_keep(save_dir, "global_step40", 40, 4.0, 1.0, 1) == [
         "retention: removed global_step20"]
     logged = _commit_keep(save_dir, "global_step30", 30, 3.0, 1.0, 1)  # the late one
     assert not any(line.startswith("retention: removed") for line in logged), logged
-    assert mf.read_latest(save_dir) == "global_step40"
-    assert mf.verify_checkpoint(save_dir, "global_step40") == []
-    assert mf.verify_checkpoint(save_dir, "global_step30") == []
+    assert latest.read_latest(save_dir) == "global_step40"
+    assert verify.verify_checkpoint(save_dir, "global_step40") == []
+    assert verify.verify_checkpoint(save_dir, "global_step30") == []
     assert commit_outcome(os.path.join(save_dir, "global_step30"), 2) == (True, None)
     # The next commit's retention removes it like any old checkpoint.
     assert _commit_keep(save_dir, "global_step50", 50, 5.0, 1.0, 1) == [

@@ -1,4 +1,4 @@
-"""Checkpoint storage behind fsspec URLs (deepspeed_ext.fs, and the storage, manifest and
+"""Checkpoint storage behind fsspec URLs (deepspeed_ext.format.fs, and the storage, manifest and
 reader layers on top of it), in process on fsspec's ``memory://`` store; the multi-rank
 runs through ``file://`` URLs are in test_checkpointer and test_two_level."""
 
@@ -8,11 +8,12 @@ import uuid
 import pytest
 import torch
 
-from deepspeed_ext import fs
-from deepspeed_ext import manifest as mf
-from deepspeed_ext.reader import CheckpointReader, find_loadable
-from deepspeed_ext.storage import (CheckpointError, FragmentReader, atomic_write_json,
-                                   check_file, write_fragment_file)
+from deepspeed_ext.format import fs, naming
+from deepspeed_ext.format.errors import CheckpointError
+from deepspeed_ext.format.fragment_reader import FragmentReader
+from deepspeed_ext.format.storage import atomic_write_json, check_file, write_fragment_file
+from deepspeed_ext.store import catalog, latest, prepare, retention, verify
+from deepspeed_ext.store.reader import CheckpointReader, find_loadable
 from tests.deepspeed_ext.test_manifest import FakeRun, three_checkpoints
 from tests.deepspeed_ext.test_reader import EXPECTED_STEP
 
@@ -83,7 +84,7 @@ def test_failed_write_leaves_no_object(url, monkeypatch):
             raise OSError("connection reset")
         return type(self).__mro__[1].write(self, data)
 
-    monkeypatch.setattr(fs, "_WRITE_CHUNK", 4)
+    monkeypatch.setattr(fs, "WRITE_CHUNK", 4)
     monkeypatch.setattr(memory.MemoryFile, "write", failing_write)
     with pytest.raises(OSError, match="connection reset"):
         fs.write_bytes(path, b"0123456789")
@@ -160,16 +161,16 @@ def test_url_reader_errors_name_the_object(url):
 def test_checkpoints_on_a_url_resolve_verify_and_load(url):
     """The core issue's multi-checkpoint format, unchanged, on an object store."""
     run = three_checkpoints(url)
-    assert mf.read_latest(url) == "global_step30"
-    assert mf.list_checkpoints(url) == [(10, "global_step10"), (20, "global_step20"),
+    assert latest.read_latest(url) == "global_step30"
+    assert catalog.list_checkpoints(url) == [(10, "global_step10"), (20, "global_step20"),
                                         (30, "global_step30")]
-    assert all(mf.verify_checkpoint(url, f"global_step{s}") == [] for s in (10, 20, 30))
+    assert all(verify.verify_checkpoint(url, f"global_step{s}") == [] for s in (10, 20, 30))
     with CheckpointReader(url) as ckpt:
         assert ckpt.tag == "global_step30"
         for name, kind in ckpt.keys():
             assert torch.equal(ckpt.read_full(name, kind), run.truth[(name, kind)])
         assert {k: v[0] for k, v in ckpt.expert_versions().items()} == EXPECTED_STEP
-    _flip_last_byte(fs.join(url, "global_step30", mf.rank_file_name(0)))
+    _flip_last_byte(fs.join(url, "global_step30", naming.rank_file_name(0)))
     tag, skipped = find_loadable(url)
     assert tag == "global_step20" and "checksum" in skipped[0]
 
@@ -181,12 +182,12 @@ def test_retention_and_deletion_on_a_url(url):
     partial = fs.join(url, "global_step15")
     fs.write_bytes(fs.join(partial, "rank00000.safetensors"), b"partial")
     with pytest.raises(FileExistsError, match="complete checkpoint"):
-        mf.prepare_checkpoint_dir(url, "global_step10")
-    assert mf.apply_retention(url, keep=1) == ["global_step10"]
+        prepare.prepare_checkpoint_dir(url, "global_step10")
+    assert retention.apply_retention(url, keep=1) == ["global_step10"]
     assert fs.subdirs(url) == ["global_step15", "global_step20"]  # the partial one is newer
-    mf.remove_checkpoint(url, "global_step20")
-    assert mf.list_checkpoints(url) == [] and not fs.exists(fs.join(url, "global_step20"))
-    assert mf.prepare_checkpoint_dir(url, "global_step15") == partial
+    retention.remove_checkpoint(url, "global_step20")
+    assert catalog.list_checkpoints(url) == [] and not fs.exists(fs.join(url, "global_step20"))
+    assert prepare.prepare_checkpoint_dir(url, "global_step15") == partial
     assert not fs.exists(fs.join(partial, "rank00000.safetensors"))
 
 
@@ -220,10 +221,10 @@ def test_a_url_checkpoint_with_a_malformed_header_is_skipped(url):
     it passes the size check) raised TypeError out of a restart's search for a
     loadable checkpoint; now that checkpoint is skipped, as a local one is."""
     three_checkpoints(url)
-    path = fs.join(url, "global_step30", mf.rank_file_name(0))
+    path = fs.join(url, "global_step30", naming.rank_file_name(0))
     data = fs.read_bytes(path)
     assert b'"dtype":"F32"' in data
     fs.write_bytes(path, data.replace(b'"dtype":"F32"', b'"dtype":[320]', 1))
     tag, skipped = find_loadable(url, checksums=False)
     assert tag == "global_step20" and "not a readable safetensors file" in skipped[0], skipped
-    assert mf.rank_file_name(0) in skipped[0]
+    assert naming.rank_file_name(0) in skipped[0]

@@ -7,8 +7,8 @@ import shutil
 import pytest
 import torch
 
+from deepspeed_ext.format.image import layout_of
 from deepspeed_ext.hostcopy import HostCopier, wait_before_step
-from deepspeed_ext.image import layout_of
 from deepspeed_ext.snapshot import SlotImage, SnapshotSlots
 from tests.shm import new_shm_dir
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from deepspeed_ext.image import fill_image, image_view, layout_image, layout_of
-from deepspeed_ext.storage import write_image_file
+from deepspeed_ext.format.image import fill_image, image_view, layout_image, layout_of
+from deepspeed_ext.format.storage import write_image_file
 
 
 def _tensors():

@@ -63,7 +63,7 @@ def _job(directory, job_id, tag="global_step3"):
     """A well-formed persist job of ``directory``'s keeper (its checks refuse others)."""
     return {"id": job_id, "tag": tag, "rank": 0, "step": 3, "save_dir": str(directory),
             "image": os.path.join(str(directory), "rank00000", "slot0.img"), "entries": [],
-            "keys": None}
+            "keys": None, "specs": []}
 
 
 def test_a_keeper_slow_to_answer_is_not_replaced(tmp_path, monkeypatch):
@@ -142,7 +142,7 @@ def test_a_shutdown_waits_for_commits_past_their_reports_only(tmp_path, monkeypa
     commit goes on after it (``latest``, retention): the keeper answers only when that
     commit is done. A commit still waiting for reports (a crashed attempt's) is not
     waited for: it would hold the shutdown for its whole timeout."""
-    from deepspeed_ext import commit
+    from deepspeed_ext.store import commit
     finished = []
 
     def slow_commit(save_dir, tag, *args, **kwargs):
@@ -154,12 +154,7 @@ def test_a_shutdown_waits_for_commits_past_their_reports_only(tmp_path, monkeypa
     monkeypatch.setattr(keeper, "_GATE", keeper._CommitGate())
 
     def job(tag):
-        os.makedirs(tmp_path / tag, exist_ok=True)
-        return {"save_dir": str(tmp_path), "tag": tag, "claim": None, "commit": {
-            "step": 1, "previous_tag": None, "selected": None, "pec_k": None,
-            "save_latest": True, "keep": 0, "timeout_s": 60.0,
-            "layout": {"world_size": 1, "ep_size": 1, "zero_stage": 2, "num_moe_layers": 0,
-                       "num_experts": 0}}}
+        return _commit_of(tmp_path, tag, None)
 
     for tag in ("global_step1", "global_step2"):
         reports_in = threading.Event()
@@ -312,7 +307,7 @@ def test_jobs_whose_paths_leave_their_directories_are_refused(tmp_path):
     from deepspeed_ext.keeper_jobs import JobRefused, check_job
     node, save = str(tmp_path / "node0"), str(tmp_path / "ckpt")
     os.makedirs(node)
-    good = {"tag": "global_step3", "rank": 0, "step": 3, "save_dir": save,
+    good = {"tag": "global_step3", "rank": 0, "step": 3, "save_dir": save, "specs": [],
             "image": os.path.join(node, "rank00000", "slot0.img"), "keys": None,
             "entries": [{"key": "w", "dtype": "float32", "shape": [2], "start": 0, "nbytes": 8}]}
     check_job(good, node)
@@ -491,13 +486,16 @@ def test_a_damaged_snapshot_is_not_persisted(tmp_path):
 
 def _commit_of(tmp_path, tag, attempt_started, timeout_s=60.0):
     """A keeper commit job of a one-rank save ``tag`` (its directory made)."""
+    from deepspeed_ext.jobs import PersistJob
     os.makedirs(tmp_path / tag, exist_ok=True)
-    return {"save_dir": str(tmp_path), "tag": tag, "claim": None, "commit": {
-        "step": 1, "previous_tag": None, "selected": None, "pec_k": None,
-        "save_latest": True, "keep": 0, "timeout_s": timeout_s,
-        "attempt_started": attempt_started,
-        "layout": {"world_size": 1, "ep_size": 1, "zero_stage": 2, "num_moe_layers": 0,
-                   "num_experts": 0}}}
+    return PersistJob.from_json({
+        "save_dir": str(tmp_path), "tag": tag, "claim": None, "step": 1, "rank": 0,
+        "image": str(tmp_path / "unused.img"), "entries": [], "keys": None, "specs": [],
+        "commit": {"step": 1, "previous_tag": None, "selected": None, "pec_k": None,
+                   "save_latest": True, "keep": 0, "timeout_s": timeout_s,
+                   "attempt_started": attempt_started,
+                   "layout": {"world_size": 1, "ep_size": 1, "zero_stage": 2,
+                              "num_moe_layers": 0, "num_experts": 0}}})
 
 
 def _start_commit(tmp_path, tag, attempt_started):
@@ -517,7 +515,7 @@ def test_a_drain_returns_once_every_commit_of_its_attempt_is_done(tmp_path, monk
     report arrives during the drain. Before, the wait ended at the manifest and the
     committer went on writing after the job had returned. A commit of an earlier
     attempt still waiting for a dead rank is not waited for."""
-    from deepspeed_ext import commit
+    from deepspeed_ext.store import commit
     finished = []
 
     def slow_commit(save_dir, tag, *args, **kwargs):
@@ -546,7 +544,7 @@ def test_a_commit_whose_reports_arrive_after_a_shutdown_writes_nothing(tmp_path,
     whose reports come in a moment later used to go on writing its manifest, ``latest``
     and retention while the keeper exited under it, after the training side had been
     told nothing ran any more. It now stands down."""
-    from deepspeed_ext import commit
+    from deepspeed_ext.store import commit
     finished = []
     monkeypatch.setattr(commit, "commit_checkpoint",
                         lambda save_dir, tag, *a, **k: finished.append(tag))

@@ -21,8 +21,11 @@ import time
 
 import pytest
 
-from deepspeed_ext import cli, commit, keeper
-from deepspeed_ext import manifest as mf
+from deepspeed_ext import cli, keeper
+from deepspeed_ext.format import assemble
+from deepspeed_ext.format import manifest as mf
+from deepspeed_ext.store import claims, commit, prepare
+from deepspeed_ext.store.latest import read_latest
 from tests.launch import REPO
 from tests.shm import new_shm_dir, stop_keepers
 
@@ -52,9 +55,9 @@ def _job(node, save_dir, tag, step, rank, claim, attempt):
     """Rank ``rank``'s persist job of ``tag``: a slot image of one tensor filled with
     ``step`` (a restart checks what it loads), rank 0's with the objects and the commit."""
     import torch
-    from deepspeed_ext.image import fill_image, layout_of
-    from deepspeed_ext.objects import encode
-    spec = mf.FragmentSpec("w", "fp32", 4 * rank, 4, (8,), "float32")
+    from deepspeed_ext.format.image import fill_image, layout_of
+    from deepspeed_ext.format.objects import encode
+    spec = assemble.FragmentSpec("w", "fp32", 4 * rank, 4, (8,), "float32")
     tensors = {spec.key: torch.full((4,), float(step))}
     layout = layout_of(tensors)
     buffer = torch.zeros(layout.nbytes, dtype=torch.uint8)
@@ -115,8 +118,8 @@ def _verify(save_dir):
 def _check_storage(save_dir, expect_step=None):
     """``latest`` names a checkpoint with a valid manifest, verify passes, and a restart
     finds a checkpoint whose tensor holds its step."""
-    from deepspeed_ext.reader import CheckpointReader, find_loadable
-    latest = mf.read_latest(save_dir)
+    from deepspeed_ext.store.reader import CheckpointReader, find_loadable
+    latest = read_latest(save_dir)
     if latest is not None:
         assert mf.read_manifest(os.path.join(save_dir, latest)).tag == latest
     rc, out = _verify(save_dir)
@@ -142,8 +145,8 @@ def test_kills_across_the_commit_window_leave_latest_valid(tmp_path, seed):
         ended = False  # the job ended by a death (a rank's, or its keeper's)
         for step in range(1, STEPS + 1):
             tag = f"global_step{step}"
-            tag_dir = mf.prepare_checkpoint_dir(save_dir, tag, attempt_started=attempt)
-            claim = commit.read_claim(tag_dir)
+            tag_dir = prepare.prepare_checkpoint_dir(save_dir, tag, attempt_started=attempt)
+            claim = claims.read_claim(tag_dir)
             for rank in (1, 0):
                 if kind == "rank" and step == kill_step and rank == 1:
                     continue  # rank 1 died before handing its share over

@@ -1,4 +1,4 @@
-"""Manifest, expert index, latest, verification and retention (deepspeed_ext.manifest).
+"""Manifest, expert index, latest, verification and retention (deepspeed_ext.format.manifest).
 
 :class:`FakeRun` (also used by test_reader and test_cli) saves small checkpoints of a
 fake 2-MoE-layer x 4-expert model through the public API the way the multi-rank
@@ -18,17 +18,23 @@ import numpy as np
 import pytest
 import torch
 
-from deepspeed_ext import manifest as mf
-from deepspeed_ext.manifest import (FileEntry, FragmentSpec, Manifest, RankReport,
-                                    apply_retention, assemble_manifest, build_expert_index,
-                                    check_tag, expert_key, set_aside_checkpoints_after,
-                                    fragment_key, list_checkpoints,
-                                    prepare_checkpoint_dir, rank_file_name, read_latest,
-                                    read_manifest, referenced_tags, remove_checkpoint,
-                                    scan_checkpoints, split_tensor_key, update_latest,
-                                    verify_checkpoint, write_manifest)
-from deepspeed_ext.objects import OBJECTS_FILE, encode, write_objects_file
-from deepspeed_ext.storage import CheckpointError, atomic_write_json, write_fragment_file
+from deepspeed_ext.format import expert_index
+from deepspeed_ext.format import manifest as mf
+from deepspeed_ext.format import naming
+from deepspeed_ext.format.assemble import FragmentSpec, RankReport, assemble_manifest
+from deepspeed_ext.format.errors import CheckpointError
+from deepspeed_ext.format.expert_index import build_expert_index
+from deepspeed_ext.format.manifest import FileEntry, Manifest, read_manifest, write_manifest
+from deepspeed_ext.format.naming import (check_tag, expert_key, fragment_key, rank_file_name,
+                                         split_tensor_key)
+from deepspeed_ext.format.objects import OBJECTS_FILE, encode, write_objects_file
+from deepspeed_ext.format.storage import atomic_write_json, write_fragment_file
+from deepspeed_ext.store import catalog, latest, locking, retention
+from deepspeed_ext.store.catalog import list_checkpoints, referenced_tags, scan_checkpoints
+from deepspeed_ext.store.latest import read_latest, update_latest
+from deepspeed_ext.store.prepare import prepare_checkpoint_dir, set_aside_checkpoints_after
+from deepspeed_ext.store.retention import apply_retention, remove_checkpoint
+from deepspeed_ext.store.verify import verify_checkpoint
 from tests.launch import fresh_python
 
 LAYERS, EXPERTS = 2, 4
@@ -162,7 +168,7 @@ def no_fsync(monkeypatch):
 def test_names():
     assert fragment_key("a.b", "fp32", 12) == "a.b|fp32|12"
     assert split_tensor_key("a.b|exp_avg") == ("a.b", "exp_avg")
-    assert expert_key(1, 3) == "1/3" and mf.parse_expert_key("1/3") == (1, 3)
+    assert expert_key(1, 3) == "1/3" and naming.parse_expert_key("1/3") == (1, 3)
     assert rank_file_name(3) == "rank00003.safetensors"
     with pytest.raises(ValueError):
         fragment_key("a|b", "fp32", 0)
@@ -205,11 +211,11 @@ def test_one_part_scope_indexes_each_part_at_its_newest_version(tmp_path, scope)
         assert version.oldest_step == step
     assert last.validate() == []
     assert Manifest.from_json(json.loads(json.dumps(last.to_json()))) == last
-    assert mf.read_expert_versions(str(tmp_path / "global_step30"))[1][(0, 1)] == 20
-    assert mf.referenced_tags(str(tmp_path), "global_step30") == {
+    assert expert_index.read_expert_versions(str(tmp_path / "global_step30"))[1][(0, 1)] == 20
+    assert catalog.referenced_tags(str(tmp_path), "global_step30") == {
         "global_step10", "global_step20", "global_step30"}
     assert verify_checkpoint(str(tmp_path), "global_step30") == []
-    from deepspeed_ext.reader import CheckpointReader
+    from deepspeed_ext.store.reader import CheckpointReader
     with CheckpointReader(str(tmp_path)) as ckpt:
         for name, kind in ckpt.keys():
             assert torch.equal(ckpt.read_full(name, kind), run.truth[(name, kind)]), (name, kind)
@@ -476,7 +482,7 @@ def test_retention_keeps_referenced_checkpoints(tmp_path):
     assert [t for _, t in list_checkpoints(str(tmp_path))] == ["global_step30",
                                                                 "global_step40"]
     assert verify_checkpoint(str(tmp_path), "global_step40") == []
-    assert not any(n.startswith(mf.TRASH_PREFIX) for n in os.listdir(tmp_path))
+    assert not any(n.startswith(retention.TRASH_PREFIX) for n in os.listdir(tmp_path))
 
 
 def test_retention_removes_stale_partial_saves_only(tmp_path):
@@ -496,10 +502,10 @@ def test_retention_removes_stale_partial_saves_only(tmp_path):
     in_progress.mkdir()
     (in_progress / "rank00000.safetensors").write_bytes(b"being written")
     os.utime(in_progress / "rank00000.safetensors", (time.time() + 5, time.time() + 5))
-    (tmp_path / f"{mf.TRASH_PREFIX}global_step3.99").mkdir()
+    (tmp_path / f"{retention.TRASH_PREFIX}global_step3.99").mkdir()
     deleted = apply_retention(str(tmp_path), keep=2)
     assert deleted == ["global_step15"]
-    assert sorted(os.listdir(tmp_path)) == [mf.LOCK_FILE, "global_step10", "global_step20",
+    assert sorted(os.listdir(tmp_path)) == [locking.LOCK_FILE, "global_step10", "global_step20",
                                             "global_step30", "latest", "tensorboard"]
 
 
@@ -512,7 +518,7 @@ def test_interrupted_deletion_is_incomplete_then_cleaned(tmp_path, monkeypatch):
         raise OSError("killed")
 
     with monkeypatch.context() as m:
-        m.setattr(mf.os, "rename", crash)
+        m.setattr(retention.os, "rename", crash)
         with pytest.raises(OSError, match="killed"):
             remove_checkpoint(str(tmp_path), "global_step10")
     # half-deleted: never listed or loaded as complete
@@ -565,7 +571,7 @@ def test_a_new_run_setting_aside_every_checkpoint_leaves_no_latest_naming_one(tm
     """A new run saving into another run's directory sets aside all of its checkpoints:
     `latest` must not keep naming one of them, or a restart before the new run's first
     commit finds nothing loadable instead of starting afresh."""
-    from deepspeed_ext.reader import find_loadable
+    from deepspeed_ext.store.reader import find_loadable
     three_checkpoints(tmp_path)
     assert read_latest(str(tmp_path)) == "global_step30"
     assert len(set_aside_checkpoints_after(str(tmp_path), 5, attempt_started=1e12)) == 3
@@ -607,12 +613,12 @@ def test_locked_dir_locks_a_writable_file_and_excludes_other_processes(tmp_path)
     import sys
     import time
     script = ("import sys, time\n"
-              "from deepspeed_ext.manifest import locked_dir\n"
+              "from deepspeed_ext.store.locking import locked_dir\n"
               "print('ready', flush=True)\n"
               "with locked_dir(sys.argv[1]):\n"
               "    print(time.time(), flush=True)\n")
-    with mf.locked_dir(str(tmp_path)):
-        assert (tmp_path / mf.LOCK_FILE).is_file()
+    with locking.locked_dir(str(tmp_path)):
+        assert (tmp_path / locking.LOCK_FILE).is_file()
         child = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)],
                                  stdout=subprocess.PIPE, text=True)
         assert child.stdout.readline().strip() == "ready"  # imported: now at the lock
@@ -621,7 +627,7 @@ def test_locked_dir_locks_a_writable_file_and_excludes_other_processes(tmp_path)
         released = time.time()
     acquired = float(child.communicate(timeout=60)[0])
     assert acquired >= released
-    assert mf.scan_checkpoints(str(tmp_path)).complete == []  # the lock file is no checkpoint
+    assert catalog.scan_checkpoints(str(tmp_path)).complete == []  # the lock file is no checkpoint
 
 
 # ------------------------------------------------- untrusted manifests (issue 20, 4/5)
@@ -634,7 +640,7 @@ def test_validate_costs_what_the_file_lists_not_what_its_layout_declares(tmp_pat
     run = FakeRun(tmp_path)
     manifest = run.save("global_step10", 10, 2)
     calls = []
-    real = mf.expert_key
+    real = naming.expert_key
 
     def counted(layer, expert):
         calls.append(1)
@@ -673,14 +679,14 @@ def test_deeply_nested_json_in_a_manifest_is_a_checkpoint_error(tmp_path):
     of `moc-ckpt inspect`/`verify` and a restart's load, instead of skipping that
     checkpoint. Nesting that parses at the reader's depth but not deeper in a load's
     stack (inside the free-form ``extra``) is refused the same way."""
-    from deepspeed_ext.reader import find_loadable
+    from deepspeed_ext.store.reader import find_loadable
     three_checkpoints(tmp_path)
     tag_dir = str(tmp_path / "global_step30")
     path = os.path.join(tag_dir, mf.MANIFEST_FILE)
     good = open(path).read()
     with open(path, "w") as f:
         f.write(_nested(100_000))
-    for call in (lambda: read_manifest(tag_dir), lambda: mf.read_expert_versions(tag_dir)):
+    for call in (lambda: read_manifest(tag_dir), lambda: expert_index.read_expert_versions(tag_dir)):
         with pytest.raises(CheckpointError, match="nested") as err:
             call()
         assert path in str(err.value)
@@ -705,20 +711,20 @@ def test_every_json_file_read_has_a_size_cap(tmp_path, monkeypatch):
     tag_dir = str(tmp_path / "global_step30")
     size = os.path.getsize(os.path.join(tag_dir, mf.MANIFEST_FILE))
     monkeypatch.setattr(mf, "MANIFEST_MAX_BYTES", size - 1)
-    for call in (lambda: read_manifest(tag_dir), lambda: mf.read_expert_versions(tag_dir)):
+    for call in (lambda: read_manifest(tag_dir), lambda: expert_index.read_expert_versions(tag_dir)):
         with pytest.raises(CheckpointError, match=f"larger than {size - 1} bytes"):
             call()
     monkeypatch.setattr(mf, "MANIFEST_MAX_BYTES", size)
     assert read_manifest(tag_dir).step == 30
-    latest = tmp_path / mf.LATEST_FILE
-    latest.write_text("global_step" + "3" * mf.LATEST_MAX_BYTES)
+    latest_path = tmp_path / naming.LATEST_FILE
+    latest_path.write_text("global_step" + "3" * latest.LATEST_MAX_BYTES)
     with pytest.raises(CheckpointError, match="latest: larger than"):
         read_latest(str(tmp_path))
-    (tmp_path / mf.ATTEMPT_FILE).write_text(
-        '{"attempt_started": 1e9, "pad": "' + " " * mf.ATTEMPT_MAX_BYTES + '"}')
-    assert not mf.later_attempt_started(str(tmp_path), 1.0)
-    (tmp_path / mf.ATTEMPT_FILE).write_text(_nested(100_000))
-    assert not mf.later_attempt_started(str(tmp_path), 1.0)
+    (tmp_path / latest.ATTEMPT_FILE).write_text(
+        '{"attempt_started": 1e9, "pad": "' + " " * latest.ATTEMPT_MAX_BYTES + '"}')
+    assert not latest.later_attempt_started(str(tmp_path), 1.0)
+    (tmp_path / latest.ATTEMPT_FILE).write_text(_nested(100_000))
+    assert not latest.later_attempt_started(str(tmp_path), 1.0)
 
 
 def test_latest_linked_to_dev_zero_is_refused_not_read_forever(tmp_path):
@@ -727,11 +733,12 @@ def test_latest_linked_to_dev_zero_is_refused_not_read_forever(tmp_path):
     machine down."""
     if not os.path.exists("/dev/zero"):
         pytest.skip("needs /dev/zero")
-    os.symlink("/dev/zero", tmp_path / mf.LATEST_FILE)
-    out = fresh_python("import sys\nfrom deepspeed_ext import manifest as mf\n"
+    os.symlink("/dev/zero", tmp_path / naming.LATEST_FILE)
+    out = fresh_python("import sys\nfrom deepspeed_ext.format.errors import CheckpointError\n"
+                       "from deepspeed_ext.store.latest import read_latest\n"
                        "try:\n"
-                       "    mf.read_latest(sys.argv[1])\n"
-                       "except mf.CheckpointError as err:\n"
+                       "    read_latest(sys.argv[1])\n"
+                       "except CheckpointError as err:\n"
                        "    print('refused:', err)\n", args=[str(tmp_path)], memory_limit=4 << 30)
     assert len(out) == 1 and out[0].startswith("refused:") and "latest: larger than" in out[0]
 
@@ -739,7 +746,7 @@ def test_latest_linked_to_dev_zero_is_refused_not_read_forever(tmp_path):
 def test_a_file_name_with_a_nul_is_a_problem_not_a_stray_error(tmp_path):
     """A manifest listing a file named with a NUL made os.stat raise ValueError out of
     verify_checkpoint and the restart's search, instead of skipping that checkpoint."""
-    from deepspeed_ext.reader import find_loadable
+    from deepspeed_ext.store.reader import find_loadable
     three_checkpoints(tmp_path)
 
     def rename(data):
@@ -763,7 +770,7 @@ def test_preparing_a_save_over_the_checkpoint_latest_names_moves_latest_first(tm
     run.save("global_step5", 5, 2)
     run.save("global_step10", 10, 2)
     run.save("global_step20", 20, 2)  # FakeRun records no attempt: an earlier one's
-    mf.update_latest(save_dir, "global_step20")
+    latest.update_latest(save_dir, "global_step20")
     if how == "overwrite":
         prepare_checkpoint_dir(save_dir, "global_step20", overwrite=True, keep="global_step10")
     else:
@@ -773,6 +780,6 @@ def test_preparing_a_save_over_the_checkpoint_latest_names_moves_latest_first(tm
     assert read_latest(save_dir) == "global_step10"
     assert os.path.isfile(tmp_path / "global_step10" / mf.MANIFEST_FILE)
     # Without a checkpoint this run resumed from: the newest one that stays.
-    mf.update_latest(save_dir, "global_step10")
+    latest.update_latest(save_dir, "global_step10")
     prepare_checkpoint_dir(save_dir, "global_step10", overwrite=True)
     assert read_latest(save_dir) == "global_step5"

@@ -1,4 +1,4 @@
-"""Non-tensor state without pickle (deepspeed_ext.objects)."""
+"""Non-tensor state without pickle (deepspeed_ext.format.objects)."""
 
 import collections
 import json
@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from deepspeed_ext.objects import (OBJECTS_FILE, decode, encode, read_objects_file,
-                                   tensor_keys, write_objects_file)
-from deepspeed_ext.storage import CheckpointError, FragmentReader, write_fragment_file
+from deepspeed_ext.format.errors import CheckpointError
+from deepspeed_ext.format.fragment_reader import FragmentReader
+from deepspeed_ext.format.objects import (OBJECTS_FILE, decode, encode, read_objects_file,
+                                          tensor_keys, write_objects_file)
+from deepspeed_ext.format.storage import write_fragment_file
 
 
 def _through_disk(tmp_path, obj):
@@ -199,7 +201,7 @@ def test_deep_or_huge_objects_files_are_checkpoint_errors(tmp_path, monkeypatch)
     tree that parsed but nested deeper than decode's recursion could follow raised it
     out of a load's objects(); both are checkpoint errors naming the file (decode alone:
     ValueError). The file is also read only up to its size cap."""
-    from deepspeed_ext import objects as ob
+    from deepspeed_ext.format import objects as ob
     path = tmp_path / OBJECTS_FILE
     path.write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(CheckpointError, match="nested") as err:

@@ -1,4 +1,4 @@
-"""Assembling tensors across checkpoints (deepspeed_ext.reader)."""
+"""Assembling tensors across checkpoints (deepspeed_ext.store.reader)."""
 
 import os
 import random
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from deepspeed_ext import storage
-from deepspeed_ext.reader import CheckpointError, CheckpointReader, find_loadable
+from deepspeed_ext.format import fragment_reader
+from deepspeed_ext.store.reader import CheckpointError, CheckpointReader, find_loadable
 from tests.deepspeed_ext.test_manifest import (ALL_EXPERTS, EXPERT_PARAMS, KINDS, NON_EXPERT,
                                                FakeRun, expert_param, flip_last_byte,
                                                no_fsync, rank_file, three_checkpoints,
@@ -82,13 +82,13 @@ def test_partial_ranges_cross_fragment_boundaries(run, tmp_path):
 
 def test_reads_only_the_needed_fragment_ranges(run, tmp_path, monkeypatch):
     calls = []
-    original = storage.FragmentReader.read
+    original = fragment_reader.FragmentReader.read
 
     def spy(self, key, start=0, length=None, out=None):
         calls.append((os.path.relpath(self.path, str(tmp_path)), key, start, length))
         return original(self, key, start, length, out)
 
-    monkeypatch.setattr(storage.FragmentReader, "read", spy)
+    monkeypatch.setattr(fragment_reader.FragmentReader, "read", spy)
     with CheckpointReader(str(tmp_path), verify_checksums=False) as ckpt:
         name = expert_param(0, 0, "w1")  # its newest version is in global_step10 only
         assert f"{name}|fp32" not in ckpt.manifest.tensors
@@ -197,7 +197,7 @@ def test_latest_wins_over_a_newer_step(tmp_path):
 
 _RETENTION = """
 import sys
-from deepspeed_ext.manifest import apply_retention
+from deepspeed_ext.store.retention import apply_retention
 print(",".join(apply_retention(sys.argv[1], keep=1)))
 """
 
@@ -232,7 +232,7 @@ def test_find_loadable_pins_each_checkpoint_it_verifies(tmp_path, monkeypatch):
     retention (keep=1) may delete: a committer in another process running it meanwhile
     made the fallback fail, and with 10 deleted too the restart found nothing loadable.
     The loader pins what it verifies, so the fallback loads 20."""
-    from deepspeed_ext import reader as reader_module
+    from deepspeed_ext.store import reader as reader_module
     from tests.launch import fresh_python
     save_dir = str(tmp_path)
     _full_checkpoints(tmp_path)
@@ -256,7 +256,7 @@ def test_a_pin_outlives_another_pin_of_the_same_process_ending(tmp_path):
     comes and goes. With per-process (POSIX) locks, closing the second pin's descriptor
     dropped the first pin too, and retention in another process deleted 10 under its
     reader."""
-    from deepspeed_ext.manifest import reading
+    from deepspeed_ext.store.pins import reading
     from tests.launch import fresh_python
     save_dir = str(tmp_path)
     _full_checkpoints(tmp_path)

@@ -1,4 +1,4 @@
-"""Atomic writes, checksums, fragment files and ranged reads (deepspeed_ext.storage)."""
+"""Atomic writes, checksums, fragment files and ranged reads (deepspeed_ext.format.storage)."""
 
 import hashlib
 import json
@@ -8,12 +8,13 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from deepspeed_ext import storage
-from deepspeed_ext.storage import (CheckpointError, FileRecord, FragmentReader,
-                                   atomic_write_bytes, atomic_write_json, atomic_write_text,
-                                   check_file, dtype_from_name, dtype_name, sha256_file,
-                                   verify_file, write_fragment_file,
-                                   write_safetensors_streaming)
+from deepspeed_ext.format import storage
+from deepspeed_ext.format.dtypes import dtype_from_name, dtype_name
+from deepspeed_ext.format.errors import CheckpointError
+from deepspeed_ext.format.fragment_reader import FragmentReader
+from deepspeed_ext.format.storage import (FileRecord, atomic_write_bytes, atomic_write_json,
+                                          atomic_write_text, check_file, sha256_file, verify_file,
+                                          write_fragment_file, write_safetensors_streaming)
 
 
 def _leftovers(directory) -> list:
@@ -53,7 +54,7 @@ def test_atomic_write_json_is_strict(tmp_path):
 
 
 def test_sha256_file_streams(tmp_path, monkeypatch):
-    monkeypatch.setattr(storage, "_HASH_CHUNK", 7)
+    monkeypatch.setattr(storage, "HASH_CHUNK", 7)
     data = os.urandom(1000)
     (tmp_path / "f").write_bytes(data)
     assert sha256_file(str(tmp_path / "f")) == hashlib.sha256(data).hexdigest()
@@ -187,7 +188,7 @@ def test_streaming_writer_checks_produced_tensors(tmp_path):
 
 @pytest.mark.parametrize("durable, syncs", [(True, True), (False, False)])
 def test_atomic_write_fsyncs_only_when_durable(tmp_path, monkeypatch, durable, syncs):
-    from deepspeed_ext import storage
+    from deepspeed_ext.format import storage
     calls = []
     real = os.fsync
     monkeypatch.setattr(storage.os, "fsync", lambda fd: (calls.append(fd), real(fd)))
@@ -231,7 +232,7 @@ _BAD_HEADERS = {
 @pytest.fixture
 def memory_url():
     import uuid
-    from deepspeed_ext import fs
+    from deepspeed_ext.format import fs
     base = f"memory://moc-test-{uuid.uuid4().hex[:10]}"
     yield base
     fs.rmtree(base)
@@ -245,7 +246,7 @@ def test_malformed_safetensors_headers_are_checkpoint_errors(tmp_path, memory_ur
     error that skips to an older checkpoint), and offsets past the file read other
     tensors' bytes. Both paths (safetensors' own reader locally, ours for URLs) refuse
     each at open, naming the file."""
-    from deepspeed_ext import fs
+    from deepspeed_ext.format import fs
     data = _safetensors_bytes(_BAD_HEADERS[case])
     if where == "local":
         path = str(tmp_path / "bad.safetensors")
@@ -262,7 +263,7 @@ def test_malformed_safetensors_headers_are_checkpoint_errors(tmp_path, memory_ur
 
 @pytest.mark.parametrize("where", ["local", "url"])
 def test_a_well_formed_handmade_header_reads_on_both_paths(tmp_path, memory_url, where):
-    from deepspeed_ext import fs
+    from deepspeed_ext.format import fs
     data = _safetensors_bytes({"__metadata__": {"k": "v"}, **_GOOD,
                                "e": {"dtype": "BF16", "shape": [0, 3], "data_offsets": [16, 16]}},
                               torch.arange(4, dtype=torch.float32).numpy().tobytes())

@@ -286,7 +286,7 @@ def _latest(ckpt):
 
 
 def _verify(ckpt, tag):
-    from deepspeed_ext.manifest import verify_checkpoint
+    from deepspeed_ext.store.verify import verify_checkpoint
     return verify_checkpoint(ckpt, tag)
 
 
@@ -358,7 +358,7 @@ def test_end_of_job_persists_a_snapshot_that_was_not_due(tmp_path):
     """Steps 2 and 3 are snapshots not due for storage (interval 100), taken without any
     collective. The normal end persists step 3 with every rank's RNG state, and a new job
     whose memory is gone loads exactly that state from storage."""
-    from deepspeed_ext.objects import read_objects_file
+    from deepspeed_ext.format.objects import read_objects_file
     shm, ckpt = new_shm_dir(), str(tmp_path / "ckpt")
     try:
         flags = _flags(shm, 2, 2, ["--moc-persist-interval", "100"])
@@ -509,16 +509,17 @@ def test_a_pending_persist_counts_as_failed_after_the_commit_timeout(tmp_path):
     without a failure record): still running until --moc-commit-timeout, then failed.
     Before, every later persist was deferred behind it for the rest of the run."""
     import types
-    from deepspeed_ext import manifest as mf
-    from deepspeed_ext.commit import read_claim
-    from deepspeed_ext.two_level import TwoLevel
-    tag_dir = mf.prepare_checkpoint_dir(str(tmp_path), "global_step2")
+    from deepspeed_ext.store import prepare
+    from deepspeed_ext.store.claims import read_claim
+    from deepspeed_ext.two_level import PendingPersist, TwoLevel
+    tag_dir = prepare.prepare_checkpoint_dir(str(tmp_path), "global_step2")
+    pending = PendingPersist(save_dir=str(tmp_path), tag="global_step2", selected=frozenset(),
+                             policy_before=None, slot=0, in_process=False,
+                             claim=read_claim(tag_dir))
     two = types.SimpleNamespace(world=2, cfg=types.SimpleNamespace(commit_timeout_s=30.0),
-                                persist={"save_dir": str(tmp_path), "tag": "global_step2",
-                                         "claim": read_claim(tag_dir),
-                                         "started": time.monotonic()})
+                                persist=pending)
     assert TwoLevel._persist_view(two) is None  # running
-    two.persist["started"] -= 31
+    two.persist.started -= 31
     ok, why = TwoLevel._persist_view(two)
     assert not ok and why == f"{tag_dir} not committed within 30 s (--moc-commit-timeout)"
 

@@ -42,7 +42,7 @@ def test_saved_arguments_are_read_only_from_an_intact_objects_file(tmp_path):
     check (stopping the run with a made-up "was saved with --num-layers 7"): it fails its
     checksum, the arguments count as unknown, and the load falls back past it."""
     import types
-    from deepspeed_ext.objects import OBJECTS_FILE
+    from deepspeed_ext.format.objects import OBJECTS_FILE
     from megatron.training.checkpointing import _saved_meta
     from tests.deepspeed_ext.test_commit import _commit
     save_dir = str(tmp_path)
@@ -139,7 +139,8 @@ def test_a_lost_or_damaged_latest_resumes_from_the_newest_complete_checkpoint(tm
     resumes from the newest complete checkpoint instead, as its own load would."""
     import types
     import torch.distributed as dist
-    from deepspeed_ext import manifest as mf
+    from deepspeed_ext.format import manifest as mf
+    from deepspeed_ext.format import naming
     from megatron.training.checkpointing import _newest_tag
     from tests.deepspeed_ext.test_commit import _commit
     save_dir = str(tmp_path / "ckpt")
@@ -147,7 +148,7 @@ def test_a_lost_or_damaged_latest_resumes_from_the_newest_complete_checkpoint(tm
         _commit(save_dir, f"global_step{step}", step, float(step),
                 objects={"client_state": {"args": {"num_layers": 2}}})
     (tmp_path / "ckpt" / "global_step30").mkdir()  # a save that never finished
-    latest = tmp_path / "ckpt" / mf.LATEST_FILE
+    latest = tmp_path / "ckpt" / naming.LATEST_FILE
     engine = types.SimpleNamespace(moc=object())
     ours = not dist.is_initialized()  # tests/model leaves a one-rank world for the session
     if ours:

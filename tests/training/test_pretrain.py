@@ -245,7 +245,7 @@ def test_recovery_reports_plt_and_dynamic_k_doubles(corpus, tmp_path):
     """PEC K=1: stop at 4, resume; the recovery's lost tokens (the token ledger) equal the
     PEC policy's unsaved tokens saved in that checkpoint (two independent bookkeepers),
     and with a tiny --moc-plt-threshold dynamic K doubles K for the next checkpoints."""
-    from deepspeed_ext.objects import read_objects_file
+    from deepspeed_ext.format.objects import read_objects_file
     ckpt = tmp_path / "ckpt"
     common = TINY + ["--data-path", corpus, "--moc-checkpoint", "--moc-pec-k", "1",
                      "--save", str(ckpt), "--save-interval", "2"]

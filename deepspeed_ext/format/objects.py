@@ -37,9 +37,10 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import numpy as np
 import torch
 
-from deepspeed_ext.storage import (JSON_MAX_DEPTH, CheckpointError, FileRecord,
-                                   atomic_write_json, check_depth, dtype_from_name, dtype_name,
-                                   read_json)
+from deepspeed_ext.format.dtypes import dtype_from_name, dtype_name
+from deepspeed_ext.format.errors import CheckpointError
+from deepspeed_ext.format.storage import (JSON_MAX_DEPTH, FileRecord, atomic_write_json,
+                                          check_depth, read_json)
 
 OBJECTS_FILE = "objects.json"
 """File name of the encoded objects inside a checkpoint directory."""
@@ -378,7 +379,7 @@ def write_objects_file(ckpt_dir: str, tree: Any, tensor_file: Optional[str]) -> 
             only if the tree references no tensors.
 
     Returns:
-        The file's :class:`~deepspeed_ext.storage.FileRecord`, for the manifest's
+        The file's :class:`~deepspeed_ext.format.storage.FileRecord`, for the manifest's
         ``files`` (as ``objects.json``, rank 0) so that verification covers it.
 
     Raises:

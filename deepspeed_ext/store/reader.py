@@ -27,12 +27,18 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from deepspeed_ext.manifest import (Manifest, Resolution, ResolvedTensor, read_latest, reading,
-                                    resolve_checkpoint, scan_checkpoints, tensor_key,
-                                    verify_checkpoint, verify_resolution)
-from deepspeed_ext.objects import OBJECTS_FILE, decode, read_objects_file, tensor_keys
-from deepspeed_ext.storage import (CheckpointError, FileRecord, FragmentReader,
-                                   dtype_from_name, verify_file)
+from deepspeed_ext.format.dtypes import dtype_from_name
+from deepspeed_ext.format.errors import CheckpointError
+from deepspeed_ext.format.fragment_reader import FragmentReader
+from deepspeed_ext.format.manifest import Manifest
+from deepspeed_ext.format.naming import tensor_key
+from deepspeed_ext.format.objects import OBJECTS_FILE, decode, read_objects_file, tensor_keys
+from deepspeed_ext.format.storage import FileRecord, verify_file
+from deepspeed_ext.store.catalog import (Resolution, ResolvedTensor, resolve_checkpoint,
+                                         scan_checkpoints)
+from deepspeed_ext.store.latest import read_latest
+from deepspeed_ext.store.pins import reading
+from deepspeed_ext.store.verify import verify_checkpoint, verify_resolution
 
 __all__ = ["CheckpointError", "CheckpointReader", "TensorInfo", "find_loadable"]
 
@@ -68,10 +74,10 @@ def find_loadable(save_dir: str, checksums: bool = True,
     """The checkpoint a restart should load, skipping broken ones.
 
     Tries the tag in ``latest`` first, then every complete checkpoint from the newest
-    step down, and returns the first that :func:`~deepspeed_ext.manifest.verify_checkpoint`
+    step down, and returns the first that :func:`~deepspeed_ext.store.verify.verify_checkpoint`
     passes. Call it on one rank (with ``checksums`` it reads every needed byte once) and
     broadcast the result. Each candidate is verified under
-    :func:`~deepspeed_ext.manifest.reading`: a committer's retention in another process
+    :func:`~deepspeed_ext.store.pins.reading`: a committer's retention in another process
     (a keeper finishing a persist) deleting it meanwhile made a healthy checkpoint look
     damaged, and the restart fell back to an older one.
 
@@ -127,7 +133,7 @@ class CheckpointReader:
 
     Opening reads the manifests (this tag's and those its expert index names), checks
     files exist with their recorded sizes, each fragment is in its file, and every
-    tensor is covered exactly once; it raises :class:`CheckpointError` listing the
+    tensor is covered exactly once; it raises :class:`~deepspeed_ext.format.errors.CheckpointError` listing the
     problems otherwise. It reads no tensor data.
 
     Args:
@@ -135,18 +141,18 @@ class CheckpointReader:
         tag: the checkpoint; None = the one ``latest`` names (no fallback; use
             :func:`find_loadable` for that).
         verify_checksums: hash each file once, right before its first use, and raise
-            :class:`CheckpointError` naming it on a mismatch (and on a wrong size).
+            :class:`~deepspeed_ext.format.errors.CheckpointError` naming it on a mismatch (and on a wrong size).
             That reads each file this reader uses once, whole: every rank checks what
             it reads itself, in parallel.
         check_structure: check every file of the checkpoint (sizes, the fragments in
             each, coverage) when opening. With many ranks let one rank do it (as
             :func:`find_loadable` does without checksums) and pass False elsewhere:
             otherwise every rank opens every rank's files.
-        resolution: ``tag``'s :func:`~deepspeed_ext.manifest.resolve_checkpoint`, when
+        resolution: ``tag``'s :func:`~deepspeed_ext.store.catalog.resolve_checkpoint`, when
             one rank read the manifests and sent it (else every rank reads every
             manifest the checkpoint's expert index names).
 
-    The checkpoint is pinned against retention (:func:`~deepspeed_ext.manifest.reading`,
+    The checkpoint is pinned against retention (:func:`~deepspeed_ext.store.pins.reading`,
     which also keeps the older checkpoints its expert index names) from before its
     manifest is read until :meth:`close`: retention run by a committer in another process
     (a keeper still persisting) deleted files under a loading job, whose ranks then

@@ -1,4 +1,14 @@
-"""Capture and restore the random-number state of a rank (Python, NumPy, torch, CUDA)."""
+"""Capture and restore the random-number state of a rank (Python, NumPy, torch, CUDA).
+
+Every rank calls these on its own generators, no collective: a save gathers every
+rank's :func:`get_rng_state` (the checkpointer's ``all_gather_object``), a load hands
+each rank its own entry for :func:`set_rng_state`. The trainer calls :func:`set_seed`
+on every rank before it builds the model.
+
+Saved CUDA state: the current device's generator only (the one this rank draws from).
+Checkpoints of older versions saved every visible device's generator (a list);
+:func:`cuda_state_for_device` picks this rank's entry from those, so they still load.
+"""
 
 import random
 from typing import Dict, Optional

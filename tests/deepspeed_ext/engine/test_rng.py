@@ -1,9 +1,13 @@
-"""A rank's RNG state: CUDA's is the current device's generator only."""
+"""A rank's RNG state (deepspeed_ext.engine.rng): CUDA's is the current device's
+generator only; checkpoints that saved every device's still load."""
 
+import random
+
+import numpy as np
 import pytest
 import torch
 
-from megatron.training import rng
+from deepspeed_ext.engine import rng
 
 
 def test_a_saved_cuda_state_is_restored_into_the_ranks_own_device():
@@ -18,11 +22,20 @@ def test_a_saved_cuda_state_is_restored_into_the_ranks_own_device():
 
 def test_cpu_state_round_trip():
     state = rng.get_rng_state()
-    first = torch.rand(4)
+    first = (random.random(), np.random.rand(), torch.rand(4))
     rng.set_rng_state(state)
-    assert torch.equal(torch.rand(4), first)
+    again = (random.random(), np.random.rand(), torch.rand(4))
+    assert first[:2] == again[:2] and torch.equal(first[2], again[2])
     if not torch.cuda.is_available():
         assert state["cuda"] is None
+
+
+def test_set_seed_gives_every_generator_the_same_stream():
+    rng.set_seed(1234)
+    first = (random.random(), np.random.rand(), torch.rand(4))
+    rng.set_seed(1234)
+    again = (random.random(), np.random.rand(), torch.rand(4))
+    assert first[:2] == again[:2] and torch.equal(first[2], again[2])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -27,7 +27,7 @@ from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from deepspeed_ext.storage import _CODES_BY_NAME, dtype_from_name, dtype_name
+from deepspeed_ext.format.dtypes import CODES_BY_NAME, dtype_from_name, dtype_name
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ def layout_image(tensors: Sequence[Tuple[str, Sequence[int], str]],
         if key in header or key == "__metadata__":
             raise ValueError(f"tensor key {key!r} is duplicate or reserved")
         nbytes = math.prod(shape) * _itemsize(dtype)
-        header[key] = {"dtype": _CODES_BY_NAME[dtype], "shape": [int(s) for s in shape],
+        header[key] = {"dtype": CODES_BY_NAME[dtype], "shape": [int(s) for s in shape],
                        "data_offsets": [offset, offset + nbytes]}
         spans.append((key, dtype, tuple(int(s) for s in shape), offset, nbytes))
         offset += nbytes

@@ -23,7 +23,7 @@ reports) or retention may delete the directory. Without the claim, that old comm
 would take the new attempt's reports, write a manifest with the old attempt's expert
 selection and previous tag, and could mark the directory failed under the new
 attempt's feet. With it, the old committer sees a different (or no) claim and stops
-without writing anything (:class:`Superseded`). The same holds for the other ranks'
+without writing anything (:class:`~deepspeed_ext.store.claims.Superseded`). The same holds for the other ranks'
 writers of that earlier attempt (a keeper's queued job): each carries its attempt's claim,
 stands down before writing into a directory claimed since, and its report, if it raced
 the new claim, names the old claim, which the new committer does not count.
@@ -33,71 +33,32 @@ committer leaves the directory without a manifest: it is not a checkpoint, ``lat
 still names the previous one, and retention deletes the leftovers later.
 """
 
+import logging
 import os
-import time
-import uuid
 from typing import Any, Dict, List, Mapping, Optional
 
-from deepspeed_ext import fs
-from deepspeed_ext.storage import (SMALL_RECORD_MAX_BYTES, CheckpointError, atomic_write_json,
-                                   read_json)
+from deepspeed_ext.format import fs
+from deepspeed_ext.format.assemble import RankReport, assemble_manifest
+from deepspeed_ext.format.errors import CheckpointError
+from deepspeed_ext.format.expert_index import build_expert_index
+from deepspeed_ext.format.manifest import (MANIFEST_FILE, FileEntry, get_field, read_manifest,
+                                           write_manifest)
+from deepspeed_ext.format.objects import OBJECTS_FILE
+from deepspeed_ext.format.storage import SMALL_RECORD_MAX_BYTES, atomic_write_json, read_json
+from deepspeed_ext.runtime.log import log_line
+from deepspeed_ext.runtime.retry import Backoff, poll_until
+from deepspeed_ext.store.claims import CLAIM_NAME, CommitError, check_claim, read_claim
+from deepspeed_ext.store.latest import advance_latest
+from deepspeed_ext.store.locking import locked_dir
+from deepspeed_ext.store.retention import retain_unless_superseded
+
+logger = logging.getLogger(__name__)
 
 REPORT_SUFFIX = ".report.json"
 REPORT_MAX_BYTES = 256 << 20
 """Largest report read: a rank's report lists its fragments, never more than the whole
-manifest (:data:`~deepspeed_ext.manifest.MANIFEST_MAX_BYTES`) holds."""
-CLAIM_NAME = "commit.claim"
-CLAIM_MAX_BYTES = SMALL_RECORD_MAX_BYTES
-"""Largest claim read (it holds one random id)."""
+manifest (:data:`~deepspeed_ext.format.manifest.MANIFEST_MAX_BYTES`) holds."""
 
-
-class CommitError(RuntimeError):
-    """A checkpoint could not be committed: a writer failed, or reports did not arrive."""
-
-
-class Superseded(CommitError):
-    """The tag directory is no longer this committer's: another save claimed it (a later
-    attempt saving the same tag) or it was deleted. The committer must write nothing."""
-
-
-def claim_dir(tag_dir: str) -> str:
-    """Rank 0, right after creating a save's directory: write a fresh claim (atomic) that
-    the committer of this save will hold; returns it."""
-    claim = uuid.uuid4().hex
-    # Not fsynced: it is written inside a snapshot's save call, and a claim lost in a
-    # machine crash does not matter (the committers holding it died with the machine).
-    atomic_write_json(os.path.join(tag_dir, CLAIM_NAME), {"claim": claim}, durable=False)
-    return claim
-
-
-def read_claim(tag_dir: str) -> Optional[str]:
-    """The claim of the save that last claimed ``tag_dir``; None when there is none (a
-    directory deleted, committed and cleaned, or made before claims existed)."""
-    path = os.path.join(tag_dir, CLAIM_NAME)
-    try:
-        claim = read_json(path, CLAIM_MAX_BYTES)["claim"]
-    except FileNotFoundError:
-        return None
-    except CheckpointError as err:  # too large, not JSON, nested too deeply: it names the file
-        raise CommitError(str(err)) from None
-    except (OSError, KeyError, TypeError) as err:
-        raise CommitError(f"{path}: unreadable ({type(err).__name__}: {err})") from None
-    if not isinstance(claim, str):  # a claim that compares unequal to every id forever
-        raise CommitError(f"{path}: unreadable (the claim is a {type(claim).__name__})")
-    return claim
-
-
-def check_claim(tag_dir: str, claim: Optional[str]) -> None:
-    """Raise :class:`Superseded` when ``tag_dir`` no longer holds ``claim`` (None: no check,
-    for a directory claimed before claims existed)."""
-    if claim is None:
-        return
-    now = read_claim(tag_dir)
-    if now is None:
-        raise Superseded(f"{tag_dir} was deleted (or committed) while this commit waited")
-    if now != claim:
-        raise Superseded(f"{tag_dir} was claimed by another save while this commit waited "
-                         f"(a restarted job saving the same tag); leaving it to that save")
 
 
 def report_name(rank: int) -> str:
@@ -154,10 +115,9 @@ def wait_for_reports(tag_dir: str, world_size: int, timeout_s: float,
             reports were still missing after ``timeout_s`` (the ranks are named: their
             storage is slow or the process died).
     """
-    deadline = time.monotonic() + timeout_s
     reports: Dict[int, Dict[str, Any]] = {}
-    delay = poll_s
-    while True:
+
+    def attempt() -> Optional[List[Dict[str, Any]]]:
         check_claim(tag_dir, claim)
         for rank in range(world_size):
             if rank in reports:
@@ -170,14 +130,16 @@ def wait_for_reports(tag_dir: str, world_size: int, timeout_s: float,
             reports[rank] = report
         if len(reports) == world_size:
             return [reports[r]["payload"] for r in range(world_size)]
-        if time.monotonic() >= deadline:
-            missing = [r for r in range(world_size) if r not in reports]
-            shown = ", ".join(map(str, missing[:16])) + (" ..." if len(missing) > 16 else "")
-            raise CommitError(f"no report from rank(s) {shown} within {timeout_s:.0f} s "
-                              f"(slow storage or a dead process; --moc-commit-timeout); "
-                              f"{tag_dir} is not committed")
-        time.sleep(delay)
-        delay = min(0.2, delay * 2)
+        return None
+
+    def timed_out() -> List[Dict[str, Any]]:
+        missing = [r for r in range(world_size) if r not in reports]
+        shown = ", ".join(map(str, missing[:16])) + (" ..." if len(missing) > 16 else "")
+        raise CommitError(f"no report from rank(s) {shown} within {timeout_s:.0f} s "
+                          f"(slow storage or a dead process; --moc-commit-timeout); "
+                          f"{tag_dir} is not committed")
+
+    return poll_until(attempt, timeout_s, Backoff(first_s=poll_s, max_s=0.2), timed_out)
 
 
 def remove_reports(tag_dir: str, world_size: int, claim: Optional[str] = None) -> None:
@@ -195,7 +157,6 @@ def remove_reports(tag_dir: str, world_size: int, claim: Optional[str] = None) -
             fs.remove(path)
         except (OSError, CommitError):
             pass
-    from deepspeed_ext.manifest import locked_dir
     try:
         with locked_dir(os.path.dirname(tag_dir)):  # not between a re-claim's check and write
             if claim is None or read_claim(tag_dir) == claim:
@@ -207,7 +168,7 @@ def remove_reports(tag_dir: str, world_size: int, claim: Optional[str] = None) -
 def commit_checkpoint(save_dir: str, tag: str, step: int, layout: Mapping[str, Any],
                       shares: List[Mapping[str, Any]], previous_tag: Optional[str],
                       selected: Optional[List], pec_k: Optional[int], save_latest: bool,
-                      keep: int, log=print, pec_scope: str = "wo",
+                      keep: int, log=None, pec_scope: str = "wo",
                       claim: Optional[str] = None,
                       attempt_started: Optional[float] = None) -> None:
     """The committer, after :func:`wait_for_reports`: manifest, then ``latest``, then retention.
@@ -229,30 +190,31 @@ def commit_checkpoint(save_dir: str, tag: str, step: int, layout: Mapping[str, A
         claim: the committer's claim, checked again right before the manifest is written.
         attempt_started: when the job attempt that saved it started (rank 0's clock),
             recorded in the manifest; ``latest`` is not moved over a later attempt's
-            checkpoint (:func:`~deepspeed_ext.manifest.advance_latest`).
+            checkpoint (:func:`~deepspeed_ext.store.latest.advance_latest`).
 
     Raises:
         Superseded: ``claim`` is no longer the directory's; nothing was written.
     """
-    from deepspeed_ext import manifest as mf
+    if log is None:
+        log = lambda line: log_line(logger, line)  # noqa: E731
     reports, extra_files = _parse_shares(shares)
     index = {}
     if layout["num_moe_layers"]:
-        previous = (mf.read_manifest(os.path.join(save_dir, previous_tag))
+        previous = (read_manifest(os.path.join(save_dir, previous_tag))
                     if previous_tag is not None else None)
-        index = mf.build_expert_index(previous, [tuple(x) for x in selected], step, tag,
-                                      layout["num_moe_layers"], layout["num_experts"],
-                                      scope=pec_scope)
-    manifest = mf.assemble_manifest(tag, step, layout["world_size"], layout, reports, index,
-                                    extra_files=extra_files,
-                                    extra={"pec_k": pec_k, "pec_scope": pec_scope,
-                                           "attempt_started": attempt_started})
-    with mf.locked_dir(save_dir):  # a new claim cannot land between the check and the write
+        index = build_expert_index(previous, [tuple(x) for x in selected], step, tag,
+                                   layout["num_moe_layers"], layout["num_experts"],
+                                   scope=pec_scope)
+    manifest = assemble_manifest(tag, step, layout["world_size"], layout, reports, index,
+                                 extra_files=extra_files,
+                                 extra={"pec_k": pec_k, "pec_scope": pec_scope,
+                                        "attempt_started": attempt_started})
+    with locked_dir(save_dir):  # a new claim cannot land between the check and the write
         check_claim(os.path.join(save_dir, tag), claim)
-        mf.write_manifest(os.path.join(save_dir, tag), manifest)
+        write_manifest(os.path.join(save_dir, tag), manifest)
     if save_latest:
         try:
-            why = mf.advance_latest(save_dir, tag, attempt_started, step)
+            why = advance_latest(save_dir, tag, attempt_started, step)
         except Exception as e:
             # The checkpoint is complete (its manifest is written): failing the save now
             # would undo its expert marks on every rank while it stays on storage. A
@@ -262,43 +224,46 @@ def commit_checkpoint(save_dir: str, tag: str, step: int, layout: Mapping[str, A
         if why is not None:
             log(f"WARNING: {tag} (step {step}) committed; {why}")
     if keep:
-        try:
-            # The check for a later attempt and the deletion in one step under the
-            # directory's lock (a restart recording its start in between lost the
-            # checkpoint it resumed from). Never the tag just committed, nor (inside
-            # apply_retention) the one `latest` names.
-            removed = mf.retain_unless_superseded(save_dir, keep, attempt_started,
-                                                  protect=(tag,))
-            if removed is None:
-                log(f"retention after committing {tag} left to the later attempt of the job")
-            for name in removed or ():
-                log(f"retention: removed {name}")
-        except Exception as e:
-            # The checkpoint is committed and `latest` names it: a cleanup failing after
-            # that (another attempt's retention removed a directory first, a store's
-            # transient error) must not turn a good save into a failed one, which would
-            # stop training on every rank. The next save's retention tries again.
-            log(f"WARNING: retention after committing {tag} failed ({type(e).__name__}: {e}); "
-                f"older checkpoints stay until the next save's retention")
+        _retain_after_commit(save_dir, tag, keep, attempt_started, log)
+
+
+def _retain_after_commit(save_dir: str, tag: str, keep: int, attempt_started: Optional[float],
+                         log) -> None:
+    """:func:`commit_checkpoint`'s retention, once ``tag`` is committed; never raises."""
+    try:
+        # The check for a later attempt and the deletion in one step under the
+        # directory's lock (a restart recording its start in between lost the
+        # checkpoint it resumed from). Never the tag just committed, nor (inside
+        # apply_retention) the one `latest` names.
+        removed = retain_unless_superseded(save_dir, keep, attempt_started, protect=(tag,))
+        if removed is None:
+            log(f"retention after committing {tag} left to the later attempt of the job")
+        for name in removed or ():
+            log(f"retention: removed {name}")
+    except Exception as e:
+        # The checkpoint is committed and `latest` names it: a cleanup failing after
+        # that (another attempt's retention removed a directory first, a store's
+        # transient error) must not turn a good save into a failed one, which would
+        # stop training on every rank. The next save's retention tries again.
+        log(f"WARNING: retention after committing {tag} failed ({type(e).__name__}: {e}); "
+            f"older checkpoints stay until the next save's retention")
 
 
 def _parse_shares(shares: List[Any]):
     """``(reports, extra_files)`` of the ranks' report payloads, read back from their
     report files: a payload of the wrong shape raised KeyError/TypeError out of the
     committer. CommitError naming the rank instead; nothing is written then."""
-    from deepspeed_ext import manifest as mf
-    from deepspeed_ext.objects import OBJECTS_FILE
 
-    def record(value: Any, where: str) -> "mf.FileEntry":
-        return mf.FileEntry(sha256=mf._get(value, "sha256", str, where),
-                            nbytes=mf._get(value, "nbytes", int, where), rank=0)
+    def record(value: Any, where: str) -> FileEntry:
+        return FileEntry(sha256=get_field(value, "sha256", str, where),
+                         nbytes=get_field(value, "nbytes", int, where), rank=0)
     reports, extra_files = [], {}
     for rank, share in enumerate(shares):
         where = f"rank {rank}'s report"
         try:
-            reports.append(mf.RankReport.from_json(mf._get(share, "report", dict, where), where))
+            reports.append(RankReport.from_json(get_field(share, "report", dict, where), where))
             if rank == 0:
-                extra_files[OBJECTS_FILE] = record(mf._get(share, "objects", dict, where),
+                extra_files[OBJECTS_FILE] = record(get_field(share, "objects", dict, where),
                                                    f"{where}.objects")
                 more = share.get("extra_files") or {}  # objects' tensors
                 if not isinstance(more, dict):
@@ -331,7 +296,6 @@ def commit_outcome(tag_dir: str, world_size: int, claim: Optional[str] = None) -
         ``(True, None)`` once ``manifest.json`` exists, ``(False, reason)`` once the
         committer or a writer gave up, None while it is still in progress.
     """
-    from deepspeed_ext.manifest import MANIFEST_FILE
     if fs.exists(os.path.join(tag_dir, MANIFEST_FILE)):
         return True, None
     failure = os.path.join(tag_dir, FAILURE_NAME)
@@ -359,7 +323,6 @@ def _superseded(tag_dir: str, claim: Optional[str]) -> Optional[tuple]:
     """``(False, why)`` when ``tag_dir`` no longer holds ``claim`` and has no manifest:
     its committer stood down (the tag was saved again, or the directory deleted), and
     nothing else would ever end the wait. None otherwise (or unchecked: no claim)."""
-    from deepspeed_ext.manifest import MANIFEST_FILE
     if claim is None:
         return None
     try:

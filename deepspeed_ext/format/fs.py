@@ -3,7 +3,7 @@
 Every module that touches checkpoint storage goes through these functions, so that a
 ``--save``/``--load`` of ``s3://bucket/run1`` (or any other fsspec protocol) works the
 same as ``/data/run1``. A path without ``scheme://`` is local and uses the operating
-system directly (fsync and rename for atomic writes, see :mod:`deepspeed_ext.storage`);
+system directly (fsync and rename for atomic writes, see :mod:`deepspeed_ext.format.storage`);
 a URL is handed to `fsspec <https://filesystem-spec.readthedocs.io>`_, which must be
 installed together with the protocol's own package (``s3fs`` for ``s3://``, ``gcsfs``
 for ``gs://``). ``file://`` URLs also go through fsspec, which is how the tests exercise
@@ -13,7 +13,7 @@ this path across processes; their whole-file writes alone use the operating syst
 What the URL path assumes of the store, and nothing more (so object stores qualify):
 
 - a whole-object write (:func:`write_bytes`) is atomic: readers see the old object or
-  the whole new one (true of S3, GCS and Azure puts; :mod:`deepspeed_ext.commit` also
+  the whole new one (true of S3, GCS and Azure puts; :mod:`deepspeed_ext.store.commit` also
   checks sizes and checksums, so a torn write on a weaker store is caught at load);
 - ranged reads (:func:`read_range`) and listings of a "directory" prefix.
 
@@ -27,7 +27,10 @@ import datetime
 import os
 import posixpath
 import re
+import shutil
 from typing import Any, List, Optional, Tuple
+
+from deepspeed_ext.format.errors import CheckpointError
 
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
 
@@ -44,7 +47,7 @@ def _filesystem(url: str) -> Tuple[Any, str]:
         ValueError: fsspec, or the package of the URL's protocol, is not installed, or
             the protocol is unknown; the message names the URL and what to install.
     """
-    try:
+    try:  # optional: only URLs need it
         import fsspec.core
     except ImportError:
         raise ValueError(f"{url}: storage URLs need fsspec (pip install fsspec, plus the "
@@ -207,7 +210,6 @@ def read_bytes(path: str, limit: int = DEFAULT_READ_LIMIT) -> bytes:
         with fs.open(p, "rb") as f:
             data = _read_upto(f, limit + 1)
     if len(data) > limit:
-        from deepspeed_ext.storage import CheckpointError  # storage imports fs
         raise CheckpointError(f"{path}: larger than {limit} bytes (not a file MoC wrote "
                               f"there, or damaged); refusing to read it whole")
     return data
@@ -256,7 +258,7 @@ def open_read(path: str):
 
 
 # ------------------------------------------------------------------------ writing
-# Local writes stay in deepspeed_ext.storage (temp file, fsync, rename, directory fsync);
+# Local writes stay in deepspeed_ext.format.storage (temp file, fsync, rename, directory fsync);
 # these are the URL side.
 
 def makedirs(url: str) -> None:
@@ -265,7 +267,7 @@ def makedirs(url: str) -> None:
     fs.makedirs(p, exist_ok=True)
 
 
-_WRITE_CHUNK = 64 << 20
+WRITE_CHUNK = 64 << 20
 """Bytes handed to the store's file object per write: it uploads in blocks (multipart on
 object stores), so a multi-GiB rank image is never copied whole."""
 
@@ -287,8 +289,8 @@ def write_bytes(url: str, data) -> None:
         tmp = f"{p}.tmp.{os.getpid()}"
         try:
             with open(tmp, "wb") as f:
-                for start in range(0, len(view), _WRITE_CHUNK):
-                    f.write(view[start:start + _WRITE_CHUNK])
+                for start in range(0, len(view), WRITE_CHUNK):
+                    f.write(view[start:start + WRITE_CHUNK])
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, p)
@@ -319,8 +321,8 @@ def _is_local(fs) -> bool:
 def _write_chunks(fs, p: str, view: memoryview) -> None:
     f = fs.open(p, "wb")
     try:
-        for start in range(0, len(view), _WRITE_CHUNK):
-            f.write(view[start:start + _WRITE_CHUNK])
+        for start in range(0, len(view), WRITE_CHUNK):
+            f.write(view[start:start + WRITE_CHUNK])
     except BaseException:
         try:
             f.discard()  # aborts a multipart upload; absent or a no-op on some stores
@@ -349,7 +351,6 @@ def rmtree(path: str) -> None:
     """Delete a directory and everything under it; errors are ignored (a leftover is
     found again by the next retention pass)."""
     if not is_url(path):
-        import shutil
         shutil.rmtree(path, ignore_errors=True)
         return
     fs, p = _filesystem(path)
