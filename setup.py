@@ -25,7 +25,7 @@ setup(
         "numpy>=1.24",
         "pyyaml>=6.0",
         "safetensors>=0.4",
-        # Memory snapshots' checksums (deepspeed_ext.memsum): XXH3 is about 7x faster than
+        # Memory snapshots' checksums (deepspeed_ext.format.memsum): XXH3 is about 7x faster than
         # CRC-32 here; without the package CRC-32 is used.
         "xxhash>=3.0",
     ],

@@ -133,7 +133,7 @@ def _param_counts(engine, world: int, ep: int) -> dict:
     import torch.distributed as dist
     expert = sum(p.numel() for p in engine.module.parameters() if not getattr(p, "allreduce", True))
     dense = sum(p.numel() for p in engine.module.parameters() if getattr(p, "allreduce", True))
-    from deepspeed_ext.groups import metadata_group
+    from deepspeed_ext.runtime.groups import metadata_group
     total_expert = torch.tensor([expert], dtype=torch.int64)
     dist.all_reduce(total_expert, group=metadata_group())  # a CPU tensor: never on NCCL
     expert_all = int(total_expert.item()) // (world // ep)  # each expert lives on world/ep ranks
@@ -246,12 +246,12 @@ def worker_main(opts) -> None:
 
 def host_barrier() -> None:
     """Every rank: wait for this rank's queued device work, then a barrier on the metadata
-    group (:mod:`deepspeed_ext.groups`, made by :func:`build_engine`'s
+    group (:mod:`deepspeed_ext.runtime.groups`, made by :func:`build_engine`'s
     ``initialize_distributed``). An NCCL barrier waited for the device too; the gloo one
     does not, and a timing started after it would otherwise pay for earlier kernels."""
     import torch
     import torch.distributed as dist
-    from deepspeed_ext.groups import metadata_group
+    from deepspeed_ext.runtime.groups import metadata_group
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
     dist.barrier(group=metadata_group())
@@ -260,7 +260,7 @@ def host_barrier() -> None:
 def gather_objects(value, world: int) -> list:
     """Every rank: ``value`` of every rank, in rank order (on the metadata group)."""
     import torch.distributed as dist
-    from deepspeed_ext.groups import metadata_group
+    from deepspeed_ext.runtime.groups import metadata_group
     gathered = [None] * world
     dist.all_gather_object(gathered, value, group=metadata_group())
     return gathered

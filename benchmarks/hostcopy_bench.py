@@ -39,8 +39,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from deepspeed_ext.engine.hostcopy import HostCopier  # noqa: E402
 from deepspeed_ext.format.image import layout_of  # noqa: E402
-from deepspeed_ext.hostcopy import HostCopier  # noqa: E402
 from deepspeed_ext.snapshot import SnapshotSlots  # noqa: E402
 
 

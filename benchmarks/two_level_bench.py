@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timeout", type=float, default=1200,
                    help="Seconds the ranks may run before they are killed.")
     g.add_argument("--checksum-speed", action="store_true",
-                   help="Only measure the memory checksums (deepspeed_ext.memsum) against "
+                   help="Only measure the memory checksums (deepspeed_ext.format.memsum) against "
                         "SHA-256 on one core over 256 MiB, print a table and exit.")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--shm-root", help=argparse.SUPPRESS)
@@ -135,7 +135,7 @@ def checksum_speed(nbytes: int = 256 << 20, repeats: int = 3) -> int:
     """Print GiB/s of each checksum a snapshot could use (best of ``repeats``)."""
     import hashlib
     sys.path.insert(0, REPO)
-    from deepspeed_ext import memsum
+    from deepspeed_ext.format import memsum
     data = memoryview(os.urandom(1 << 20) * (nbytes >> 20))
     rows = [(name, lambda a=name: memsum.digest(data, a)) for name in ("xxh3_64", "crc32")
             if name != "xxh3_64" or memsum.xxhash is not None]
@@ -201,7 +201,7 @@ class _Bench:
         from deepspeed.accelerator import get_accelerator
         from torch.distributed.constants import default_pg_timeout
 
-        from deepspeed_ext.groups import new_host_group
+        from deepspeed_ext.runtime.groups import new_host_group
         self.engine, self.args, self.opts = engine, args, opts
         self.rank, self.world, self.out_dir = rank, world, out_dir
         self.device = get_accelerator().current_device_name()

@@ -6,7 +6,7 @@ Multi-rank call order of :meth:`MoCCheckpointer.save` (every rank calls it):
 2. every rank describes its fragments (:mod:`deepspeed_ext.state`); the fragment
    metadata of all ranks is gathered once per layout (``all_gather_object``);
 3. every rank computes the same PEC selection and the same write plan (pure
-   functions, :mod:`deepspeed_ext.pec` and :mod:`deepspeed_ext.plan`);
+   functions, :mod:`deepspeed_ext.policy.pec` and :mod:`deepspeed_ext.policy.plan`);
 4. rank 0 prepares ``<tag>/`` (its failure is broadcast); every rank copies its share
    into a reused host buffer laid out as its file's exact bytes
    (:mod:`deepspeed_ext.format.image`); rank 0 adds the non-tensor state; one
@@ -42,41 +42,18 @@ from deepspeed_ext.format import fs
 from deepspeed_ext.format.assemble import FragmentSpec
 from deepspeed_ext.format.image import ImageLayout
 from deepspeed_ext.format.objects import OBJECTS_TENSOR_FILE
-from deepspeed_ext.groups import init_metadata_group, metadata_group
+from deepspeed_ext.runtime.groups import init_metadata_group, metadata_group
 from deepspeed_ext.runtime.log import rank_zero_lines
+from deepspeed_ext.runtime.outcomes import (MoCCheckpointError, all_outcomes, broadcast_outcome,
+                                          raise_if_failed)
 from deepspeed_ext.state import (ExpertNaming, LocalFragment, MomentPresence, describe_local_state,
                                  expert_naming, loss_scaler_state, moment_presence,
                                  optimizer_scalars, prepare_optimizer_state,
                                  refresh_compute_weights, set_loss_scaler_state,
                                  set_optimizer_scalars)
 from deepspeed_ext.store import claims, commit
+from deepspeed_ext.store.latest import extended_tag
 from deepspeed_ext.store.prepare import prepare_checkpoint_dir, set_aside_checkpoints_after
-
-
-def check_saved_shape(reader, frag: LocalFragment, load_dir: str, tag: str) -> None:
-    """Refuse a tensor saved with another shape: reads go by flat element ranges, so a
-    smaller model (say, another --ffn-hidden-size) would load the first elements of each
-    saved tensor, laid out wrongly, without an error (the trainer's check of the saved
-    arguments is skipped when it falls back past a damaged newest checkpoint)."""
-    saved = tuple(reader.info(frag.name, frag.kind).shape)
-    if saved != tuple(frag.shape):
-        raise MoCCheckpointError(
-            f"{os.path.join(load_dir, tag)}: {frag.name} ({frag.kind}) was saved with shape "
-            f"{list(saved)}, this model's is {list(frag.shape)}: the checkpoint belongs to "
-            f"another model configuration (compare the model flags with the run that saved it)")
-
-
-def extended_tag(previous: Optional[Tuple[str, str]], save_dir: str) -> Optional[str]:
-    """The tag a new checkpoint in ``save_dir`` extends (its expert index starts from
-    that one's): ``previous`` (``(directory, tag)`` of the last checkpoint saved or
-    loaded) when it lies in ``save_dir``, however the two directories are spelled."""
-    if previous is None or not fs.same_location(previous[0], save_dir):
-        return None
-    return previous[1]
-
-
-class MoCCheckpointError(RuntimeError):
-    """A save or load failed on some rank; raised on every rank."""
 
 
 logger = logging.getLogger(__name__)
@@ -86,36 +63,6 @@ _log = rank_zero_lines(logger)
 
 def _rank_file(rank: int) -> str:
     return f"rank{rank:05d}.safetensors"
-
-
-def _all_outcomes(ok: bool, payload) -> List[Tuple[bool, object]]:
-    """Every rank's (ok, payload); the collective that makes one rank's error everyone's."""
-    gathered: List = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (ok, payload), group=metadata_group())
-    return gathered
-
-
-def _broadcast_outcome(action, what: str):
-    """Run ``action`` on rank 0 and make its failure every rank's (one broadcast);
-    returns what ``action`` returned (picklable), on every rank."""
-    status = [None]
-    if dist.get_rank() == 0:
-        try:
-            status[0] = (True, action())
-        except Exception as e:
-            traceback.print_exc()
-            status[0] = (False, f"{type(e).__name__}: {e}")
-    dist.broadcast_object_list(status, src=0, group=metadata_group())
-    if not status[0][0]:
-        raise MoCCheckpointError(f"{what} failed on rank 0: {status[0][1]}")
-    return status[0][1]
-
-
-def _raise_if_failed(outcomes, what: str) -> None:
-    failed = [(r, p) for r, (ok, p) in enumerate(outcomes) if not ok]
-    if failed:
-        details = "; ".join(f"rank {r}: {p}" for r, p in failed)
-        raise MoCCheckpointError(f"{what} failed on {len(failed)} rank(s): {details}")
 
 
 @dataclass
@@ -172,8 +119,8 @@ class MoCCheckpointer:
     """Saves and loads one engine's state in MoC's format. Create on every rank."""
 
     def __init__(self, engine, config: Optional[MoCConfig] = None):
-        from deepspeed_ext.pec import ExpertLayout, make_policy
-        from deepspeed_ext.plt import TokenLedger
+        from deepspeed_ext.policy.pec import ExpertLayout, make_policy
+        from deepspeed_ext.policy.plt import TokenLedger
         init_metadata_group()  # every rank, here: the group of all of MoC's collectives
         self.engine = engine
         self.config = config or MoCConfig()
@@ -183,7 +130,7 @@ class MoCCheckpointer:
         self.ledger = None
         """Token assignments per expert and at its saved versions (lost-token accounting)."""
         self.last_recovery = None
-        """:class:`deepspeed_ext.plt.RecoveryLoss` of the last load (None: none, or a
+        """:class:`deepspeed_ext.policy.plt.RecoveryLoss` of the last load (None: none, or a
         checkpoint written before the ledger existed)."""
         if self.naming.moe_prefixes:
             num_experts = self.naming.num_experts[0]
@@ -271,8 +218,8 @@ class MoCCheckpointer:
 
     def _gather_pieces(self, fragments: List[LocalFragment]):
         """The write-plan pieces of the whole world (cached while the layout holds)."""
-        from deepspeed_ext.pec import part_of_kind
-        from deepspeed_ext.plan import Piece
+        from deepspeed_ext.policy.pec import part_of_kind
+        from deepspeed_ext.policy.plan import Piece
         if self._piece_cache is not None and self._piece_cache[2] is fragments:
             return self._piece_cache[1]  # the same (never modified) list: two-level's cache
         signature = tuple((f.key, f.length) for f in fragments)
@@ -324,7 +271,7 @@ class MoCCheckpointer:
                 to persist the previous one; ``latest`` then names the last committed
                 checkpoint.
         """
-        from deepspeed_ext.plan import build_write_plan
+        from deepspeed_ext.policy.plan import build_write_plan
         self._timeline_used = True
         if self.two_level is not None:
             return self.two_level.save(save_dir, tag, client_state, save_latest)
@@ -357,7 +304,7 @@ class MoCCheckpointer:
             started=start, previous=self._previous)
         try:
             # Every rank's report carries rank 0's claim on the directory (commit.py).
-            pending.claim = _broadcast_outcome(
+            pending.claim = broadcast_outcome(
                 lambda: claims.read_claim(self.prepare_save_dir(save_dir, tag, step)),
                 f"MoC save to {tag_dir}")
             ok, payload = True, None
@@ -366,7 +313,7 @@ class MoCCheckpointer:
             except Exception as e:  # reported to every rank below, never swallowed
                 ok, payload = False, f"{type(e).__name__}: {e}"
                 traceback.print_exc()
-            _raise_if_failed(_all_outcomes(ok, payload), f"MoC save of {tag_dir}")
+            raise_if_failed(all_outcomes(ok, payload), f"MoC save of {tag_dir}")
         except MoCCheckpointError:
             self._undo_mark_saved(pending.policy_before, pending.selected)
             raise
@@ -543,7 +490,7 @@ class MoCCheckpointer:
         pending.thread.join()
         ok, message = pending.outcome or (False, "writer thread ended without an outcome")
         try:
-            _raise_if_failed(_all_outcomes(ok, message),
+            raise_if_failed(all_outcomes(ok, message),
                              f"MoC save of {os.path.join(pending.save_dir, pending.tag)}")
         except MoCCheckpointError:
             self._undo_mark_saved(pending.policy_before, pending.selected)
@@ -653,7 +600,7 @@ class MoCCheckpointer:
                 return None, None
             chosen, resolution = choice
             ok, result = self._read_into(load_dir, chosen, resolution, fragments, restore)
-            outcomes = _all_outcomes(ok, None if ok else result)  # kind, message
+            outcomes = all_outcomes(ok, None if ok else result)  # kind, message
             damaged = [f"rank {r}: {why[1]}" for r, (good, why) in enumerate(outcomes)
                        if not good and why[0] == "damaged"]
             if damaged and len(damaged) == sum(not good for good, _ in outcomes):
@@ -662,7 +609,7 @@ class MoCCheckpointer:
                 # (the engine's tensors are overwritten by that load).
                 unusable[chosen] = "; ".join(damaged)
                 continue
-            _raise_if_failed([(good, why if good else why[1]) for good, why in outcomes],
+            raise_if_failed([(good, why if good else why[1]) for good, why in outcomes],
                              f"MoC load of {load_dir}/{chosen}")
             objects, self.expert_versions_loaded = result
             break
@@ -706,7 +653,7 @@ class MoCCheckpointer:
             kind ``damaged`` for a file that failed its checks, else ``error``.
         """
         from deepspeed_ext.format.errors import CheckpointError
-        from deepspeed_ext.store.reader import CheckpointReader
+        from deepspeed_ext.store.reader import CheckpointReader, check_saved_shape
         try:
             # Rank 0 checked the structure while choosing; each rank checks the bytes it
             # reads, so no rank hashes (or opens) the whole checkpoint alone.

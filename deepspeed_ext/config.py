@@ -100,6 +100,6 @@ class MoCConfig:
             raise ValueError(f"chunk_bytes must be >= 1, got {self.chunk_bytes}")
 
     def redundancy_spec(self):
-        """The :class:`deepspeed_ext.redundancy.RedundancySpec` of these settings."""
-        from deepspeed_ext.redundancy import RedundancySpec
+        """The :class:`deepspeed_ext.policy.redundancy.RedundancySpec` of these settings."""
+        from deepspeed_ext.policy.redundancy import RedundancySpec
         return RedundancySpec(self.redundancy, self.replicas, self.ec_data, self.ec_parity)

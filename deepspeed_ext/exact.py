@@ -1,7 +1,7 @@
 """Exact recovery, runtime half: sparse per-iteration frames and sparse-to-dense replay.
 
 The plan (which operators a frame holds active or frozen, how a window is replayed) is
-:mod:`deepspeed_ext.window`; this module moves the bytes. A *frame* ``f`` is the state
+:mod:`deepspeed_ext.policy.window`; this module moves the bytes. A *frame* ``f`` is the state
 at the start of iteration ``f`` (after ``f`` optimizer steps). In a window of ``W``
 frames starting at ``s``, frame ``s+t`` holds, for this rank:
 
@@ -55,10 +55,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext import window as win
 from deepspeed_ext.engine.rng import get_rng_state
-from deepspeed_ext.groups import init_metadata_group, metadata_group
 from deepspeed_ext.jobs import FrameJob
+from deepspeed_ext.policy import operators
+from deepspeed_ext.policy import window as win
+from deepspeed_ext.runtime.groups import init_metadata_group, metadata_group
 from deepspeed_ext.runtime.log import log_line, rank_zero_lines
 
 logger = logging.getLogger(__name__)
@@ -165,7 +166,7 @@ def operator_of(name: str, expert: Optional[Tuple[int, int]]) -> str:
     return parts[0]
 
 
-def build_operators(engine, naming) -> List[win.Operator]:
+def build_operators(engine, naming) -> List[operators.Operator]:
     """Every operator of the model with its global sizes, identical on every rank.
 
     Expert sizes come from this rank's experts of the same MoE layer (a layer's experts
@@ -188,10 +189,10 @@ def build_operators(engine, naming) -> List[win.Operator]:
         acc[0] += numel * BYTES_PER_ACTIVE_ELEMENT
         acc[1] += lp
         kinds[op] = ("gate" if op.endswith(".gate") else "dense", None)
-    ops = [win.Operator(op, kinds[op][0], None, a, f) for op, (a, f) in sizes.items()]
+    ops = [operators.Operator(op, kinds[op][0], None, a, f) for op, (a, f) in sizes.items()]
     for layer, (a, f) in sorted(expert_sizes.items()):
         for e in range(naming.num_experts[layer]):
-            ops.append(win.Operator(f"expert/{layer}/{e}", "expert", (layer, e), a, f))
+            ops.append(operators.Operator(f"expert/{layer}/{e}", "expert", (layer, e), a, f))
     return ops
 
 
@@ -336,7 +337,7 @@ class ExactSnapshots:
         self._log = log if log is not None else rank_zero_lines(logger, prefix="")
         self.naming = expert_naming(engine.module)
         self.operators = build_operators(engine, self.naming)
-        self._by_name = win.index_operators(self.operators)
+        self._by_name = operators.index_operators(self.operators)
         self.schedule: Optional[win.Schedule] = None
         self.base: Optional[int] = None
         """First frame of the current window grid; windows start at base + k*W."""
@@ -464,7 +465,7 @@ class ExactSnapshots:
     # -- the stall point ---------------------------------------------------------------
 
     def _wrap_step(self) -> None:
-        from deepspeed_ext.hostcopy import wait_before_step
+        from deepspeed_ext.engine.hostcopy import wait_before_step
         wait_before_step(self.engine, lambda: self._copy is not None, self._join_copy,
                          self.stall_s)
 
@@ -508,7 +509,7 @@ class ExactSnapshots:
             self._probe = (iteration, time.perf_counter())
 
     def _new_grid(self, base: int, window: int) -> None:
-        ordered = win.order_operators(self.operators, self.popularity)
+        ordered = operators.order_operators(self.operators, self.popularity)
         window = min(window, len(ordered))
         self.schedule = win.build_schedule(ordered, window)
         self._order = [op.name for op in ordered]
@@ -621,18 +622,18 @@ class ExactSnapshots:
         writes = 2 if root != self.save_dir else 1  # the keeper writes it once more
         return max(copy_s + writes * write_s, 1e-9) / nbytes
 
-    def _local_operators(self) -> List[win.Operator]:
+    def _local_operators(self) -> List[operators.Operator]:
         """The operators in snapshot order, sized by what THIS rank copies of each."""
         frags, params = self._fragments_by_op(), self._params_by_op()
         # Before the first step the moments do not exist yet: count them as the fp32
         # weights' size each (Adam's two).
         scale = 1 if self._fragments_have_moments else 1 + len(MOMENTS)
         out = []
-        for op in win.order_operators(self.operators, self.popularity):
+        for op in operators.order_operators(self.operators, self.popularity):
             active = scale * sum(f.tensor.numel() * f.tensor.element_size()
                                  for f in frags.get(op.name, []))
             frozen = sum(p.numel() * p.element_size() for _, p in params.get(op.name, []))
-            out.append(win.Operator(op.name, op.kind, op.expert, active, frozen))
+            out.append(operators.Operator(op.name, op.kind, op.expert, active, frozen))
         return out
 
     # -- snapshots -----------------------------------------------------------------------
@@ -703,11 +704,11 @@ class ExactSnapshots:
         return ready
 
     def _maybe_reorder(self, iteration: int) -> None:
-        ordered = win.order_operators(self.operators, self.popularity)
+        ordered = operators.order_operators(self.operators, self.popularity)
         names = [op.name for op in ordered]
         if self._order is not None and names != self._order:
-            shift = win.popularity_shift(self._order, names)
-            if win.should_reorder(shift, self.cfg.reorder_threshold):
+            shift = operators.popularity_shift(self._order, names)
+            if operators.should_reorder(shift, self.cfg.reorder_threshold):
                 self.schedule = win.build_schedule(ordered, self.schedule.window)
                 self._order = names
                 self._log(f"[moc] exact recovery: experts re-ordered at iteration "

@@ -155,7 +155,7 @@ def agree_run_id(save_dir: str, shm_dir: str, log=None) -> str:
     """
     import torch.distributed as dist
 
-    from deepspeed_ext.groups import metadata_group
+    from deepspeed_ext.runtime.groups import metadata_group
     if not save_dir:
         return run_id_for_memory_only(shm_dir)
     status = [None]

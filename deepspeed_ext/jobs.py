@@ -4,7 +4,7 @@ A job crosses a process boundary as JSON over the keeper's socket
 (:func:`deepspeed_ext.keeper.hand_over`): the training side builds a record and sends
 its :meth:`to_json`; the keeper parses the request with :func:`job_from_json` (type and
 bounds of every field; the paths are checked against the keeper's directories by
-:func:`deepspeed_ext.keeper_jobs.check_job`) and runs the typed record.
+:func:`deepspeed_ext.keeper.job_checks.check_job`) and runs the typed record.
 
 * :class:`PersistJob`: one rank's share of a two-level snapshot to write to storage
   (built by :class:`deepspeed_ext.two_level.TwoLevel`); rank 0's carries a
@@ -206,7 +206,7 @@ class PersistJob:
     """Rank 0's claim on the tag directory (None: unchecked)."""
     run_id: Optional[str] = None
     checksum: Optional[str] = None
-    """The image's memory checksum (:mod:`deepspeed_ext.memsum`)."""
+    """The image's memory checksum (:mod:`deepspeed_ext.format.memsum`)."""
     commit: Optional[CommitSpec] = None
     """Rank 0: commit the checkpoint once every report is in."""
     done_marker: Optional[str] = None

@@ -1,7 +1,7 @@
 """Snapshot redundancy between nodes: the peer store and its background transport.
 
 Used by :class:`deepspeed_ext.two_level.TwoLevel` when ``--moc-redundancy`` is not
-``none``; placement, coding and rebuild plans are in :mod:`deepspeed_ext.redundancy`.
+``none``; placement, coding and rebuild plans are in :mod:`deepspeed_ext.policy.redundancy`.
 
 Transport: a separate gloo process group (host memory to host memory, also when the
 training group is NCCL), driven by one background thread per rank. Every rank hands
@@ -35,8 +35,8 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext import redundancy as rd
 from deepspeed_ext.format.storage import atomic_write_json
+from deepspeed_ext.policy import redundancy as rd
 from deepspeed_ext.private_dir import make_private_dir, open_private
 from deepspeed_ext.snapshot import image_end
 
@@ -174,7 +174,7 @@ class PeerRedundancy:
         # Its own group: the training group may be NCCL, and its collectives (and the
         # metadata group's, on the main thread) must never queue behind (or interleave
         # with) redundancy traffic from another thread.
-        from deepspeed_ext.groups import new_host_group
+        from deepspeed_ext.runtime.groups import new_host_group
         self.group = new_host_group(timedelta(seconds=timeout_s))
         self.store = PeerStore(node_dir, self.rank)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moc-redundancy")

@@ -22,7 +22,7 @@ recovery ignores: a half-written snapshot is never taken for a complete one.
 Trust: the rank directory is private (:mod:`deepspeed_ext.private_dir`); a slot's
 metadata counts only when it names this job's run id (:mod:`deepspeed_ext.job_identity`)
 and its image is long enough for its layout; recovery checks the image's checksum
-(:meth:`SnapshotSlots.verify`, :mod:`deepspeed_ext.memsum`) before reading from it.
+(:meth:`SnapshotSlots.verify`, :mod:`deepspeed_ext.format.memsum`) before reading from it.
 """
 
 import json
@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from deepspeed_ext import memsum
+from deepspeed_ext.format import memsum
 from deepspeed_ext.format.dtypes import dtype_from_name
 from deepspeed_ext.format.storage import atomic_write_json
 from deepspeed_ext.private_dir import make_private_dir, open_private

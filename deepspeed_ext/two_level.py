@@ -8,7 +8,7 @@ then routes ``save``/``load``/``wait`` here. Every rank calls them, in the same 
 1. joins the previous snapshot's copy (normally finished long before: the wrapped
    ``engine.step`` waits for it before the optimizer touches the tensors);
 2. only if this snapshot is due for storage (every ``persist_interval``-th): one small
-   collective (:class:`deepspeed_ext.exchange.Exchanger`) of (copy errors, rank 0's view
+   collective (:class:`deepspeed_ext.runtime.exchange.Exchanger`) of (copy errors, rank 0's view
    of the previous persist, every rank's RNG state). A failed copy is raised on every
    rank; a persist still running defers this one (training never waits for storage); a
    failed persist is logged and its experts count as unsaved again. Snapshots not due
@@ -19,7 +19,7 @@ then routes ``save``/``load``/``wait`` here. Every rank calls them, in the same 
    snapshot);
 4. hands a long-lived thread the copy of every fragment this rank needs to restore itself
    into a free slot (:mod:`deepspeed_ext.snapshot`; on CUDA the copy is queued on a side
-   stream, :mod:`deepspeed_ext.hostcopy`); the thread marks the slot complete and hands it
+   stream, :mod:`deepspeed_ext.engine.hostcopy`); the thread marks the slot complete and hands it
    to the keeper for persistence (:func:`deepspeed_ext.keeper.run_persist_job`), which
    commits through report files (:mod:`deepspeed_ext.store.commit`), no collective.
 
@@ -50,19 +50,23 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_ext import keeper
+from deepspeed_ext.engine.hostcopy import HostCopier
 from deepspeed_ext.engine.rng import get_rng_state
-from deepspeed_ext.exchange import Exchanger
 from deepspeed_ext.format import fs
 from deepspeed_ext.format.errors import CheckpointError
 from deepspeed_ext.format.objects import OBJECTS_TENSOR_FILE
-from deepspeed_ext.groups import metadata_group
-from deepspeed_ext.hostcopy import HostCopier
 from deepspeed_ext.jobs import CommitSpec, ImageEntry, PersistJob
+from deepspeed_ext.runtime.exchange import Exchanger
+from deepspeed_ext.runtime.groups import metadata_group
 from deepspeed_ext.runtime.log import rank_zero_lines
+from deepspeed_ext.runtime.outcomes import (MoCCheckpointError, all_outcomes, broadcast_outcome,
+                                          raise_if_failed)
 from deepspeed_ext.runtime.retry import Backoff, poll_until
 from deepspeed_ext.snapshot import SLOTS, SlotImage, SnapshotSlots
 from deepspeed_ext.state import FP32
 from deepspeed_ext.store import claims, commit
+from deepspeed_ext.store.latest import extended_tag
+from deepspeed_ext.store.reader import check_saved_shape
 
 LAYOUT_CACHE = 16
 """Image layouts a rank keeps (one per set of snapshotted experts and object shapes)."""
@@ -139,7 +143,7 @@ class NewestSnapshot:
     meta: Dict[str, Any]
     """The slot's published metadata (``step``, ``tag``, ``entries``, ``specs``, ...)."""
     pieces: Any
-    """The write plan's pieces (:func:`deepspeed_ext.plan.build_write_plan`)."""
+    """The write plan's pieces (:func:`deepspeed_ext.policy.plan.build_write_plan`)."""
     save_dir: str
     save_latest: bool
     object_keys: List[str]
@@ -171,7 +175,7 @@ class TwoLevel:
     """Level 1 and level 2 state of one rank; created by the checkpointer."""
 
     def __init__(self, ckpt):
-        from deepspeed_ext.pec import make_policy
+        from deepspeed_ext.policy.pec import make_policy
         cfg = ckpt.config
         self.ckpt = ckpt
         self.cfg = cfg
@@ -184,8 +188,7 @@ class TwoLevel:
         self.spec = cfg.redundancy_spec()
         self.topo = None
         if self.spec.enabled:
-            from deepspeed_ext.checkpointer import MoCCheckpointError
-            from deepspeed_ext.redundancy import Topology, check_layout
+            from deepspeed_ext.policy.redundancy import Topology, check_layout
             try:
                 self.topo = Topology(self.world, per_node)
                 check_layout(self.spec, self.topo)
@@ -267,14 +270,13 @@ class TwoLevel:
         Args:
             frags: this rank's fragments (fp32 master weights; moments are as large).
         """
-        from deepspeed_ext.checkpointer import MoCCheckpointError
         home_problem = self._make_home()
         # fp32 master weights plus Adam's two moments, for every slot.
         image = 3 * sum(f.length * 4 for f in frags)
         needed = self.num_slots * image
         if self.spec.enabled:  # what this rank holds for its peers
             from deepspeed_ext.peers import KEEP
-            from deepspeed_ext.redundancy import extra_bytes
+            from deepspeed_ext.policy.redundancy import extra_bytes
             needed += extra_bytes(self.spec, image, KEEP)
         problem = None
         budget = self.cfg.host_memory_gb * 2**30
@@ -324,7 +326,6 @@ class TwoLevel:
         """Every rank, after the start-up checks: attach to (or start) the node's keeper;
         a keeper that does not answer on one node is raised on every rank (one
         collective), not left to that node's ranks while the others train on."""
-        from deepspeed_ext.checkpointer import _all_outcomes, _raise_if_failed
         ok, error = True, None
         try:
             keeper.ensure_keeper(self.node_dir, self.cfg.keeper_idle_timeout_s,
@@ -332,12 +333,12 @@ class TwoLevel:
         except Exception as e:
             traceback.print_exc()
             ok, error = False, f"{type(e).__name__}: {e}"
-        _raise_if_failed(_all_outcomes(ok, error), f"MoC keeper of {self.node_dir}")
+        raise_if_failed(all_outcomes(ok, error), f"MoC keeper of {self.node_dir}")
 
     # -- the stall point ---------------------------------------------------------
 
     def _wrap_step(self) -> None:
-        from deepspeed_ext.hostcopy import wait_before_step
+        from deepspeed_ext.engine.hostcopy import wait_before_step
         wait_before_step(self.ckpt.engine, lambda: self.copy_job is not None, self.join_copy,
                          self.stall_s)
 
@@ -349,7 +350,6 @@ class TwoLevel:
     # -- snapshot ------------------------------------------------------------------
 
     def save(self, save_dir: str, tag: Optional[str], client_state, save_latest: bool) -> bool:
-        from deepspeed_ext.checkpointer import _raise_if_failed
         from deepspeed_ext.format.objects import encode
         ck, engine = self.ckpt, self.ckpt.engine
         start = time.perf_counter()
@@ -377,7 +377,7 @@ class TwoLevel:
             # (the persist's objects).
             gathered = self.exchanger.exchange((self.copy_error, view, rng_state, prepared))
             self.copy_error = None
-            _raise_if_failed([(error is None, error) for error, _, _, _ in gathered],
+            raise_if_failed([(error is None, error) for error, _, _, _ in gathered],
                              "MoC snapshot copy")
             rng_states = [rng for _, _, rng, _ in gathered]
             self._settle_persist(gathered[0][1])
@@ -576,7 +576,6 @@ class TwoLevel:
         """Every rank, with rank 0's :meth:`_prepare_on_rank0` outcome from the exchange:
         a failure is raised on every rank and the PEC policy's marks are undone. Returns
         the directory's claim, which every rank's persist job carries."""
-        from deepspeed_ext.checkpointer import MoCCheckpointError
         if prepared is None or not prepared[0]:
             if self.ckpt.policy is not None:
                 self.ckpt.policy.load_state_dict(policy_before)
@@ -591,14 +590,13 @@ class TwoLevel:
         holding ``selected`` experts on storage (None: no MoE), under rank 0's ``claim``
         on its directory; records it as the pending persist. The keeper runs it
         (:func:`keeper.run_persist_job`; its JSON crosses the keeper's socket)."""
-        from deepspeed_ext.plan import build_write_plan
+        from deepspeed_ext.policy.plan import build_write_plan
         ck, meta = self.ckpt, snap.meta
         save_dir, tag, step = snap.save_dir, meta["tag"], meta["step"]
         plan = build_write_plan(snap.pieces, self.world, selected)
         keys = list(plan.keys_for(self.rank))
         commit_spec = None
         if self.rank == 0:
-            from deepspeed_ext.checkpointer import extended_tag
             commit_spec = CommitSpec(
                 step=step,
                 layout=ck._layout_record(self.world, int(ck.engine.zero_optimization_stage())),
@@ -642,7 +640,6 @@ class TwoLevel:
         Raises:
             MoCCheckpointError: on every rank, when preparing the persist failed on one.
         """
-        from deepspeed_ext.checkpointer import _broadcast_outcome
         snap = self.last
         if snap is None or snap.persisted:
             return True, None
@@ -663,7 +660,7 @@ class TwoLevel:
             dist.all_gather_object(rng_states, snap.rng_state, group=metadata_group())
             written = replace(snap, object_keys=[])
             try:
-                _broadcast_outcome(
+                broadcast_outcome(
                     lambda: extra.update(self._write_objects_with(written, rng_states)),
                     f"MoC objects of {meta['tag']}")
             except Exception:
@@ -876,16 +873,15 @@ class TwoLevel:
         then persists the newest snapshot if it was not (see :meth:`_persist_newest`) and
         waits for that; any rank's failure is raised on every rank. Last, also when it
         raises, :meth:`_drain` (rank-local, no collective)."""
-        from deepspeed_ext.checkpointer import _raise_if_failed
         try:
             self.join_copy()
             ok, message = self.copy_error is None, self.copy_error
             self.copy_error = None
             outcomes = self._wait_pending(ok, message)
-            _raise_if_failed(outcomes, "MoC two-level wait")
+            raise_if_failed(outcomes, "MoC two-level wait")
             if self.last is not None and not self.last.persisted:
                 ok, message = self._persist_newest()
-                _raise_if_failed(self._wait_pending(ok, message), "MoC two-level wait")
+                raise_if_failed(self._wait_pending(ok, message), "MoC two-level wait")
         finally:
             self._drain()
 
@@ -921,7 +917,6 @@ class TwoLevel:
     def _wait_pending(self, ok: bool, message) -> list:
         """Every rank: wait for the pending persist's commit (or failure); settle it;
         return every rank's (ok, message)."""
-        from deepspeed_ext.checkpointer import _all_outcomes
         if self.persist is not None and ok:
             tag_dir = os.path.join(self.persist.save_dir, self.persist.tag)
 
@@ -941,7 +936,7 @@ class TwoLevel:
 
             ok, message = poll_until(poll, self.cfg.commit_timeout_s, COMMIT_POLL_BACKOFF,
                                      timed_out)
-        outcomes = _all_outcomes(ok, message)
+        outcomes = all_outcomes(ok, message)
         if self.persist is not None:
             self._settle_persist([all(o for o, _ in outcomes), "see the rank errors"])
         return outcomes
@@ -1101,8 +1096,7 @@ class TwoLevel:
         Returns:
             True when snapshots were rebuilt (the memory recovery can then use them).
         """
-        from deepspeed_ext import redundancy as rd
-        from deepspeed_ext.checkpointer import _all_outcomes
+        from deepspeed_ext.policy import redundancy as rd
         from deepspeed_ext.snapshot import image_end
         start = time.perf_counter()
         own = {m["step"]: (i, m) for i, m in self.slots.complete() if m["signature"] == signature}
@@ -1139,7 +1133,7 @@ class TwoLevel:
         except Exception as e:
             traceback.print_exc()
             ok, result = False, f"{type(e).__name__}: {e}"
-        outcomes = _all_outcomes(ok, result)
+        outcomes = all_outcomes(ok, result)
         if not all(o for o, _ in outcomes):
             bad = "; ".join(f"rank {r}: {m}" for r, (o, m) in enumerate(outcomes) if not o)
             _log(f"recovery: rebuilding snapshots from peers failed ({bad})")
@@ -1189,7 +1183,6 @@ class TwoLevel:
             # The failed memory recovery already wrote into the engine; "no checkpoint:
             # start from scratch" would train on from those tensors as iteration 0. The
             # same on every rank (the storage choice is rank 0's, broadcast).
-            from deepspeed_ext.checkpointer import MoCCheckpointError
             raise MoCCheckpointError(
                 f"recovery from memory at step {failed_step} failed and {load_dir} holds no "
                 f"checkpoint to fall back to; restart to try again, or, to start from "
@@ -1298,7 +1291,6 @@ class TwoLevel:
             raise RuntimeError(f"no version of expert {frag.expert} ({key}) in memory or storage")
         counts["storage"] += 1
         versions[tuple(frag.expert)] = stored
-        from deepspeed_ext.checkpointer import check_saved_shape
         reader = storage.reader()
         # Reads go by element range: a tensor of another shape would load silently.
         check_saved_shape(reader, frag, storage.load_dir, storage.tag)

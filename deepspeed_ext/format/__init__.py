@@ -7,5 +7,9 @@ Modules, lowest first: :mod:`.errors`, :mod:`.fs` (local paths and URLs),
 writes, checksums), :mod:`.fragment_reader` (ranged reads of safetensors files),
 :mod:`.objects` (non-tensor state), :mod:`.naming`, :mod:`.manifest` (the data model,
 parse, validate, read/write), :mod:`.assemble` (rank reports -> manifest),
-:mod:`.expert_index`.
+:mod:`.expert_index`, and :mod:`.memsum` (the fast checksums of images held in memory,
+recorded with their algorithm).
+
+May import: :mod:`deepspeed_ext.runtime` and :mod:`deepspeed_ext.policy` (PEC parts and
+scopes name what a manifest holds); never :mod:`deepspeed_ext.store` or anything above.
 """

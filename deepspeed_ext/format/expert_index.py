@@ -8,7 +8,7 @@ from deepspeed_ext.format.errors import CheckpointError
 from deepspeed_ext.format.manifest import (MANIFEST_FILE, ExpertVersion, Manifest,
                                            read_manifest_json)
 from deepspeed_ext.format.naming import check_tag, expert_key, parse_expert_key
-from deepspeed_ext.pec import check_scope
+from deepspeed_ext.policy.pec import check_scope
 
 
 

@@ -66,7 +66,7 @@ from deepspeed_ext.format.naming import (check_tag, expert_key, fragment_key, pa
                                          plain_file_name, split_or_raw, split_tensor_key,
                                          try_parse_expert_key)
 from deepspeed_ext.format.storage import FileRecord, atomic_write_json, check_depth, read_json
-from deepspeed_ext.pec import part_of_kind
+from deepspeed_ext.policy.pec import part_of_kind
 
 FORMAT = "moc-ckpt"
 VERSION = 2

@@ -34,10 +34,10 @@ import math
 from dataclasses import dataclass, fields, replace
 from typing import List, Optional, Tuple
 
-from deepspeed_ext import plt as trainer_plt
-from deepspeed_ext import redundancy as rd
 from deepspeed_ext.config import MoCConfig
 from deepspeed_ext.peers import KEEP
+from deepspeed_ext.policy import plt as trainer_plt
+from deepspeed_ext.policy import redundancy as rd
 from deepspeed_ext.snapshot import SLOTS
 
 STATE_BYTES = 12
@@ -453,7 +453,7 @@ def _check_redundancy_layout(policy: Policy, layout: Layout) -> None:
     """The trainer's own check of a redundancy against the node layout.
 
     Raises:
-        ValueError: what :func:`deepspeed_ext.redundancy.check_layout` says.
+        ValueError: what :func:`deepspeed_ext.policy.redundancy.check_layout` says.
     """
     if policy.redundancy == "none":
         return

@@ -52,7 +52,7 @@ def candidates(kind: str, model: ModelShape, layout: Layout) -> Iterable[Policy]
     """Every setting of ``kind`` the search tries."""
     n = model.num_experts
     # Only settings the trainer accepts: erasure groups of ec_data + 1 nodes must divide
-    # the nodes (deepspeed_ext.redundancy.check_layout).
+    # the nodes (deepspeed_ext.policy.redundancy.check_layout).
     ec = [d for d in (1, 2, 3, 4, 7) if layout.nodes >= 2 and layout.nodes % (d + 1) == 0]
     redundancy = [("none", 1)] + ([("replicate", 1)] if layout.nodes >= 2 else []) \
         + [("erasure", d) for d in ec]

@@ -4,4 +4,7 @@ commit without a collective and the reader. Builds on :mod:`deepspeed_ext.format
 
 Modules: :mod:`.locking`, :mod:`.claims`, :mod:`.catalog`, :mod:`.latest`, :mod:`.pins`,
 :mod:`.verify`, :mod:`.retention`, :mod:`.prepare`, :mod:`.commit`, :mod:`.reader`.
+
+May import: :mod:`deepspeed_ext.runtime`, :mod:`deepspeed_ext.policy` and
+:mod:`deepspeed_ext.format`; nothing above (``tests/test_layering.py`` checks it).
 """

@@ -10,7 +10,7 @@ from deepspeed_ext.format.errors import CheckpointError
 from deepspeed_ext.format.manifest import (MANIFEST_FILE, PART_NAMES, ExpertVersion, Manifest,
                                            TensorEntry, read_manifest, tensor_problems)
 from deepspeed_ext.format.naming import check_tag, split_or_raw, try_parse_expert_key
-from deepspeed_ext.pec import part_of_kind
+from deepspeed_ext.policy.pec import part_of_kind
 
 
 @dataclass

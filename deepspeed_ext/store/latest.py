@@ -2,7 +2,7 @@
 and how committers that outlive their attempt are kept from moving it over later work."""
 
 import os
-from typing import Optional
+from typing import Optional, Tuple
 
 from deepspeed_ext.format import fs
 from deepspeed_ext.format.errors import CheckpointError
@@ -171,3 +171,11 @@ def read_latest(save_dir: str) -> Optional[str]:
     except ValueError as err:
         raise CheckpointError(f"{path}: {err}") from None
 
+
+def extended_tag(previous: Optional[Tuple[str, str]], save_dir: str) -> Optional[str]:
+    """The tag a new checkpoint in ``save_dir`` extends (its expert index starts from
+    that one's): ``previous`` (``(directory, tag)`` of the last checkpoint saved or
+    loaded) when it lies in ``save_dir``, however the two directories are spelled."""
+    if previous is None or not fs.same_location(previous[0], save_dir):
+        return None
+    return previous[1]

@@ -34,6 +34,7 @@ from deepspeed_ext.format.manifest import Manifest
 from deepspeed_ext.format.naming import tensor_key
 from deepspeed_ext.format.objects import OBJECTS_FILE, decode, read_objects_file, tensor_keys
 from deepspeed_ext.format.storage import FileRecord, verify_file
+from deepspeed_ext.runtime.outcomes import MoCCheckpointError
 from deepspeed_ext.store.catalog import (Resolution, ResolvedTensor, resolve_checkpoint,
                                          scan_checkpoints)
 from deepspeed_ext.store.latest import read_latest
@@ -353,3 +354,22 @@ class CheckpointReader:
     def __exit__(self, *exc) -> None:
         self.close()
 
+
+def check_saved_shape(reader: CheckpointReader, frag, load_dir: str, tag: str) -> None:
+    """Refuse a tensor saved with another shape: reads go by flat element ranges, so a
+    smaller model (say, another --ffn-hidden-size) would load the first elements of each
+    saved tensor, laid out wrongly, without an error (the trainer's check of the saved
+    arguments is skipped when it falls back past a damaged newest checkpoint).
+
+    ``frag`` is the rank's fragment (:class:`deepspeed_ext.state.LocalFragment`: its
+    ``name``, ``kind`` and ``shape`` are read).
+
+    Raises:
+        MoCCheckpointError: naming the tensor and both shapes.
+    """
+    saved = tuple(reader.info(frag.name, frag.kind).shape)
+    if saved != tuple(frag.shape):
+        raise MoCCheckpointError(
+            f"{os.path.join(load_dir, tag)}: {frag.name} ({frag.kind}) was saved with shape "
+            f"{list(saved)}, this model's is {list(frag.shape)}: the checkpoint belongs to "
+            f"another model configuration (compare the model flags with the run that saved it)")

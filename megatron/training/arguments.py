@@ -418,7 +418,7 @@ def _check_storage_urls(args: argparse.Namespace) -> None:
 
 def _check_redundancy(args: argparse.Namespace, world_size: int) -> None:
     """``--moc-redundancy`` and its counts against the node layout (every rank)."""
-    from deepspeed_ext import redundancy as rd
+    from deepspeed_ext.policy import redundancy as rd
     try:
         spec = rd.RedundancySpec(args.moc_redundancy, args.moc_replicas, args.moc_ec_data,
                                  args.moc_ec_parity)

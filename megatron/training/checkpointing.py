@@ -23,7 +23,8 @@ from deepspeed_ext.format import fs
 from deepspeed_ext.format.errors import CheckpointError
 from deepspeed_ext.format.storage import (SMALL_RECORD_MAX_BYTES, atomic_write_json,
                                           atomic_write_text, read_json)
-from deepspeed_ext.groups import metadata_group
+from deepspeed_ext.runtime.groups import metadata_group
+from deepspeed_ext.runtime.outcomes import broadcast_outcome
 from megatron.training.arguments import MODEL_SHAPE_ARGS
 from megatron.training.errors import ConfigError
 from megatron.training.log import print_rank_0
@@ -75,7 +76,7 @@ def save_checkpoint(engine, args: argparse.Namespace, scheduler, state: ResumeSt
     MoC the save runs no collective here: MoC keeps every rank's RNG state itself (a
     snapshot per iteration must not pay a gather for it). ``log`` False: no log line.
     The gather and the barrier are host collectives, on the metadata group
-    (:mod:`deepspeed_ext.groups`, made by ``initialize_distributed``).
+    (:mod:`deepspeed_ext.runtime.groups`, made by ``initialize_distributed``).
     """
     start = time.perf_counter()
     tag = tag_for(state.iteration)
@@ -109,8 +110,7 @@ def save_checkpoint(engine, args: argparse.Namespace, scheduler, state: ResumeSt
             "iteration": state.iteration, "consumed_train_samples": state.consumed_train_samples,
             "world_size": dist.get_world_size(), "args": args_to_dict(args)})
         atomic_write_text(os.path.join(args.save, LATEST_FILE), tag)  # the checkpoint is whole
-    from deepspeed_ext.checkpointer import _broadcast_outcome
-    _broadcast_outcome(finish, f"saving {os.path.join(args.save, tag)}")  # rank 0's failure: all
+    broadcast_outcome(finish, f"saving {os.path.join(args.save, tag)}")  # rank 0's failure: all
     print_rank_0(f"[{time.strftime('%H:%M:%S')}] saved checkpoint at iteration {state.iteration:7d} "
                  f"to {args.save}/{tag} in {time.perf_counter() - start:.2f} s")
     return tag

@@ -47,7 +47,7 @@ Call order on every rank (the training loop wires it)::
         ...                                 # the iteration; during a two-level snapshot
         injector.in_snapshot(iteration)     # copy, the checkpoint code calls this
 
-The keeper process calls :func:`deepspeed_ext.keeper_faults.crash_in_persist_if_due`
+The keeper process calls :func:`deepspeed_ext.keeper.faults.crash_in_persist_if_due`
 while it persists a snapshot: the keeper's side of ``persist-crash`` and the state file
 live in the checkpoint library (the keeper does not import the trainer); this module
 arms it through the environment (:meth:`FaultInjector.persist_env`).
@@ -60,7 +60,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from deepspeed_ext.keeper_faults import (FAULT_KEY_ENV, FAULT_STATE_ENV, PERSIST_CRASH_ENV,
+from deepspeed_ext.keeper.faults import (FAULT_KEY_ENV, FAULT_STATE_ENV, PERSIST_CRASH_ENV,
                                          read_state, record_fired, sigkill_self, state_lock,
                                          write_state)
 from megatron.training.errors import ConfigError
@@ -343,7 +343,7 @@ class FaultInjector:
     def persist_env(self) -> Dict[str, str]:
         """Environment for the node keeper this rank starts: arms its ``persist-crash``
         fault (empty when there is none, or it fired earlier in the job). The keeper
-        calls :func:`deepspeed_ext.keeper_faults.crash_in_persist_if_due`, which records
+        calls :func:`deepspeed_ext.keeper.faults.crash_in_persist_if_due`, which records
         the firing."""
         for spec in self._node_persist:
             if spec.kind == "persist-crash":

@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch.distributed as dist
 
-from deepspeed_ext.groups import metadata_group
+from deepspeed_ext.runtime.groups import metadata_group
 from megatron.training.events import PROGRESS_FILE, EventLog, Progress
 from megatron.training.log import print_rank_0
 
@@ -92,7 +92,7 @@ def account_recovery(engine, args: argparse.Namespace, iteration: int,
 
 
 def _rank0_report(moc, args, iteration: int, load_s: float) -> RecoveryReport:
-    from deepspeed_ext.plt import RecoveryLoss, cumulative_plt, dynamic_k
+    from deepspeed_ext.policy.plt import RecoveryLoss, cumulative_plt, dynamic_k
     loss = moc.last_recovery
     log = EventLog(args.moc_event_file) if args.moc_event_file else None
     everything = log.read() if log is not None else []

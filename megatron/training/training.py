@@ -68,7 +68,7 @@ def remove_deepspeed_shm_buffers() -> None:
     processes that started DeepSpeed otherwise."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() != "gloo":
         return
-    from deepspeed_ext.groups import metadata_group
+    from deepspeed_ext.runtime.groups import metadata_group
     dist.barrier(group=metadata_group())  # orders host work only
     unlink_deepspeed_shm_buffer()
 
@@ -116,8 +116,8 @@ def initialize_distributed(args: argparse.Namespace) -> None:
         _init_from_agent_store(accel.communication_backend_name(), timeout)
     deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), timeout=timeout)
     # Every rank, here: the gloo group of MoC's collectives on CPU tensors and objects
-    # (deepspeed_ext.groups), before any of them runs.
-    from deepspeed_ext.groups import init_metadata_group
+    # (deepspeed_ext.runtime.groups), before any of them runs.
+    from deepspeed_ext.runtime.groups import init_metadata_group
     init_metadata_group(timeout)
 
 

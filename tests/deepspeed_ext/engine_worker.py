@@ -108,14 +108,24 @@ def _record_hashed_files():
 
 
 def _record_manifest_reads():
-    """The manifests this rank reads (``manifest.read_manifest``), in order."""
+    """The manifests this rank reads (``manifest.read_manifest``), in order: replaced in
+    every module of the package that imported it by name (the store's modules do), not
+    only in its own (which alone recorded nothing)."""
+    import importlib
+    import pkgutil
+    import deepspeed_ext.store
     from deepspeed_ext.format import manifest
+    for info in pkgutil.iter_modules(deepspeed_ext.store.__path__):
+        importlib.import_module(f"deepspeed_ext.store.{info.name}")
     real, read = manifest.read_manifest, []
 
     def recording(ckpt_dir):
         read.append(os.path.basename(ckpt_dir))
         return real(ckpt_dir)
-    manifest.read_manifest = recording
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").startswith("deepspeed_ext") and \
+                getattr(module, "read_manifest", None) is real:
+            module.read_manifest = recording
     return read
 
 

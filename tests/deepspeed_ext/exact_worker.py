@@ -14,7 +14,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from deepspeed_ext import exact as ex  # noqa: E402
-from deepspeed_ext import window as win  # noqa: E402
+from deepspeed_ext.policy.operators import Operator  # noqa: E402
 
 
 def _no_space():
@@ -31,7 +31,7 @@ def main():
     snaps._log = lambda message: None
     snaps.engine = types.SimpleNamespace(module=torch.nn.Linear(2, 2))
     snaps._probe = (0, time.perf_counter())
-    snaps._local_operators = lambda: [win.Operator(f"op{i}", "dense", None, 1000, 250)
+    snaps._local_operators = lambda: [Operator(f"op{i}", "dense", None, 1000, 250)
                                       for i in range(4)]
     snaps._new_grid = lambda iteration, window: setattr(snaps, "chosen", window)
     snaps._measure_frame_cost = _no_space if (case == "fail" and rank == 1) else (lambda: 1e-12)

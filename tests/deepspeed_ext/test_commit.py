@@ -111,7 +111,7 @@ def test_a_committer_of_an_earlier_attempt_stands_down_when_the_tag_is_saved_aga
     old_claim = read_claim(tag_dir)
     _write_share(save_dir, tag, 0, 1.0)  # rank 1 died before its report
     logged = []
-    old = threading.Thread(target=keeper._commit_job,
+    old = threading.Thread(target=keeper.commit_job,
                            args=(_keeper_job(save_dir, tag, 20, old_claim), tag_dir, logged.append))
     old.start()
     time.sleep(0.3)
@@ -130,7 +130,7 @@ def test_a_committer_of_an_earlier_attempt_stands_down_when_the_tag_is_saved_aga
     assert any(line.startswith("not committing: ") and ("claimed by another save" in line
                                                         or "was deleted" in line)
                for line in logged), logged
-    keeper._commit_job(_keeper_job(save_dir, tag, 20, new_claim), tag_dir, logged.append)
+    keeper.commit_job(_keeper_job(save_dir, tag, 20, new_claim), tag_dir, logged.append)
     manifest = mf.read_manifest(tag_dir)
     assert manifest.step == 20 and latest.read_latest(save_dir) == tag
     assert os.listdir(tag_dir) and CLAIM_NAME not in os.listdir(tag_dir)  # cleaned with reports
@@ -145,7 +145,7 @@ def test_a_committer_whose_directory_was_deleted_writes_nothing(tmp_path):
     _write_share(save_dir, tag, 0, 1.0)
     shutil.rmtree(tag_dir)  # retention of the restarted job removed the crashed save
     logged = []
-    keeper._commit_job(_keeper_job(save_dir, tag, 20, claim, timeout_s=5), tag_dir, logged.append)
+    keeper.commit_job(_keeper_job(save_dir, tag, 20, claim, timeout_s=5), tag_dir, logged.append)
     assert not os.path.exists(tag_dir)  # not recreated by a failure file
     assert any("was deleted" in line for line in logged), logged
 
@@ -156,7 +156,7 @@ def test_a_commit_that_fails_on_its_own_directory_is_marked_failed(tmp_path):
     save_dir, tag = str(tmp_path), "global_step20"
     tag_dir = prepare.prepare_checkpoint_dir(save_dir, tag)
     _write_share(save_dir, tag, 0, 1.0)
-    keeper._commit_job(_keeper_job(save_dir, tag, 20, read_claim(tag_dir), timeout_s=0.3),
+    keeper.commit_job(_keeper_job(save_dir, tag, 20, read_claim(tag_dir), timeout_s=0.3),
                        tag_dir, lambda line: None)
     assert "rank(s) 1 within" in open(os.path.join(tag_dir, FAILURE_NAME)).read()
 
@@ -176,7 +176,7 @@ def test_a_damaged_claim_ends_the_save_as_failed_instead_of_silently(tmp_path):
     marker = str(tmp_path / "slot1.persisting")
     keeper.run_persist_job(_persist_job_of(save_dir, tag, 1, claim, str(tmp_path), marker),
                            log=lambda line: None)
-    keeper._commit_job(_keeper_job(save_dir, tag, 20, claim, timeout_s=5), tag_dir,
+    keeper.commit_job(_keeper_job(save_dir, tag, 20, claim, timeout_s=5), tag_dir,
                        lambda line: None)
     ok, why = commit_outcome(tag_dir, 2, claim)
     assert not ok and "unreadable" in why, why

@@ -192,7 +192,7 @@ def test_a_window_missing_a_tensor_is_refused_before_the_replay_starts():
     KeyError would leave the others in a collective."""
     from types import SimpleNamespace
 
-    from deepspeed_ext import window as win
+    from deepspeed_ext.policy import window as win
     frag = lambda key, n: SimpleNamespace(key=key, length=n)  # noqa: E731
     param = lambda n: SimpleNamespace(numel=lambda: n)  # noqa: E731
     me = SimpleNamespace(

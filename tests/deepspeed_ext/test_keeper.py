@@ -13,6 +13,8 @@ import time
 import pytest
 
 from deepspeed_ext import keeper
+from deepspeed_ext.keeper import bootstrap, client, commits
+from deepspeed_ext.keeper import server as keeper_server
 
 
 class _FakeKeeper:
@@ -70,7 +72,7 @@ def test_a_keeper_slow_to_answer_is_not_replaced(tmp_path, monkeypatch):
     """The running keeper answers its first ping after 2.5 s, past the ping's 2 s timeout:
     ensure_keeper must wait for it, not start a second keeper on the same directory."""
     spawned = []
-    monkeypatch.setattr(keeper, "_spawn", lambda d, t, *rest: spawned.append(d))
+    monkeypatch.setattr(bootstrap, "spawn", lambda d, t, *rest: spawned.append(d))
     fake = _FakeKeeper(str(tmp_path), delay_s=2.5)
     try:
         start = time.monotonic()
@@ -92,7 +94,7 @@ def test_a_dead_keepers_socket_gets_a_new_keeper(tmp_path, monkeypatch):
 
     def spawn(directory, idle_timeout_s, *rest):
         started.append(_FakeKeeper(directory, delay_s=0))
-    monkeypatch.setattr(keeper, "_spawn", spawn)
+    monkeypatch.setattr(bootstrap, "spawn", spawn)
     try:
         keeper.ensure_keeper(str(tmp_path), start_timeout_s=30)
         assert len(started) == 1 and started[0].ops[-1] == "hello"
@@ -132,7 +134,7 @@ def test_a_persist_is_not_handed_to_a_dead_keeper(tmp_path, monkeypatch):
     def counting(directory, message, timeout_s=10.0):
         sent.append(message["op"])
         return real(directory, message, timeout_s)
-    monkeypatch.setattr(keeper, "request", counting)
+    monkeypatch.setattr(client, "request", counting)
     assert not keeper.hand_over(str(tmp_path), {"id": "x"}, patience_s=30, timeout_s=5)
     assert sent == ["persist"]
 
@@ -150,22 +152,22 @@ def test_a_shutdown_waits_for_commits_past_their_reports_only(tmp_path, monkeypa
         finished.append(tag)
 
     monkeypatch.setattr(commit, "commit_checkpoint", slow_commit)
-    monkeypatch.setattr(keeper, "_COMMITS", [])
-    monkeypatch.setattr(keeper, "_GATE", keeper._CommitGate())
+    monkeypatch.setattr(commits, "COMMITS", [])
+    monkeypatch.setattr(commits, "GATE", commits.CommitGate())
 
     def job(tag):
         return _commit_of(tmp_path, tag, None)
 
     for tag in ("global_step1", "global_step2"):
         reports_in = threading.Event()
-        thread = threading.Thread(target=keeper._commit_job,
+        thread = threading.Thread(target=keeper.commit_job,
                                   args=(job(tag), str(tmp_path / tag), print, reports_in),
                                   daemon=True)
-        keeper._COMMITS.append(keeper.CommitRun(thread, reports_in))
+        commits.COMMITS.append(keeper.CommitRun(thread, reports_in))
         thread.start()
     commit.write_report(str(tmp_path / "global_step1"), 0, {"report": None})  # step 2 never
     for _ in range(200):
-        if keeper._COMMITS[0][1].is_set():
+        if commits.COMMITS[0][1].is_set():
             break
         time.sleep(0.01)
     start = time.monotonic()
@@ -217,7 +219,7 @@ def test_an_idle_keeper_serves_on_while_a_commit_runs_then_leaves(tmp_path, monk
     done = threading.Event()
     commit = threading.Thread(target=done.wait, args=(30,), daemon=True)
     commit.start()
-    monkeypatch.setattr(keeper, "_COMMITS", [keeper.CommitRun(commit, threading.Event())])
+    monkeypatch.setattr(commits, "COMMITS", [keeper.CommitRun(commit, threading.Event())])
     served = threading.Thread(target=keeper.serve, args=(str(node), 0.2), daemon=True)
     served.start()
     deadline = time.monotonic() + 30
@@ -244,10 +246,10 @@ def test_a_process_registering_during_a_shutdown_keeps_the_keeper(tmp_path):
         real.handle({"op": "shutdown"})
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         real.handle({"op": "hello", "pid": os.getpid()})  # the new job's rank
-        assert not keeper._leave(real, str(node), server, "shutdown requested")
+        assert not keeper.leave(real, str(node), server, "shutdown requested")
         assert node.exists()
         real.clients.remove(os.getpid())  # only the old job's process remains
-        assert keeper._leave(real, str(node), server, "shutdown requested")
+        assert keeper.leave(real, str(node), server, "shutdown requested")
         assert not node.exists()
     finally:
         old_job.kill()
@@ -258,9 +260,9 @@ def test_attaching_retries_a_lock_file_deleted_while_it_waited(tmp_path):
     """An exiting keeper deletes the directory while a rank waits for its lock: the rank
     must lock the new file, not the deleted one (which would exclude nobody after it)."""
     node = tmp_path / "node0"
-    held = keeper._lock_node(str(node))
+    held = keeper.lock_node(str(node))
     got = []
-    waiter = threading.Thread(target=lambda: got.append(keeper._lock_node(str(node))),
+    waiter = threading.Thread(target=lambda: got.append(keeper.lock_node(str(node))),
                               daemon=True)  # a rank stuck on the lock must not hold pytest
     waiter.start()
     time.sleep(0.3)
@@ -280,13 +282,13 @@ def test_an_exiting_keeper_serves_on_while_a_process_attaches(tmp_path):
     one until the rank's start timeout, and the restart would fail)."""
     from types import SimpleNamespace
     node = tmp_path / "node0"
-    attaching = keeper._lock_node(str(node))
+    attaching = keeper.lock_node(str(node))
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     idle = SimpleNamespace(last_client_seen=0.0)
     left = []
     try:
         leaving = threading.Thread(  # a daemon: a keeper stuck on the lock fails, not hangs
-            target=lambda: left.append(keeper._leave(idle, str(node), server, "idle")),
+            target=lambda: left.append(keeper.leave(idle, str(node), server, "idle")),
             daemon=True)
         leaving.start()
         leaving.join(5)
@@ -304,7 +306,7 @@ def test_jobs_whose_paths_leave_their_directories_are_refused(tmp_path):
     """A job may name only files in the keeper's directory (memory) and in its own save
     directory (storage): today's attack copied /etc/hostname to a path of the caller's
     choice and created /etc/hostname.copied."""
-    from deepspeed_ext.keeper_jobs import JobRefused, check_job
+    from deepspeed_ext.keeper.job_checks import JobRefused, check_job
     node, save = str(tmp_path / "node0"), str(tmp_path / "ckpt")
     os.makedirs(node)
     good = {"tag": "global_step3", "rank": 0, "step": 3, "save_dir": save, "specs": [],
@@ -386,7 +388,7 @@ def test_requests_are_bounded_in_size_and_time(tmp_path, monkeypatch):
         left.sendall(b"x" * 5000)
         with pytest.raises(keeper.KeeperError, match="longer than"):
             keeper.read_line(right, limit=1000)
-    monkeypatch.setattr(keeper, "CONNECTION_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(keeper_server, "CONNECTION_TIMEOUT_S", 0.5)
     node = tmp_path / "node0"
     node.mkdir(mode=0o700)
     served = threading.Thread(target=keeper.serve, args=(str(node), 60), daemon=True)
@@ -470,7 +472,7 @@ def test_the_keeper_does_not_import_a_deepspeed_ext_from_the_working_directory(t
 def test_a_damaged_snapshot_is_not_persisted(tmp_path):
     """A bit flipped in memory after the snapshot: the keeper used to write it with a
     fresh SHA-256 that vouched for the damage; it checks the memory checksum first."""
-    from deepspeed_ext import memsum
+    from deepspeed_ext.format import memsum
     image = tmp_path / "slot0.img"
     data = bytearray(b"\x01" * 64)
     image.write_bytes(bytes(data))
@@ -501,10 +503,10 @@ def _commit_of(tmp_path, tag, attempt_started, timeout_s=60.0):
 def _start_commit(tmp_path, tag, attempt_started):
     """Run the keeper's background commit of ``tag`` as run_persist_job starts it."""
     reports_in = threading.Event()
-    thread = threading.Thread(target=keeper._commit_job,
+    thread = threading.Thread(target=keeper.commit_job,
                               args=(_commit_of(tmp_path, tag, attempt_started),
                                     str(tmp_path / tag), print, reports_in), daemon=True)
-    keeper._COMMITS.append(keeper.CommitRun(thread, reports_in, attempt_started))
+    commits.COMMITS.append(keeper.CommitRun(thread, reports_in, attempt_started))
     thread.start()
     return thread
 
@@ -523,8 +525,8 @@ def test_a_drain_returns_once_every_commit_of_its_attempt_is_done(tmp_path, monk
         finished.append(tag)
 
     monkeypatch.setattr(commit, "commit_checkpoint", slow_commit)
-    monkeypatch.setattr(keeper, "_COMMITS", [])
-    monkeypatch.setattr(keeper, "_GATE", keeper._CommitGate())
+    monkeypatch.setattr(commits, "COMMITS", [])
+    monkeypatch.setattr(commits, "GATE", commits.CommitGate())
     commit.write_report(str(tmp_path / "global_step1"), 0, {"report": None})
     _start_commit(tmp_path, "global_step1", 5.0)
     _start_commit(tmp_path, "global_step2", 5.0)  # its report comes during the drain
@@ -548,8 +550,8 @@ def test_a_commit_whose_reports_arrive_after_a_shutdown_writes_nothing(tmp_path,
     finished = []
     monkeypatch.setattr(commit, "commit_checkpoint",
                         lambda save_dir, tag, *a, **k: finished.append(tag))
-    monkeypatch.setattr(keeper, "_COMMITS", [])
-    monkeypatch.setattr(keeper, "_GATE", keeper._CommitGate())
+    monkeypatch.setattr(commits, "COMMITS", [])
+    monkeypatch.setattr(commits, "GATE", commits.CommitGate())
     old = _start_commit(tmp_path, "global_step3", 1.0)
     reply = keeper.Keeper(str(tmp_path), 60.0).handle({"op": "shutdown", "attempt_started": 5.0})
     assert reply == {"ok": True}

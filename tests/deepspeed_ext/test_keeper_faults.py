@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from deepspeed_ext import keeper_faults
+from deepspeed_ext.keeper import faults as keeper_faults
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -18,7 +18,7 @@ KEEPER = """
     import sys
     sys.modules["megatron"] = None  # the keeper must not need the trainer's package
     from deepspeed_ext import keeper  # noqa: F401  (what the keeper process imports)
-    from deepspeed_ext.keeper_faults import crash_in_persist_if_due
+    from deepspeed_ext.keeper.faults import crash_in_persist_if_due
     crash_in_persist_if_due(4)
     print("persisted 4", flush=True)
     crash_in_persist_if_due(6)

@@ -100,7 +100,7 @@ def test_slots_of_another_run_are_no_snapshots_of_this_job(tmp_path):
 
 
 def test_a_flipped_bit_in_a_slot_is_found_before_recovery_uses_it(tmp_path):
-    from deepspeed_ext import memsum
+    from deepspeed_ext.format import memsum
     slots = SnapshotSlots(str(tmp_path), 0)
     data = torch.arange(16, dtype=torch.float32)
     buf = slots.buffer(0, 64)

@@ -330,7 +330,7 @@ def test_persist_crash_arms_the_keeper_which_records_and_dies(tmp_path):
     env = FaultInjector([spec], 1, 2, state).persist_env()
     assert env[faults.PERSIST_CRASH_ENV] == "5"
     keeper = _python("""
-        from deepspeed_ext.keeper_faults import crash_in_persist_if_due
+        from deepspeed_ext.keeper.faults import crash_in_persist_if_due
         crash_in_persist_if_due(4)
         print("persisted 4", flush=True)
         crash_in_persist_if_due(6)

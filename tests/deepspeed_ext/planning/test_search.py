@@ -2,10 +2,10 @@
 
 import pytest
 
-from deepspeed_ext import redundancy as rd
 from deepspeed_ext.planning.cli import training_flags
 from deepspeed_ext.planning.costs import POLICIES, Layout, Policy, predict
 from deepspeed_ext.planning.search import Constraints, _ks, best_of, candidates, recommend
+from deepspeed_ext.policy import redundancy as rd
 from tests.deepspeed_ext.planning.conftest import CONFIG_16E, toy_hardware, toy_model
 
 

@@ -1,9 +1,9 @@
-"""Lost-token accounting and dynamic K (deepspeed_ext.plt): hand-computed cases."""
+"""Lost-token accounting and dynamic K (deepspeed_ext.policy.plt): hand-computed cases."""
 
 import pytest
 
-from deepspeed_ext.pec import ExpertLayout, make_policy
-from deepspeed_ext.plt import (HISTORY, RecoveryLoss, TokenLedger, cumulative_plt, dynamic_k)
+from deepspeed_ext.policy.pec import ExpertLayout, make_policy
+from deepspeed_ext.policy.plt import (HISTORY, RecoveryLoss, TokenLedger, cumulative_plt, dynamic_k)
 
 ROUTING = [[1, 2, 3, 4], [4, 0, 4, 2]]
 """Assignments per iteration: [moe_layer][expert], 10 per layer."""

@@ -6,7 +6,7 @@ waits. ``all_gather_object`` takes two collectives (sizes, then data); an
 :class:`Exchanger` takes one ``all_gather`` of a fixed-size byte tensor. The size is
 learned on the first call (through ``all_gather_object``) and grown, with one more
 round, whenever a value no longer fits. Both run on the host, on the metadata group
-(:func:`deepspeed_ext.groups.metadata_group`, gloo): the training's device group is
+(:func:`deepspeed_ext.runtime.groups.metadata_group`, gloo): the training's device group is
 never handed these CPU bytes, and an exchange does not wait for the device.
 
 Values are pickled: they travel between the processes of one job, in memory, never
@@ -20,7 +20,7 @@ from typing import Any, List, Optional
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext.groups import metadata_group
+from deepspeed_ext.runtime.groups import metadata_group
 
 _LENGTH = struct.Struct("<q")  # pickled length; -1: did not fit
 

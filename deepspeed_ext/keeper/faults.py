@@ -2,8 +2,8 @@
 
 Tests and demos (``--moc-fault persist-crash@N``) make a node's keeper die while it
 persists a snapshot. The trainer's fault injector (``megatron.training.faults``) arms
-it; the keeper is a separate process (``python -m deepspeed_ext.keeper``) that inherits
-the environment of the rank that starts it, so the arming is a documented environment
+it; the keeper is a separate process (:mod:`deepspeed_ext.keeper.bootstrap` starts it)
+that inherits the environment of the rank that starts it, so the arming is a documented environment
 spec rather than an import of the trainer:
 
 - :data:`PERSIST_CRASH_ENV` (``MOC_FAULT_CRASH_PERSIST_STEP``): SIGKILL while persisting

@@ -4,8 +4,9 @@ import random
 
 import pytest
 
-from deepspeed_ext.pec import ExpertLayout, SequentialPolicy
-from deepspeed_ext.plan import Piece, WritePlan, build_write_plan, parse_chunk_key, split_piece
+from deepspeed_ext.policy.pec import ExpertLayout, SequentialPolicy
+from deepspeed_ext.policy.plan import (Piece, WritePlan, build_write_plan, parse_chunk_key,
+                                       split_piece)
 
 ALL4 = (0, 1, 2, 3)
 

@@ -1,8 +1,8 @@
 """Exact recovery, planning half: sparse snapshots over a window of ``W`` iterations.
 
 After MoEtion (DESIGN section 3). The operators of one rank (experts, dense blocks, gates)
-are put in a snapshot order (:func:`order_operators`) and cut into ``W`` consecutive
-groups (:func:`build_schedule`). A window covers iterations ``s .. s+W-1``; at position
+are put in a snapshot order (:func:`deepspeed_ext.policy.operators.order_operators`) and
+cut into ``W`` consecutive groups (:func:`build_schedule`). A window covers iterations ``s .. s+W-1``; at position
 ``t`` (iteration ``s+t``):
 
 * group ``t`` is snapshotted *active*: fp32 master weights and optimizer moments;
@@ -36,142 +36,18 @@ Use, on every rank with the same inputs (everything here is deterministic)::
 This module is pure: no torch, no torch.distributed, no file I/O.
 """
 
-import operator as _op
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import List, Mapping, Optional, Sequence, Tuple
 
-ExpertId = Tuple[int, int]
-"""``(moe_layer_index, global_expert_index)``, as in :mod:`deepspeed_ext.pec`."""
+from deepspeed_ext.policy.operators import Operator, check_count, index_operators, is_int
 
 WINDOW_FLAG = "--moc-window"
-KINDS = ("expert", "dense", "gate")
-
-
-def _is_int(value) -> bool:
-    # bool is an int subclass; True as a byte count or window would pass silently.
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_count(value, what: str, minimum: int = 0) -> int:
-    if not _is_int(value) or value < minimum:
-        raise ValueError(f"{what} must be an int >= {minimum}, got {value!r}")
-    return value
-
-
-# --- operators ------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Operator:
-    """One unit of model state that is snapshotted as a whole.
-
-    Attributes:
-        name: unique name of the operator (on this rank).
-        kind: ``"expert"``, ``"dense"`` or ``"gate"``.
-        expert: ``(moe_layer, global_expert)`` for an expert, ``None`` otherwise.
-        active_bytes: bytes of its fp32 master weights plus optimizer moments (an
-            *active* snapshot copies these).
-        frozen_bytes: bytes of its low-precision compute weights (a *frozen* snapshot
-            copies these).
-    """
-
-    name: str
-    kind: str
-    expert: Optional[ExpertId]
-    active_bytes: int
-    frozen_bytes: int
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"Operator.name must be a non-empty str, got {self.name!r}")
-        if self.kind not in KINDS:
-            raise ValueError(f"Operator {self.name!r}: kind must be one of {KINDS}, "
-                             f"got {self.kind!r}")
-        for field in ("active_bytes", "frozen_bytes"):
-            _check_count(getattr(self, field), f"Operator {self.name!r}: {field}")
-        # An expert without an id could not be ranked by popularity; a dense block with one
-        # would be ranked like an expert and leave the fixed non-expert prefix.
-        if (self.kind == "expert") != (self.expert is not None):
-            raise ValueError(f"Operator {self.name!r}: expert must be set iff kind is "
-                             f"'expert' (kind {self.kind!r}, expert {self.expert!r})")
-        if self.expert is not None:
-            object.__setattr__(self, "expert", _check_expert_id(self.expert, self.name))
-
-
-def _check_expert_id(expert_id, owner: str) -> ExpertId:
-    try:
-        layer, expert = (_op.index(x) for x in expert_id)
-    except (TypeError, ValueError):
-        raise ValueError(f"{owner}: expert id {expert_id!r} is not a (moe_layer, expert) "
-                         f"pair of ints") from None
-    if layer < 0 or expert < 0:
-        raise ValueError(f"{owner}: expert id {expert_id!r} is negative")
-    return layer, expert
-
-
-def index_operators(operators: Iterable[Operator]) -> Dict[str, Operator]:
-    """``name -> operator``; the ``operators_by_name`` argument of the byte helpers.
-
-    Raises:
-        ValueError: two operators share a name (their snapshots would overwrite each other).
-    """
-    by_name: Dict[str, Operator] = {}
-    for op in operators:
-        if op.name in by_name:
-            raise ValueError(f"duplicate operator name {op.name!r}")
-        by_name[op.name] = op
-    return by_name
-
-
-def _check_popularity(popularity: Mapping[ExpertId, int],
-                      experts: Iterable[ExpertId]) -> Dict[ExpertId, int]:
-    known = set(experts)
-    counts = {}
-    for key, count in popularity.items():
-        expert_id = _check_expert_id(key, "popularity")
-        # A count for an expert this rank does not hold means the caller mixed up layouts.
-        if expert_id not in known:
-            raise ValueError(f"popularity names expert {expert_id} that no operator holds")
-        counts[expert_id] = _check_count(count, f"popularity of expert {expert_id}")
-    return counts
-
-
-def order_operators(operators: Iterable[Operator],
-                    popularity: Mapping[ExpertId, int]) -> List[Operator]:
-    """The snapshot order: non-expert operators first, then experts least popular first.
-
-    Non-expert operators (dense blocks, gates) come first, sorted by name. They are
-    updated every iteration whatever the routing, so popularity says nothing about them;
-    and an operator in group ``g`` is snapshotted frozen at the ``g`` earlier positions of
-    every window, so putting the (usually large) non-expert operators in the first
-    group keeps their compute weights out of every frozen snapshot.
-
-    Experts follow, least popular first (MoEtion's order), ties by ``(moe_layer,
-    expert)``, then by name (an expert may be split into several operators).
-
-    Args:
-        operators: this rank's operators, in any order.
-        popularity: ``(moe_layer, expert) -> tokens`` routed to it over a recent period;
-            experts missing from it count as 0.
-
-    Returns:
-        The operators in snapshot order; the same for the same inputs in any order.
-
-    Raises:
-        ValueError: duplicate operator names, or ``popularity`` has a negative or
-            non-integer count or an expert that no operator holds.
-    """
-    ops = list(index_operators(operators).values())
-    counts = _check_popularity(popularity, (op.expert for op in ops if op.expert is not None))
-    fixed = sorted((op for op in ops if op.expert is None), key=lambda op: op.name)
-    experts = sorted((op for op in ops if op.expert is not None),
-                     key=lambda op: (counts.get(op.expert, 0), op.expert, op.name))
-    return fixed + experts
 
 
 # --- schedule -------------------------------------------------------------------------------
 
 def _check_window(window, num_operators: int) -> int:
-    if not _is_int(window) or not 1 <= window <= num_operators:
+    if not is_int(window) or not 1 <= window <= num_operators:
         raise ValueError(f"{WINDOW_FLAG} must be an int in [1, {num_operators}] (one or more "
                          f"operators per iteration's active snapshot), got {window!r}")
     return window
@@ -191,7 +67,7 @@ class Schedule:
     groups: Tuple[Tuple[str, ...], ...]
 
     def __post_init__(self) -> None:
-        if not _is_int(self.window) or self.window < 1:
+        if not is_int(self.window) or self.window < 1:
             raise ValueError(f"{WINDOW_FLAG} must be a positive int, got {self.window!r}")
         if len(self.groups) != self.window:
             raise ValueError(f"Schedule has {len(self.groups)} groups for a window of "
@@ -265,7 +141,8 @@ def build_schedule(ordered: Sequence[Operator], window: int) -> Schedule:
     deterministic function of the order and ``window``.
 
     Args:
-        ordered: operators in snapshot order (:func:`order_operators`).
+        ordered: operators in snapshot order
+            (:func:`~deepspeed_ext.policy.operators.order_operators`).
         window: ``W`` (``--moc-window``), ``1..len(ordered)``.
 
     Raises:
@@ -298,7 +175,7 @@ class IterationSnapshot:
 
 
 def _check_position(schedule: Schedule, t) -> int:
-    if not _is_int(t) or not 0 <= t < schedule.window:
+    if not is_int(t) or not 0 <= t < schedule.window:
         raise ValueError(f"window position must be an int in [0, {schedule.window}), got {t!r}")
     return t
 
@@ -484,61 +361,6 @@ def choose_window_for_failures(ordered: Sequence[Operator], copy_bytes_per_s: fl
     return best
 
 
-# --- re-ordering ----------------------------------------------------------------------------
-
-def _sort_counting(values: List[int]) -> Tuple[List[int], int]:
-    """``values`` sorted, and its pairs ``i < j`` with ``values[i] > values[j]`` (merge sort)."""
-    if len(values) < 2:
-        return list(values), 0
-    mid = len(values) // 2
-    left, left_count = _sort_counting(values[:mid])
-    right, right_count = _sort_counting(values[mid:])
-    merged, count, i = [], left_count + right_count, 0
-    for value in right:
-        while i < len(left) and left[i] < value:
-            merged.append(left[i])
-            i += 1
-        count += len(left) - i  # every left value still unmerged is larger than ``value``
-        merged.append(value)
-    return merged + left[i:], count
-
-
-def popularity_shift(old_order: Sequence[str], new_order: Sequence[str]) -> float:
-    """How far a new snapshot order is from the old one: normalised Kendall-tau distance.
-
-    The fraction of operator pairs whose relative order differs: 0.0 for the same order,
-    1.0 for the reverse.
-
-    Raises:
-        ValueError: the two orders are not permutations of the same unique names.
-    """
-    if len(set(old_order)) != len(old_order) or sorted(old_order) != sorted(new_order):
-        raise ValueError("popularity_shift needs two orders of the same unique operator names")
-    n = len(old_order)
-    if n < 2:
-        return 0.0
-    rank = {name: i for i, name in enumerate(old_order)}
-    _, inversions = _sort_counting([rank[name] for name in new_order])
-    return inversions / (n * (n - 1) // 2)
-
-
-def should_reorder(shift: float, threshold: float) -> bool:
-    """Whether to adopt the new order: ``shift > threshold``.
-
-    The new order (and its :class:`Schedule`) may only take effect at a window boundary:
-    every snapshot of one window must follow one schedule, and recovery must replay a
-    window with the schedule its snapshots were taken under.
-
-    Raises:
-        ValueError: ``shift`` or ``threshold`` is not in ``[0, 1]``.
-    """
-    for what, value in (("shift", shift), ("reorder threshold", threshold)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or not 0.0 <= value <= 1.0:
-            raise ValueError(f"{what} must be a number in [0, 1], got {value!r}")
-    return shift > threshold
-
-
 # --- recovery -------------------------------------------------------------------------------
 
 def last_complete_window(window: int, first_window_start: int,
@@ -558,10 +380,10 @@ def last_complete_window(window: int, first_window_start: int,
         ValueError: ``window`` is not a positive int (named as ``--moc-window``), or an
             iteration is negative.
     """
-    if not _is_int(window) or window < 1:
+    if not is_int(window) or window < 1:
         raise ValueError(f"{WINDOW_FLAG} must be a positive int, got {window!r}")
-    _check_count(first_window_start, "first_window_start")
-    _check_count(failure_iteration, "failure_iteration")
+    check_count(first_window_start, "first_window_start")
+    check_count(failure_iteration, "failure_iteration")
     complete = (failure_iteration - first_window_start) // window
     if complete < 1:
         return None
@@ -623,11 +445,11 @@ def replay_plan(schedule: Schedule, window_start_iteration: int,
         ValueError: a negative start, or the window did not complete before the failure
             (``window_start_iteration + W > failure_iteration``).
     """
-    start = _check_count(window_start_iteration, "window_start_iteration")
+    start = check_count(window_start_iteration, "window_start_iteration")
     w = schedule.window
     # A window cut short by the failure lacks active snapshots of its last groups: replay
     # would have no exact state to turn them active from.
-    if not _is_int(failure_iteration) or failure_iteration < start + w:
+    if not is_int(failure_iteration) or failure_iteration < start + w:
         raise ValueError(f"window starting at iteration {start} (W={w}) did not complete "
                          f"before failure_iteration {failure_iteration!r}")
     steps = [ReplayStep(iteration=start + j, restored=(j,), stepping=tuple(range(j + 1)),

@@ -24,7 +24,7 @@ from typing import Any, Optional, Union
 
 from deepspeed_ext.jobs import FrameJob, Job, JobRefused, PersistJob, job_from_json
 
-__all__ = ["JobRefused", "check_job", "inside"]  # JobRefused: re-exported, its old home
+__all__ = ["JobRefused", "check_job", "inside"]  # JobRefused: re-exported for the server
 
 
 def inside(path: Any, root: str) -> bool:

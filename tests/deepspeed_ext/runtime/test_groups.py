@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from tests.deepspeed_ext import group_rules
+from tests.deepspeed_ext.runtime import group_rules
 from tests.launch import describe, fresh_python, run_ranks
 from tests.shm import new_shm_dir, stop_keepers
 
@@ -35,7 +35,7 @@ def test_no_project_collective_hands_the_default_group_host_data():
      [("f.<locals>.g", "barrier", 4)]),
     ("from torch.distributed import broadcast_object_list\n",
      [("<import>", "broadcast_object_list", 1)]),
-    ("import torch.distributed as dist\nfrom deepspeed_ext.groups import metadata_group\n"
+    ("import torch.distributed as dist\nfrom deepspeed_ext.runtime.groups import metadata_group\n"
      "def f(t):\n    dist.all_reduce(t, group=metadata_group())\n", []),
 ])
 def test_the_scan_finds_collectives_on_the_default_group(source, expected):
@@ -50,7 +50,7 @@ def test_metadata_group_life_cycle():
     lines = fresh_python("""
 import os, datetime
 import torch, torch.distributed as dist
-from deepspeed_ext import groups
+from deepspeed_ext.runtime import groups
 os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1")
 from tests.launch import free_port
 os.environ["MASTER_PORT"] = str(free_port())
@@ -88,9 +88,9 @@ def test_the_exchanger_runs_on_the_metadata_group(tmp_path):
     lines = fresh_python("""
 import os
 import torch.distributed as dist
-from deepspeed_ext import groups
-from deepspeed_ext.exchange import Exchanger
-from tests.deepspeed_ext import group_rules
+from deepspeed_ext.runtime import groups
+from deepspeed_ext.runtime.exchange import Exchanger
+from tests.deepspeed_ext.runtime import group_rules
 from tests.launch import free_port
 os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", WORLD_SIZE="1", MASTER_PORT=str(free_port()))
 dist.init_process_group("gloo")
@@ -112,7 +112,8 @@ def _guarded(tmp_path, corpus, args, ok=True, nproc=2, timeout=240):
     out.mkdir(exist_ok=True)
     results = run_ranks(nproc, ["--config", "configs/tiny.yaml", "--split", "90,10,0",
                                 "--data-path", corpus] + args,
-                        script="tests/deepspeed_ext/groups_guard_worker.py", timeout=timeout,
+                        script="tests/deepspeed_ext/runtime/groups_guard_worker.py",
+                        timeout=timeout,
                         env={"MOC_GROUP_GUARD_OUT": str(out)})
     if ok:
         assert all(r.returncode == 0 for r in results), describe(results)

@@ -6,12 +6,12 @@ import json
 import pytest
 import torch
 
-from deepspeed_ext.exchange import Exchanger
+from deepspeed_ext.runtime.exchange import Exchanger
 from tests.launch import describe, run_ranks
 
 
 def test_exchange_fast_and_regrown_paths(tmp_path):
-    results = run_ranks(3, [str(tmp_path)], script="tests/deepspeed_ext/exchange_worker.py",
+    results = run_ranks(3, [str(tmp_path)], script="tests/deepspeed_ext/runtime/exchange_worker.py",
                         timeout=120)
     assert all(r.returncode == 0 for r in results), describe(results)
     for rank in range(3):

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Collection, Dict, List, Mapping, Sequence, Tuple
 
 ExpertId = Tuple[int, int]
-"""``(moe_layer_index, global_expert_index)``, as in :mod:`deepspeed_ext.pec`."""
+"""``(moe_layer_index, global_expert_index)``, as in :mod:`deepspeed_ext.policy.pec`."""
 
 HISTORY = 8
 """Saved versions remembered per expert. A load takes one of the newest few: up to three

@@ -18,7 +18,7 @@ from the same piece list without communicating.
 from dataclasses import dataclass, field
 from typing import Collection, Dict, List, Optional, Sequence, Tuple
 
-from deepspeed_ext.pec import ExpertId, partial_parts
+from deepspeed_ext.policy.pec import ExpertId, partial_parts
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class Piece:
         holders: ranks holding identical bytes; a single rank for partitioned (ZeRO) state.
         expert: ``(moe_layer, global_expert)`` for expert state, ``None`` otherwise.
         part: ``"w"`` (weights) or ``"o"`` (optimizer state), see
-            :func:`deepspeed_ext.pec.part_of_kind`; ``""`` when unknown, allowed only
+            :func:`deepspeed_ext.policy.pec.part_of_kind`; ``""`` when unknown, allowed only
             with the scope ``wo`` (both parts are left out alike).
     """
 

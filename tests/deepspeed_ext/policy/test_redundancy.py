@@ -5,11 +5,12 @@ import random
 import pytest
 import torch
 
-from deepspeed_ext.redundancy import (Holdings, RebuildPlan, RedundancySpec, Topology, Transfer,
-                                      check_layout, chunk_size, chunk_span, decode_image,
-                                      encode_parity, extra_bytes, padded_chunk, parity_holder,
-                                      parity_inputs, plan_rebuild, rebuild_transfers,
-                                      replica_sources, replica_targets, stripe_of, xor_into)
+from deepspeed_ext.policy.redundancy import (Holdings, RebuildPlan, RedundancySpec, Topology,
+                                             Transfer, check_layout, chunk_size, chunk_span,
+                                             decode_image, encode_parity, extra_bytes,
+                                             padded_chunk, parity_holder, parity_inputs,
+                                             plan_rebuild, rebuild_transfers, replica_sources,
+                                             replica_targets, stripe_of, xor_into)
 
 
 def _image(rng, size):

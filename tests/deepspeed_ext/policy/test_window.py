@@ -1,4 +1,4 @@
-"""Sparse snapshot windows: operator order, schedules, window choice, re-ordering, replay."""
+"""Sparse snapshot windows: schedules, snapshots per position, window choice, replay."""
 
 import itertools
 import math
@@ -6,40 +6,13 @@ import random
 
 import pytest
 
-from deepspeed_ext.window import (IterationSnapshot, Operator, ReplayStep, Schedule,
-                                  WindowChoice, build_schedule, bytes_at, choose_window,
-                                  index_operators, iteration_bytes, last_complete_window,
-                                  max_bytes_per_iteration, order_operators, popularity_shift,
-                                  replay_plan, should_reorder, snapshot_at, window_host_bytes)
-
-
-def _expert(name, layer, expert, active=12, frozen=2):
-    return Operator(name, "expert", (layer, expert), active, frozen)
-
-
-def _dense(name, active=12, frozen=2, kind="dense"):
-    return Operator(name, kind, None, active, frozen)
-
-
-def _plain(sizes):
-    """Dense operators o0, o1, ... with ``(active_bytes, frozen_bytes)`` from ``sizes``."""
-    return [_dense(f"o{i}", a, f) for i, (a, f) in enumerate(sizes)]
-
-
-def _random_model(seed):
-    """A random rank: a few dense blocks and gates plus experts, and a random popularity."""
-    rng = random.Random(seed)
-    ops = [_dense(f"dense{i}", rng.randrange(0, 500), rng.randrange(0, 100))
-           for i in range(rng.randrange(0, 4))]
-    ops += [_dense(f"gate{i}", rng.randrange(0, 50), rng.randrange(0, 10), kind="gate")
-            for i in range(rng.randrange(0, 3))]
-    layers, experts = rng.randrange(1, 4), rng.randrange(1, 5)
-    ops += [_expert(f"e{layer}.{e}", layer, e, rng.randrange(0, 300), rng.randrange(0, 60))
-            for layer in range(layers) for e in range(experts)]
-    popularity = {(layer, e): rng.randrange(0, 5) for layer in range(layers)
-                  for e in range(experts) if rng.random() < 0.8}
-    rng.shuffle(ops)
-    return ops, popularity
+from deepspeed_ext.policy.operators import Operator, index_operators, order_operators
+from deepspeed_ext.policy.window import (IterationSnapshot, ReplayStep, Schedule, WindowChoice,
+                                         build_schedule, bytes_at, choose_window,
+                                         iteration_bytes, last_complete_window,
+                                         max_bytes_per_iteration, replay_plan, snapshot_at,
+                                         window_host_bytes)
+from tests.deepspeed_ext.policy.operator_cases import dense_op, plain_ops, random_model
 
 
 def _brute_max_bytes(ordered, window):
@@ -51,101 +24,10 @@ def _brute_max_bytes(ordered, window):
                for snap in (snapshot_at(schedule, t) for t in range(window)))
 
 
-# --- operators ------------------------------------------------------------------------------
-
-def test_operator_normalises_expert_id_to_a_tuple_of_ints():
-    op = Operator("e", "expert", [1, 2], 10, 3)
-    assert op.expert == (1, 2) and isinstance(op.expert, tuple)
-    assert _dense("d").expert is None
-
-
-@pytest.mark.parametrize("kwargs, match", [
-    ({"name": ""}, "name"),
-    ({"name": 3}, "name"),
-    ({"kind": "router"}, "kind"),
-    ({"active_bytes": -1}, "active_bytes"),
-    ({"active_bytes": 1.5}, "active_bytes"),
-    ({"frozen_bytes": True}, "frozen_bytes"),
-    ({"frozen_bytes": -2}, "frozen_bytes"),
-    ({"expert": None}, "expert must be set"),
-    ({"kind": "dense"}, "expert must be set"),
-    ({"kind": "gate"}, "expert must be set"),
-    ({"expert": (1,)}, "not a .moe_layer, expert. pair"),
-    ({"expert": "ab"}, "not a .moe_layer, expert. pair"),
-    ({"expert": (0, -1)}, "negative"),
-])
-def test_operator_rejects_bad_fields_by_name(kwargs, match):
-    fields = {"name": "e", "kind": "expert", "expert": (0, 0), "active_bytes": 1,
-              "frozen_bytes": 1, **kwargs}
-    with pytest.raises(ValueError, match=match):
-        Operator(**fields)
-
-
-def test_index_operators_maps_names_and_rejects_duplicates():
-    a, b = _dense("a"), _dense("b")
-    assert index_operators([b, a]) == {"a": a, "b": b}
-    with pytest.raises(ValueError, match="duplicate operator name 'a'"):
-        index_operators([a, b, _dense("a", 1, 1)])
-
-
-# --- order ----------------------------------------------------------------------------------
-
-def _small_model():
-    return [_expert("e0.0", 0, 0), _expert("e0.1", 0, 1), _dense("b_attn"),
-            _expert("e1.0", 1, 0), _dense("a_gate", kind="gate"), _expert("e1.1", 1, 1)]
-
-
-def test_order_non_expert_by_name_then_experts_least_popular_first():
-    popularity = {(0, 0): 5, (0, 1): 1, (1, 1): 1}            # (1, 0) missing: counts as 0
-    names = [op.name for op in order_operators(_small_model(), popularity)]
-    assert names == ["a_gate", "b_attn", "e1.0", "e0.1", "e1.1", "e0.0"]
-
-
-def test_order_without_popularity_is_by_layer_then_expert():
-    names = [op.name for op in order_operators(_small_model(), {})]
-    assert names == ["a_gate", "b_attn", "e0.0", "e0.1", "e1.0", "e1.1"]
-
-
-def test_order_ties_within_one_expert_by_name():
-    ops = [_expert("e0.0.w2", 0, 0), _expert("e0.1", 0, 1), _expert("e0.0.w1", 0, 0)]
-    names = [op.name for op in order_operators(ops, {(0, 0): 2, (0, 1): 3})]
-    assert names == ["e0.0.w1", "e0.0.w2", "e0.1"]
-
-
-@pytest.mark.parametrize("seed", range(5))
-def test_order_is_the_same_for_any_input_order(seed):
-    ops, popularity = _random_model(seed)
-    expected = order_operators(ops, popularity)
-    rng = random.Random(seed)
-    for _ in range(5):
-        shuffled = list(ops)
-        rng.shuffle(shuffled)
-        items = list(popularity.items())
-        rng.shuffle(items)
-        assert order_operators(shuffled, dict(items)) == expected
-    assert sorted(op.name for op in expected) == sorted(op.name for op in ops)
-
-
-@pytest.mark.parametrize("popularity, match", [
-    ({(2, 0): 1}, r"expert \(2, 0\) that no operator holds"),
-    ({(0, 0): -1}, r"popularity of expert \(0, 0\)"),
-    ({(0, 0): 1.5}, r"popularity of expert \(0, 0\)"),
-    ({"x": 1}, "not a .moe_layer, expert. pair"),
-])
-def test_order_rejects_bad_popularity(popularity, match):
-    with pytest.raises(ValueError, match=match):
-        order_operators(_small_model(), popularity)
-
-
-def test_order_rejects_duplicate_names():
-    with pytest.raises(ValueError, match="duplicate operator name 'e0.0'"):
-        order_operators(_small_model() + [_expert("e0.0", 3, 3)], {})
-
-
 # --- schedule -------------------------------------------------------------------------------
 
 def test_build_schedule_minimises_the_largest_group_hand_case():
-    ops = _plain([(4, 0), (1, 0), (1, 0), (1, 0), (3, 0), (2, 0)])
+    ops = plain_ops([(4, 0), (1, 0), (1, 0), (1, 0), (3, 0), (2, 0)])
     # Largest group 5 is optimal: 4 needs a group of its own plus [1,1,1,3,2] in two.
     assert build_schedule(ops, 3).groups == (("o0", "o1"), ("o2", "o3", "o4"), ("o5",))
     assert build_schedule(ops, 1).groups == (tuple(f"o{i}" for i in range(6)),)
@@ -153,24 +35,24 @@ def test_build_schedule_minimises_the_largest_group_hand_case():
 
 
 def test_build_schedule_keeps_every_group_non_empty_with_zero_bytes():
-    ops = _plain([(0, 0), (0, 0), (0, 0), (0, 0)])
+    ops = plain_ops([(0, 0), (0, 0), (0, 0), (0, 0)])
     assert build_schedule(ops, 3).groups == (("o0", "o1"), ("o2",), ("o3",))
 
 
 def test_build_schedule_opens_trailing_groups_when_items_run_out():
-    ops = _plain([(5, 0), (5, 0), (5, 0), (5, 0)])
+    ops = plain_ops([(5, 0), (5, 0), (5, 0), (5, 0)])
     assert build_schedule(ops, 3).groups == (("o0", "o1"), ("o2",), ("o3",))
 
 
 @pytest.mark.parametrize("window", [0, 5, -1, 2.0, True, None])
 def test_build_schedule_rejects_bad_window_naming_the_flag(window):
     with pytest.raises(ValueError, match="--moc-window"):
-        build_schedule(_plain([(1, 1)] * 4), window)
+        build_schedule(plain_ops([(1, 1)] * 4), window)
 
 
 def test_build_schedule_rejects_duplicate_names():
     with pytest.raises(ValueError, match="duplicate"):
-        build_schedule([_dense("a"), _dense("a")], 1)
+        build_schedule([dense_op("a"), dense_op("a")], 1)
 
 
 def _best_split(sizes, window):
@@ -184,7 +66,7 @@ def _best_split(sizes, window):
 
 @pytest.mark.parametrize("seed", range(8))
 def test_build_schedule_is_an_optimal_partition_of_the_order(seed):
-    ops, popularity = _random_model(seed)
+    ops, popularity = random_model(seed)
     ordered = order_operators(ops, popularity)[:9]
     by_name = index_operators(ordered)
     sizes = [op.active_bytes for op in ordered]
@@ -219,7 +101,7 @@ def test_schedule_group_of():
 
 SIZES = {"a": (10, 2), "b": (8, 1), "c": (6, 1), "d": (4, 5)}
 HAND = Schedule(window=3, groups=(("a",), ("b", "c"), ("d",)))
-HAND_OPS = {name: _dense(name, a, f) for name, (a, f) in SIZES.items()}
+HAND_OPS = {name: dense_op(name, a, f) for name, (a, f) in SIZES.items()}
 
 
 def test_snapshot_at_active_group_and_later_groups_frozen():
@@ -255,7 +137,7 @@ def test_bytes_helpers_reject_missing_operators_and_bad_positions():
 # --- choosing W -----------------------------------------------------------------------------
 
 # Largest snapshot per W: 110, 120, 100, 150 bytes (goes up, then below W=1, then up).
-BUMPY = _plain([(20, 0), (0, 50), (50, 30), (40, 50)])
+BUMPY = plain_ops([(20, 0), (0, 50), (50, 30), (40, 50)])
 
 
 def test_bumpy_case_snapshot_sizes():
@@ -276,7 +158,7 @@ def test_choose_window_none_fits_gives_the_smallest_snapshot():
 
 
 def test_choose_window_plateau_and_ties_prefer_smaller_window():
-    ops = _plain([(100, 10)] * 4)          # largest snapshot per W: 400, 220, 220, 130
+    ops = plain_ops([(100, 10)] * 4)          # largest snapshot per W: 400, 220, 220, 130
     assert choose_window(ops, 100, 2.5) == WindowChoice(2, 2.2, True)
     assert choose_window(ops, 100, 1.5) == WindowChoice(4, 1.3, True)
     assert choose_window(ops, 100, 1.0, max_window=3) == WindowChoice(2, 2.2, False)
@@ -299,7 +181,7 @@ def test_choose_window_rejects_bad_inputs(args, match):
 
 @pytest.mark.parametrize("seed", range(10))
 def test_choose_window_is_the_smallest_fitting_window_by_brute_force(seed):
-    ops, popularity = _random_model(seed)
+    ops, popularity = random_model(seed)
     ordered = order_operators(ops, popularity)
     sizes = {w: _brute_max_bytes(ordered, w) for w in range(1, len(ordered) + 1)}
     rng = random.Random(seed)
@@ -317,53 +199,6 @@ def test_choose_window_is_the_smallest_fitting_window_by_brute_force(seed):
             assert not choice.fits
             assert choice.window == min(w for w, b in sizes.items() if b == best)
         assert choice.snapshot_s == sizes[choice.window] / bandwidth
-
-
-# --- re-ordering ----------------------------------------------------------------------------
-
-def test_popularity_shift_hand_cases():
-    order = ["a", "b", "c", "d"]
-    assert popularity_shift(order, order) == 0.0
-    assert popularity_shift(order, order[::-1]) == 1.0
-    assert popularity_shift(order, ["b", "a", "c", "d"]) == pytest.approx(1 / 6)
-    assert popularity_shift(order, ["d", "a", "b", "c"]) == pytest.approx(3 / 6)
-    assert popularity_shift(["a"], ["a"]) == 0.0
-    assert popularity_shift([], []) == 0.0
-
-
-@pytest.mark.parametrize("seed", range(5))
-def test_popularity_shift_is_the_fraction_of_discordant_pairs(seed):
-    rng = random.Random(seed)
-    old = [f"n{i}" for i in range(rng.randrange(2, 40))]
-    new = rng.sample(old, len(old))
-    pos = {name: i for i, name in enumerate(new)}
-    discordant = sum(pos[x] > pos[y] for x, y in itertools.combinations(old, 2))
-    pairs = len(old) * (len(old) - 1) / 2
-    assert popularity_shift(old, new) == pytest.approx(discordant / pairs)
-    assert popularity_shift(new, old) == pytest.approx(discordant / pairs)
-
-
-@pytest.mark.parametrize("old, new", [(["a", "b"], ["a", "c"]), (["a", "b"], ["a"]),
-                                      (["a", "a"], ["a", "a"])])
-def test_popularity_shift_needs_the_same_unique_names(old, new):
-    with pytest.raises(ValueError, match="same unique operator names"):
-        popularity_shift(old, new)
-
-
-def test_should_reorder_only_above_the_threshold():
-    assert should_reorder(0.2, 0.1) is True
-    assert should_reorder(0.1, 0.1) is False
-    assert should_reorder(0.0, 0.0) is False
-    assert should_reorder(1.0, 0.99) is True
-
-
-@pytest.mark.parametrize("shift, threshold, match", [
-    (0.5, 1.5, "reorder threshold"), (0.5, -0.1, "reorder threshold"),
-    (0.5, float("nan"), "reorder threshold"), (1.2, 0.5, "shift"), (0.5, None, "threshold"),
-])
-def test_should_reorder_rejects_out_of_range(shift, threshold, match):
-    with pytest.raises(ValueError, match=match):
-        should_reorder(shift, threshold)
 
 
 # --- recovery -------------------------------------------------------------------------------
@@ -437,7 +272,7 @@ def test_replay_plan_rejects_incomplete_windows(start, failure, match):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_every_operator_in_exactly_one_group_for_every_window(seed):
-    ops, popularity = _random_model(seed)
+    ops, popularity = random_model(seed)
     ordered = order_operators(ops, popularity)
     by_name = index_operators(ordered)
     for window in range(1, len(ordered) + 1):
@@ -455,7 +290,7 @@ def test_every_operator_in_exactly_one_group_for_every_window(seed):
 
 
 def test_choose_window_for_failures_balances_frame_cost_and_replay():
-    from deepspeed_ext.window import choose_window_for_failures
+    from deepspeed_ext.policy.window import choose_window_for_failures
     # 12 equal experts of 100 active bytes, no frozen bytes: W groups of 12/W experts.
     ops = [Operator(f"e{i}", "expert", (0, i), 100, 0) for i in range(12)]
     # CPU (nothing hidden), 100 bytes/s, 1 s iterations: the largest of W balanced groups

@@ -1,4 +1,4 @@
-"""The rule of ``deepspeed_ext.groups``, checked two ways by ``test_groups.py``: the
+"""The rule of ``deepspeed_ext.runtime.groups``, checked two ways by ``test_groups.py``: the
 project's code hands no CPU tensor or Python object to the training's device group.
 
 * :func:`scan` reads the sources: every ``torch.distributed`` collective called by the
@@ -7,7 +7,7 @@ project's code hands no CPU tensor or Python object to the training's device gro
 * :func:`install_guard` wraps ``torch.distributed``'s collectives in a running job and
   records every call from the project's code that runs on the default group (no
   ``group``, None or ``dist.group.WORLD``) outside :data:`DEFAULT_GROUP_CALLS`. With
-  ``deepspeed_ext.groups.separate_on_gloo`` set, the metadata group is a group of its
+  ``deepspeed_ext.runtime.groups.separate_on_gloo`` set, the metadata group is a group of its
   own on CPU too, as on an NCCL job, so the two can be told apart.
 """
 
@@ -16,7 +16,8 @@ import os
 import sys
 from typing import Dict, List, Optional, Tuple
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
 
 PROJECT = ("deepspeed_ext", "megatron", "benchmarks", "tools", "pretrain_gpt_moe.py")
 """The project's code (paths relative to the repository); tests are not."""
@@ -41,9 +42,9 @@ DEFAULT_GROUP_CALLS: Dict[Tuple[str, str, str], Tuple[int, str]] = {
     ("megatron/data/gpt_dataset.py", "_all_ranks_agree", "all_reduce"):
         (1, "on the current CUDA device when the backend is NCCL"),
     # -- the home of the project's groups -----------------------------------------------
-    ("deepspeed_ext/groups.py", "init_metadata_group", "new_group"):
+    ("deepspeed_ext/runtime/groups.py", "init_metadata_group", "new_group"):
         (1, "the metadata group itself (every rank, at known points)"),
-    ("deepspeed_ext/groups.py", "new_host_group", "new_group"):
+    ("deepspeed_ext/runtime/groups.py", "new_host_group", "new_group"):
         (1, "a component's own gloo group (peers.py, two_level_bench's DCP uploads)"),
 }
 """``(path, function's qualified name, collective) -> (calls there, why)``: the call
@@ -136,8 +137,8 @@ def violations(found: Dict[Tuple[str, str, str], List[int]]) -> List[str]:
     for key, lines in sorted(found.items()):
         allowed = DEFAULT_GROUP_CALLS.get(key, (0, ""))[0]
         if len(lines) > allowed:
-            fix = ("make groups in deepspeed_ext.groups" if key[2].startswith("new_")
-                   else "pass group=metadata_group() (deepspeed_ext.groups)")
+            fix = ("make groups in deepspeed_ext.runtime.groups" if key[2].startswith("new_")
+                   else "pass group=metadata_group() (deepspeed_ext.runtime.groups)")
             bad.append(f"{key[0]}:{','.join(map(str, lines))} {key[1]}: dist.{key[2]} on the "
                        f"default group ({len(lines)} call(s), {allowed} allowed): {fix}")
     return bad

@@ -26,6 +26,7 @@ from typing import Callable, Dict, List, Mapping, Optional
 
 import torch
 
+from deepspeed_ext.format import memsum
 from deepspeed_ext.format.image import ImageLayout, fill_image
 
 logger = logging.getLogger(__name__)
@@ -189,12 +190,11 @@ class HostCopier:
         """Background thread: wait for the queued copies (CUDA) or do them (CPU).
 
         Returns:
-            With ``checksum``, the image's memory checksum (:mod:`deepspeed_ext.memsum`):
+            With ``checksum``, the image's memory checksum (:mod:`deepspeed_ext.format.memsum`):
             on CPU computed piece by piece as the copy goes (each piece still in the
             cache: reading the image again cost a second pass over memory), on CUDA over
             the finished image; else None.
         """
-        from deepspeed_ext import memsum
         if event is not None:
             # On the fragments' device: a CUDA call from a thread with no current device
             # would set up a context on GPU 0 for every rank of the node.

@@ -5,11 +5,12 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))))
 
 import torch.distributed as dist  # noqa: E402
 
-from deepspeed_ext.exchange import Exchanger  # noqa: E402
+from deepspeed_ext.runtime.exchange import Exchanger  # noqa: E402
 
 
 def main():

@@ -7,8 +7,8 @@ import shutil
 import pytest
 import torch
 
+from deepspeed_ext.engine.hostcopy import HostCopier, wait_before_step
 from deepspeed_ext.format.image import layout_of
-from deepspeed_ext.hostcopy import HostCopier, wait_before_step
 from deepspeed_ext.snapshot import SlotImage, SnapshotSlots
 from tests.shm import new_shm_dir
 
@@ -120,7 +120,7 @@ def test_the_checksum_taken_during_the_cpu_copy_is_the_images(algorithm, monkeyp
     """The CPU copy hashes each piece as it lands (a second pass over the image cost the
     two cores of this machine several points of iteration time): the value must be the
     checksum of the whole image, padding and empty tensors included."""
-    from deepspeed_ext import memsum
+    from deepspeed_ext.format import memsum
     if algorithm == "xxh3_64" and memsum.xxhash is None:
         pytest.skip("needs xxhash")
     monkeypatch.setattr(memsum, "default_algorithm", lambda: algorithm)

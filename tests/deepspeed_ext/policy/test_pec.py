@@ -6,8 +6,8 @@ from collections import Counter
 
 import pytest
 
-from deepspeed_ext.pec import (ExpertLayout, LoadAwarePolicy, SequentialPolicy, expert_order,
-                               make_policy, per_rank_counts)
+from deepspeed_ext.policy.pec import (ExpertLayout, LoadAwarePolicy, SequentialPolicy,
+                                      expert_order, make_policy, per_rank_counts)
 
 # Paper Fig. 4: 3 EP ranks, MoE layers 1, 3, 5, 7 of the model (0..3 here), one expert per rank.
 FIG4 = ExpertLayout(num_moe_layers=4, num_experts=3, ep_size=3)
@@ -287,7 +287,7 @@ def test_load_state_dict_rejects_missing_keys():
 
 
 def test_parts_and_scopes():
-    from deepspeed_ext.pec import check_scope, part_of_kind, partial_parts
+    from deepspeed_ext.policy.pec import check_scope, part_of_kind, partial_parts
     assert [part_of_kind(k) for k in ("fp32", "exp_avg", "exp_avg_sq")] == ["w", "o", "o"]
     assert partial_parts("wo") == ("w", "o")
     assert partial_parts("w") == ("w",) and partial_parts("o") == ("o",)

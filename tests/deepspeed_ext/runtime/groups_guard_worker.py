@@ -8,17 +8,18 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))))
 
-from tests.deepspeed_ext import group_rules  # noqa: E402
+from tests.deepspeed_ext.runtime import group_rules  # noqa: E402
 
 
 def main() -> int:
     out, rank = os.environ["MOC_GROUP_GUARD_OUT"], os.environ["RANK"]
     try:
-        from deepspeed_ext import groups
+        from deepspeed_ext.runtime import groups
         groups.separate_on_gloo = True  # as on NCCL: the default group is the device's
-    except ImportError:  # a tree from before deepspeed_ext.groups: everything is default
+    except ImportError:  # a tree from before deepspeed_ext.runtime.groups: everything is default
         pass
     seen = {"own_group": 0}
 

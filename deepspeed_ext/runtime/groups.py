@@ -13,7 +13,7 @@ An NCCL group has no CPU backend: ``all_reduce`` of a CPU tensor on it raises, a
 bytes to the current CUDA device and back (a device round trip, and a wrong or unset
 current device hangs or fails). So MoC's code never hands a CPU tensor or an object to
 the default group; it passes ``group=metadata_group()`` to every such collective
-(``tests/deepspeed_ext/test_groups.py`` fails on a call site that does not).
+(``tests/deepspeed_ext/runtime/test_groups.py`` fails on a call site that does not).
 
 Creating a group is itself a collective: every rank of the world must create the same
 groups in the same order. So the metadata group is never made on first use (a rank
@@ -47,7 +47,7 @@ _metadata = None
 separate_on_gloo = False
 """Tests only: make a separate gloo group even when the default group is gloo, as on an
 NCCL job, so that a collective handed the default group can be told apart from one on
-the metadata group on CPU (``tests/deepspeed_ext/test_groups.py``). Set before the
+the metadata group on CPU (``tests/deepspeed_ext/runtime/test_groups.py``). Set before the
 first :func:`init_metadata_group`."""
 
 
@@ -108,7 +108,7 @@ def metadata_group():
     if world is not None and not _needs_own_group():
         return world
     raise RuntimeError("MoC's metadata process group does not exist: every rank must call "
-                       "deepspeed_ext.groups.init_metadata_group() at the same point after "
+                       "deepspeed_ext.runtime.groups.init_metadata_group() at the same point after "
                        "init_process_group (MoCCheckpointer and ExactSnapshots do)")
 
 
