@@ -300,15 +300,27 @@ def write_bytes(url: str, data) -> None:
             except OSError:
                 pass
             raise
-        _fsync_local_dir(os.path.dirname(p) or ".")
+        fsync_dir(os.path.dirname(p) or ".")
         return
     _write_chunks(fs, p, view)
 
 
-def _fsync_local_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def fsync_dir(path: str) -> None:
+    """fsync a directory so that renames and new entries in it survive a power loss.
+
+    Without it a crash right after ``os.replace`` can bring back the old directory
+    entry (or none), even though the file's data itself was fsynced.
+    """
+    if is_url(path):  # object stores have no directory entries to sync
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # e.g. a platform that cannot open directories: nothing to sync
+        return
     try:
         os.fsync(fd)
+    except OSError:  # some network file systems refuse fsync on directories
+        pass
     finally:
         os.close(fd)
 

@@ -133,26 +133,6 @@ class FileRecord:
 
 # --------------------------------------------------------------------- atomic writes
 
-def fsync_dir(path: str) -> None:
-    """fsync a directory so that renames and new entries in it survive a power loss.
-
-    Without it a crash right after ``os.replace`` can bring back the old directory
-    entry (or none), even though the file's data itself was fsynced.
-    """
-    if fs.is_url(path):  # object stores have no directory entries to sync
-        return
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # e.g. a platform that cannot open directories: nothing to sync
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some network file systems refuse fsync on directories
-        pass
-    finally:
-        os.close(fd)
-
-
 def ensure_dir(path: str) -> None:
     """Create ``path`` (and parents) if missing, and make the new entry durable.
 
@@ -166,7 +146,7 @@ def ensure_dir(path: str) -> None:
     os.makedirs(path, exist_ok=True)
     # The new directory's entry lives in its parent: sync it, or a crash may lose the
     # directory together with every fsynced file inside it.
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    fs.fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def _tmp_path(path: str) -> str:
@@ -176,7 +156,7 @@ def _tmp_path(path: str) -> str:
 def _publish(tmp: str, path: str) -> None:
     """Rename a fully written, fsynced temp file over ``path`` and sync the directory."""
     os.replace(tmp, path)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    fs.fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def atomic_write_bytes(path: str, data: bytes, durable: bool = True) -> FileRecord:

@@ -17,7 +17,7 @@ from deepspeed_ext.jobs import FrameJob, Job, PersistJob, job_from_json
 from deepspeed_ext.keeper import commits
 from deepspeed_ext.keeper.faults import crash_in_persist_if_due
 from deepspeed_ext.keeper.log import default_log, logger
-from deepspeed_ext.format import memsum
+from deepspeed_ext.format import fs, memsum
 
 HANG_PERSIST_ENV = "MOC_FAULT_HANG_PERSIST_STEP"
 """Fault injection: a persist of this step or a later one stops after writing a rank's
@@ -100,7 +100,7 @@ def persist_frame(job: FrameJob) -> None:
         os.makedirs(frame_dir, exist_ok=True)
         # The new frame directory's own entry: without this fsync a power cut could lose
         # the directory with the durably written files in it.
-        _fsync_dir(os.path.dirname(frame_dir))
+        fs.fsync_dir(os.path.dirname(frame_dir))
     _write_durably(job.dst_data, data)
     _write_durably(job.dst_marker, marker)
     try:
@@ -125,15 +125,7 @@ def _write_durably(path: str, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(os.path.dirname(path))
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fs.fsync_dir(os.path.dirname(path))
 
 
 def run_persist_job(job: Union[Job, Dict[str, Any]], log: Optional[Callable[[str], None]] = None,

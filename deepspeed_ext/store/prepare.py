@@ -10,7 +10,8 @@ from deepspeed_ext.format import fs
 from deepspeed_ext.format.errors import CheckpointError
 from deepspeed_ext.format.manifest import MANIFEST_FILE, read_manifest
 from deepspeed_ext.format.naming import LATEST_FILE, check_tag
-from deepspeed_ext.format.storage import ensure_dir, fsync_dir
+from deepspeed_ext.format.fs import fsync_dir
+from deepspeed_ext.format.storage import ensure_dir
 from deepspeed_ext.store.catalog import scan_checkpoints
 from deepspeed_ext.store.claims import claim_dir
 from deepspeed_ext.store.latest import read_latest, update_latest

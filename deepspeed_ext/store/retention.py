@@ -10,7 +10,7 @@ from deepspeed_ext.format import fs
 from deepspeed_ext.format.errors import CheckpointError
 from deepspeed_ext.format.manifest import MANIFEST_FILE
 from deepspeed_ext.format.naming import check_tag
-from deepspeed_ext.format.storage import fsync_dir
+from deepspeed_ext.format.fs import fsync_dir
 from deepspeed_ext.store.catalog import referenced_tags, scan_checkpoints
 from deepspeed_ext.store.latest import later_attempt_started, read_latest
 from deepspeed_ext.store.locking import locked_dir
