@@ -14,8 +14,8 @@ and its host copies), then the rest of the package (the checkpointer, snapshots,
 keeper, exact recovery's frames, planning, the command line).
 """
 
-import ast
 import fnmatch
+import importlib.util
 import os
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
@@ -36,61 +36,23 @@ whose patterns it matches. A module may import modules of its own layer and of l
 ones."""
 
 
-def module_files(root: str, package: str = PACKAGE) -> Dict[str, str]:
-    """Dotted module name -> source path of every module of ``package`` under ``root``."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(os.path.join(root, package)):
-        dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
-        for name in sorted(filenames):
-            if not name.endswith(".py"):
-                continue
-            rel = os.path.relpath(os.path.join(dirpath, name), root)[:-3].split(os.sep)
-            if rel[-1] == "__init__":
-                rel = rel[:-1]
-            out[".".join(rel)] = os.path.join(dirpath, name)
-    return out
-
-
-def _resolve(name: str, modules: Set[str]) -> Optional[str]:
-    """The module ``name`` stands for (a module, or the package holding a name)."""
-    while name and name not in modules:
-        name = name.rpartition(".")[0]
-    return name or None
-
-
-def imports_of(path: str, module: str, modules: Set[str]) -> Set[str]:
-    """Modules of ``modules`` that ``module`` (source ``path``) imports, at any level."""
-    tree = ast.parse(open(path, encoding="utf-8").read(), path)
-    is_package = os.path.basename(path) == "__init__.py"
-    found = set()
-    for node in ast.walk(tree):
-        names: List[str] = []
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = module.split(".")
-                parts = parts if is_package else parts[:-1]
-                parts = parts[:len(parts) - (node.level - 1)]
-                base = ".".join(parts + ([base] if base else []))
-            # `from pkg import sub` imports the submodule; `from mod import name` the module
-            subs = [f"{base}.{alias.name}" for alias in node.names]
-            names = [n for n in subs if n in modules]
-            if len(names) < len(subs):
-                names.append(base)
-        for name in names:
-            target = _resolve(name, modules)
-            if target is not None and target != module:
-                found.add(target)
-    return found
+def _import_reader():
+    """``docs/make_architecture.py``, which reads the package's imports for the picture:
+    the layering rules here and the picture read the same graph."""
+    spec = importlib.util.spec_from_file_location(
+        "make_architecture", os.path.join(REPO, "docs", "make_architecture.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def import_graph(root: str = REPO) -> Dict[str, Set[str]]:
-    """Module -> the package's modules it imports."""
-    files = module_files(root)
-    modules = set(files)
-    return {m: imports_of(p, m, modules) for m, p in files.items()}
+    """Module -> the package's modules it imports (at module level or in a function)."""
+    modules, edges = _import_reader().import_edges(root)
+    graph: Dict[str, Set[str]] = {m: set() for m in modules}
+    for edge in edges:
+        graph[edge.source].add(edge.target)
+    return graph
 
 
 def cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
