@@ -56,9 +56,11 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_ext.engine.rng import get_rng_state
+from deepspeed_ext.format.storage import ensure_dir
 from deepspeed_ext.jobs import FrameJob
 from deepspeed_ext.policy import operators
 from deepspeed_ext.policy import window as win
+from deepspeed_ext.private_dir import make_private_dir
 from deepspeed_ext.runtime.groups import init_metadata_group, metadata_group
 from deepspeed_ext.runtime.log import log_line, rank_zero_lines
 
@@ -609,10 +611,10 @@ class ExactSnapshots:
         copy_s = time.perf_counter() - t0
         root = self.node_dir if self.node_dir and not self.keeper_error else self.save_dir
         probe = os.path.join(root, EXACT_DIR, f"probe{self.rank:05d}.safetensors")
-        os.makedirs(os.path.dirname(probe), exist_ok=True)
+        self._make_frame_parent(os.path.dirname(probe), in_memory=root != self.save_dir)
         t0 = time.perf_counter()
         try:
-            write_fragment_file(probe, copies)
+            write_fragment_file(probe, copies, make_parent=False)
         finally:
             write_s = time.perf_counter() - t0
             try:
@@ -805,19 +807,20 @@ class ExactSnapshots:
 
     def _write_frame(self, frame: int, record: Dict[str, Any], copy: Future) -> None:
         """Background thread, after the copy: the frame file, then its marker."""
-        from deepspeed_ext.format.storage import atomic_write_json, ensure_dir, write_fragment_file
+        from deepspeed_ext.format.storage import atomic_write_json, write_fragment_file
         try:
             copies = dict(copy.result())
             copies.update(record.pop("_object_tensors"))
             # Memory first, when the node has a keeper: it survives this process and
             # the keeper copies it to storage; else storage directly.
             root = self.save_dir if self.keeper_error or not self.node_dir else self.node_dir
-            ensure_dir(frame_dir(root, frame))
-            rec = write_fragment_file(_data(root, frame, self.rank), copies)
+            in_memory = root != self.save_dir
+            self._make_frame_parent(frame_dir(root, frame), in_memory)
+            rec = write_fragment_file(_data(root, frame, self.rank), copies, make_parent=False)
             record.update(sha256=rec.sha256, nbytes=rec.nbytes, run_id=self.run_id)
             # The marker is written last: a frame counts only once every rank's exists.
-            atomic_write_json(_marker(root, frame, self.rank), record)
-            if root != self.save_dir:
+            atomic_write_json(_marker(root, frame, self.rank), record, make_parent=False)
+            if in_memory:
                 self._hand_to_keeper(frame)
                 self._retire_memory(record["window_start"], record["window"])
             if self.rank == 0 and record["position"] == 0:
@@ -828,6 +831,16 @@ class ExactSnapshots:
                 self._warn(f"[moc] rank {self.rank}: WARNING: exact-recovery frame {frame} not "
                           f"written ({type(e).__name__}: {e})")
             self.write_error = f"{type(e).__name__}: {e}"
+
+    def _make_frame_parent(self, directory: str, in_memory: bool) -> None:
+        """Create a frame's (or the probe's) directory. In the node's memory it is 0700
+        like the rest of it (the restart refuses memory others may read), and the files
+        are then written with ``make_parent=False``: a write after a wipe (lose-memory)
+        fails instead of recreating the directory with the umask's mode."""
+        if in_memory:
+            make_private_dir(directory, root=self.node_dir)
+        else:
+            ensure_dir(directory)
 
     def _hand_to_keeper(self, frame: int) -> None:
         """Queue frame ``frame``'s copy to storage with the node's keeper; a keeper that

@@ -84,7 +84,13 @@ class PeerStore:
                                dtype=torch.uint8)[:nbytes]
 
     def publish(self, base: str, record: Dict[str, Any]) -> None:
-        atomic_write_json(base + ".json", record)
+        """Mark a received piece complete (its record, atomically, last).
+
+        Raises:
+            FileNotFoundError: the node's memory was wiped meanwhile; the directory is
+                not recreated with the umask's mode (it must stay private).
+        """
+        atomic_write_json(base + ".json", record, make_parent=False)
 
     def record(self, base: str) -> Dict[str, Any]:
         """A piece's record (bounded read, never through a link).

@@ -193,10 +193,17 @@ class SnapshotSlots:
                 while this rank ran): the bytes went to deleted files, and recreating the
                 directory for the metadata alone would publish a snapshot without them.
         """
+        gone = RuntimeError(f"{self.dir} vanished (the node's shared memory was lost); "
+                            f"the snapshot of step {meta.get('step')} is not kept")
         if not os.path.isdir(self.dir):
-            raise RuntimeError(f"{self.dir} vanished (the node's shared memory was lost); "
-                               f"the snapshot of step {meta.get('step')} is not kept")
-        atomic_write_json(self._path(i, "json"), meta)
+            raise gone
+        try:
+            # make_parent=False: a wipe between the check above and this write (another
+            # rank's lose-memory) must fail it; recreating the directory with the umask's
+            # mode made the restart refuse the node's memory as readable by others.
+            atomic_write_json(self._path(i, "json"), meta, make_parent=False)
+        except FileNotFoundError:
+            raise gone from None
         self._metas[i] = meta
 
     def host_bytes(self) -> int:

@@ -159,7 +159,8 @@ def _publish(tmp: str, path: str) -> None:
     fs.fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
-def atomic_write_bytes(path: str, data: bytes, durable: bool = True) -> FileRecord:
+def atomic_write_bytes(path: str, data: bytes, durable: bool = True, *,
+                       make_parent: bool = True) -> FileRecord:
     """Write ``data`` to ``path`` so that readers see the old file or the whole new one.
 
     Writes ``path.tmp.<pid>``, flushes and fsyncs it, ``os.replace``-s it over ``path``
@@ -169,11 +170,19 @@ def atomic_write_bytes(path: str, data: bytes, durable: bool = True) -> FileReco
         durable: fsync the file and the directory. False only for coordination files
             that need not survive a machine crash (nothing that waits on them does),
             where an fsync would add storage latency to the training loop.
+        make_parent: create a missing parent directory (mode from the umask). False for
+            files in a private directory (:mod:`deepspeed_ext.private_dir`): a directory
+            deleted meanwhile (a node's memory lost) must fail the write, not come back
+            readable by other users.
 
     Returns:
         The written file's size and SHA-256 (computed from ``data``, no re-read).
+
+    Raises:
+        FileNotFoundError: with ``make_parent=False``, the parent directory is missing.
     """
-    ensure_dir(fs.parent(path))
+    if make_parent:
+        ensure_dir(fs.parent(path))
     if fs.is_url(path):
         fs.write_bytes(path, data)
         return FileRecord(nbytes=len(data), sha256=hashlib.sha256(data).hexdigest())
@@ -195,17 +204,19 @@ def atomic_write_bytes(path: str, data: bytes, durable: bool = True) -> FileReco
     return FileRecord(nbytes=len(data), sha256=hashlib.sha256(data).hexdigest())
 
 
-def atomic_write_text(path: str, text: str, durable: bool = True) -> FileRecord:
+def atomic_write_text(path: str, text: str, durable: bool = True, *,
+                      make_parent: bool = True) -> FileRecord:
     """:func:`atomic_write_bytes` for UTF-8 text."""
-    return atomic_write_bytes(path, text.encode("utf-8"), durable=durable)
+    return atomic_write_bytes(path, text.encode("utf-8"), durable=durable,
+                              make_parent=make_parent)
 
 
 def atomic_write_json(path: str, obj: Any, *, sort_keys: bool = False,
-                      durable: bool = True) -> FileRecord:
+                      durable: bool = True, make_parent: bool = True) -> FileRecord:
     """:func:`atomic_write_bytes` for strict JSON (NaN/Infinity are refused: other JSON
     readers reject them, and :mod:`deepspeed_ext.format.objects` encodes them explicitly)."""
     text = json.dumps(obj, indent=1, sort_keys=sort_keys, allow_nan=False)
-    return atomic_write_text(path, text + "\n", durable=durable)
+    return atomic_write_text(path, text + "\n", durable=durable, make_parent=make_parent)
 
 
 def _remove_quietly(path: str) -> None:
@@ -288,7 +299,8 @@ def _refuse_overlap(path: str, tensors: Mapping[str, torch.Tensor]) -> None:
 
 
 def write_fragment_file(path: str, tensors: Mapping[str, torch.Tensor],
-                        metadata: Optional[Dict[str, str]] = None) -> FileRecord:
+                        metadata: Optional[Dict[str, str]] = None, *,
+                        make_parent: bool = True) -> FileRecord:
     """Write tensors into a safetensors file, atomically, and return its size/checksum.
 
     For small files and tools (tests, ``objects``); the checkpointer itself stages its
@@ -301,6 +313,7 @@ def write_fragment_file(path: str, tensors: Mapping[str, torch.Tensor],
             buffer are fine as long as they do not overlap. Fragment keys come from
             :func:`deepspeed_ext.format.naming.fragment_key`.
         metadata: optional string->string header metadata (informative only).
+        make_parent: as for :func:`atomic_write_bytes`.
 
     Returns:
         :class:`FileRecord` of the published file.
@@ -330,10 +343,10 @@ def write_fragment_file(path: str, tensors: Mapping[str, torch.Tensor],
     _refuse_overlap(path, tensors)
     buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
     fill_image(buffer, layout, tensors)
-    return write_image_file(path, image_view(buffer, layout))
+    return write_image_file(path, image_view(buffer, layout), make_parent=make_parent)
 
 
-def write_image_file(path: str, image: memoryview) -> FileRecord:
+def write_image_file(path: str, image: memoryview, *, make_parent: bool = True) -> FileRecord:
     """Write a prepared file image (:mod:`deepspeed_ext.format.image`) atomically.
 
     Called on a background thread (or by a keeper process) with a host buffer that
@@ -341,10 +354,14 @@ def write_image_file(path: str, image: memoryview) -> FileRecord:
     second thread while ``fsync`` waits on the disk: both release the GIL, so the write
     pays max(hash, fsync), not their sum.
 
+    Args:
+        make_parent: as for :func:`atomic_write_bytes`.
+
     Returns:
         The published file's size and checksum.
     """
-    ensure_dir(fs.parent(path))
+    if make_parent:
+        ensure_dir(fs.parent(path))
     if fs.is_url(path):
         with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
             digest = pool.submit(lambda: hashlib.sha256(image).hexdigest())

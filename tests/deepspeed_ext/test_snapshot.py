@@ -73,6 +73,27 @@ def test_publish_after_the_node_memory_vanished_refuses(tmp_path):
     assert not (tmp_path / "rank00000").exists()        # nothing re-created half-way
 
 
+def test_a_wipe_between_the_check_and_the_write_does_not_recreate_the_directory(
+        tmp_path, monkeypatch):
+    """Another rank's lose-memory can wipe the node's memory right after publish's check:
+    the write must fail, not recreate the directory with the umask's mode (0755), which
+    made the restart refuse the node's memory as readable by other users."""
+    slots = SnapshotSlots(str(tmp_path), 0)
+    _fill(slots, 0, 1, [1.0, 2.0])
+    shutil.rmtree(tmp_path / "rank00000")
+    real_isdir, calls = os.path.isdir, []
+
+    def isdir_stale_once(path):                          # the check saw it still there
+        calls.append(path)
+        return True if len(calls) == 1 else real_isdir(path)
+
+    monkeypatch.setattr(os.path, "isdir", isdir_stale_once)
+    with pytest.raises(RuntimeError, match="vanished"):
+        slots.publish(1, {"step": 2, "entries": []})
+    monkeypatch.undo()
+    assert calls and not (tmp_path / "rank00000").exists()
+
+
 def test_a_one_element_record_is_not_broadcast_into_a_larger_tensor(tmp_path):
     """``copy_`` broadcasts a one-element source: a record of one float read into a
     tensor of 4 filled it with that value instead of failing."""

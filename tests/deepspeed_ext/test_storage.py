@@ -53,6 +53,25 @@ def test_atomic_write_json_is_strict(tmp_path):
     assert json.load(open(path))["a"] == "s"
 
 
+@pytest.mark.parametrize("write", ["json", "fragment"])
+def test_make_parent_false_fails_on_a_missing_directory_and_creates_nothing(tmp_path, write):
+    """Files in a private directory (the node's memory) are written with
+    make_parent=False: a wiped directory must fail the write, not come back 0755."""
+    path = str(tmp_path / "gone" / "f")
+    with pytest.raises(FileNotFoundError):
+        if write == "json":
+            atomic_write_json(path, {"a": 1}, make_parent=False)
+        else:
+            write_fragment_file(path, {"w": torch.ones(2)}, make_parent=False)
+    assert os.listdir(tmp_path) == []
+    os.mkdir(tmp_path / "gone")                          # present: the write goes through
+    if write == "json":
+        atomic_write_json(path, {"a": 1}, make_parent=False)
+    else:
+        write_fragment_file(path, {"w": torch.ones(2)}, make_parent=False)
+    assert os.listdir(tmp_path / "gone") == ["f"]
+
+
 def test_sha256_file_streams(tmp_path, monkeypatch):
     monkeypatch.setattr(storage, "HASH_CHUNK", 7)
     data = os.urandom(1000)
