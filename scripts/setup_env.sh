@@ -26,7 +26,7 @@ if ! python -c "import torch" 2>/dev/null; then
     python -m pip install -q "$TORCH_PIN"
 fi
 stamp="$REPO_ROOT/.venv/.moc-installed"
-if [ ! -f "$stamp" ] || [ "$REPO_ROOT/setup.py" -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ "$REPO_ROOT/pyproject.toml" -nt "$stamp" ]; then
     echo "[setup] installing the project and its dependencies"
     python -m pip install -q -e "$REPO_ROOT[test]"
     touch "$stamp"
