@@ -1,7 +1,7 @@
 """``scripts/gpu_check.sh`` on a machine without a GPU: the summary it writes (to the
 summary directory and to ``$OUT``), one PASS/FAIL/SKIP line per check, the reason of
 every SKIP, a failed install stopping the checks, and the CUDA-test selection. The GPU
-runs themselves happen on a lent GPU machine (README, section GPU)."""
+runs themselves happen on a GPU machine (docs/gpu.md)."""
 
 import json
 import os
