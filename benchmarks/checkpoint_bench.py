@@ -33,18 +33,21 @@ import os
 import platform
 import shlex
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib.host import files_under, filesystem_of, versions  # noqa: E402
+from benchlib.model import build_engine  # noqa: E402
+from benchlib.ranks import (REPO, file_tail, finish_out_dir, gather_objects,  # noqa: E402
+                            group_errors, host_barrier, prepare_out_dir,
+                            print_failed_rank_logs, read_results, run_rank_processes,
+                            run_worker, write_results)
+from benchlib.tables import fmt, print_aligned, print_model  # noqa: E402
+
 SYSTEMS = ("deepspeed", "deepspeed-fsync", "moc-full", "moc-full-sync", "moc-pec-k1")
-RESULTS_FILE = "results.json"
-VOCAB = 257  # the byte-level tokenizer's vocabulary; tokens are synthetic anyway
 
 # Flags forwarded from the launcher to every rank (the rest only concern the launcher).
 MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -90,57 +93,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ============================================================================ rank side
 
-def _trainer_argv(opts) -> list:
-    """The trainer's flags for this benchmark's model (parsed by megatron's own parser)."""
-    argv = ["--num-layers", opts.num_layers, "--hidden-size", opts.hidden_size,
-            "--ffn-hidden-size", opts.ffn_hidden_size,
-            "--num-attention-heads", opts.num_attention_heads, "--seq-length", opts.seq_length,
-            "--max-position-embeddings", opts.seq_length, "--make-vocab-size-divisible-by", 128,
-            "--num-experts", opts.num_experts, "--moe-expert-parallel-size", opts.ep,
-            "--expert-interval", opts.expert_interval, "--topk", opts.topk,
-            "--micro-batch-size", opts.micro_batch_size, "--train-iters", max(opts.train_steps, 1),
-            "--lr", 1e-3, "--lr-warmup-iters", 0, "--zero-stage", opts.zero_stage,
-            "--hidden-dropout", 0, "--attention-dropout", 0, "--seed", opts.seed,
-            "--data-path", "unused", "--log-interval", 1, "--eval-iters", 0]
-    return [str(a) for a in argv]
-
-
-def _synthetic_batch(args, step: int, micro: int, rank: int):
-    import torch
-    gen = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
-    tokens = torch.randint(0, VOCAB, (args.micro_batch_size, args.seq_length + 1), generator=gen)
-    positions = torch.arange(args.seq_length).expand(args.micro_batch_size, -1)
-    return tokens[:, :-1], positions, tokens[:, 1:]
-
-
-def _train(engine, args, steps: int, rank: int) -> list:
-    from deepspeed.accelerator import get_accelerator
-    device = get_accelerator().current_device_name()
-    losses = []
-    for step in range(steps):
-        for micro in range(args.gradient_accumulation_steps):
-            tokens, positions, labels = (t.to(device) for t in _synthetic_batch(args, step, micro, rank))
-            lm_loss, aux_loss, _ = engine(tokens, positions, labels)
-            engine.backward(lm_loss + args.moe_loss_coeff * aux_loss)
-            engine.step()
-        losses.append(float(lm_loss.item()))
-    return losses
-
-
-def _param_counts(engine, world: int, ep: int) -> dict:
-    """Parameters of the whole model: expert (DeepSpeed marks them allreduce=False) and not."""
-    import torch
-    import torch.distributed as dist
-    expert = sum(p.numel() for p in engine.module.parameters() if not getattr(p, "allreduce", True))
-    dense = sum(p.numel() for p in engine.module.parameters() if getattr(p, "allreduce", True))
-    from deepspeed_ext.runtime.groups import metadata_group
-    total_expert = torch.tensor([expert], dtype=torch.int64)
-    dist.all_reduce(total_expert, group=metadata_group())  # a CPU tensor: never on NCCL
-    expert_all = int(total_expert.item()) // (world // ep)  # each expert lives on world/ep ranks
-    return {"params_total": expert_all + dense, "params_expert": expert_all,
-            "params_non_expert": dense,
-            "expert_fraction": expert_all / max(1, expert_all + dense)}
-
 
 class _DeepSpeedWriteRecorder:
     """Wraps ``engine.checkpoint_engine.save`` to record (path, size) of what this rank wrote.
@@ -170,22 +122,10 @@ class _DeepSpeedWriteRecorder:
         ckpt_engine.save = save
 
 
-def _files_under(root: str) -> dict:
-    """{absolute path: size} of every regular file under ``root``."""
-    found = {}
-    if os.path.isdir(root):
-        for dirpath, _, names in os.walk(root):
-            for name in names:
-                path = os.path.join(dirpath, name)
-                if os.path.isfile(path):
-                    found[os.path.abspath(path)] = os.path.getsize(path)
-    return found
-
-
 def _attribute_bytes(system: str, save_dir: str, tag: str, world: int, gathered: list):
     """Rank 0: (bytes per rank, {uncounted file: size}) of one finished save."""
     tag_dir = os.path.join(save_dir, tag)
-    on_disk = _files_under(tag_dir)
+    on_disk = files_under(tag_dir)
     for name in os.listdir(save_dir):  # `latest`; DeepSpeed's recovery scripts land here too
         path = os.path.join(save_dir, name)
         if os.path.isfile(path):
@@ -228,78 +168,8 @@ def _manifest_elements(tag_dir: str):
         return None
 
 
-def run_worker(opts, worker) -> None:
-    """A rank's entry: ``worker(opts, rank, world)``; a failure's traceback goes to
-    ``error.rank<R>.txt`` for the launcher to report."""
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    try:
-        worker(opts, rank, world)
-    except BaseException:
-        with open(os.path.join(opts.out_dir, f"error.rank{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-
-
 def worker_main(opts) -> None:
     run_worker(opts, _worker)
-
-
-def host_barrier() -> None:
-    """Every rank: wait for this rank's queued device work, then a barrier on the metadata
-    group (:mod:`deepspeed_ext.runtime.groups`, made by :func:`build_engine`'s
-    ``initialize_distributed``). An NCCL barrier waited for the device too; the gloo one
-    does not, and a timing started after it would otherwise pay for earlier kernels."""
-    import torch
-    import torch.distributed as dist
-    from deepspeed_ext.runtime.groups import metadata_group
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-    dist.barrier(group=metadata_group())
-
-
-def gather_objects(value, world: int) -> list:
-    """Every rank: ``value`` of every rank, in rank order (on the metadata group)."""
-    import torch.distributed as dist
-    from deepspeed_ext.runtime.groups import metadata_group
-    gathered = [None] * world
-    dist.all_gather_object(gathered, value, group=metadata_group())
-    return gathered
-
-
-def build_engine(opts, rank: int, world: int) -> tuple:
-    """Every rank: the benchmark's engine, trained ``--train-steps`` steps so Adam state
-    exists. Returns (engine, args, the results' config record)."""
-    sys.path.insert(0, REPO)
-    from megatron.training.arguments import padded_vocab_size, parse_args, validate_args
-    from deepspeed_ext.engine.rng import set_seed
-    from megatron.training.training import initialize_distributed, setup_model_and_optimizer
-    args = parse_args(_trainer_argv(opts))
-    validate_args(args, world)
-    initialize_distributed(args)
-    set_seed(args.seed)
-    args.padded_vocab_size = padded_vocab_size(VOCAB, args.make_vocab_size_divisible_by)
-    engine, _ = setup_model_and_optimizer(args)
-    losses = _train(engine, args, opts.train_steps, rank)
-    num_moe_layers = len([l for l in range(1, args.num_layers + 1) if l % args.expert_interval == 0])
-    config = {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
-              "ffn_hidden_size": args.ffn_hidden_size or 4 * args.hidden_size,
-              "num_attention_heads": args.num_attention_heads, "seq_length": args.seq_length,
-              "num_experts": args.num_experts, "expert_interval": args.expert_interval,
-              "num_moe_layers": num_moe_layers, "topk": args.topk,
-              "padded_vocab_size": args.padded_vocab_size, "dtype": "fp32",
-              "world_size": world, "ep_size": opts.ep, "dp_size": world,
-              "zero_stage": opts.zero_stage, "micro_batch_size": args.micro_batch_size,
-              "train_steps": opts.train_steps, "train_losses": losses,
-              **_param_counts(engine, world, opts.ep)}
-    return engine, args, config
-
-
-def write_results(out_dir: str, results: dict) -> None:
-    """Rank 0: the results so far, atomically (the launcher reads them even after a crash)."""
-    tmp = os.path.join(out_dir, RESULTS_FILE + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(results, f)
-    os.replace(tmp, os.path.join(out_dir, RESULTS_FILE))
 
 
 def _worker(opts, rank: int, world: int) -> None:
@@ -366,7 +236,7 @@ def _worker(opts, rank: int, world: int) -> None:
         entry = {"tag": tag, "save_s_per_rank": [g[0] for g in gathered],
                  "save_s": max(g[0] for g in gathered),
                  "durable_s": None if durable is None else max(g[3] for g in gathered),
-                 "error": _group_errors(errors) or None}
+                 "error": group_errors(errors) or None}
         if rank == 0 and not errors:
             per_rank, uncounted = _attribute_bytes(system, save_dirs[system], tag, world, gathered)
             entry.update(bytes_per_rank=per_rank, uncounted_files=uncounted)
@@ -421,85 +291,6 @@ def _worker(opts, rank: int, world: int) -> None:
 
 # ========================================================================= launcher side
 
-def _group_errors(errors) -> str:
-    """``[(rank, message), ...]`` -> one line, ranks with the same message together."""
-    by_message = {}
-    for rank, message in errors:
-        by_message.setdefault(message, []).append(rank)
-    return "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {message}"
-                     for message, ranks in by_message.items())
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _filesystem_of(path: str) -> str:
-    """Mount point and type of the filesystem holding ``path`` (Linux), else ''."""
-    try:
-        real = os.path.realpath(path)
-        best = ("", "")
-        with open("/proc/mounts") as f:
-            for line in f:
-                fields = line.split()
-                mount, fstype = fields[1], fields[2]
-                if (real == mount or real.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best[0]):
-                    best = (mount, fstype)
-        return f"{best[1]} at {best[0]}" if best[0] else ""
-    except OSError:
-        return ""
-
-
-def _versions() -> str:
-    from importlib import metadata
-    parts = [f"Python {platform.python_version()}"]
-    for package in ("torch", "deepspeed"):
-        try:
-            parts.append(f"{package} {metadata.version(package)}")
-        except metadata.PackageNotFoundError:
-            parts.append(f"{package} not installed")
-    return ", ".join(parts)
-
-
-def run_rank_processes(argv: list, nproc: int, out_dir: str, timeout: float) -> tuple:
-    """Start ``nproc`` local ranks of ``argv`` (logs in ``out_dir/logs``); wait at most
-    ``timeout`` seconds, then kill what is left. Returns (exit codes, timed out?)."""
-    logs = os.path.join(out_dir, "logs")
-    os.makedirs(logs, exist_ok=True)
-    port = str(_free_port())
-    procs, handles = [], []
-    for rank in range(nproc):
-        # CROSS_RANK/CROSS_SIZE: what DeepSpeed's launcher sets on one node; its checkpoint
-        # writers read them.
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(nproc), CROSS_RANK="0", CROSS_SIZE="1",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                   PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                   PYTHONWARNINGS="ignore")
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-        log = open(os.path.join(logs, f"rank{rank}.log"), "w")
-        handles.append(log)
-        procs.append(subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + timeout
-    timed_out = False
-    try:
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                break
-    finally:
-        for proc in procs:  # only the processes started here
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        for log in handles:
-            log.close()
-    return [p.returncode for p in procs], timed_out
-
 
 def _launch(opts, out_dir: str) -> tuple:
     """Start the ranks; wait (with the timeout); returns (exit codes, timed out?, save errors)."""
@@ -514,16 +305,8 @@ def _launch(opts, out_dir: str) -> tuple:
     for rank in range(opts.nproc):
         path = os.path.join(out_dir, f"save_errors.rank{rank}.txt")
         if os.path.isfile(path):
-            save_errors += [(rank, line) for line in _tail(path, 1).splitlines() if line.strip()]
+            save_errors += [(rank, line) for line in file_tail(path, 1).splitlines() if line.strip()]
     return codes, timed_out, save_errors
-
-
-def _tail(path: str, lines: int = 25) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-lines:])
-    except OSError:
-        return ""
 
 
 def _median(values):
@@ -587,10 +370,6 @@ def _rows(results: dict, launch_error: str, repeats: int) -> list:
     return rows
 
 
-def _fmt(value, spec: str, scale: float = 1.0) -> str:
-    return "-" if value is None else format(value / scale, spec)
-
-
 def _print_table(rows: list) -> None:
     mib = float(2 ** 20)
     header = ["system", "bytes_total (MiB)", "bytes_max_rank (MiB)", "bytes_mean_rank (MiB)",
@@ -602,25 +381,15 @@ def _print_table(rows: list) -> None:
         if r["bytes_total"] is None:
             table.append([r["system"], "FAILED"] + ["-"] * (len(header) - 2))
             continue
-        table.append([r["system"], _fmt(r["bytes_total"], ".2f", mib), _fmt(r["bytes_max_rank"], ".2f", mib),
-                      _fmt(r["bytes_mean_rank"], ".2f", mib), _fmt(r["max_over_mean"], ".3f"),
-                      _fmt(r["save_s_median"], ".3f"), _fmt(r["save_s_min"], ".3f"),
-                      _fmt(r["durable_s_median"], ".3f"), _fmt(r["bytes_vs_moc_full"], ".3f"), _fmt(r["time_vs_moc_full"], ".3f"),
-                      _fmt(r["bytes_vs_deepspeed"], ".3f"), _fmt(r["time_vs_deepspeed"], ".3f")])
+        table.append([r["system"], fmt(r["bytes_total"], ".2f", mib), fmt(r["bytes_max_rank"], ".2f", mib),
+                      fmt(r["bytes_mean_rank"], ".2f", mib), fmt(r["max_over_mean"], ".3f"),
+                      fmt(r["save_s_median"], ".3f"), fmt(r["save_s_min"], ".3f"),
+                      fmt(r["durable_s_median"], ".3f"), fmt(r["bytes_vs_moc_full"], ".3f"), fmt(r["time_vs_moc_full"], ".3f"),
+                      fmt(r["bytes_vs_deepspeed"], ".3f"), fmt(r["time_vs_deepspeed"], ".3f")])
     print_aligned(table)
     for r in rows:
         if r.get("error"):
             print(f"{r['system']}: FAILED: {r['error']}")
-
-
-def print_aligned(table: list) -> None:
-    """Print rows of strings as columns; the first row is the header."""
-    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-    for i, row in enumerate(table):
-        print(" | ".join(cell.ljust(w) if j == 0 else cell.rjust(w)
-                         for j, (cell, w) in enumerate(zip(row, widths))))
-        if i == 0:
-            print("-+-".join("-" * w for w in widths))
 
 
 def _print_coverage(rows, config: dict) -> None:
@@ -699,82 +468,6 @@ def _print_notes_and_checks(rows: list, config: dict) -> None:
               f"({sync['save_s_median']:.3f} s vs {ds['save_s_median']:.3f} s)")
 
 
-def prepare_out_dir(out_dir, prefix: str) -> tuple:
-    """The run's output directory: a new temporary one, or ``out_dir`` if it is empty or
-    absent. Returns (absolute path, created here?).
-
-    Raises:
-        ValueError: ``out_dir`` exists and is not an empty directory (naming the flag).
-    """
-    if out_dir is None:
-        return tempfile.mkdtemp(prefix=prefix), True
-    out_dir = os.path.abspath(out_dir)
-    created = not os.path.exists(out_dir)
-    if not created and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
-        raise ValueError(f"--out-dir {out_dir} must be an empty directory or absent")
-    os.makedirs(out_dir, exist_ok=True)
-    return out_dir, created
-
-
-def read_results(out_dir: str, codes: list, timed_out: bool, timeout: float) -> tuple:
-    """Rank 0's results file and, if the ranks did not all end well, why: (results, error)."""
-    results = {}
-    path = os.path.join(out_dir, RESULTS_FILE)
-    if os.path.isfile(path):
-        with open(path) as f:
-            results = json.load(f)
-    if timed_out:
-        return results, f"the ranks were killed after --timeout {timeout:g} s"
-    if not any(codes) and results.get("complete"):
-        return results, None
-    errors = []
-    for rank in range(len(codes)):
-        path = os.path.join(out_dir, f"error.rank{rank}.txt")
-        if os.path.isfile(path):
-            last = [l for l in _tail(path, 3).splitlines() if l.strip()]
-            errors.append((rank, last[-1] if last else "?"))
-    return results, f"rank exit codes {codes}" + (": " + _group_errors(errors) if errors else "")
-
-
-def print_model(config: dict, layout_extra: str = "") -> None:
-    """The model, parameter and layout lines of a results config (nothing if empty)."""
-    if not config:
-        return
-    print(f"model:   {config['num_layers']} layers, hidden {config['hidden_size']}, ffn "
-          f"{config['ffn_hidden_size']}, {config['num_attention_heads']} heads, seq "
-          f"{config['seq_length']}, vocab {config['padded_vocab_size']}, {config['num_experts']} "
-          f"experts per MoE layer, MoE every {config['expert_interval']} layers "
-          f"({config['num_moe_layers']} MoE layers), top-{config['topk']}, {config['dtype']}")
-    print(f"params:  {config['params_total'] / 1e6:.2f} M: expert {config['params_expert'] / 1e6:.2f} M "
-          f"({100 * config['expert_fraction']:.1f} %), non-expert {config['params_non_expert'] / 1e6:.2f} M")
-    print(f"layout:  {config['world_size']} ranks, EP {config['ep_size']}, DP {config['dp_size']}, "
-          f"ZeRO-{config['zero_stage']}{layout_extra}")
-
-
-def print_failed_rank_logs(out_dir: str, codes: list, launch_error) -> None:
-    """After a failed launch: the last lines of rank 0's log and the first failed rank's."""
-    if not launch_error:
-        return
-    print(f"\nranks failed ({launch_error}); last lines of the rank logs:")
-    failed = [r for r, code in enumerate(codes) if code]
-    for rank in sorted({0, *failed[:1]}):
-        tail = _tail(os.path.join(out_dir, "logs", f"rank{rank}.log"), 15)
-        if tail:
-            print(f"--- rank {rank} (exit {codes[rank]}) ---\n{tail.rstrip()}")
-
-
-def finish_out_dir(out_dir: str, created: bool, keep: bool) -> None:
-    """Keep the output directory, delete it (created here), or empty it (the user's)."""
-    if keep:
-        print(f"kept {out_dir} (checkpoints under ckpt/, results.json, rank logs under logs/)")
-    elif created:
-        shutil.rmtree(out_dir, ignore_errors=True)
-    else:  # an empty directory the user named: remove only what this run put there
-        for name in os.listdir(out_dir):
-            path = os.path.join(out_dir, name)
-            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
-
-
 def launcher_main(opts) -> int:
     if opts.nproc < 1 or opts.ep < 1 or opts.repeats < 1 or opts.train_steps < 1:
         print("error: --nproc, --ep, --repeats and --train-steps must be >= 1", file=sys.stderr)
@@ -792,8 +485,8 @@ def launcher_main(opts) -> int:
     command = shlex.join(getattr(sys, "orig_argv", [sys.executable] + sys.argv))
     print("MoC checkpoint save benchmark")
     print(f"command: {command}")
-    print(f"machine: {os.cpu_count()} CPU cores, {platform.platform()}, {_versions()}")
-    fs = _filesystem_of(out_dir)
+    print(f"machine: {os.cpu_count()} CPU cores, {platform.platform()}, {versions()}")
+    fs = filesystem_of(out_dir)
     print(f"out dir: {out_dir}" + (f" ({fs})" if fs else ""))
     sys.stdout.flush()
 
@@ -802,7 +495,7 @@ def launcher_main(opts) -> int:
     wall = time.perf_counter() - started
     results, launch_error = read_results(out_dir, codes, timed_out, opts.timeout)
     if timed_out and save_errors:
-        launch_error += " (save errors before that: " + _group_errors(save_errors) + ")"
+        launch_error += " (save errors before that: " + group_errors(save_errors) + ")"
     config = dict(results.get("config", {}))
     print_model(config, f"; MoC PEC policy {config.get('moc_pec_policy')}")
     print(f"protocol: {opts.train_steps} training steps on synthetic tokens; per system 1 warm-up "

@@ -37,10 +37,12 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import checkpoint_bench as cb  # noqa: E402  (the model, its flags and the rank helpers)
-from two_level_bench import _evict_page_cache  # noqa: E402
+import checkpoint_bench as cb  # noqa: E402  (the model's flags and their defaults)
+from benchlib import ranks  # noqa: E402  (the rank helpers)
+from benchlib.model import build_engine, synthetic_batch  # noqa: E402
+from benchlib.host import evict_page_cache  # noqa: E402
 
-REPO = cb.REPO
+REPO = ranks.REPO
 MODES = ("none", "replicate", "erasure")
 TURNS = ",".join(["none,replicate,erasure,replicate:5,erasure:5"] * 2)
 """The default turns: two interleaved rounds (each mode's row pools its turns)."""
@@ -74,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _iteration(engine, args, batch: int, rank: int) -> float:
     start = time.perf_counter()
     for micro in range(args.gradient_accumulation_steps):
-        tokens, positions, labels = cb._synthetic_batch(args, batch, micro, rank)
+        tokens, positions, labels = synthetic_batch(args, batch, micro, rank)
         lm_loss, aux_loss, _ = engine(tokens, positions, labels)
         engine.backward(lm_loss + args.moe_loss_coeff * aux_loss)
         engine.step()
@@ -124,8 +126,8 @@ def _timed(fn, cold: str = "") -> tuple:
     dropped from the page cache first (as if storage were another machine's)."""
     import torch.distributed as dist
     if cold and dist.get_rank() == 0:
-        _evict_page_cache(cold)
-    cb.host_barrier()
+        evict_page_cache(cold)
+    ranks.host_barrier()
     start = time.perf_counter()
     result = fn()
     return result, time.perf_counter() - start
@@ -148,7 +150,7 @@ def _turn(engine, args, opts, rank: int, index: int, mode: str, batch: int) -> d
         two.redundancy.wait_slots()
     first_protected = len(two.redundancy.protected) if two.redundancy is not None else 0
     stalls_before = len(moc.stall_s)
-    cb.host_barrier()
+    ranks.host_barrier()
     for _ in range(opts.iters):
         out["iter_s"].append(_iteration(engine, args, batch, rank))
         moc.save(save_dir, client_state={"batch": batch})
@@ -171,10 +173,10 @@ def _turn(engine, args, opts, rank: int, index: int, mode: str, batch: int) -> d
     out["slot_bytes"] = two.slots.host_bytes()
     out["snapshot_bytes"] = max(image_end(m) for _, m in two.slots.complete())
     out["newest_step"] = int(engine.global_steps)
-    cb.host_barrier()
+    ranks.host_barrier()
     if two.node == opts.lost_node and two.first_of_node:
         two.drop_node_memory()
-    cb.host_barrier()
+    ranks.host_barrier()
     # A restart: a fresh checkpointer finds what memory (its own, its peers') is left.
     again = MoCCheckpointer(engine, _config(opts, mode, name))
     _, out["recovery_s"] = _timed(lambda: again.load(save_dir), cold=save_dir)
@@ -193,7 +195,7 @@ def _turn(engine, args, opts, rank: int, index: int, mode: str, batch: int) -> d
 
 def _worker(opts, rank: int, world: int) -> None:
     import torch.distributed as dist
-    engine, args, config = cb.build_engine(opts, rank, world)
+    engine, args, config = build_engine(opts, rank, world)
     results = {"config": {**config, "iters": opts.iters, "ranks_per_node": opts.ranks_per_node,
                           "persist_interval": opts.persist_interval},
                "turns": []}
@@ -201,10 +203,10 @@ def _worker(opts, rank: int, world: int) -> None:
     for index, mode in enumerate(opts.modes.split(",")):
         out = _turn(engine, args, opts, rank, index, mode, batch)
         batch = out["batch"]
-        results["turns"].append(cb.gather_objects(out, world))
+        results["turns"].append(ranks.gather_objects(out, world))
         if rank == 0:
-            cb.write_results(opts.out_dir, results)
-    cb.host_barrier()
+            ranks.write_results(opts.out_dir, results)
+    ranks.host_barrier()
     from megatron.training.training import remove_deepspeed_shm_buffers
     remove_deepspeed_shm_buffers()
     dist.destroy_process_group()
@@ -259,7 +261,7 @@ def _rows(results: dict) -> list:
     return rows
 
 
-def _fmt(value, spec=".3f", scale=1.0):
+def fmt(value, spec=".3f", scale=1.0):
     return "-" if value is None else format(value * scale, spec)
 
 
@@ -274,14 +276,14 @@ def print_table(rows: list, config: dict) -> None:
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['mode']:<10} {_fmt(r['snapshot_bytes_per_rank'], '.2f', 2**-20):>8} "
-              f"{_fmt(r['sent_bytes_per_snapshot_per_rank'], '.2f', 2**-20):>8} "
-              f"{_fmt(r['protect_s_median']):>9} {_fmt(r['bandwidth_mib_s'], '.0f'):>7} "
-              f"{_fmt(r['peer_host_bytes_per_rank'], '.2f', 2**-20):>8} "
-              f"{_fmt(r['iter_s_mean']):>7} {_fmt(r['iter_overhead'], '+.1%'):>8} "
-              f"{_fmt(r['stall_s_median'], '.4f'):>8} {'/'.join(r['recovery_sources']):<15} "
-              f"{max(r['iterations_lost']):>5} {_fmt(r['recovery_s_median']):>10} "
-              f"{_fmt(r['storage_s_median']):>9}")
+        print(f"{r['mode']:<10} {fmt(r['snapshot_bytes_per_rank'], '.2f', 2**-20):>8} "
+              f"{fmt(r['sent_bytes_per_snapshot_per_rank'], '.2f', 2**-20):>8} "
+              f"{fmt(r['protect_s_median']):>9} {fmt(r['bandwidth_mib_s'], '.0f'):>7} "
+              f"{fmt(r['peer_host_bytes_per_rank'], '.2f', 2**-20):>8} "
+              f"{fmt(r['iter_s_mean']):>7} {fmt(r['iter_overhead'], '+.1%'):>8} "
+              f"{fmt(r['stall_s_median'], '.4f'):>8} {'/'.join(r['recovery_sources']):<15} "
+              f"{max(r['iterations_lost']):>5} {fmt(r['recovery_s_median']):>10} "
+              f"{fmt(r['storage_s_median']):>9}")
         if r["failed"]:
             print(f"  redundancy failed: {r['failed'][0]}")
     print("\nsnap/sent/peer MiB: per rank (snapshot image; sent per snapshot; held for peers); "
@@ -337,11 +339,11 @@ def launcher_main(opts) -> int:
         argv += ["--" + name.replace("_", "-"), str(getattr(opts, name))]
     start = time.perf_counter()
     try:
-        codes, timed_out = cb.run_rank_processes(argv, opts.nproc, out_dir, opts.timeout)
+        codes, timed_out = ranks.run_rank_processes(argv, opts.nproc, out_dir, opts.timeout)
     finally:
         shutil.rmtree(shm_root, ignore_errors=True)
     try:
-        with open(os.path.join(out_dir, cb.RESULTS_FILE)) as f:
+        with open(os.path.join(out_dir, ranks.RESULTS_FILE)) as f:
             results = json.load(f)
     except (OSError, ValueError):
         results = {}
@@ -365,7 +367,7 @@ def launcher_main(opts) -> int:
 def main() -> int:
     opts = build_parser().parse_args()
     if opts.worker:
-        cb.run_worker(opts, _worker)
+        ranks.run_worker(opts, _worker)
         return 0
     return launcher_main(opts)
 

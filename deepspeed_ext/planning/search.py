@@ -40,7 +40,9 @@ class Constraints:
             raise ValueError(f"--node-failure-fraction must be in [0, 1], got {self.node_fraction}")
 
 
-def _ks(n: int) -> List[int]:
+def k_choices(n: int) -> List[int]:
+    """The K values the search tries for ``n`` experts per layer: the powers of two below
+    ``n``, then ``n`` (used by :func:`candidates` and its tests)."""
     out, k = [], 1
     while k < n:
         out.append(k)
@@ -61,12 +63,12 @@ def candidates(kind: str, model: ModelShape, layout: Layout) -> Iterable[Policy]
             yield Policy(kind, interval=i)
     elif kind in ("pec", "pec-dynamic"):
         for i in INTERVALS:
-            for k in _ks(n):
+            for k in k_choices(n):
                 yield Policy(kind, interval=i, k=k)
     elif kind == "two-level":
         for i in (1, 2, 5, 10, 20, 50):
-            for ks in _ks(n):
-                for kp in [k for k in _ks(n) if k <= ks]:
+            for ks in k_choices(n):
+                for kp in [k for k in k_choices(n) if k <= ks]:
                     for p in PERSIST_INTERVALS:
                         for r, d in redundancy:
                             yield Policy(kind, interval=i, k_snapshot=ks, k=kp,

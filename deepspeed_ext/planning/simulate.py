@@ -378,8 +378,9 @@ def t_quantile(dof: int) -> float:
     return T_95[dof - 1] if dof <= len(T_95) else 1.96
 
 
-def _ci(values: List[float]) -> float:
-    """Half-width of the 95 % confidence interval of the mean of ``values``."""
+def confidence_half_width(values: List[float]) -> float:
+    """Half-width of the 95 % confidence interval of the mean of ``values`` (used by
+    :func:`simulate_many` and its tests)."""
     if len(values) < 2:
         return 0.0
     return t_quantile(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
@@ -404,8 +405,9 @@ def simulate_many(policy: Policy, model: ModelShape, layout: Layout, hw: Hardwar
             break
     ettr = [r.ettr for r in results]
     plt = [r.plt for r in results]
-    return Summary(policy, mtbf_s, len(results), statistics.mean(ettr), _ci(ettr),
+    return Summary(policy, mtbf_s, len(results), statistics.mean(ettr),
+                   confidence_half_width(ettr),
                    statistics.mean(r.goodput_tokens_s for r in results), statistics.mean(plt),
-                   _ci(plt), statistics.mean(r.failures for r in results),
+                   confidence_half_width(plt), statistics.mean(r.failures for r in results),
                    statistics.mean(r.final_k for r in results),
                    sum(not r.finished for r in results))

@@ -132,6 +132,23 @@ def build_write_plan(pieces: Sequence[Piece], world_size: int,
             unknown ``scope``.
     """
     _check_pieces(pieces, world_size)
+    written, skipped = _select_written(pieces, selected, scope)
+    forced = [p for p in written if len(p.holders) == 1]
+    expert = [p for p in written if len(p.holders) > 1 and p.expert is not None]
+    dense = [p for p in written if len(p.holders) > 1 and p.expert is None]
+    writer, load = _place((forced, expert, dense), world_size)
+    return WritePlan(writer=writer, bytes_per_rank=load, skipped=tuple(sorted(skipped)))
+
+
+def _select_written(pieces: Sequence[Piece], selected: Optional[Collection[ExpertId]],
+                    scope: str) -> Tuple[List[Piece], List[str]]:
+    """(the pieces to write, the keys of those PEC leaves out) under ``selected`` and
+    ``scope`` (see :func:`build_write_plan`).
+
+    Raises:
+        ValueError: an unknown ``scope``, or an expert piece of unknown part under a
+            one-part scope.
+    """
     parts = partial_parts(scope)
     chosen = None if selected is None else {tuple(x) for x in selected}
     written, skipped = [], []
@@ -146,19 +163,21 @@ def build_write_plan(pieces: Sequence[Piece], world_size: int,
             skipped.append(piece.key)
         else:
             written.append(piece)
+    return written, skipped
 
-    forced = [p for p in written if len(p.holders) == 1]
-    expert = [p for p in written if len(p.holders) > 1 and p.expert is not None]
-    dense = [p for p in written if len(p.holders) > 1 and p.expert is None]
 
+def _place(rounds: Sequence[Sequence[Piece]],
+           world_size: int) -> Tuple[Dict[str, int], List[int]]:
+    """(writer of each key, bytes per rank): each round's pieces, largest first, onto
+    their least-loaded holder (ties: lowest rank)."""
     writer: Dict[str, int] = {}
     load = [0] * world_size
-    for group in (forced, expert, dense):
+    for group in rounds:
         for piece in _largest_first(group):
             rank = min(piece.holders, key=lambda r: (load[r], r))
             writer[piece.key] = rank
             load[rank] += piece.nbytes
-    return WritePlan(writer=writer, bytes_per_rank=load, skipped=tuple(sorted(skipped)))
+    return writer, load
 
 
 def split_piece(piece: Piece, chunk_bytes: int) -> List[Piece]:

@@ -8,6 +8,7 @@ import torch
 from safetensors import safe_open
 
 from deepspeed_ext import cli
+from deepspeed_ext.cli import verify as verify_command
 from tests.deepspeed_ext.test_manifest import (KINDS, expert_param, flip_last_byte, rank_file,
                                                no_fsync, three_checkpoints, value)
 
@@ -335,7 +336,7 @@ def test_densify_uses_the_flags_given_after_double_dash(tmp_path, replays, capsy
     assert cli.main(base + ["--dry-run", "--"] + mine) == 0
     captured = capsys.readouterr()
     script, flags = _script_and_flags(_printed_command(captured.out))
-    assert os.path.basename(script) == "pretrain_gpt_moe.py" and script == cli._entry_point()
+    assert os.path.basename(script) == "pretrain_gpt_moe.py" and script == cli.entry_point()
     assert flags[:len(mine)] == mine and "7" not in flags and "evil" not in captured.out
     assert "given after --" in captured.out and "note:" not in captured.err
     assert cli.main(base + ["--"] + mine) == 0
@@ -416,19 +417,19 @@ def test_verify_follows_latest_to_a_checkpoint_committed_while_it_ran(tmp_path, 
     the directory. verify read ``latest`` only at the end and compared it with that
     listing: it reported ``latest`` naming no complete checkpoint. It now verifies what
     ``latest`` names."""
-    from tests.deepspeed_ext.test_commit import _commit_keep
+    from tests.deepspeed_ext.commit_helpers import commit_keeping
     save_dir = str(tmp_path)
     for step in (10, 20):
-        _commit_keep(save_dir, f"global_step{step}", step, step / 10, 1.0, 0)
-    real = cli.verify_checkpoint
+        commit_keeping(save_dir, f"global_step{step}", step, step / 10, 1.0, 0)
+    real = verify_command.verify_checkpoint
     landed = []
 
     def verify_while_a_commit_lands(path, tag, checksums=True):
         if not landed:  # the keeper commits 30 (manifest, then latest) meanwhile
-            landed.append(_commit_keep(save_dir, "global_step30", 30, 3.0, 1.0, 0))
+            landed.append(commit_keeping(save_dir, "global_step30", 30, 3.0, 1.0, 0))
         return real(path, tag, checksums)
 
-    monkeypatch.setattr(cli, "verify_checkpoint", verify_while_a_commit_lands)
+    monkeypatch.setattr(verify_command, "verify_checkpoint", verify_while_a_commit_lands)
     assert cli.main(["verify", save_dir]) == 0, capsys.readouterr().out
     out = capsys.readouterr().out
     assert "OK     global_step30" in out and "FAILED" not in out
@@ -440,11 +441,11 @@ def test_verify_is_not_undercut_by_retention_of_the_checkpoint_it_reads(tmp_path
     among the newest: verify pins it, and retention leaves it (before, verify found its
     files gone and reported it damaged)."""
     from deepspeed_ext.store import retention
-    from tests.deepspeed_ext.test_commit import _commit_keep
+    from tests.deepspeed_ext.commit_helpers import commit_keeping
     save_dir = str(tmp_path)
     for step in (10, 20, 30):
-        _commit_keep(save_dir, f"global_step{step}", step, step / 10, 1.0, 0)
-    real = cli.verify_checkpoint
+        commit_keeping(save_dir, f"global_step{step}", step, step / 10, 1.0, 0)
+    real = verify_command.verify_checkpoint
     removed = []
 
     def verify_under_retention(path, tag, checksums=True):
@@ -452,7 +453,7 @@ def test_verify_is_not_undercut_by_retention_of_the_checkpoint_it_reads(tmp_path
             removed.extend(retention.apply_retention(save_dir, 1))
         return real(path, tag, checksums)
 
-    monkeypatch.setattr(cli, "verify_checkpoint", verify_under_retention)
+    monkeypatch.setattr(verify_command, "verify_checkpoint", verify_under_retention)
     assert cli.main(["verify", save_dir]) == 0, capsys.readouterr().out
     assert removed == ["global_step20"]
     out = capsys.readouterr().out

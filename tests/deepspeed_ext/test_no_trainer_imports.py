@@ -6,7 +6,7 @@ import os
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE = os.path.join(REPO, "deepspeed_ext")
-ALLOWED = {"planning/cli.py", "cli.py"}
+ALLOWED = {"planning/cli.py", "cli/replay_flags.py"}
 """The planner's command line and moc-ckpt's densify command (the trainer's parser)."""
 
 

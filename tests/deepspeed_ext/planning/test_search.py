@@ -4,7 +4,7 @@ import pytest
 
 from deepspeed_ext.planning.cli import training_flags
 from deepspeed_ext.planning.costs import POLICIES, Layout, Policy, predict
-from deepspeed_ext.planning.search import Constraints, _ks, best_of, candidates, recommend
+from deepspeed_ext.planning.search import Constraints, best_of, candidates, k_choices, recommend
 from deepspeed_ext.policy import redundancy as rd
 from tests.deepspeed_ext.planning.conftest import CONFIG_16E, toy_hardware, toy_model
 
@@ -20,9 +20,9 @@ def _by_kind(choices):
 
 
 def test_ks():
-    assert _ks(8) == [1, 2, 4, 8]
-    assert _ks(6) == [1, 2, 4, 6]
-    assert _ks(1) == [1]
+    assert k_choices(8) == [1, 2, 4, 8]
+    assert k_choices(6) == [1, 2, 4, 6]
+    assert k_choices(1) == [1]
 
 
 def test_candidate_counts(model, layout):

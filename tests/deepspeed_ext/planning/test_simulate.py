@@ -5,9 +5,10 @@ import statistics
 import pytest
 
 from deepspeed_ext.planning.costs import Policy, predict
-from deepspeed_ext.planning.simulate import (Failure, _ci, exponential_failures, failure_stream,
-                                             load_trace, parse_trace, simulate_many,
-                                             simulate_run, t_quantile)
+from deepspeed_ext.planning.simulate import (Failure, confidence_half_width,
+                                             exponential_failures, failure_stream, load_trace,
+                                             parse_trace, simulate_many, simulate_run,
+                                             t_quantile)
 from tests.deepspeed_ext.planning.conftest import toy_hardware
 
 approx = pytest.approx
@@ -340,8 +341,8 @@ def test_t_quantiles():
 
 def test_ci_uses_students_t_for_few_seeds(model, layout, hw):
     # five values 1..5: stdev 1.5811, standard error 0.7071; t(4) = 2.776 (not 1.96)
-    assert _ci([1.0, 2.0, 3.0, 4.0, 5.0]) == approx(2.776 * statistics.stdev([1, 2, 3, 4, 5])
-                                                    / 5 ** 0.5)
+    assert confidence_half_width([1.0, 2.0, 3.0, 4.0, 5.0]) == approx(
+        2.776 * statistics.stdev([1, 2, 3, 4, 5]) / 5 ** 0.5)
     p = Policy("full-async", interval=10)
     s = simulate_many(p, model, layout, hw, 300.0, 3000, [0, 1, 2])
     runs = [simulate_run(p, model, layout, hw, 3000, failure_stream(300.0, 0.0, seed), 300.0).ettr

@@ -1,0 +1,11 @@
+"""Helpers shared by the benchmark drivers in ``benchmarks/`` (each driver is a script:
+``python benchmarks/<name>.py``; its directory is on ``sys.path``, so ``benchlib`` imports).
+
+* :mod:`benchlib.ranks`: starting local rank processes, their collectives, results files
+  and output directories;
+* :mod:`benchlib.model`: the benchmarks' GPT-MoE DeepSpeed engine and its synthetic batches;
+* :mod:`benchlib.host`: the machine (versions, filesystems) and the files under a directory;
+* :mod:`benchlib.tables`: printing the result tables;
+* ``two_level_*`` and ``exact_*``: the parts of ``two_level_bench.py`` and
+  ``exact_bench.py`` (the systems' peers, log parsing, the tables).
+"""

@@ -1,0 +1,298 @@
+"""The results of ``two_level_bench.py``: one row per (system, interval), the printed
+table, its notes and checks, and the plot of the stalls."""
+
+import statistics
+
+from benchlib.ranks import group_errors
+from benchlib.tables import fmt, print_aligned
+from benchlib.two_level_peers import (ASYNC_PEERS, BASELINE, parse_intervals, parse_systems,
+                                      timed_iters)
+
+
+def _max_per_index(lists: list) -> list:
+    """Per position, the maximum over ranks (lists of equal length; shorter ones cut)."""
+    n = min((len(x) for x in lists), default=0)
+    return [max(x[i] for x in lists) for i in range(n)]
+
+
+def table_rows(results: dict, launch_error: str, opts) -> list:
+    """The no-checkpoint reference row, then one row per (system, interval), failed
+    ones included with their error."""
+    baseline = [_max_per_index(v) for v in results.get("baseline", {}).values()]
+    base_times = [t for part in baseline for t in part]
+    base_mean = statistics.mean(base_times) if base_times else None
+    rows = [{"system": BASELINE, "interval": None, "iter_s_mean": base_mean,
+             "iter_s_mean_before": statistics.mean(baseline[0]) if baseline and baseline[0] else None,
+             "iter_s_mean_after": (statistics.mean(baseline[1])
+                                   if len(baseline) > 1 and baseline[1] else None),
+             "iter_s": base_times}]
+    if launch_error and (results.get("current") or {}).get("system") == BASELINE:
+        rows[0]["error"] = launch_error
+    done = {(p["system"], p["interval"]): p for p in results.get("phases", [])}
+    current = results.get("current") or {}
+    for interval in parse_intervals(opts.intervals):
+        for system in parse_systems(opts.systems):
+            row = {"system": system, "interval": interval, "checkpoints": 0,
+                   "stall_s_median": None, "stall_s_max": None, "stall_s_mean": None,
+                   "save_call_s_median": None, "wait_s_median": None, "iter_s_mean": None,
+                   "iter_overhead": None, "recovery_s": None, "recovery_memory_s": None,
+                   "recovery_storage_s": None, "recovered_step": None, "newest_step": None,
+                   "recovered_step_storage": None, "load_source": None,
+                   "bytes_persisted": None, "persists": None, "host_mem_bytes": None,
+                   "drain_s": None, "error": None}
+            phase = done.get((system, interval))
+            if phase is None:
+                if launch_error and current.get("system") == system and current.get("interval") == interval:
+                    row["error"] = f"{launch_error}, during this turn"
+                else:
+                    row["error"] = f"not measured: {launch_error}" if launch_error else "no result"
+                rows.append(row)
+                continue
+            per_rank = phase["per_rank"]
+            errors = [(r, e) for r, out in enumerate(per_rank) for e in out["errors"]]
+            if errors:
+                row["error"] = group_errors(errors)
+            records = [out["records"] for out in per_rank]
+            n = min(len(r) for r in records)
+            stalls, calls, waits = [], [], []
+            for i in range(n):
+                # Waits of None (never reported) count as 0 in the stall.
+                per = [(rec[i]["call_s"], rec[i]["wait_s"] or 0.0) for rec in records]
+                stalls.append(max(c + w for c, w in per))
+                calls.append(max(c for c, _ in per))
+                waits.append(max(w for _, w in per))
+            iter_s = _max_per_index([out["iter_s"] for out in per_rank])
+            if stalls:
+                row.update(checkpoints=n, stall_s_median=statistics.median(stalls),
+                           stall_s_max=max(stalls), stall_s_mean=statistics.mean(stalls),
+                           save_call_s_median=statistics.median(calls),
+                           wait_s_median=statistics.median(waits), stall_s=stalls,
+                           newest_step=records[0][n - 1]["step"],
+                           # Each rank's own median: against the median of the max over
+                           # ranks, it shows what waiting for the slowest rank adds.
+                           save_call_s_median_per_rank=[
+                               statistics.median(rec[i]["call_s"] for i in range(n))
+                               for rec in records])
+            ref_s = _max_per_index([out.get("ref_iter_s") or [] for out in per_rank])
+            if ref_s:
+                row["ref_iter_s_mean"] = statistics.mean(ref_s)
+            if len(iter_s) == timed_iters(opts, interval):
+                row["iter_s_mean"] = statistics.mean(iter_s)
+                row["iter_s"] = iter_s
+                if row.get("ref_iter_s_mean"):
+                    row["iter_overhead"] = row["iter_s_mean"] / row["ref_iter_s_mean"] - 1
+            warm = [out["warmup"] for out in per_rank if out.get("warmup")]
+            if warm:
+                row["warmup_stall_s"] = max(w["call_s"] + (w["wait_s"] or 0.0) for w in warm)
+                if row["newest_step"] is None:
+                    row["newest_step"] = warm[0]["step"]
+            if not stalls and not errors:
+                row["note"] = (f"no checkpoint within the {timed_iters(opts, interval)} timed "
+                               f"iterations; recovery "
+                               "loaded the warm-up's")
+            drains = [out["drain_s"] for out in per_rank if out.get("drain_s") is not None]
+            row["drain_s"] = max(drains) if drains else None
+            row["turn_s"] = max(out.get("turn_s") or 0.0 for out in per_rank)
+            recs = [out.get("recovery") for out in per_rank]
+            if all(recs):
+                for key in ("recovery_s", "recovery_memory_s", "recovery_storage_s"):
+                    values = [r.get(key) for r in recs]
+                    row[key] = max(values) if all(v is not None for v in values) else None
+                row["recovered_step"] = recs[0].get("recovered_step")
+                row["recovered_step_storage"] = recs[0].get("recovered_step_storage")
+                row["load_source"] = recs[0].get("load_source")
+                if recs[0].get("storage_source") is not None:
+                    row["storage_load_source"] = recs[0]["storage_source"]
+            hosts = [out.get("host_mem_bytes") for out in per_rank]
+            if hosts and all(h is not None for h in hosts):
+                row["host_mem_bytes"] = sum(hosts)
+            storage = phase.get("storage") or {}
+            if storage.get("bytes_per_tag") is not None and stalls:
+                row["bytes_persisted"] = sum(storage["bytes_per_tag"].values())
+                row["persists"] = int(len(storage["bytes_per_tag"]))
+                row["bytes_per_tag"] = storage["bytes_per_tag"]
+                row["uncounted_files"] = storage.get("uncounted")
+            notes = [out["note"] for out in per_rank if out.get("note")]
+            if notes:
+                row["note"] = (row["note"] + "; " if row.get("note") else "") + notes[0]
+            rows.append(row)
+    return rows
+
+
+def print_table(rows: list) -> None:
+    mib = float(2 ** 20)
+    header = ["system", "every", "ckpts", "stall med (s)", "stall max (s)", "iter mean (s)",
+              "ref iter (s)", "iter overhead", "persisted (MiB)", "persists", "host mem (MiB)",
+              "recovery (s)", "from memory (s)", "from storage (s)", "loaded step / newest"]
+    table = [header]
+    for r in rows:
+        if r["system"] == BASELINE:
+            table.append([BASELINE, "-", "0", "-", "-", fmt(r["iter_s_mean"], ".3f"), "-", "-"]
+                         + ["-"] * (len(header) - 8))
+            continue
+        if r["stall_s_median"] is None and r["iter_s_mean"] is None:
+            table.append([r["system"], str(r["interval"]), "FAILED"] + ["-"] * (len(header) - 3))
+            continue
+        steps = "-"
+        if r["recovered_step"] is not None:
+            steps = f"{r['recovered_step']} / {r['newest_step']}"
+            if r.get("recovered_step_storage") is not None:
+                steps += (f"; storage: {r['recovered_step_storage']}"
+                          f" ({r.get('storage_load_source') or '?'})")
+        overhead = "-" if r["iter_overhead"] is None else f"{100 * r['iter_overhead']:+.1f} %"
+        table.append([r["system"], str(r["interval"]), str(r["checkpoints"]),
+                      fmt(r["stall_s_median"], ".4f"), fmt(r["stall_s_max"], ".4f"),
+                      fmt(r["iter_s_mean"], ".3f"), fmt(r.get("ref_iter_s_mean"), ".3f"), overhead,
+                      fmt(r["bytes_persisted"], ".1f", mib), "-" if r["persists"] is None else str(r["persists"]),
+                      fmt(r["host_mem_bytes"], ".1f", mib), fmt(r["recovery_s"], ".3f"),
+                      fmt(r["recovery_memory_s"], ".3f"), fmt(r["recovery_storage_s"], ".3f"),
+                      steps])
+    print_aligned(table)
+    for r in rows:
+        label = r["system"] + (f" every {r['interval']}" if r.get("interval") else "")
+        if r.get("error"):
+            failed = r["system"] != BASELINE and r["stall_s_median"] is None and r["iter_s_mean"] is None
+            lines = r["error"].splitlines()
+            print(f"{label}: {'FAILED' if failed else 'error'}: {lines[0]}"
+                  + (" [...] (whole message in --json)" if len(lines) > 1 else ""))
+        if r.get("note"):
+            print(f"{label}: note: {r['note']}")
+
+
+def _ratio_text(a, b, spec=".3f") -> str:
+    return "-" if a is None or not b else format(a / b, spec)
+
+
+def print_notes_and_checks(rows: list, opts) -> None:
+    by_key = {(r["system"], r["interval"]): r for r in rows}
+    intervals = parse_intervals(opts.intervals)
+    print()
+    print("stall: per checkpoint, max over ranks of the save call plus the waits the system "
+          "imposes before the next optimizer step or save")
+    print("       (deepspeed*: the save call; deepspeed-decoupled: + the commit inside the next "
+          "engine.step(); dcp-async: + waiting for the staging")
+    print("       before the next step and for the previous upload before the next save; moc-*: "
+          "+ moc.stall_s). The warm-up save of each turn is excluded.")
+    print("iter:  mean over the timed iterations of the max over ranks (forward, backward, step, "
+          "save); overhead against the turn's own reference:")
+    print("       the same number of iterations without checkpoints right before the turn "
+          "(the no-checkpoint row: before the first turn and after the last).")
+    print("bytes: files under the timed checkpoints' directories once everything is on storage "
+          "(`latest`, warm-up and DeepSpeed's zero_to_*.py copies not counted).")
+    print("recovery: max over ranks of loading the newest checkpoint into the engine; storage "
+          "loads after os.sync() and posix_fadvise(DONTNEED) on the files.")
+    base = by_key.get((BASELINE, None))
+    if base and base.get("iter_s_mean_before") is not None and base.get("iter_s_mean_after") is not None:
+        print(f"reference iteration: {base['iter_s_mean_before']:.3f} s before the turns, "
+              f"{base['iter_s_mean_after']:.3f} s after them")
+    print()
+    print("checks (measured here, not asserted):")
+
+    def failed(row):
+        if row is None:
+            return "not run"
+        if row["stall_s_median"] is None:
+            return "FAILED" if row.get("error") else "no timed checkpoint"
+        return None
+
+    mocs = [s for s in ("moc-full", "moc-pec") if s in parse_systems(opts.systems)]
+    line = []
+    for interval in intervals:
+        ds = by_key.get(("deepspeed", interval))
+        for moc in mocs:
+            m = by_key.get((moc, interval))
+            why = failed(m) or failed(ds)
+            line.append(f"{moc} every {interval}: "
+                        + (why or f"{100 * m['stall_s_median'] / ds['stall_s_median']:.2f} % "
+                                   f"({m['stall_s_median']:.4f} s vs {ds['stall_s_median']:.4f} s)"))
+    print("  1. MoC stall / deepspeed sync stall (medians; expected <= 2 %): "
+          + ("; ".join(line) if line else "no MoC system run"))
+    own = []
+    for interval in intervals:
+        for moc in mocs:
+            m = by_key.get((moc, interval))
+            if m and m.get("save_call_s_median_per_rank"):
+                ranks = ", ".join(f"{1000 * c:.1f}" for c in m["save_call_s_median_per_rank"])
+                own.append(f"{moc} every {interval}: {ranks} ms (max over ranks: "
+                           f"{1000 * m['save_call_s_median']:.1f} ms)")
+    if own:
+        print("     each rank's own median save call, per rank: " + "; ".join(own))
+    line = []
+    for interval in intervals:
+        for moc in mocs:
+            m = by_key.get((moc, interval))
+            for peer in ASYNC_PEERS:
+                if peer not in parse_systems(opts.systems):
+                    continue
+                p = by_key.get((peer, interval))
+                why = failed(m) or (f"{peer} {failed(p)}" if failed(p) else None)
+                line.append(f"{moc}/{peer} every {interval}: "
+                            + (why or _ratio_text(m["stall_s_median"], p["stall_s_median"])))
+    print("  2. MoC stall / async peer's stall (medians; expected <= 0.5): "
+          + ("; ".join(line) if line else "not measured"))
+    line = []
+    for moc in mocs:
+        m = by_key.get((moc, 1))
+        if 1 not in intervals:
+            line.append(f"{moc}: interval 1 not run")
+        elif failed(m) or m["iter_overhead"] is None:
+            line.append(f"{moc}: {failed(m) or 'not measured'}")
+        else:
+            line.append(f"{moc}: {100 * m['iter_overhead']:+.1f} %")
+    print("  3. iteration overhead of MoC checkpointing every iteration (expected <= 10 %): "
+          + ("; ".join(line) if line else "no MoC system run"))
+    line = []
+    for interval in intervals:
+        ds = by_key.get(("deepspeed", interval))
+        for moc in mocs:
+            m = by_key.get((moc, interval))
+            if ds is None or ds["recovery_s"] is None:
+                line.append(f"every {interval}: deepspeed recovery not measured")
+                break
+            if m is None or m["recovery_memory_s"] is None:
+                line.append(f"{moc} every {interval}: memory recovery not measured")
+                continue
+            line.append(f"{moc} every {interval}: {ds['recovery_s'] / m['recovery_memory_s']:.1f}x "
+                        f"({ds['recovery_s']:.3f} s vs {m['recovery_memory_s']:.3f} s)")
+    print("  4. deepspeed load time / MoC recovery time from memory (expected >= 5x): "
+          + ("; ".join(line) if line else "not measured"))
+
+
+def plot_stalls(rows: list, path: str, title: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"\nplot: matplotlib is not importable here; {path} not written "
+              "(pip install matplotlib, then rerun)")
+        return
+    measured = [r for r in rows if r.get("stall_s")]
+    if not measured:
+        print(f"\nplot: no system measured a stall; {path} not written")
+        return
+    intervals = sorted({r["interval"] for r in measured})
+    fig, axes = plt.subplots(1, len(intervals), figsize=(6 * len(intervals), 4.5), squeeze=False)
+    from matplotlib.ticker import MaxNLocator
+    for ax, interval in zip(axes[0], intervals):
+        for r in measured:
+            if r["interval"] != interval:
+                continue
+            xs = list(range(1, len(r["stall_s"]) + 1))
+            ax.plot(xs, r["stall_s"], marker="o", markersize=3, label=r["system"])
+        failed = [r["system"] for r in rows if r.get("interval") == interval
+                  and r.get("error") and not r.get("stall_s")]
+        ax.set_yscale("log")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel(f"checkpoint (one every {interval} iteration{'s' if interval > 1 else ''})")
+        ax.set_ylabel("stall per checkpoint (s, max over ranks)")
+        ax.set_title(f"training-loop stall, checkpoint every {interval}"
+                     + (f"\nFAILED (not plotted): {', '.join(failed)}" if failed else ""),
+                     fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"\nwrote {path}")
