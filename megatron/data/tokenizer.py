@@ -159,7 +159,12 @@ class Tokenizer:
         )
 
 
-def _core_tokenizer_class():
+def core_tokenizer_class():
+    """megatron.core's ``MegatronTokenizer`` class, imported without its import-time noise.
+
+    Called by every tokenizer builder of this module, each time it builds; tests
+    replace it with a fake class.
+    """
     with quiet_core_import():
         from megatron.core.tokenizers import MegatronTokenizer
     return MegatronTokenizer
@@ -187,7 +192,7 @@ def _build_byte_level() -> Tokenizer:
 
 def _byte_level_core():
     """megatron.core's ByteLevelTokenizer, checked to assign the ids the wrapper states."""
-    core = _core_tokenizer_class().from_pretrained(
+    core = core_tokenizer_class().from_pretrained(
         metadata_path={"library": "byte-level", "model_type": "gpt"},
         # 256 byte ids, then the one special token appended at the end -> id 256.
         vocab_size=256,
@@ -211,8 +216,12 @@ def _byte_level_core():
     return core
 
 
-def _have_transformers() -> bool:
-    """Whether HuggingFace ``transformers`` is importable (tests monkeypatch this)."""
+def have_transformers() -> bool:
+    """Whether HuggingFace ``transformers`` is importable.
+
+    Called by the GPT-2 BPE builder before it builds (any rank, any preprocessing
+    worker); tests replace it to build without ``transformers``.
+    """
     return importlib.util.find_spec("transformers") is not None
 
 
@@ -276,9 +285,14 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copyfile(src, dst)
 
 
-class _Terminated(BaseException):
+class Terminated(BaseException):
     """SIGTERM arrived inside :func:`_sigterm_cleans_up` (not an ``Exception``, so the
-    ``except Exception`` clauses on the way out do not swallow it)."""
+    ``except Exception`` clauses on the way out do not swallow it).
+
+    Raised by that context's signal handler; it never reaches a caller of
+    :func:`build_tokenizer` in a real process (the re-sent SIGTERM ends it first). Tests
+    that fake ``os.kill`` catch it.
+    """
 
 
 @contextlib.contextmanager
@@ -291,7 +305,7 @@ def _sigterm_cleans_up():
     tokenizer, or a rank stopped by its launcher, would leave the temporary directory
     behind. Only while SIGTERM has its default action and only in the main thread
     (signal handlers cannot be set elsewhere), a handler turns it into
-    :class:`_Terminated`; on the way out the default action is restored and the signal
+    :class:`Terminated`; on the way out the default action is restored and the signal
     re-sent, so the process still ends as killed by SIGTERM.
     """
     if (
@@ -305,7 +319,7 @@ def _sigterm_cleans_up():
     def handler(signum, frame):
         state["received"] = True
         if state["armed"]:
-            raise _Terminated()
+            raise Terminated()
 
     signal.signal(signal.SIGTERM, handler)
     try:
@@ -348,7 +362,7 @@ def _build_gpt2_bpe(vocab_file: Optional[str], merge_file: Optional[str]) -> Tok
     """
     _check_readable_file(vocab_file, "--vocab-file", "GPT2BPETokenizer")
     _check_readable_file(merge_file, "--merge-file", "GPT2BPETokenizer")
-    if not _have_transformers():
+    if not have_transformers():
         raise ConfigError(
             "--tokenizer-type GPT2BPETokenizer needs the 'transformers' package "
             "(megatron.core's 'huggingface' tokenizer library wraps it): "
@@ -358,7 +372,7 @@ def _build_gpt2_bpe(vocab_file: Optional[str], merge_file: Optional[str]) -> Tok
     vocab = _read_gpt2_vocab(vocab_file)
     expected_eod = vocab[GPT2_EOD_TOKEN]
     try:
-        core_class = _core_tokenizer_class()
+        core_class = core_tokenizer_class()
         # Import transformers (via megatron.core's wrapper) *before* creating the
         # directory, so that it exists only for the few milliseconds the tokenizer takes
         # to build.
@@ -407,7 +421,7 @@ def _build_null(vocab_size: Optional[int]) -> Tokenizer:
     if vocab_size is None:
         raise ConfigError("--vocab-size is required for --tokenizer-type NullTokenizer")
     vocab_size = check_int(vocab_size, "--vocab-size", minimum=1)
-    core = _core_tokenizer_class().from_pretrained(
+    core = core_tokenizer_class().from_pretrained(
         metadata_path={"library": "null"}, vocab_size=vocab_size
     )
     # The null library appends one eod id after the given vocabulary.

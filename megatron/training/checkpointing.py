@@ -187,9 +187,12 @@ def _moc_newest_tag(load_dir: str) -> Optional[str]:
     return None
 
 
-def _newest_tag(engine, load_dir: Optional[str]) -> Tuple[Optional[str], Dict]:
+def newest_tag(engine, load_dir: Optional[str]) -> Tuple[Optional[str], Dict]:
     """Every rank: the tag ``latest`` names under ``load_dir`` and its saved arguments,
     as rank 0 read them (one broadcast).
+
+    Called by :func:`load_checkpoint` on every rank, first thing, before any other
+    collective of the load (public so that tests can check the choice of tag directly).
 
     Rank 0 alone reads them: ranks that read ``latest`` themselves could see different
     tags (a keeper of the previous attempt committing while the job restarts) and take
@@ -211,7 +214,7 @@ def _newest_tag(engine, load_dir: Optional[str]) -> Tuple[Optional[str], Dict]:
             if load_dir and fs.isdir(load_dir):
                 tag = (_moc_newest_tag(load_dir) if getattr(engine, "moc", None) is not None
                        else find_latest_tag(load_dir))
-            meta = _saved_meta(engine, load_dir, tag) if tag is not None else {}
+            meta = saved_meta(engine, load_dir, tag) if tag is not None else {}
             outcome = [("ok", tag, meta)]
         except ConfigError as e:
             outcome = [("config", str(e), None)]
@@ -252,8 +255,12 @@ def check_compatible(meta: Dict, args: argparse.Namespace, path: str) -> None:
             f"--moe-expert-parallel-size {args.moe_expert_parallel_size})")
 
 
-def _saved_meta(engine, load_dir: str, tag: str) -> Dict:
-    """The saved arguments (and world size) of checkpoint ``tag``, read without its tensors."""
+def saved_meta(engine, load_dir: str, tag: str) -> Dict:
+    """The saved arguments (and world size) of checkpoint ``tag``, read without its tensors.
+
+    Called by rank 0 alone, inside :func:`newest_tag` (which broadcasts the result), and
+    by tests. No collective.
+    """
     path = os.path.join(load_dir, tag)
     if getattr(engine, "moc", None) is not None:
         from deepspeed_ext.format.objects import OBJECTS_FILE
@@ -288,9 +295,17 @@ def _saved_meta(engine, load_dir: str, tag: str) -> Dict:
     return meta
 
 
-def _check_exact_client_state(client) -> None:
+def check_exact_client_state(client) -> None:
     """Raise unless a frame's ``client_state`` holds what :func:`_exact_resume` uses (a
-    crafted or damaged frame raised KeyError on one rank after its replay began)."""
+    crafted or damaged frame raised KeyError on one rank after its replay began).
+
+    Passed by :func:`_exact_resume` (every rank) to ``exact.recover`` as its
+    ``check_client_state``, which calls it on each frame's client state before the replay;
+    tests call it directly. No collective.
+
+    Raises:
+        ValueError: naming the missing or malformed field.
+    """
     if not isinstance(client, dict):
         raise ValueError(f"the frame's client_state is {type(client).__name__}, not an object")
     for key in ("iteration", "consumed_train_samples"):
@@ -308,7 +323,7 @@ def _exact_resume(engine, args, scheduler, exact, tag: Optional[str]) -> Optiona
     if tag is not None and tag.startswith("global_step") and tag[len("global_step"):].isdigit():
         newer_than = int(tag[len("global_step"):])
     start = time.perf_counter()
-    objects = exact.recover(args.load, newer_than, check_client_state=_check_exact_client_state)
+    objects = exact.recover(args.load, newer_than, check_client_state=check_exact_client_state)
     if objects is None and exact.failed_window is not None and tag is None:
         # Starting from scratch would also drop the frames at the loop's start: the
         # next attempt (storage back, memory freed) may well replay them.
@@ -367,7 +382,7 @@ def load_checkpoint(engine, args: argparse.Namespace, scheduler, exact=None) -> 
             metadata is missing.
     """
     load_dir = args.load
-    tag, meta = _newest_tag(engine, load_dir)
+    tag, meta = newest_tag(engine, load_dir)
     if exact is not None:
         resumed = _exact_resume(engine, args, scheduler, exact, tag)
         if resumed is not None:

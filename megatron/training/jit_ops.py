@@ -176,6 +176,16 @@ def check_build_locks(ext: ExtensionsDir) -> LockCheck:
     return check
 
 
+def release_startup_lock() -> None:
+    """Close the start-up lock files :func:`check_build_locks` left held in this process.
+
+    A rank never calls it (its lock is held until it exits). Called by tests, which run
+    :func:`check_build_locks` in a process that lives on, after each check.
+    """
+    while _held:
+        os.close(_held.pop())
+
+
 def prepare_start(log: Optional[logging.Logger] = None) -> ExtensionsDir:
     """Every rank, before ``deepspeed.init_distributed``: the extensions directory, no
     unused op, no dead build's lock (see the module doc).

@@ -407,7 +407,13 @@ class CollectiveClock:
             return wait(*args, **kwargs)
         return self._span(device, wait, args, kwargs)
 
-    def _wrap(self, fn):
+    def wrap(self, fn):
+        """``fn`` (a collective) timed by this clock: the outermost timed call counts, one
+        call inside another is not counted again.
+
+        Called by :meth:`install` for each collective it replaces (every rank, once per
+        clock), and by tests that wrap a call of their own.
+        """
         import torch.distributed as dist
         clock = self
 
@@ -443,7 +449,7 @@ class CollectiveClock:
             if fn is None or getattr(fn, "_moc_clock", None) is self:
                 continue
             self._saved.append((owner, name, fn))
-            setattr(owner, name, self._wrap(fn))
+            setattr(owner, name, self.wrap(fn))
         return self
 
     def uninstall(self) -> None:
@@ -618,7 +624,15 @@ def _report_only(event: Dict) -> None:
     pass
 
 
-def _exit_now(status: int) -> None:
+def exit_now(status: int) -> None:
+    """Flush stdout and stderr, then end this process at once with ``status`` (no clean-up:
+    a rank that stops for a hang or a straggler must not wait in a collective).
+
+    Called by :meth:`Watchdog.stop_job` on every rank that stops (from the watchdog's
+    thread, and from the atexit handler it registers first) and by
+    :class:`StartupWatch`'s default ``on_hang``; tests replace it to observe the status
+    instead of exiting.
+    """
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
@@ -702,7 +716,7 @@ class Watchdog:
         first anyway, an atexit handler still sets the exit status.
         """
         status = EXIT_HANG if event["kind"] == "hang" else EXIT_STRAGGLER
-        atexit.register(_exit_now, status)
+        atexit.register(exit_now, status)
         self._log(f"[monitor] rank {self.rank}: stopping with exit status {status} "
                   "for the launcher to restart the job")
         deadline = time.monotonic() + 2 * self.config.poll_s + 1.0  # real time, even in tests
@@ -714,7 +728,7 @@ class Watchdog:
                 count = self._store.add(key, 0)
         except Exception:
             pass  # the store's host exited: the others are going down already
-        _exit_now(status)
+        exit_now(status)
 
     def _run(self) -> None:
         while not self._stop.wait(self.config.poll_s):
@@ -869,7 +883,7 @@ class StartupWatch:
                  clock: Callable[[], float] = time.monotonic):
         self.rank, self.config = rank, config
         self._emit = emit or _print_event
-        self._on_hang = on_hang or (lambda event: _exit_now(EXIT_HANG))
+        self._on_hang = on_hang or (lambda event: exit_now(EXIT_HANG))
         self._hint = hint
         self._log = log or _print_flush
         self._clock = clock

@@ -98,7 +98,7 @@ def _rank0_report(moc, args, iteration: int, load_s: float) -> RecoveryReport:
     everything = log.read() if log is not None else []
     earlier = [e for e in everything if e.get("kind") == "recovery"]
     report = RecoveryReport(iteration=iteration, source=moc.last_load_source,
-                            failure=_failure(everything, restart_count(args)))
+                            failure=describe_failure(everything, restart_count(args)))
     progress = Progress(progress_path(args.moc_event_file)).read() if log is not None else None
     if progress is not None:
         report.iterations_lost = max(0, int(progress["iteration"]) - iteration)
@@ -212,8 +212,20 @@ def _ended_the_run(event: Dict) -> bool:
     return kind == "hang" or (kind == "straggler" and event.get("action") == "stop")
 
 
-def _failure(events: List[Dict], restart: int) -> Optional[str]:
-    """The newest failure event since the last recovery, in words."""
+def describe_failure(events: List[Dict], restart: int) -> Optional[str]:
+    """The newest failure event since the last recovery, in words.
+
+    Called by rank 0 alone while it builds the recovery report (before broadcasting it),
+    and by tests. No collective.
+
+    Args:
+        events: the event log's records, oldest first.
+        restart: this attempt's restart count (0: the first attempt).
+
+    Returns:
+        The failure in words; ``"unknown ..."`` at a restart with no failure recorded;
+        None on the first attempt with none.
+    """
     failures = []
     for event in events:
         if event.get("kind") == "recovery":

@@ -74,7 +74,7 @@ def test_byte_level_builds_its_library_tokenizer_on_first_use(monkeypatch):
             return type("Core", (), {"vocab_size": 258, "eod": 257, "_tokenizer": type(
                 "Lib", (), {"token_to_id": staticmethod(lambda t: 257)})()})()
 
-    monkeypatch.setattr(tokenizer_module, "_core_tokenizer_class", lambda: ShiftedIds)
+    monkeypatch.setattr(tokenizer_module, "core_tokenizer_class", lambda: ShiftedIds)
     tok = build_tokenizer("ByteLevelTokenizer")
     with pytest.raises(RuntimeError, match="assigned unexpected ids"):
         tok.tokenize("a")
@@ -155,21 +155,21 @@ def test_gpt2_without_transformers(tmp_path, monkeypatch):
     # The real check (importlib.util.find_spec) reports a module mapped to None in
     # sys.modules as missing, whether or not transformers is installed here.
     monkeypatch.setitem(sys.modules, "transformers", None)
-    assert not tokenizer_module._have_transformers()
+    assert not tokenizer_module.have_transformers()
     with pytest.raises(ConfigError) as info:
         build_tokenizer("GPT2BPETokenizer", *_tiny_bpe_files(tmp_path))
     _assert_missing_transformers_error(info)
 
 
 def test_gpt2_without_transformers_check_patched(tmp_path, monkeypatch):
-    monkeypatch.setattr(tokenizer_module, "_have_transformers", lambda: False)
+    monkeypatch.setattr(tokenizer_module, "have_transformers", lambda: False)
     with pytest.raises(ConfigError) as info:
         build_tokenizer("GPT2BPETokenizer", *_tiny_bpe_files(tmp_path))
     _assert_missing_transformers_error(info)
 
 
 def test_gpt2_missing_files_reported_before_transformers(tmp_path, monkeypatch):
-    monkeypatch.setattr(tokenizer_module, "_have_transformers", lambda: False)
+    monkeypatch.setattr(tokenizer_module, "have_transformers", lambda: False)
     vocab, _ = _tiny_bpe_files(tmp_path)
     with pytest.raises(ConfigError, match="--merge-file: file not found"):
         build_tokenizer("GPT2BPETokenizer", vocab, str(tmp_path / "nope.txt"))
@@ -354,9 +354,9 @@ def test_gpt2_sigterm_while_building_cleans_up(gpt2_files, tmp_path, monkeypatch
             raise AssertionError("SIGTERM did not interrupt the build")
 
     kills = []
-    monkeypatch.setattr(tokenizer_module, "_core_tokenizer_class", lambda: TerminatedWhileBuilding)
+    monkeypatch.setattr(tokenizer_module, "core_tokenizer_class", lambda: TerminatedWhileBuilding)
     monkeypatch.setattr(os, "kill", lambda pid, sig: kills.append((pid, sig)))
-    with pytest.raises(tokenizer_module._Terminated):
+    with pytest.raises(tokenizer_module.Terminated):
         build_tokenizer("GPT2BPETokenizer", *gpt2_files)
     assert seen["files"] == ["merges.txt", "tokenizer_config.json", "vocab.json"]
     assert os.listdir(scratch) == []

@@ -12,6 +12,8 @@ from deepspeed_ext.store.claims import (CLAIM_NAME, CommitError, Superseded, che
                                         claim_dir, read_claim)
 from deepspeed_ext.store.commit import (FAILURE_NAME, commit_checkpoint, remove_reports,
                                         report_name, wait_for_reports, write_report)
+from tests.deepspeed_ext.commit_helpers import (commit_job, commit_keeping, commit_two_ranks,
+                                                write_share)
 
 
 def test_waits_for_every_report_in_rank_order(tmp_path):
@@ -60,42 +62,11 @@ def test_a_report_carries_payload_or_error():
 
 # ------------------------------------------------------------------ claims and latest
 
-def _write_share(save_dir, tag, rank, value, claim=None, objects=None):
-    """One rank's file and report in ``<save_dir>/<tag>`` as a writer leaves them; rank 0
-    also writes the objects (``objects``, default ``{"value": value}``). ``value`` fills
-    the rank's one tensor (tells saves apart); ``claim``: the save's claim the report
-    carries (None: the directory's current one)."""
-    import torch
-    from deepspeed_ext.format import assemble, naming
-    from deepspeed_ext.format.objects import encode, write_objects_file
-    from deepspeed_ext.format.storage import write_fragment_file
-    tag_dir = os.path.join(save_dir, tag)
-    spec = assemble.FragmentSpec("w", "fp32", 2 * rank, 2, (4,), "float32")
-    record = write_fragment_file(os.path.join(tag_dir, naming.rank_file_name(rank)),
-                                 {spec.key: torch.full((2,), float(value))})
-    record_of_objects = None
-    if rank == 0:
-        tree, _ = encode(objects if objects is not None else {"value": value})
-        record_of_objects = write_objects_file(tag_dir, tree, None).to_json()
-    report = assemble.RankReport.from_record(rank, naming.rank_file_name(rank), record, [spec])
-    write_report(tag_dir, rank, {"report": report.to_json(), "objects": record_of_objects},
-                 claim=claim if claim is not None else read_claim(tag_dir))
-
-
-def _commit_job(save_dir, tag, step, claim, timeout_s=30.0):
-    """The keeper's commit of rank 0's job (two ranks, no MoE)."""
-    return {"save_dir": save_dir, "tag": tag, "claim": claim, "commit": {
-        "step": step, "previous_tag": None, "selected": None, "pec_k": None,
-        "save_latest": True, "keep": 0, "timeout_s": timeout_s,
-        "layout": {"world_size": 2, "ep_size": 1, "zero_stage": 2, "num_moe_layers": 0,
-                   "num_experts": 0}}}
-
-
 def _keeper_job(save_dir, tag, step, claim, timeout_s=30.0):
     """Rank 0's keeper job (:class:`deepspeed_ext.jobs.PersistJob`) with that commit."""
     from deepspeed_ext.jobs import PersistJob
     return PersistJob.from_json(dict(
-        _commit_job(save_dir, tag, step, claim, timeout_s), step=step, rank=0, keys=None,
+        commit_job(save_dir, tag, step, claim, timeout_s), step=step, rank=0, keys=None,
         image=os.path.join(save_dir, "unused.img"), entries=[], specs=[]))
 
 
@@ -109,7 +80,7 @@ def test_a_committer_of_an_earlier_attempt_stands_down_when_the_tag_is_saved_aga
     save_dir, tag = str(tmp_path), "global_step20"
     tag_dir = prepare.prepare_checkpoint_dir(save_dir, tag)
     old_claim = read_claim(tag_dir)
-    _write_share(save_dir, tag, 0, 1.0)  # rank 1 died before its report
+    write_share(save_dir, tag, 0, 1.0)  # rank 1 died before its report
     logged = []
     old = threading.Thread(target=keeper.commit_job,
                            args=(_keeper_job(save_dir, tag, 20, old_claim), tag_dir, logged.append))
@@ -119,8 +90,8 @@ def test_a_committer_of_an_earlier_attempt_stands_down_when_the_tag_is_saved_aga
     assert prepare.prepare_checkpoint_dir(save_dir, tag) == tag_dir
     new_claim = read_claim(tag_dir)
     assert new_claim not in (None, old_claim)
-    _write_share(save_dir, tag, 0, 2.0)
-    _write_share(save_dir, tag, 1, 2.0)
+    write_share(save_dir, tag, 0, 2.0)
+    write_share(save_dir, tag, 1, 2.0)
     old.join(timeout=10)
     assert not old.is_alive()  # it noticed, long before its 30 s timeout
     assert not os.path.exists(os.path.join(tag_dir, FAILURE_NAME))
@@ -142,7 +113,7 @@ def test_a_committer_whose_directory_was_deleted_writes_nothing(tmp_path):
     save_dir, tag = str(tmp_path), "global_step20"
     tag_dir = prepare.prepare_checkpoint_dir(save_dir, tag)
     claim = read_claim(tag_dir)
-    _write_share(save_dir, tag, 0, 1.0)
+    write_share(save_dir, tag, 0, 1.0)
     shutil.rmtree(tag_dir)  # retention of the restarted job removed the crashed save
     logged = []
     keeper.commit_job(_keeper_job(save_dir, tag, 20, claim, timeout_s=5), tag_dir, logged.append)
@@ -155,7 +126,7 @@ def test_a_commit_that_fails_on_its_own_directory_is_marked_failed(tmp_path):
     from deepspeed_ext.store import prepare
     save_dir, tag = str(tmp_path), "global_step20"
     tag_dir = prepare.prepare_checkpoint_dir(save_dir, tag)
-    _write_share(save_dir, tag, 0, 1.0)
+    write_share(save_dir, tag, 0, 1.0)
     keeper.commit_job(_keeper_job(save_dir, tag, 20, read_claim(tag_dir), timeout_s=0.3),
                        tag_dir, lambda line: None)
     assert "rank(s) 1 within" in open(os.path.join(tag_dir, FAILURE_NAME)).read()
@@ -198,39 +169,25 @@ def test_check_claim(tmp_path):
         check_claim(tag_dir, claim)
 
 
-def _commit(save_dir, tag, step, value, attempt_started=None, objects=None):
-    """A committed two-rank checkpoint (rank 0's objects: ``objects``, see _write_share)."""
-    from deepspeed_ext.store import prepare
-    tag_dir = prepare.prepare_checkpoint_dir(save_dir, tag)
-    for rank in range(2):
-        _write_share(save_dir, tag, rank, value, objects=objects)
-    logged = []
-    claim = read_claim(tag_dir)
-    commit_checkpoint(save_dir, tag, step, _commit_job(save_dir, tag, step, claim)["commit"]["layout"],
-                      wait_for_reports(tag_dir, 2, timeout_s=5, claim=claim), None, None, None,
-                      True, 0, log=logged.append, claim=claim, attempt_started=attempt_started)
-    return logged
-
-
 def test_latest_is_not_moved_over_a_later_attempts_checkpoint(tmp_path):
     from deepspeed_ext.format import manifest as mf
     from deepspeed_ext.store import latest
     save_dir = str(tmp_path)
-    assert _commit(save_dir, "global_step30", 30, 3.0, attempt_started=200.0) == []
+    assert commit_two_ranks(save_dir, "global_step30", 30, 3.0, attempt_started=200.0) == []
     # The first attempt's keeper finishes its commit of 20 only now.
-    logged = _commit(save_dir, "global_step20", 20, 2.0, attempt_started=100.0)
+    logged = commit_two_ranks(save_dir, "global_step20", 20, 2.0, attempt_started=100.0)
     assert latest.read_latest(save_dir) == "global_step30"
     assert len(logged) == 1 and "latest stays at global_step30" in logged[0]
     assert mf.read_manifest(os.path.join(save_dir, "global_step20")).step == 20  # still committed
     assert mf.read_manifest(os.path.join(save_dir, "global_step30")).extra["attempt_started"] == 200.0
-    assert _commit(save_dir, "global_step40", 40, 4.0, attempt_started=200.0) == []
+    assert commit_two_ranks(save_dir, "global_step40", 40, 4.0, attempt_started=200.0) == []
     assert latest.read_latest(save_dir) == "global_step40"
     # A later attempt may move it back: it resumed from an older checkpoint, or is a new
     # run writing into this directory.
-    assert _commit(save_dir, "global_step10", 10, 1.0, attempt_started=300.0) == []
+    assert commit_two_ranks(save_dir, "global_step10", 10, 1.0, attempt_started=300.0) == []
     assert latest.read_latest(save_dir) == "global_step10"
     # Unknown attempts (a caller that does not say): moved, as before.
-    assert _commit(save_dir, "global_step5", 5, 0.5) == []
+    assert commit_two_ranks(save_dir, "global_step5", 5, 0.5) == []
     assert latest.read_latest(save_dir) == "global_step5"
 
 
@@ -240,11 +197,11 @@ def test_a_late_commit_of_an_earlier_step_of_the_same_attempt_keeps_latest(tmp_p
     not move ``latest`` back (a restart would lose ten steps)."""
     from deepspeed_ext.store import latest
     save_dir = str(tmp_path)
-    assert _commit(save_dir, "global_step30", 30, 3.0, attempt_started=200.0) == []
-    logged = _commit(save_dir, "global_step20", 20, 2.0, attempt_started=200.0)
+    assert commit_two_ranks(save_dir, "global_step30", 30, 3.0, attempt_started=200.0) == []
+    logged = commit_two_ranks(save_dir, "global_step20", 20, 2.0, attempt_started=200.0)
     assert latest.read_latest(save_dir) == "global_step30"
     assert len(logged) == 1 and "latest stays at global_step30" in logged[0]
-    assert _commit(save_dir, "global_step40", 40, 4.0, attempt_started=200.0) == []
+    assert commit_two_ranks(save_dir, "global_step40", 40, 4.0, attempt_started=200.0) == []
     assert latest.read_latest(save_dir) == "global_step40"
 
 
@@ -269,9 +226,9 @@ def test_committers_of_one_process_take_turns_on_a_url(tmp_path, monkeypatch):
     for step in (10, 20):
         tag_dir = prepare.prepare_checkpoint_dir(url, f"global_step{step}")
         for rank in range(2):
-            _write_share(url, f"global_step{step}", rank, step)
+            write_share(url, f"global_step{step}", rank, step)
         mf.write_manifest(tag_dir, assemble.assemble_manifest(
-            f"global_step{step}", step, 2, _commit_job(url, "x", step, None)["commit"]["layout"],
+            f"global_step{step}", step, 2, commit_job(url, "x", step, None)["commit"]["layout"],
             [assemble.RankReport.from_json(s["report"]) for s in wait_for_reports(tag_dir, 2, 5)], {},
             extra={"attempt_started": 1.0}))
     monkeypatch.setattr(latest, "update_latest", slow_update)
@@ -287,19 +244,6 @@ def test_committers_of_one_process_take_turns_on_a_url(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step10", "global_step20", "latest"]
 
 
-def _commit_keep(save_dir, tag, step, value, attempt_started, keep):
-    """:func:`_commit` with retention ``keep``."""
-    from deepspeed_ext.store import prepare
-    tag_dir = prepare.prepare_checkpoint_dir(save_dir, tag)
-    for rank in range(2):
-        _write_share(save_dir, tag, rank, value)
-    logged, claim = [], read_claim(tag_dir)
-    commit_checkpoint(save_dir, tag, step, _commit_job(save_dir, tag, step, claim)["commit"]["layout"],
-                      wait_for_reports(tag_dir, 2, timeout_s=5, claim=claim), None, None, None,
-                      True, keep, log=logged.append, claim=claim, attempt_started=attempt_started)
-    return logged
-
-
 def test_a_late_commit_of_an_earlier_attempt_leaves_latest_and_retention_to_a_started_one(tmp_path):
     """The restarted attempt records its start before it reads ``latest``; the first
     attempt's committer finishing only then must not move ``latest`` (the restart loads
@@ -308,16 +252,16 @@ def test_a_late_commit_of_an_earlier_attempt_leaves_latest_and_retention_to_a_st
     from deepspeed_ext.format import manifest as mf
     from deepspeed_ext.store import latest
     save_dir = str(tmp_path)
-    assert _commit_keep(save_dir, "global_step20", 20, 2.0, 100.0, keep=1) == []
+    assert commit_keeping(save_dir, "global_step20", 20, 2.0, 100.0, keep=1) == []
     latest.record_attempt(save_dir, 200.0)  # the restart, about to load global_step20
-    logged = _commit_keep(save_dir, "global_step30", 30, 3.0, 100.0, keep=1)
+    logged = commit_keeping(save_dir, "global_step30", 30, 3.0, 100.0, keep=1)
     assert latest.read_latest(save_dir) == "global_step20"
     assert mf.read_manifest(os.path.join(save_dir, "global_step20")).step == 20
     assert any("a later attempt of the job started" in line for line in logged), logged
     assert any("retention after committing global_step30 left to the later" in line
                for line in logged), logged
     # The restarted attempt's own commits move latest and run retention.
-    assert _commit_keep(save_dir, "global_step25", 25, 2.5, 200.0, keep=1) == [
+    assert commit_keeping(save_dir, "global_step25", 25, 2.5, 200.0, keep=1) == [
         "retention: removed global_step20"]
     assert latest.read_latest(save_dir) == "global_step25"
     assert latest.later_attempt_started(save_dir, 100.0) and not latest.later_attempt_started(save_dir, 200.0)
@@ -332,9 +276,9 @@ def test_a_restart_rolls_latest_forward_to_its_attempts_unnamed_commits(tmp_path
     checkpoint is not taken."""
     from deepspeed_ext.store import latest
     save_dir = str(tmp_path)
-    _commit(save_dir, "global_step10", 10, 1.0, attempt_started=100.0)
-    _commit(save_dir, "global_step20", 20, 2.0, attempt_started=100.0)
-    _commit(save_dir, "global_step30", 30, 3.0, attempt_started=50.0)  # an older attempt's
+    commit_two_ranks(save_dir, "global_step10", 10, 1.0, attempt_started=100.0)
+    commit_two_ranks(save_dir, "global_step20", 20, 2.0, attempt_started=100.0)
+    commit_two_ranks(save_dir, "global_step30", 30, 3.0, attempt_started=50.0)  # an older attempt's
     latest.update_latest(save_dir, "global_step10")  # the crash between manifest and latest
     latest.record_attempt(save_dir, 200.0)
     assert latest.read_latest(save_dir) == "global_step20"
@@ -351,7 +295,7 @@ def test_a_failure_moving_latest_after_the_manifest_does_not_fail_the_save(tmp_p
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(latest, "update_latest", full)
-    logged = _commit(save_dir := str(tmp_path), "global_step10", 10, 1.0, attempt_started=1.0)
+    logged = commit_two_ranks(save_dir := str(tmp_path), "global_step10", 10, 1.0, attempt_started=1.0)
     assert mf.read_manifest(os.path.join(save_dir, "global_step10")).step == 10
     assert any("latest could not be moved (OSError" in line for line in logged), logged
 
@@ -368,7 +312,7 @@ def test_a_restart_preparing_a_tag_waits_for_a_committer_writing_its_manifest(tm
     save_dir, tag = str(tmp_path), "global_step20"
     tag_dir = prepare.prepare_checkpoint_dir(save_dir, tag)
     for rank in range(2):
-        _write_share(save_dir, tag, rank, 2.0)
+        write_share(save_dir, tag, rank, 2.0)
     old_claim = read_claim(tag_dir)
     real, writing = mf.write_manifest, threading.Event()
 
@@ -378,7 +322,7 @@ def test_a_restart_preparing_a_tag_waits_for_a_committer_writing_its_manifest(tm
         real(ckpt_dir, manifest)
     monkeypatch.setattr(cm, "write_manifest", slow_write)  # where the committer looks it up
     old = threading.Thread(target=commit_checkpoint, args=(
-        save_dir, tag, 20, _commit_job(save_dir, tag, 20, old_claim)["commit"]["layout"],
+        save_dir, tag, 20, commit_job(save_dir, tag, 20, old_claim)["commit"]["layout"],
         wait_for_reports(tag_dir, 2, timeout_s=5, claim=old_claim), None, None, None, True, 0),
         kwargs={"log": lambda m: None, "claim": old_claim, "attempt_started": 100.0})
     old.start()
@@ -397,9 +341,9 @@ def test_latest_naming_nothing_loadable_is_replaced(tmp_path):
     from deepspeed_ext.format import manifest as mf
     from deepspeed_ext.store import latest
     save_dir = str(tmp_path)
-    _commit(save_dir, "global_step30", 30, 3.0, attempt_started=200.0)
+    commit_two_ranks(save_dir, "global_step30", 30, 3.0, attempt_started=200.0)
     os.remove(os.path.join(save_dir, "global_step30", mf.MANIFEST_FILE))
-    _commit(save_dir, "global_step20", 20, 2.0, attempt_started=100.0)
+    commit_two_ranks(save_dir, "global_step20", 20, 2.0, attempt_started=100.0)
     assert latest.read_latest(save_dir) == "global_step20"
 
 
@@ -409,12 +353,12 @@ def test_a_crashed_save_with_its_claim_is_removed_by_retention(tmp_path):
     from deepspeed_ext.store import prepare, retention
     save_dir = str(tmp_path)
     tag_dir = prepare.prepare_checkpoint_dir(save_dir, "global_step10")
-    _write_share(save_dir, "global_step10", 0, 1.0)  # crashed: no manifest
+    write_share(save_dir, "global_step10", 0, 1.0)  # crashed: no manifest
     assert CLAIM_NAME in os.listdir(tag_dir)
     old = time.time() - 100
     for name in os.listdir(tag_dir):
         os.utime(os.path.join(tag_dir, name), (old, old))
-    _commit(save_dir, "global_step20", 20, 2.0)
+    commit_two_ranks(save_dir, "global_step20", 20, 2.0)
     assert "global_step10" in retention.apply_retention(save_dir, 1)
     assert not os.path.exists(tag_dir)
 
@@ -470,7 +414,7 @@ def test_commit_outcome_ends_when_the_save_was_superseded(tmp_path):
     ok, why = commit_outcome(tag_dir, 2, claim=mine)
     assert not ok and "is gone" in why
     assert commit_outcome(tag_dir, 2, claim=None) is None  # unchecked without a claim
-    _commit(save_dir, "global_step6", 6, 6.0)  # committed: the claim is cleaned up after
+    commit_two_ranks(save_dir, "global_step6", 6, 6.0)  # committed: the claim is cleaned up after
     assert commit_outcome(os.path.join(save_dir, "global_step6"), 2, claim=mine) == (True, None)
 
 
@@ -537,9 +481,9 @@ def test_a_retention_failure_after_the_commit_does_not_fail_the_save(tmp_path, m
     save_dir, tag = str(tmp_path), "global_step10"
     tag_dir = prepare.prepare_checkpoint_dir(save_dir, tag)
     for rank in range(2):
-        _write_share(save_dir, tag, rank, 1.0)
+        write_share(save_dir, tag, rank, 1.0)
     claim, logged = read_claim(tag_dir), []
-    commit_checkpoint(save_dir, tag, 10, _commit_job(save_dir, tag, 10, claim)["commit"]["layout"],
+    commit_checkpoint(save_dir, tag, 10, commit_job(save_dir, tag, 10, claim)["commit"]["layout"],
                       wait_for_reports(tag_dir, 2, timeout_s=5, claim=claim), None, None, None,
                       True, 1, log=logged.append, claim=claim)
     assert latest.read_latest(save_dir) == tag and mf.read_manifest(tag_dir).step == 10
@@ -594,13 +538,13 @@ def test_retention_is_decided_and_done_in_one_step_under_the_directory_lock(tmp_
     monkeypatch.setattr(retention, "later_attempt_started", check)
     monkeypatch.setattr(retention, "apply_retention", tracked_retention)
     save_dir = str(tmp_path)
-    _commit_keep(save_dir, "global_step10", 10, 1.0, 100.0, keep=1)
-    assert _commit_keep(save_dir, "global_step20", 20, 2.0, 100.0, keep=1) == [
+    commit_keeping(save_dir, "global_step10", 10, 1.0, 100.0, keep=1)
+    assert commit_keeping(save_dir, "global_step20", 20, 2.0, 100.0, keep=1) == [
         "retention: removed global_step10"]
     assert seen["check"] is not None and seen["check"] is seen["retention"], seen
     seen.clear()
     latest.record_attempt(save_dir, 200.0)
-    logged = _commit_keep(save_dir, "global_step30", 30, 3.0, 100.0, keep=1)
+    logged = commit_keeping(save_dir, "global_step30", 30, 3.0, 100.0, keep=1)
     assert seen["check"] is not None and "retention" not in seen, seen
     assert any("left to the later attempt" in line for line in logged), logged
 
@@ -643,10 +587,10 @@ def test_damaged_commit_records_are_commit_errors(tmp_path, monkeypatch):
     save_dir, tag = str(tmp_path / "run"), "global_step10"
     run_dir = prepare.prepare_checkpoint_dir(save_dir, tag)
     for rank in range(2):
-        _write_share(save_dir, tag, rank, 1.0)
+        write_share(save_dir, tag, rank, 1.0)
     claim = read_claim(run_dir)
     shares = wait_for_reports(run_dir, 2, timeout_s=5, claim=claim)
-    layout = _commit_job(save_dir, tag, 10, claim)["commit"]["layout"]
+    layout = commit_job(save_dir, tag, 10, claim)["commit"]["layout"]
     for broken in ({"report": {"rank": 0}}, {"report": "x", "objects": None},
                    dict(shares[1], report=dict(shares[1]["report"], fragments=[{"name": 1}])),
                    dict(shares[1], report=dict(shares[1]["report"], nbytes="12")),
@@ -677,19 +621,19 @@ def test_retention_spares_a_checkpoint_another_process_is_verifying(tmp_path):
     from tests.launch import REPO
     save_dir = str(tmp_path)
     for step in (10, 20):
-        _commit_keep(save_dir, f"global_step{step}", step, step / 10, 1.0, 0)
+        commit_keeping(save_dir, f"global_step{step}", step, step / 10, 1.0, 0)
     reader = subprocess.Popen([sys.executable, "-c", _PIN, save_dir, "global_step10"], cwd=REPO,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                               env=dict(os.environ, PYTHONPATH=REPO))
     try:
         assert reader.stdout.readline().strip() == "pinned"
-        logged = _commit_keep(save_dir, "global_step30", 30, 3.0, 1.0, 1)
+        logged = commit_keeping(save_dir, "global_step30", 30, 3.0, 1.0, 1)
         assert logged == ["retention: removed global_step20"]
         assert verify.verify_checkpoint(save_dir, "global_step10") == []
     finally:
         reader.communicate("\n", timeout=60)
     assert reader.returncode == 0
-    logged = _commit_keep(save_dir, "global_step40", 40, 4.0, 1.0, 1)
+    logged = commit_keeping(save_dir, "global_step40", 40, 4.0, 1.0, 1)
     assert sorted(logged) == ["retention: removed global_step10",
                               "retention: removed global_step30"]
 
@@ -703,15 +647,15 @@ def test_retention_never_deletes_the_checkpoint_just_committed_nor_latest(tmp_pa
     from deepspeed_ext.store import latest, verify
     from deepspeed_ext.store.commit import commit_outcome
     save_dir = str(tmp_path)
-    _commit_keep(save_dir, "global_step20", 20, 2.0, 1.0, 1)
-    assert _commit_keep(save_dir, "global_step40", 40, 4.0, 1.0, 1) == [
+    commit_keeping(save_dir, "global_step20", 20, 2.0, 1.0, 1)
+    assert commit_keeping(save_dir, "global_step40", 40, 4.0, 1.0, 1) == [
         "retention: removed global_step20"]
-    logged = _commit_keep(save_dir, "global_step30", 30, 3.0, 1.0, 1)  # the late one
+    logged = commit_keeping(save_dir, "global_step30", 30, 3.0, 1.0, 1)  # the late one
     assert not any(line.startswith("retention: removed") for line in logged), logged
     assert latest.read_latest(save_dir) == "global_step40"
     assert verify.verify_checkpoint(save_dir, "global_step40") == []
     assert verify.verify_checkpoint(save_dir, "global_step30") == []
     assert commit_outcome(os.path.join(save_dir, "global_step30"), 2) == (True, None)
     # The next commit's retention removes it like any old checkpoint.
-    assert _commit_keep(save_dir, "global_step50", 50, 5.0, 1.0, 1) == [
+    assert commit_keeping(save_dir, "global_step50", 50, 5.0, 1.0, 1) == [
         "retention: removed global_step30", "retention: removed global_step40"]

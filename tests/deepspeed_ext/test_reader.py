@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from deepspeed_ext.format import fragment_reader
+from deepspeed_ext.format import manifest as mf
 from deepspeed_ext.store.reader import CheckpointError, CheckpointReader, find_loadable
 from tests.deepspeed_ext.test_manifest import (ALL_EXPERTS, EXPERT_PARAMS, KINDS, NON_EXPERT,
                                                FakeRun, expert_param, flip_last_byte,
@@ -88,12 +89,21 @@ def test_reads_only_the_needed_fragment_ranges(run, tmp_path, monkeypatch):
         calls.append((os.path.relpath(self.path, str(tmp_path)), key, start, length))
         return original(self, key, start, length, out)
 
+    opened = []
+    real_open = fragment_reader.FragmentReader.__init__
+
+    def spy_open(self, path):
+        opened.append(os.path.relpath(path, str(tmp_path)))
+        real_open(self, path)
+
     monkeypatch.setattr(fragment_reader.FragmentReader, "read", spy)
     with CheckpointReader(str(tmp_path), verify_checksums=False) as ckpt:
         name = expert_param(0, 0, "w1")  # its newest version is in global_step10 only
         assert f"{name}|fp32" not in ckpt.manifest.tensors
-        entry = ckpt._res.tensors[f"{name}|fp32"].entry
+        assert ckpt.info(name, "fp32").tag == "global_step10"
+        entry = mf.read_manifest(str(tmp_path / "global_step10")).tensors[f"{name}|fp32"]
         frag = max(entry.fragments, key=lambda f: f.length)
+        monkeypatch.setattr(fragment_reader.FragmentReader, "__init__", spy_open)
         assert frag.length >= 2
         got = ckpt.read(name, "fp32", frag.offset + 1, frag.length - 1)
         assert torch.equal(got, run.truth[(name, "fp32")].reshape(-1)[
@@ -101,7 +111,8 @@ def test_reads_only_the_needed_fragment_ranges(run, tmp_path, monkeypatch):
         # one ranged read of one fragment, in the old checkpoint's file
         assert calls == [(os.path.join("global_step10", frag.file), frag.key, 1,
                           frag.length - 1)]
-        assert set(ckpt._readers) == {("global_step10", frag.file)}
+        # and only that file opened (files are opened once, then cached)
+        assert opened == [os.path.join("global_step10", frag.file)]
 
 
 def test_objects_round_trip(run, tmp_path):

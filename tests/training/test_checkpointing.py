@@ -43,19 +43,19 @@ def test_saved_arguments_are_read_only_from_an_intact_objects_file(tmp_path):
     checksum, the arguments count as unknown, and the load falls back past it."""
     import types
     from deepspeed_ext.format.objects import OBJECTS_FILE
-    from megatron.training.checkpointing import _saved_meta
-    from tests.deepspeed_ext.test_commit import _commit
+    from megatron.training.checkpointing import saved_meta
+    from tests.deepspeed_ext.commit_helpers import commit_two_ranks
     save_dir = str(tmp_path)
-    _commit(save_dir, "global_step5", 5, 1.0,
-            objects={"client_state": {"args": {"num_layers": 2}}})
+    commit_two_ranks(save_dir, "global_step5", 5, 1.0,
+                     objects={"client_state": {"args": {"num_layers": 2}}})
     engine = types.SimpleNamespace(moc=object())
-    assert _saved_meta(engine, save_dir, "global_step5") == {"args": {"num_layers": 2},
-                                                            "world_size": 2}
+    assert saved_meta(engine, save_dir, "global_step5") == {"args": {"num_layers": 2},
+                                                           "world_size": 2}
     path = tmp_path / "global_step5" / OBJECTS_FILE
     text = path.read_text()
     assert '"num_layers": 2' in text
     path.write_text(text.replace('"num_layers": 2', '"num_layers": 7'))  # same size
-    assert _saved_meta(engine, save_dir, "global_step5") == {}
+    assert saved_meta(engine, save_dir, "global_step5") == {}
 
 
 def test_a_baseline_save_names_its_checkpoint_in_latest_only_once_it_is_whole(tmp_path):
@@ -101,9 +101,9 @@ def test_no_load_rng_keeps_the_seeded_state_after_a_moc_load(tmp_path, monkeypat
     import torch
     import torch.distributed as dist
     from megatron.training import checkpointing, recovery
-    from tests.deepspeed_ext.test_commit import _commit
+    from tests.deepspeed_ext.commit_helpers import commit_two_ranks
     save_dir = str(tmp_path / "ckpt")
-    _commit(save_dir, "global_step5", 5, 1.0, objects={"client_state": {"args": {}}})
+    commit_two_ranks(save_dir, "global_step5", 5, 1.0, objects={"client_state": {"args": {}}})
 
     def moc_load(load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True):
         torch.manual_seed(999)  # the saved state, as MoC's load sets it
@@ -141,12 +141,12 @@ def test_a_lost_or_damaged_latest_resumes_from_the_newest_complete_checkpoint(tm
     import torch.distributed as dist
     from deepspeed_ext.format import manifest as mf
     from deepspeed_ext.format import naming
-    from megatron.training.checkpointing import _newest_tag
-    from tests.deepspeed_ext.test_commit import _commit
+    from megatron.training.checkpointing import newest_tag
+    from tests.deepspeed_ext.commit_helpers import commit_two_ranks
     save_dir = str(tmp_path / "ckpt")
     for step in (10, 20):
-        _commit(save_dir, f"global_step{step}", step, float(step),
-                objects={"client_state": {"args": {"num_layers": 2}}})
+        commit_two_ranks(save_dir, f"global_step{step}", step, float(step),
+                         objects={"client_state": {"args": {"num_layers": 2}}})
     (tmp_path / "ckpt" / "global_step30").mkdir()  # a save that never finished
     latest = tmp_path / "ckpt" / naming.LATEST_FILE
     engine = types.SimpleNamespace(moc=object())
@@ -162,11 +162,11 @@ def test_a_lost_or_damaged_latest_resumes_from_the_newest_complete_checkpoint(tm
                 latest.unlink()
             else:
                 latest.write_bytes(content)
-            found[case] = _newest_tag(engine, save_dir)
+            found[case] = newest_tag(engine, save_dir)
         latest.unlink()
         for tag in ("global_step10", "global_step20"):
             os.remove(os.path.join(save_dir, tag, mf.MANIFEST_FILE))
-        found["none complete"] = _newest_tag(engine, save_dir)
+        found["none complete"] = newest_tag(engine, save_dir)
     finally:
         if ours:
             dist.destroy_process_group()
@@ -224,9 +224,9 @@ def test_a_baseline_latest_or_meta_file_is_read_only_up_to_its_cap(tmp_path):
                  '{"args": {}, "pad": "' + " " * ck.META_MAX_BYTES + '"}']:
         meta.write_text(text)
         with pytest.raises(ConfigError, match=META_FILE):
-            ck._saved_meta(engine, str(load), "global_step5")
+            ck.saved_meta(engine, str(load), "global_step5")
     meta.write_text('{"args": {"num_layers": 2}, "world_size": 2}')
-    assert ck._saved_meta(engine, str(load), "global_step5")["world_size"] == 2
+    assert ck.saved_meta(engine, str(load), "global_step5")["world_size"] == 2
 
 
 @pytest.mark.parametrize("client", [None, [], {"iteration": "8"}, {"iteration": 8},
@@ -237,8 +237,8 @@ def test_a_baseline_latest_or_meta_file_is_read_only_up_to_its_cap(tmp_path):
 def test_an_exact_frames_client_state_is_checked_before_its_replay(client):
     """A frame's client_state was indexed after the replay began: a crafted or damaged one
     raised KeyError on one rank. The check runs with the frames, before the ranks agree."""
-    from megatron.training.checkpointing import _check_exact_client_state
+    from megatron.training.checkpointing import check_exact_client_state
     with pytest.raises(ValueError, match="client_state"):
-        _check_exact_client_state(client)
-    _check_exact_client_state({"iteration": 8, "consumed_train_samples": 64,
-                               "opt_param_scheduler": {"num_steps": 8}})
+        check_exact_client_state(client)
+    check_exact_client_state({"iteration": 8, "consumed_train_samples": 64,
+                              "opt_param_scheduler": {"num_steps": 8}})

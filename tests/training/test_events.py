@@ -51,26 +51,26 @@ def test_event_file_default_and_threshold_checks(tmp_path):
 
 
 def test_failure_named_at_a_restart_is_the_newest_since_the_last_recovery():
-    from megatron.training.recovery import _failure
+    from megatron.training.recovery import describe_failure
     crash = {"kind": "fault", "fault": "crash", "rank": 1, "iteration": 6}
     reported = {"kind": "straggler", "rank": 0, "iteration": 9, "action": "report"}
     stopped = dict(reported, action="stop")
-    assert _failure([crash], 2) == "injected crash on rank 1 at iteration 6"
+    assert describe_failure([crash], 2) == "injected crash on rank 1 at iteration 6"
     # recovered from the crash; a straggler that was only reported stopped nothing
-    assert _failure([crash, {"kind": "recovery"}, reported], 2).startswith("unknown")
-    assert _failure([crash, {"kind": "recovery"}, stopped], 2) == \
+    assert describe_failure([crash, {"kind": "recovery"}, reported], 2).startswith("unknown")
+    assert describe_failure([crash, {"kind": "recovery"}, stopped], 2) == \
         "straggler stopped the job on rank 0 at iteration 9"
-    assert _failure([crash, {"kind": "recovery"}], 0) is None  # a planned restart
+    assert describe_failure([crash, {"kind": "recovery"}], 0) is None  # a planned restart
     # a hang before the first iteration names its start-up phase, not "iteration None"
     startup = {"kind": "hang", "rank": 1, "host": "n1", "phase": "process group",
                "iteration": None}
-    assert _failure([startup], 1) == \
+    assert describe_failure([startup], 1) == \
         "hang detected on rank 1 (host n1) in start-up phase 'process group'"
     # faults the run trains through never ended it
     for kind in ("slow", "slow-compute", "persist-crash"):
         through = {"kind": "fault", "fault": kind, "rank": 0, "iteration": 8}
-        assert _failure([crash, through], 1) == "injected crash on rank 1 at iteration 6"
-        assert _failure([through], 1).startswith("unknown")
+        assert describe_failure([crash, through], 1) == "injected crash on rank 1 at iteration 6"
+        assert describe_failure([through], 1).startswith("unknown")
 
 
 def test_restart_count_comes_from_the_flag_before_the_environment(monkeypatch):

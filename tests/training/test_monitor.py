@@ -302,7 +302,7 @@ def test_straggler_action_stop_exits_after_every_rank_acknowledged(monkeypatch):
         exits.append(status)
         raise Exited
 
-    monkeypatch.setattr(monitor, "_exit_now", exit_now)
+    monkeypatch.setattr(monitor, "exit_now", exit_now)
     monkeypatch.setattr(monitor.atexit, "register", lambda f, *a: registered.append(a))
     store.add("moc/ack/straggler", 2)  # the two other ranks detected it already
     dog = Watchdog(store, 0, 3, MonitorConfig(straggler_window=3, straggler_action="stop",
@@ -451,7 +451,7 @@ def test_collective_clock_times_outermost_collectives_and_uninstalls(tmp_path, m
         assert out == [{"x": 1}]
         assert clock.take() == (0.75, 2)
         assert clock.take() == (0.0, 0)
-        nested = clock._wrap(lambda: dist.all_reduce(torch.ones(1)))  # wraps a wrapped call
+        nested = clock.wrap(lambda: dist.all_reduce(torch.ones(1)))  # wraps a wrapped call
         fake = iter([0.0, 2.0]).__next__  # the inner call must not read the clock
         monkeypatch.setattr(monitor.time, "perf_counter", fake)
         nested()
