@@ -53,6 +53,9 @@ class GPTMoEConfig:
     """LayerNorm epsilon (``--layernorm-epsilon``)."""
     seed: int = 1234
     """Seed of the weight init; each tensor is seeded by its global name (``--seed``)."""
+    checkpoint_activations: bool = False
+    """Recompute each transformer layer in the backward pass instead of keeping its
+    activations (``--checkpoint-activations``); the losses and gradients are the same."""
 
     def __post_init__(self):
         if self.ffn_hidden_size == 0:

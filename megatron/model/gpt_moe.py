@@ -13,6 +13,7 @@ from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from megatron.model.config import GPTMoEConfig
@@ -179,8 +180,17 @@ class GPTMoEModel(nn.Module):
         x = self.embedding_dropout(x)
         aux_losses: List[torch.Tensor] = []
         counts: List[torch.Tensor] = []
+        recompute = self.config.checkpoint_activations and self.training and torch.is_grad_enabled()
         for layer in self.layers:
-            x, aux, cnt = layer(x, position_ids)
+            if recompute:
+                # Keeps only the layer's input; the backward pass runs the layer again
+                # with the RNG state of the first run (the same dropout masks and gate
+                # noise), so the gradients are those of the plain forward. An MoE layer's
+                # all-to-alls run again in the recompute, on every rank alike.
+                x, aux, cnt = torch.utils.checkpoint.checkpoint(
+                    layer, x, position_ids, use_reentrant=False, preserve_rng_state=True)
+            else:
+                x, aux, cnt = layer(x, position_ids)
             if aux is not None:
                 aux_losses.append(aux)
                 counts.append(cnt.to(torch.int64))

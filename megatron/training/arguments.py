@@ -16,6 +16,9 @@ from typing import Dict, List, Optional, Sequence
 
 from deepspeed_ext.keeper import SUN_PATH_MAX as UNIX_SOCKET_PATH_MAX
 from megatron.training.errors import ConfigError
+from megatron.training.megatron_compat import (NumExpertsAction, add_megatron_compat_args,
+                                               check_megatron_compat, given_flags,
+                                               infer_tokenizer)
 
 # UNIX_SOCKET_PATH_MAX (107 bytes: ``sockaddr_un.sun_path`` holds 108 with its NUL): a
 # node's keeper listens on :func:`keeper_socket_path`, so ``--moc-shm-dir`` must leave
@@ -64,7 +67,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _add_moe_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("mixture of experts")
-    g.add_argument("--num-experts", type=int, default=1, help="Experts per MoE layer; 1: dense model.")
+    g.add_argument("--num-experts", type=int, nargs="+", default=1, action=NumExpertsAction,
+                   help="Experts per MoE layer; 1: dense model. One count only: PR-MoE's "
+                        "per-layer list is refused.")
     g.add_argument("--moe-expert-parallel-size", type=int, default=1,
                    help="Ranks the experts of a layer are spread over; must divide --num-experts "
                         "and the world size.")
@@ -85,6 +90,16 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--global-batch-size", type=int,
                    help="Samples per optimizer step; default: micro batch x data-parallel size.")
     g.add_argument("--train-iters", type=int, help="Optimizer steps to train for (required).")
+    g.add_argument("--train-tokens", type=int, default=None,
+                   help="Also stop once this many tokens (global batch x sequence length per "
+                        "iteration) are consumed, if that comes before --train-iters.")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="After this many minutes since the start, save (with --save) and exit "
+                        "cleanly; every rank agrees through one all-reduce per iteration.")
+    g.add_argument("--checkpoint-activations", action="store_true",
+                   help="Recompute each transformer layer's activations in the backward pass "
+                        "instead of keeping them (torch.utils.checkpoint): less memory, about "
+                        "one more forward pass of compute.")
     g.add_argument("--seed", type=int, default=1234, help="Seed of init, dropout and data order.")
     g.add_argument("--deterministic", action="store_true",
                    help="Deterministic kernels (torch.use_deterministic_algorithms, cuBLAS "
@@ -98,6 +113,9 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--bf16", action="store_true", help="bfloat16 compute with fp32 master weights.")
     g.add_argument("--fp16", action="store_true", help="float16 compute with dynamic loss scaling.")
     g.add_argument("--loss-scale", type=float, default=0.0, help="fp16 static loss scale; 0: dynamic.")
+    g.add_argument("--hysteresis", type=int, default=2,
+                   help="fp16 dynamic loss scaling: overflows tolerated before the scale drops "
+                        "(DeepSpeed's fp16.hysteresis).")
     g.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2], help="DeepSpeed ZeRO stage.")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                    help="A collective that waits longer fails instead of hanging.")
@@ -111,6 +129,14 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
                    choices=["constant", "linear", "cosine", "inverse-square-root"], help="Decay shape.")
     g.add_argument("--lr-warmup-iters", type=int, default=0, help="Linear warmup steps.")
     g.add_argument("--lr-decay-iters", type=int, help="Decay steps; default: --train-iters.")
+    g.add_argument("--lr-warmup-tokens", type=int, default=None,
+                   help="Linear warmup over this many consumed tokens (instead of "
+                        "--lr-warmup-iters).")
+    g.add_argument("--lr-decay-tokens", type=int, default=None,
+                   help="Decay until this many consumed tokens (instead of --lr-decay-iters).")
+    g.add_argument("--override-opt_param-scheduler", action="store_true",
+                   help="On --load, take the schedule's settings (rates, warmup, decay) from "
+                        "the flags instead of the checkpoint.")
 
 
 def _add_checkpoint_args(p: argparse.ArgumentParser) -> None:
@@ -226,8 +252,10 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--split", default="969,30,1", help="Train,valid,test proportions.")
     g.add_argument("--tokenizer-type", default="ByteLevelTokenizer",
                    help="ByteLevelTokenizer, or GPT2BPETokenizer with --vocab-file and --merge-file.")
-    g.add_argument("--vocab-file", help="Tokenizer vocabulary file.")
-    g.add_argument("--merge-file", help="BPE merges file.")
+    g.add_argument("--vocab-file", help="Tokenizer vocabulary file (GPT-2 vocab.json); without "
+                                        "--tokenizer-type it selects GPT2BPETokenizer.")
+    g.add_argument("--merge-file", help="BPE merges file (GPT-2 merges.txt); without "
+                                        "--tokenizer-type it selects GPT2BPETokenizer.")
     g.add_argument("--data-cache-path", help="Where dataset index caches are written.")
     g.add_argument("--num-workers", type=int, default=0, help="Data loader worker processes.")
 
@@ -239,6 +267,14 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eval-iters", type=int, default=10, help="Batches per evaluation; 0: no evaluation.")
     g.add_argument("--tensorboard-dir", help="Write TensorBoard scalars here (needs `tensorboard`).")
     g.add_argument("--metrics-file", help="Append one JSON line per iteration (rank 0) to this file.")
+    g.add_argument("--tensorboard-queue-size", type=int, default=None,
+                   help="TensorBoard events held before a write (default 100).")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="Also record each iteration's time (train/iteration_time_ms).")
+    g.add_argument("--log-batch-size-to-tensorboard", action="store_true",
+                   help="Also record the global batch size (train/batch_size).")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
+                   help="Also record the validation perplexity (valid/ppl).")
 
 
 def _add_deepspeed_args(p: argparse.ArgumentParser) -> None:
@@ -248,6 +284,8 @@ def _add_deepspeed_args(p: argparse.ArgumentParser) -> None:
                    help="DeepSpeed JSON config; default: built from the flags.")
     g.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
                    help="Set by the launcher.")
+    g.add_argument("--deepspeed-activation-checkpointing", action="store_true",
+                   help="Same as --checkpoint-activations (the recompute is torch's).")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -261,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     from megatron.training.monitor import add_monitor_args
     for add in (_add_model_args, _add_moe_args, _add_training_args, _add_checkpoint_args,
                 _add_moc_args, add_monitor_args, add_fault_args, _add_data_args,
-                _add_logging_args, _add_deepspeed_args):
+                _add_logging_args, _add_deepspeed_args, add_megatron_compat_args):
         add(p)
     return p
 
@@ -334,7 +372,11 @@ def parse_args(argv: Optional[Sequence[str]] = None,
         except ConfigError as e:
             raise ConfigError(f"in {path}: {e}") from None
         yaml_argv += file_argv
-    return parser.parse_args(yaml_argv + argv)
+    args = parser.parse_args(yaml_argv + argv)
+    # What the user set, as opposed to defaults: a --deepspeed_config file may then
+    # provide the rest, and --vocab-file alone selects GPT-2 BPE.
+    args.given_flags = tuple(sorted(set(given_flags(yaml_argv + argv, parser))))
+    return args
 
 
 def _require(args: argparse.Namespace, names: Sequence[str]) -> None:
@@ -597,6 +639,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
             raise ConfigError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     if args.deepspeed_config and not os.path.isfile(args.deepspeed_config):
         raise ConfigError(f"--deepspeed_config: file not found: {args.deepspeed_config}")
+    if args.deepspeed_config:
+        from megatron.training.ds_config import reconcile_with_file
+        reconcile_with_file(args)
+    if args.hysteresis < 1:
+        raise ConfigError(f"--hysteresis must be >= 1, got {args.hysteresis}")
+    check_megatron_compat(args)
+    infer_tokenizer(args)
     if args.moc_pec_k > args.num_experts:
         raise ConfigError(f"--moc-pec-k ({args.moc_pec_k}) exceeds --num-experts ({args.num_experts})")
     if args.moc_two_level and not args.moc_checkpoint:
@@ -644,7 +693,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                           f"({args.moc_k_snapshot})")
     if args.moc_checkpoint and args.zero_stage == 0 and (args.bf16 or args.fp16):
         raise ConfigError("--moc-checkpoint with --bf16/--fp16 needs --zero-stage 1 or 2 "
-                          "(the fp32 master weights live in ZeRO's partitions)")
+                          "(the fp32 master weights live in ZeRO's partitions)"
+                          + (f"; --deepspeed_config {args.deepspeed_config} has ZeRO stage 0 "
+                             "with " + ("fp16" if args.fp16 else "bf16") + ": set "
+                             "zero_optimization.stage to 1 or 2 there"
+                             if args.deepspeed_config else ""))
     if args.tensorboard_dir and importlib.util.find_spec("tensorboard") is None:
         # Checked here, on every rank: failing later on rank 0 alone would leave the
         # other ranks waiting in the first collective.
@@ -694,4 +747,6 @@ def model_config_from_args(args: argparse.Namespace):
         moe_token_dropping=not args.disable_moe_token_dropping, moe_loss_coeff=args.moe_loss_coeff,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std, layernorm_epsilon=args.layernorm_epsilon,
-        seed=args.seed)
+        seed=args.seed,
+        checkpoint_activations=bool(getattr(args, "checkpoint_activations", False)
+                                    or getattr(args, "deepspeed_activation_checkpointing", False)))

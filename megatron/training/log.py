@@ -49,7 +49,8 @@ def eval_log_line(label: str, loss: float) -> str:
 class MetricsWriter:
     """Rank 0's JSON-lines file and TensorBoard writer; a no-op on other ranks."""
 
-    def __init__(self, metrics_file: Optional[str], tensorboard_dir: Optional[str]):
+    def __init__(self, metrics_file: Optional[str], tensorboard_dir: Optional[str],
+                 queue_size: Optional[int] = None):
         self._file = None
         self._tb = None
         if rank() != 0:
@@ -63,7 +64,8 @@ class MetricsWriter:
             except ImportError:
                 raise ConfigError("--tensorboard-dir needs the tensorboard package "
                                   "(pip install tensorboard)") from None
-            self._tb = SummaryWriter(log_dir=tensorboard_dir, max_queue=100)
+            # queue_size: --tensorboard-queue-size, events held before a write.
+            self._tb = SummaryWriter(log_dir=tensorboard_dir, max_queue=queue_size or 100)
 
     def write(self, kind: str, iteration: int, values: Dict) -> None:
         """Record ``values`` (floats and ints) of ``kind`` (``train``/``valid``) at ``iteration``."""

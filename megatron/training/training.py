@@ -10,6 +10,7 @@ optimizer step, and one small all-reduce of the losses.
 import argparse
 import collections
 import functools
+import math
 import os
 import sys
 import time
@@ -171,10 +172,8 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> List[Dict]:
 def setup_model_and_optimizer(args: argparse.Namespace):
     """Build the model, AdamW, the DeepSpeed engine and the LR schedule (all ranks)."""
     import deepspeed
-    from megatron.data._compat import quiet_core_import
     from megatron.lazy_compile import DEEPSPEED_COMPILING_MODULES, import_deferring_compile
-    with quiet_core_import():
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.training.lr_schedule import build_scheduler  # megatron.core's, first
     import_deferring_compile(*DEEPSPEED_COMPILING_MODULES)
     from megatron.model.gpt_moe import GPTMoEModel
     from deepspeed.accelerator import get_accelerator
@@ -190,12 +189,7 @@ def setup_model_and_optimizer(args: argparse.Namespace):
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                            config=build_ds_config(args))
     _check_expert_layout(model, args, ep_rank)
-    scheduler = OptimizerParamScheduler(
-        engine.optimizer, init_lr=0.0 if args.lr_warmup_iters else args.lr, max_lr=args.lr,
-        min_lr=args.min_lr, lr_warmup_steps=args.lr_warmup_iters,
-        lr_decay_steps=args.lr_decay_iters, lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay, end_wd=args.weight_decay, wd_incr_steps=args.train_iters,
-        wd_incr_style="constant")
+    scheduler = build_scheduler(engine.optimizer, args)
     return engine, scheduler
 
 
@@ -293,6 +287,8 @@ def pretrain(args: argparse.Namespace, extra_setup=None) -> TrainResult:
     Raises:
         ConfigError: bad input, raised on every rank before training starts.
     """
+    from megatron.training.stopping import DurationLimit
+    limit = DurationLimit(getattr(args, "exit_duration_in_mins", None))  # counts start-up too
     validate_args(args, int(os.environ.get("WORLD_SIZE", "1")))
     # Start-up and loading are watched like iterations (--moc-monitor): a phase that
     # never ends (a JIT build waiting on a dead builder's lock, a peer that never joins
@@ -355,13 +351,17 @@ def pretrain(args: argparse.Namespace, extra_setup=None) -> TrainResult:
         train_iter, valid_iter = _build_loaders(args, datasets, state)
         if state.rng_state is not None:
             set_rng_state(state.rng_state)
+        from megatron.training.lr_schedule import uses_tokens
+        if uses_tokens(args):  # a checkpoint without the token count: the samples tell it
+            scheduler.step(0, token_num=state.consumed_train_samples * args.seq_length)
     finally:
         startup.stop()  # the loop's heartbeat takes over (or start-up failed)
-    writer = MetricsWriter(args.metrics_file, args.tensorboard_dir)
+    writer = MetricsWriter(args.metrics_file, args.tensorboard_dir,
+                           queue_size=getattr(args, "tensorboard_queue_size", None))
     watch = _Watch(args)
     try:
         return _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
-                           injector, watch, exact)
+                           injector, watch, exact, limit)
     finally:
         watch.stop()
         writer.close()
@@ -527,7 +527,9 @@ def _exact_client_state(state, scheduler) -> Dict:
 
 
 def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
-                injector=None, watch=None, exact=None) -> TrainResult:
+                injector=None, watch=None, exact=None, limit=None) -> TrainResult:
+    from megatron.training.stopping import DurationLimit, train_tokens_reached
+    limit = limit or DurationLimit(None)
     result = TrainResult(iteration=state.iteration, consumed_train_samples=state.consumed_train_samples)
     tokens_per_iter = args.global_batch_size * args.seq_length
     window: List[StepStats] = []
@@ -539,6 +541,8 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
     if getattr(args, "moc_two_level", False) and args.moc_snapshot_interval:
         save_interval = args.moc_snapshot_interval
     print_rank_0(f"[{timestamp()}] training from iteration {state.iteration} to {args.train_iters}"
+                 + (f" or {args.train_tokens} tokens" if getattr(args, "train_tokens", None)
+                    else "")
                  + ("" if args.save else " (no --save: no checkpoints will be written)"))
     if state.recovery is not None:
         writer.write("moc", state.iteration, state.recovery.metrics())
@@ -557,7 +561,8 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
         except MemoryError as e:  # the same on every rank: the figures are all-reduced
             exact.close()  # bad input, not a failure: no keeper and memory left behind
             raise ConfigError(str(e)) from None
-    while state.iteration < args.train_iters:
+    while (state.iteration < args.train_iters
+           and not train_tokens_reached(args, state.consumed_train_samples)):
         if injector is not None:
             injector.before_iteration(state.iteration + 1)
         watch.beat(state.iteration + 1)
@@ -566,7 +571,9 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
             iter_s.append(top - last_top)
         last_top = top
         stats = train_step(engine, train_iter, args)
-        scheduler.step(1)
+        # The tokens consumed once this iteration counts (a token schedule's position).
+        scheduler.step(1, token_num=(state.consumed_train_samples + args.global_batch_size)
+                       * args.seq_length)
         moc = getattr(engine, "moc", None)
         if moc is not None and stats.expert_counts.numel():
             counts = stats.expert_counts.clone()
@@ -584,11 +591,18 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
         skipped_total += int(stats.skipped)
         window.append(stats)
         result.losses.append(stats.lm_loss)
-        writer.write("train", state.iteration, {
+        last = (state.iteration == args.train_iters
+                or train_tokens_reached(args, state.consumed_train_samples))
+        record = {
             "consumed_samples": state.consumed_train_samples, "lm_loss": stats.lm_loss,
             "moe_aux_loss": stats.moe_aux_loss, "grad_norm": stats.grad_norm,
-            "lr": scheduler.optimizer.param_groups[0]["lr"], "skipped": int(stats.skipped)})
-        if state.iteration % args.log_interval == 0 or state.iteration == args.train_iters:
+            "lr": scheduler.optimizer.param_groups[0]["lr"], "skipped": int(stats.skipped)}
+        if getattr(args, "log_batch_size_to_tensorboard", False):
+            record["batch_size"] = args.global_batch_size
+        if getattr(args, "log_timers_to_tensorboard", False):
+            record["iteration_time_ms"] = 1000.0 * (time.perf_counter() - top)
+        writer.write("train", state.iteration, record)
+        if state.iteration % args.log_interval == 0 or last:
             elapsed = time.perf_counter() - window_start - paused
             print_rank_0(training_log_line(state.iteration, args.train_iters, {
                 "consumed_samples": state.consumed_train_samples,
@@ -606,7 +620,10 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
             loss = evaluate(engine, valid_iter, args, on_step=watch.touch)
             result.valid_losses.append(loss)
             print_rank_0(eval_log_line(f"validation loss at iteration {state.iteration}", loss))
-            writer.write("valid", state.iteration, {"lm_loss": loss})
+            valid_record = {"lm_loss": loss}
+            if getattr(args, "log_validation_ppl_to_tensorboard", False):
+                valid_record["ppl"] = math.exp(min(20.0, loss))  # as the log line's PPL
+            writer.write("valid", state.iteration, valid_record)
             paused += time.perf_counter() - began
         if exact is not None:
             try:
@@ -621,13 +638,18 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
             # training lines, and the last one.
             quiet = (save_interval != args.save_interval
                      and state.iteration % args.log_interval != 0
-                     and state.iteration != args.train_iters
+                     and not last
                      and not (args.exit_interval and state.iteration % args.exit_interval == 0))
             began = time.perf_counter()
             watch.touch()
             checkpointing.save_checkpoint(engine, args, scheduler, state, log=not quiet)
             last_saved = state.iteration
             paused += time.perf_counter() - began
+        if limit.expired():  # one all-reduce per iteration, with the flag only
+            print_rank_0(f"> exiting at iteration {state.iteration} after "
+                         f"{limit.elapsed_minutes():.2f} minutes (--exit-duration-in-mins "
+                         f"{args.exit_duration_in_mins:g})")
+            break
         if args.exit_interval and state.iteration % args.exit_interval == 0:
             print_rank_0(f"> exiting at iteration {state.iteration} (--exit-interval {args.exit_interval})")
             break
@@ -647,7 +669,8 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
     ettr = report_ettr(args, state.iteration, iter_s)
     if ettr is not None:
         writer.write("moc", state.iteration, {"ettr": ettr["ettr"]})
-    done = "done" if state.iteration >= args.train_iters else "stopped"
+    done = ("done" if state.iteration >= args.train_iters
+            or train_tokens_reached(args, state.consumed_train_samples) else "stopped")
     print_rank_0(f"[{timestamp()}] training {done} at iteration {state.iteration} "
                  f"({state.consumed_train_samples} samples)")
     result.iteration, result.consumed_train_samples = state.iteration, state.consumed_train_samples

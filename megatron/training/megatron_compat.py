@@ -1,0 +1,128 @@
+"""Megatron-DeepSpeed's flags that restate what this trainer does, and the checks that
+they say nothing else.
+
+Megatron-DeepSpeed's MoE example scripts (``examples_deepspeed/MoE/ds_pretrain_gpt_*``)
+pass flags for features this trainer has in one form only: no tensor or pipeline
+parallelism, memory-mapped indexed datasets, separate MoE parameter groups. They are
+accepted with that value, and any other value is refused here (on every rank, before any
+collective) with a message naming the flag and what is supported. docs/megatron-deepspeed.md
+maps each of their flags to ours.
+"""
+
+import argparse
+from typing import Iterable, Optional, Sequence
+
+from megatron.training.errors import ConfigError
+
+DATA_IMPLS = ("mmap", "infer")
+"""``--data-impl`` values: Megatron-DeepSpeed's choices; both read our memory-mapped
+indexed datasets (``infer`` finds ``mmap``). Older Megatron's ``lazy`` and ``cached``
+are refused by the parser's choices."""
+
+
+class NumExpertsAction(argparse.Action):
+    """``--num-experts N``; Megatron-DeepSpeed's PR-MoE list form (``--num-experts 32 32
+    ... 64``, one count per MoE layer) is refused by name instead of argparse's
+    "unrecognized arguments: 32 32".
+
+    Called by argparse while parsing, on every rank.
+    """
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if len(values) != 1:
+            counts = " ".join(str(v) for v in values)
+            raise ConfigError(f"--num-experts {counts}: PR-MoE (per-layer expert counts) is not "
+                              "supported; give one expert count for every MoE layer")
+        setattr(namespace, self.dest, values[0])
+
+
+def add_megatron_compat_args(p: argparse.ArgumentParser) -> None:
+    """The group of Megatron-DeepSpeed flags accepted with the one value we support."""
+    g = p.add_argument_group("Megatron-DeepSpeed compatibility (accepted with the value "
+                             "this trainer supports)")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="Only 1: no tensor parallelism.")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="Only 1: no pipeline parallelism.")
+    g.add_argument("--no-pipeline-parallel", action="store_true",
+                   help="Accepted: the model is never pipelined.")
+    g.add_argument("--data-impl", default="mmap", choices=DATA_IMPLS,
+                   help="Indexed dataset implementation: memory-mapped (infer finds mmap).")
+    g.add_argument("--create-moe-param-group", action="store_true",
+                   help="Accepted: expert parameters always get their own optimizer groups.")
+
+
+def check_megatron_compat(args: argparse.Namespace) -> None:
+    """Refuse the values of the compatibility flags this trainer does not support.
+
+    Raises:
+        ConfigError: naming the flag, its value and the supported one.
+    """
+    for flag, what in (("tensor_model_parallel_size", "tensor"),
+                       ("pipeline_model_parallel_size", "pipeline")):
+        value = getattr(args, flag, 1)
+        if value != 1:
+            raise ConfigError(f"--{flag.replace('_', '-')} {value}: {what} model parallelism "
+                              "is not supported; only 1 (experts are spread with "
+                              "--moe-expert-parallel-size, the rest is data parallel)")
+    queue = getattr(args, "tensorboard_queue_size", None)
+    if queue is not None and queue < 1:
+        raise ConfigError(f"--tensorboard-queue-size must be >= 1, got {queue}")
+    if getattr(args, "lr_warmup_tokens", None) is not None and args.lr_warmup_iters:
+        raise ConfigError("--lr-warmup-tokens and --lr-warmup-iters both set the warm-up; "
+                          "give one")
+    for name in ("train_tokens", "lr_warmup_tokens", "lr_decay_tokens"):
+        value = getattr(args, name, None)
+        if value is not None and value < (1 if name != "lr_warmup_tokens" else 0):
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= "
+                              f"{1 if name != 'lr_warmup_tokens' else 0}, got {value}")
+    warmup, decay = getattr(args, "lr_warmup_tokens", None), getattr(args, "lr_decay_tokens", None)
+    if warmup is not None and decay is not None and warmup >= decay:
+        raise ConfigError(f"--lr-warmup-tokens ({warmup}) must be smaller than "
+                          f"--lr-decay-tokens ({decay})")
+    minutes = getattr(args, "exit_duration_in_mins", None)
+    if minutes is not None and not minutes > 0:
+        raise ConfigError(f"--exit-duration-in-mins must be > 0, got {minutes:g}")
+
+
+def given_flags(argv: Sequence[str], parser: argparse.ArgumentParser) -> Iterable[str]:
+    """The ``dest`` of every option that ``argv`` (YAML flags included) names: what the
+    user set, as opposed to a default (for the checks against a ``--deepspeed_config``
+    file and the tokenizer inferred from ``--vocab-file``)."""
+    options = {opt: action.dest for action in parser._actions for opt in action.option_strings}
+    for token in argv:
+        if token.startswith("--"):
+            dest = options.get(token.split("=", 1)[0])
+            if dest is not None:
+                yield dest
+
+
+def was_given(args: argparse.Namespace, dest: str) -> bool:
+    """Whether the flag of ``dest`` was on the command line or in a ``--config`` file
+    (False for a namespace not made by ``parse_args``)."""
+    return dest in (getattr(args, "given_flags", None) or ())
+
+
+def infer_tokenizer(args: argparse.Namespace) -> Optional[str]:
+    """Megatron-DeepSpeed's scripts select GPT-2 BPE by passing ``--vocab-file`` and
+    ``--merge-file`` alone: without an explicit ``--tokenizer-type`` they now mean
+    GPT2BPETokenizer (the byte-level default ignored them, and the run failed much later
+    on "token id >= 257"). Sets ``args.tokenizer_type``; returns what it inferred.
+
+    Raises:
+        ConfigError: an explicit ``--tokenizer-type`` that does not read those files.
+    """
+    files = [flag for flag, value in (("--vocab-file", args.vocab_file),
+                                      ("--merge-file", args.merge_file)) if value]
+    if not files:
+        return None
+    if was_given(args, "tokenizer_type"):
+        if args.tokenizer_type == "ByteLevelTokenizer":
+            raise ConfigError(f"{' and '.join(files)} given with --tokenizer-type "
+                              "ByteLevelTokenizer, which reads no files: drop them, or use "
+                              "--tokenizer-type GPT2BPETokenizer")
+        return None
+    if args.tokenizer_type != "GPT2BPETokenizer":
+        args.tokenizer_type = "GPT2BPETokenizer"
+        return args.tokenizer_type
+    return None
