@@ -27,6 +27,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
+from deepspeed_ext.format.image_entry import ImageEntry
+
 
 class JobRefused(ValueError):
     """A job the keeper will not run (the message names the field)."""
@@ -84,31 +86,23 @@ def _strings(value: Any, name: str) -> Tuple[str, ...]:
     return tuple(value)
 
 
-@dataclass(frozen=True)
-class ImageEntry:
-    """One tensor of a slot image: where its bytes lie (``deepspeed_ext.format.image``)."""
+def image_entry_from_json(data: Any, where: str = "entry") -> ImageEntry:
+    """Parse one tensor's :class:`~deepspeed_ext.format.image_entry.ImageEntry` from a
+    job (:meth:`ImageEntry.to_json`'s keys); :class:`JobRefused` names the offending field.
 
-    key: str
-    dtype: str
-    shape: Tuple[int, ...]
-    start: int
-    nbytes: int
-
-    def to_json(self) -> Dict[str, Any]:
-        return {"key": self.key, "dtype": self.dtype, "shape": list(self.shape),
-                "start": self.start, "nbytes": self.nbytes}
-
-    @classmethod
-    def from_json(cls, data: Any, where: str = "entry") -> "ImageEntry":
-        _object(data, where)
-        shape = _field(data, "shape", where)
-        if not isinstance(shape, (list, tuple)):
-            raise JobRefused(f"{where}.shape must be a list of integers, got {shape!r}")
-        return cls(key=_str(_field(data, "key", where), f"{where}.key"),
-                   dtype=_str(_field(data, "dtype", where), f"{where}.dtype"),
-                   shape=tuple(_int(d, f"{where}.shape") for d in shape),
-                   start=_int(_field(data, "start", where), f"{where}.start"),
-                   nbytes=_int(_field(data, "nbytes", where), f"{where}.nbytes"))
+    Called by :meth:`PersistJob.from_json` in the keeper (or in a rank that persists
+    itself) for each entry of a job, and by the training side when it builds a
+    :class:`PersistJob` from a snapshot's recorded layout.
+    """
+    _object(data, where)
+    shape = _field(data, "shape", where)
+    if not isinstance(shape, (list, tuple)):
+        raise JobRefused(f"{where}.shape must be a list of integers, got {shape!r}")
+    return ImageEntry(key=_str(_field(data, "key", where), f"{where}.key"),
+                      dtype=_str(_field(data, "dtype", where), f"{where}.dtype"),
+                      shape=tuple(_int(d, f"{where}.shape") for d in shape),
+                      start=_int(_field(data, "start", where), f"{where}.start"),
+                      nbytes=_int(_field(data, "nbytes", where), f"{where}.nbytes"))
 
 
 LAYOUT_KEYS = ("world_size", "ep_size", "zero_stage", "num_moe_layers", "num_experts")
@@ -259,7 +253,7 @@ class PersistJob:
             raise JobRefused(f"objects_in_file must be true or false, got {objects_in_file!r}")
         return cls(
             image=_str(_field(data, "image", where), "image"),
-            entries=tuple(ImageEntry.from_json(e, f"entries[{i}]") for i, e in enumerate(entries)),
+            entries=tuple(image_entry_from_json(e, f"entries[{i}]") for i, e in enumerate(entries)),
             keys=_strings(keys, "keys") if keys is not None else None,
             specs=tuple(specs),
             save_dir=_str(_field(data, "save_dir", where), "save_dir"),

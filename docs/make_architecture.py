@@ -30,15 +30,15 @@ DOCS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(DOCS)
 
 LAYERS: Tuple[Tuple[str, str], ...] = (
-    ("runtime", "logging, retries, process groups, the snapshot's collective"),
+    ("runtime", "logging, retries, process groups, private directories, node layout"),
     ("policy", "pure decisions: which experts, who writes what, lost tokens, placement"),
-    ("format", "bytes and metadata: files, images, checksums, manifest, typed jobs"),
+    ("format", "bytes and metadata: files, images, checksums, manifest"),
     ("store", "the save directory's life: claims, latest, commit, catalog, reader"),
     ("engine", "what a DeepSpeed engine holds: RNG, device-to-host copies"),
-    ("modes", "two-level snapshots, exact recovery, peers, engine state"),
-    ("facade", "MoCCheckpointer, enable_moc_checkpointing, MoCConfig"),
+    ("keeper", "the node's keeper process, its client, its typed jobs"),
+    ("modes", "the backends: single-level, two-level, exact recovery; their shared session"),
+    ("facade", "MoCCheckpointer, enable_moc_checkpointing"),
     ("tools", "moc-ckpt and moc-plan"),
-    ("keeper", "the node's keeper process that persists snapshots"),
 )
 """Layers, lowest first, with a one-line summary each."""
 
@@ -54,14 +54,13 @@ SUBPACKAGES: Dict[str, str] = {
 
 TOP_LEVEL: Dict[str, str] = {
     "": "facade",  # deepspeed_ext/__init__.py
-    "exchange": "runtime", "groups": "runtime", "hostcopy": "runtime", "memsum": "runtime",
     "node_layout": "runtime", "private_dir": "runtime",
-    "pec": "policy", "plan": "policy", "plt": "policy", "redundancy": "policy",
-    "window": "policy",
-    "jobs": "format",
-    "job_identity": "modes", "two_level": "modes", "exact": "modes", "peers": "modes",
-    "snapshot": "modes", "state": "modes",
-    "checkpointer": "facade", "patch": "facade", "config": "facade",
+    "jobs": "keeper", "job_identity": "keeper",  # the keeper's wire format and run binding
+    "peers": "modes", "snapshot": "modes", "state": "modes",
+    # what the facade's two backends share, and the single-level backend itself: the
+    # two-level mode imports session and storage_load, so they sit in its band
+    "session": "modes", "storage_load": "modes", "single_level": "modes", "config": "modes",
+    "checkpointer": "facade", "patch": "facade",
     "cli": "tools",
 }
 """Module at the package's top level (name after ``deepspeed_ext.``) -> layer."""

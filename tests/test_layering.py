@@ -10,8 +10,10 @@ The layers, lowest first (:data:`LAYERS`): ``runtime`` (the process: logging, re
 process groups, the outcome collectives), ``policy`` (pure plans: PEC, write plans, lost
 tokens, redundancy, exact recovery's windows), ``format`` (a checkpoint's bytes and
 metadata), ``store`` (a save directory's life), ``engine`` (what a DeepSpeed engine holds
-and its host copies), then the rest of the package (the checkpointer, snapshots, the
-keeper, exact recovery's frames, planning, the command line).
+and its host copies), ``keeper`` (the node's keeper process, its client and its typed
+jobs), ``modes`` (the single-level, two-level and exact backends and their shared
+session), ``facade`` (``MoCCheckpointer``, ``enable_moc_checkpointing``) and ``tools``
+(``moc-ckpt``, ``moc-plan``).
 """
 
 import fnmatch
@@ -24,16 +26,28 @@ from tests.launch import REPO
 PACKAGE = "deepspeed_ext"
 
 LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
-    ("runtime", ("deepspeed_ext.runtime", "deepspeed_ext.runtime.*")),
+    ("runtime", ("deepspeed_ext.runtime", "deepspeed_ext.runtime.*",
+                 "deepspeed_ext.private_dir", "deepspeed_ext.node_layout")),
     ("policy", ("deepspeed_ext.policy", "deepspeed_ext.policy.*")),
     ("format", ("deepspeed_ext.format", "deepspeed_ext.format.*")),
     ("store", ("deepspeed_ext.store", "deepspeed_ext.store.*")),
     ("engine", ("deepspeed_ext.engine", "deepspeed_ext.engine.*")),
-    ("top", ("deepspeed_ext", "deepspeed_ext.*")),  # checkpointer, two_level, keeper/, cli, ...
+    # the keeper process, its client and its wire format (the typed jobs, the run id)
+    ("keeper", ("deepspeed_ext.keeper", "deepspeed_ext.keeper.*", "deepspeed_ext.jobs",
+                "deepspeed_ext.job_identity")),
+    # the backends and what they share
+    ("modes", ("deepspeed_ext.two_level", "deepspeed_ext.two_level.*", "deepspeed_ext.exact",
+               "deepspeed_ext.exact.*", "deepspeed_ext.snapshot", "deepspeed_ext.peers",
+               "deepspeed_ext.state", "deepspeed_ext.session", "deepspeed_ext.storage_load",
+               "deepspeed_ext.single_level", "deepspeed_ext.config")),
+    ("facade", ("deepspeed_ext", "deepspeed_ext.checkpointer", "deepspeed_ext.patch")),
+    ("tools", ("deepspeed_ext.cli", "deepspeed_ext.cli.*", "deepspeed_ext.planning",
+               "deepspeed_ext.planning.*")),
 ]
 """Layers, lowest first, as module name patterns; a module is in the first layer one of
 whose patterns it matches. A module may import modules of its own layer and of lower
-ones."""
+ones. Every module must be in one: a new module is placed here (and in
+``docs/make_architecture.py``, whose bands are these; a test below checks they agree)."""
 
 
 def _import_reader():
@@ -167,4 +181,15 @@ def test_the_checker_finds_a_cycle_in_the_top_layer_and_a_lower_module_importing
     graph = import_graph(str(tmp_path))
     assert [m for m in graph if layer_of(m) is None] == []
     assert cycles(graph) == [["deepspeed_ext.checkpointer", "deepspeed_ext.two_level"]]
-    assert upward_imports(graph) == ["deepspeed_ext.runtime.outcomes -> deepspeed_ext.checkpointer"]
+    assert upward_imports(graph) == ["deepspeed_ext.runtime.outcomes -> deepspeed_ext.checkpointer",
+                                     "deepspeed_ext.two_level -> deepspeed_ext.checkpointer"]
+
+
+def test_the_picture_draws_the_layers_this_test_enforces():
+    """docs/make_architecture.py's bands are these layers, in this order, and it puts
+    every module of the package in the band this test does: the picture shows the rule."""
+    drawing = _import_reader()
+    assert [name for name, _ in drawing.LAYERS] == [name for name, _ in LAYERS]
+    misplaced = [(m, drawing.layer_of(m), LAYERS[layer_of(m)][0]) for m in import_graph()
+                 if layer_of(m) is None or drawing.layer_of(m) != LAYERS[layer_of(m)][0]]
+    assert misplaced == []

@@ -286,23 +286,49 @@ def write_bytes(url: str, data) -> None:
         # file and then its directory make it survive a power loss, as a local path's
         # write does (fsspec's own mv syncs neither, and retention deletes the older
         # checkpoints right after a commit).
-        tmp = f"{p}.tmp.{os.getpid()}"
-        try:
-            with open(tmp, "wb") as f:
-                for start in range(0, len(view), WRITE_CHUNK):
-                    f.write(view[start:start + WRITE_CHUNK])
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, p)
-        except BaseException:
-            try:
-                os.remove(tmp)
-            except OSError:
-                pass
-            raise
-        fsync_dir(os.path.dirname(p) or ".")
+        atomic_write_local(p, view)
         return
     _write_chunks(fs, p, view)
+
+
+def atomic_write_local(path: str, data, durable: bool = True) -> None:
+    """Write ``data`` (bytes-like) to the local file ``path`` so that readers see the old
+    file or the whole new one: ``path.tmp.<pid>`` (the temporary name the tag-directory
+    checks know), flushed and fsynced, ``os.replace``-d over ``path``, then the directory
+    fsynced. On an error the temporary file is removed (no stray file on a full disk).
+
+    Plain ``os``, no torch: the keeper copies exact-recovery frames with it before its
+    import of torch is done (seconds; a node lost in the first seconds of a job would
+    take frames with it that storage never got). Called by whichever rank or keeper does
+    the write, never collectively: :func:`deepspeed_ext.format.storage.atomic_write_bytes`
+    for local paths, :func:`write_bytes` for ``file://`` URLs, and the keeper's frame
+    copies (:func:`deepspeed_ext.keeper.persist.persist_frame`).
+
+    Args:
+        durable: fsync the file and the directory. False only for coordination files
+            that need not survive a machine crash.
+
+    Raises:
+        FileNotFoundError: the parent directory is missing (it is never created here).
+    """
+    view = memoryview(data).cast("B")
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            for start in range(0, len(view), WRITE_CHUNK):
+                f.write(view[start:start + WRITE_CHUNK])
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise
+    if durable:
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 def fsync_dir(path: str) -> None:

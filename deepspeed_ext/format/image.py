@@ -28,22 +28,7 @@ from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
 import torch
 
 from deepspeed_ext.format.dtypes import CODES_BY_NAME, dtype_from_name, dtype_name
-
-
-@dataclass(frozen=True)
-class ImageEntry:
-    """Where one tensor lives inside an image."""
-
-    key: str
-    """safetensors key."""
-    dtype: str
-    """dtype name (``float32``)."""
-    shape: Tuple[int, ...]
-    """Tensor shape."""
-    start: int
-    """Byte offset of the tensor's first byte from the start of the image."""
-    nbytes: int
-    """Bytes of tensor data."""
+from deepspeed_ext.format.image_entry import ImageEntry
 
 
 @dataclass(frozen=True)

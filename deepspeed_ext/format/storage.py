@@ -164,7 +164,9 @@ def atomic_write_bytes(path: str, data: bytes, durable: bool = True, *,
     """Write ``data`` to ``path`` so that readers see the old file or the whole new one.
 
     Writes ``path.tmp.<pid>``, flushes and fsyncs it, ``os.replace``-s it over ``path``
-    and fsyncs the directory. The parent directory is created if missing.
+    and fsyncs the directory (:func:`deepspeed_ext.format.fs.atomic_write_local`, which
+    also leaves no stray temp file behind on a failed write: disk full, interrupt). The
+    parent directory is created if missing.
 
     Args:
         durable: fsync the file and the directory. False only for coordination files
@@ -186,21 +188,7 @@ def atomic_write_bytes(path: str, data: bytes, durable: bool = True, *,
     if fs.is_url(path):
         fs.write_bytes(path, data)
         return FileRecord(nbytes=len(data), sha256=hashlib.sha256(data).hexdigest())
-    tmp = _tmp_path(path)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            if durable:
-                os.fsync(f.fileno())
-        if durable:
-            _publish(tmp, path)
-        else:
-            os.replace(tmp, path)
-    except BaseException:
-        # Leave no stray temp file behind on a failed write (disk full, interrupt).
-        _remove_quietly(tmp)
-        raise
+    fs.atomic_write_local(path, data, durable=durable)
     return FileRecord(nbytes=len(data), sha256=hashlib.sha256(data).hexdigest())
 
 

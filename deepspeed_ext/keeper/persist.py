@@ -101,8 +101,11 @@ def persist_frame(job: FrameJob) -> None:
         # The new frame directory's own entry: without this fsync a power cut could lose
         # the directory with the durably written files in it.
         fs.fsync_dir(os.path.dirname(frame_dir))
-    _write_durably(job.dst_data, data)
-    _write_durably(job.dst_marker, marker)
+    # Plain os (fs.atomic_write_local): a frame job must not wait for the keeper's
+    # import of torch (seconds), or a node lost in the first seconds of a job would take
+    # frames with it that storage never got.
+    fs.atomic_write_local(job.dst_data, data)
+    fs.atomic_write_local(job.dst_marker, marker)
     try:
         with open(copied_marker(job.marker), "w"):
             pass
@@ -113,19 +116,6 @@ def persist_frame(job: FrameJob) -> None:
 def copied_marker(marker: str) -> str:
     """The file that says a frame's memory copy (its marker ``marker``) is on storage."""
     return marker[:-len(".json")] + ".copied" if marker.endswith(".json") else marker + ".copied"
-
-
-def _write_durably(path: str, data: bytes) -> None:
-    """Temp file, fsync, rename, fsync the directory; plain ``os`` on purpose: a frame
-    job must not wait for the keeper's import of torch (seconds), or a node lost in
-    the first seconds of a job would take frames with it that storage never got."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fs.fsync_dir(os.path.dirname(path))
 
 
 def run_persist_job(job: Union[Job, Dict[str, Any]], log: Optional[Callable[[str], None]] = None,

@@ -161,9 +161,9 @@ def _inject_restore_failure():
     raises (later ones work), as a rank-local failure in the middle of a recovery."""
     if os.environ.get("MOC_TEST_FAIL_RESTORE_RANK") != str(dist.get_rank()):
         return
-    from deepspeed_ext import checkpointer
-    checkpointer.set_optimizer_scalars = _failing_on_call(
-        checkpointer.set_optimizer_scalars, 1, ValueError("optimizer scalars do not fit (injected)"))
+    from deepspeed_ext import session
+    session.set_optimizer_scalars = _failing_on_call(
+        session.set_optimizer_scalars, 1, ValueError("optimizer scalars do not fit (injected)"))
 
 
 def _inject_describe_failure():
@@ -246,9 +246,9 @@ def _reload_memory(engine, args):
     """Snapshot every step for 3 steps, train 2 more without, then load in the same
     process (the moments exist: the load describes the state once): the state must be
     the step-3 snapshot's again, from memory."""
-    from deepspeed_ext import two_level
+    from deepspeed_ext.two_level import recovery
     if os.environ.get("MOC_TEST_LOAD_EXCHANGE_BYTES"):  # force the exchanges' slow path
-        two_level.LOAD_EXCHANGE_BYTES = int(os.environ["MOC_TEST_LOAD_EXCHANGE_BYTES"])
+        recovery.LOAD_EXCHANGE_BYTES = int(os.environ["MOC_TEST_LOAD_EXCHANGE_BYTES"])
     states = {}
     _train(engine, args, 0, 3, args.save, states)
     engine.moc.two_level.join_copy()
@@ -257,7 +257,7 @@ def _reload_memory(engine, args):
     path, client = engine.moc.load(args.save)
     out.update(loaded=path, client_state=client, load_source=engine.moc.last_load_source,
                restored=_state(engine) == states[3], global_steps=int(engine.global_steps),
-               exchange_capacity=engine.moc.two_level._load_exchanger.capacity)
+               exchange_capacity=engine.moc.two_level.load_exchanger.capacity)
     return out
 
 

@@ -195,19 +195,19 @@ def test_a_window_missing_a_tensor_is_refused_before_the_replay_starts():
     from deepspeed_ext.policy import window as win
     frag = lambda key, n: SimpleNamespace(key=key, length=n)  # noqa: E731
     param = lambda n: SimpleNamespace(numel=lambda: n)  # noqa: E731
-    me = SimpleNamespace(
-        _fragments_by_op=lambda: {"a": [frag("a|fp32", 4)], "b": [frag("b|fp32", 2)]},
-        _params_by_op=lambda: {"a": [("a", param(4))], "b": [("b", param(2))]})
+    index = SimpleNamespace(
+        fragments_by_op=lambda: {"a": [frag("a|fp32", 4)], "b": [frag("b|fp32", 2)]},
+        params_by_op=lambda: {"a": [("a", param(4))], "b": [("b", param(2))]})
     schedule = win.Schedule(2, (("a",), ("b",)))
     good = {10: {"a|fp32": torch.zeros(4), ex.LP_PREFIX + "b": torch.zeros(2)},  # a active, b frozen
             11: {"b|fp32": torch.zeros(2)}}
-    ex.ExactSnapshots._check_window(me, 10, schedule, good)
+    ex.check_window(index, 10, schedule, good)
     missing = {**good, 11: {}}
     with pytest.raises(RuntimeError, match=r"frame 11 lacks b\|fp32"):
-        ex.ExactSnapshots._check_window(me, 10, schedule, missing)
+        ex.check_window(index, 10, schedule, missing)
     resized = {**good, 10: {**good[10], ex.LP_PREFIX + "b": torch.zeros(3)}}
     with pytest.raises(RuntimeError, match="frame 10: lp.b has 3 elements, this rank holds 2"):
-        ex.ExactSnapshots._check_window(me, 10, schedule, resized)
+        ex.check_window(index, 10, schedule, resized)
 
 
 def test_operator_of():
@@ -265,7 +265,7 @@ def test_a_damaged_window_is_retried_from_storage_and_never_replaced_by_scratch(
         while not all(ex.read_marker(str(ckpt), f, r) for f in (4, 5, 6) for r in (0, 1)):
             assert time.monotonic() < deadline, ex.list_frames(str(ckpt))
             time.sleep(0.1)
-        _flip_byte(ex._data(memory, 5, 1))
+        _flip_byte(ex.data_path(memory, 5, 1))
         stored, away = os.path.join(str(ckpt), ex.EXACT_DIR), str(tmp_path / "exact-away")
         os.rename(stored, away)
         in_memory = ex.list_frames(memory)
@@ -308,14 +308,14 @@ def test_a_failed_frame_copy_is_recorded_not_raised_inside_the_step():
     engine.step: a failure (host memory exhausted) must not raise there on one rank while
     the others enter the step's collectives; the window stays incomplete instead."""
     from concurrent.futures import Future
-    snaps = ex.ExactSnapshots.__new__(ex.ExactSnapshots)
-    snaps.rank, snaps.write_error = 1, None
+    writer = ex.FrameWriter(rank=1, world=2, save_dir="unused", memory=None)
     failed = Future()
     failed.set_exception(MemoryError("cannot allocate (injected)"))
-    snaps._copy = failed
-    snaps._join_copy()
-    assert snaps._copy is None
-    assert snaps.write_error == "MemoryError: cannot allocate (injected)"
+    writer.pending_copy = failed
+    writer.join_copy()
+    assert writer.pending_copy is None
+    assert writer.write_error == "MemoryError: cannot allocate (injected)"
+    writer.finish()
 
 
 def test_memory_frames_wait_for_the_keepers_copy_before_they_are_retired(tmp_path, caplog):
@@ -327,25 +327,25 @@ def test_memory_frames_wait_for_the_keepers_copy_before_they_are_retired(tmp_pat
     node, save = str(tmp_path / "node0"), str(tmp_path / "ckpt")
     for f in range(12):
         os.makedirs(ex.frame_dir(node, f))
-        for path in (ex._marker(node, f, 0), ex._data(node, f, 0)):
+        for path in (ex.marker_path(node, f, 0), ex.data_path(node, f, 0)):
             with open(path, "w") as out:
                 out.write("{}")
     for f in (0, 1, 4, 5, 6):  # the keeper's copies, as persist_frame leaves them
-        keeper.persist_frame(FrameJob(data=ex._data(node, f, 0), marker=ex._marker(node, f, 0),
-                                      dst_data=ex._data(save, f, 0),
-                                      dst_marker=ex._marker(save, f, 0), save_dir=save))
+        keeper.persist_frame(FrameJob(data=ex.data_path(node, f, 0), marker=ex.marker_path(node, f, 0),
+                                      dst_data=ex.data_path(save, f, 0),
+                                      dst_marker=ex.marker_path(save, f, 0), save_dir=save))
     assert ex.list_frames(save) == [0, 1, 4, 5, 6]
-    snaps = ex.ExactSnapshots.__new__(ex.ExactSnapshots)
-    snaps.node_dir, snaps.rank, snaps._uncopied_warned = node, 0, False
-    snaps._retire_memory(12, 2)  # W = 2, window [12, 13] being written, [10, 11] before it
+    memory = ex.NodeMemory(rank=0, save_dir=save, log=lambda message: None)
+    memory.node_dir = node
+    memory.retire(12, 2)  # W = 2, window [12, 13] being written, [10, 11] before it
     assert ex.list_frames(node) == [7, 8, 9, 10, 11]
     # The lines go through logging (deepspeed_ext.runtime.log); pytest captures them.
     assert "frame 2 is still not on storage 4 windows later" in caplog.text
     caplog.clear()
     # A frame retired before the keeper got to it: skipped, and the keeper says so.
-    keeper.persist_frame(FrameJob(data=ex._data(node, 3, 0), marker=ex._marker(node, 3, 0),
-                                  dst_data=ex._data(save, 3, 0),
-                                  dst_marker=ex._marker(save, 3, 0), save_dir=save))
+    keeper.persist_frame(FrameJob(data=ex.data_path(node, 3, 0), marker=ex.marker_path(node, 3, 0),
+                                  dst_data=ex.data_path(save, 3, 0),
+                                  dst_marker=ex.marker_path(save, 3, 0), save_dir=save))
     assert "was gone before it reached storage" in caplog.text
     assert 3 not in ex.list_frames(save)
 
@@ -358,10 +358,10 @@ def test_frames_of_an_unusable_window_are_set_aside_not_deleted(tmp_path):
     save = str(tmp_path)
     for f in (4, 5, 6):
         os.makedirs(ex.frame_dir(save, f))
-    snaps = ex.ExactSnapshots.__new__(ex.ExactSnapshots)
-    snaps.rank, snaps.save_dir, snaps._log = 0, save, lambda message: None
-    snaps.failed_window = "window at iteration 4: rank 1: RuntimeError: checksum mismatch"
-    snaps._set_aside_frames()
+    recovery = ex.Recovery(engine=None, index=None, memory=None, rank=0, world=2,
+                           save_dir=save, layout=None, log=lambda message: None)
+    recovery.failed_window = "window at iteration 4: rank 1: RuntimeError: checksum mismatch"
+    recovery.set_aside_frames()
     assert ex.list_frames(save) == []
     aside = [n for n in os.listdir(save) if n.startswith(SET_ASIDE_PREFIX + ex.EXACT_DIR + ".")]
     assert len(aside) == 1
@@ -386,10 +386,8 @@ def test_a_frame_carries_the_fp16_loss_scaler(monkeypatch):
     monkeypatch.setattr(st, "ensure_optimizer_state", lambda engine: None)
     monkeypatch.setattr(st, "set_optimizer_scalars", lambda engine, scalars: None)
     fresh = types.SimpleNamespace(optimizer=types.SimpleNamespace(loss_scaler=Scaler(65536.0, 0)))
-    snaps = ex.ExactSnapshots.__new__(ex.ExactSnapshots)
-    snaps.engine = fresh
-    snaps._restore_objects({"engine": {"global_steps": 40}, "optimizer_scalars": [],
-                            "loss_scaler": saved})
+    ex.restore_objects(fresh, {"engine": {"global_steps": 40}, "optimizer_scalars": [],
+                               "loss_scaler": saved})
     assert st.loss_scaler_state(fresh) == saved and fresh.global_steps == 40
 
 
@@ -413,12 +411,10 @@ def test_a_frame_sets_only_known_non_negative_engine_counters(monkeypatch, field
     monkeypatch.setattr(st, "set_loss_scaler_state", lambda engine, state: None)
     engine = types.SimpleNamespace(optimizer="the optimizer", global_steps=7, global_samples=70,
                                    skipped_steps=0)
-    snaps = ex.ExactSnapshots.__new__(ex.ExactSnapshots)
-    snaps.engine = engine
     with pytest.raises(RuntimeError, match="engine"):
-        snaps._restore_objects({"engine": fields, "optimizer_scalars": []})
+        ex.restore_objects(engine, {"engine": fields, "optimizer_scalars": []})
     assert vars(engine) == {"optimizer": "the optimizer", "global_steps": 7,
                             "global_samples": 70, "skipped_steps": 0} and touched == []
-    snaps._restore_objects({"engine": {"global_steps": 40, "global_samples": 400,
-                                       "skipped_steps": 1}, "optimizer_scalars": []})
+    ex.restore_objects(engine, {"engine": {"global_steps": 40, "global_samples": 400,
+                                           "skipped_steps": 1}, "optimizer_scalars": []})
     assert (engine.global_steps, engine.global_samples, engine.skipped_steps) == (40, 400, 1)

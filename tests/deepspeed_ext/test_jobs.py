@@ -55,7 +55,7 @@ OLDER_JOB = {"image": "/dev/shm/moc/node0/rank00001/slot0.img", "keys": None, "s
                           "nbytes": 16}],
              "save_dir": "/ckpt", "tag": "global_step20", "step": 20, "rank": 1,
              "claim": None, "objects_tree": None, "objects_in_file": True}
-# ExactSnapshots._hand_to_keeper's job of frame 7, rank 1, before these records.
+# NodeMemory.hand_over's job (deepspeed_ext.exact.memory) of frame 7, rank 1, before these records.
 TODAYS_FRAME = {"data": "/dev/shm/moc/node0/exact/frame00000007/rank00001.safetensors",
                 "dst_data": "/ckpt/exact/frame00000007/rank00001.safetensors",
                 "dst_marker": "/ckpt/exact/frame00000007/rank00001.json",

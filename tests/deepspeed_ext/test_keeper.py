@@ -603,3 +603,35 @@ def test_shutting_a_keeper_down_returns_once_its_process_has_exited(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+_FRAME_COPY = r"""
+import json, os, sys
+from deepspeed_ext import keeper
+src, dst = sys.argv[1], sys.argv[2]
+keeper.run_persist_job({"kind": "frame", "data": os.path.join(src, "f.bin"),
+                        "marker": os.path.join(src, "f.json"),
+                        "dst_data": os.path.join(dst, "frames", "f.bin"),
+                        "dst_marker": os.path.join(dst, "frames", "f.json"), "save_dir": dst})
+print(json.dumps(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch."))))
+"""
+
+
+def test_a_frame_is_copied_without_importing_torch(tmp_path):
+    """A frame job must not wait for torch's import (seconds): a node lost in the first
+    seconds of a job would take frames with it that storage never got. The copy
+    (fs.atomic_write_local) and the job's records (jobs, format.image_entry) are
+    torch-free."""
+    src, dst = tmp_path / "mem", tmp_path / "ckpt"
+    src.mkdir()
+    dst.mkdir()
+    (src / "f.bin").write_bytes(b"frame bytes")
+    (src / "f.json").write_text("{}")
+    from tests.launch import REPO
+    run = subprocess.run([sys.executable, "-c", _FRAME_COPY, str(src), str(dst)], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == []
+    assert (dst / "frames" / "f.bin").read_bytes() == b"frame bytes"
+    assert sorted(os.listdir(dst / "frames")) == ["f.bin", "f.json"]  # no temp file left
+    assert os.path.exists(src / "f.copied")

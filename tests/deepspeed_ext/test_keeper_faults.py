@@ -41,6 +41,9 @@ def test_an_armed_keeper_records_the_crash_then_dies_without_the_trainer(tmp_pat
                    keeper_faults.FAULT_KEY_ENV: "persist-crash@5:rank=1"})
     assert run.returncode == -signal.SIGKILL, run.stderr
     assert "persisted 4" in run.stdout and "persisted 6" not in run.stdout
+    # logged, and flushed out of the logger before the SIGKILL
+    assert ("injected persist-crash while persisting iteration 6 "
+            "(--moc-fault persist-crash@5:rank=1)") in run.stdout, run.stdout
     with open(state) as f:
         fired = json.load(f)["fired"]
     assert fired["persist-crash@5:rank=1"]["iteration"] == 6

@@ -8,7 +8,9 @@ import shutil
 import signal
 import time
 
-from tests.deepspeed_ext.test_two_level import _flags, _keeper_pid, _run
+from tests.deepspeed_ext.two_level_runs import flags as _flags
+from tests.deepspeed_ext.two_level_runs import keeper_pid as _keeper_pid
+from tests.deepspeed_ext.two_level_runs import run as _run
 from tests.shm import new_shm_dir, stop_keepers
 
 STEPS = 3
@@ -120,7 +122,7 @@ def test_more_lost_nodes_than_covered_fall_back_to_storage(tmp_path):
 def _replicate_with_fault(tmp_path, shm, env):
     """4 ranks as 2 nodes with one replica, 4 iterations with a snapshot each, under the
     engine worker's fault ``env``; every rank's result."""
-    from tests.deepspeed_ext.test_two_level import WORKER
+    from tests.deepspeed_ext.two_level_runs import WORKER
     from tests.launch import run_ranks
     out = tmp_path / "run"
     out.mkdir()

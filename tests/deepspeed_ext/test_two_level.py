@@ -12,27 +12,12 @@ import time
 import pytest
 
 from deepspeed_ext.job_identity import RUN_ID_FILE
+from tests.deepspeed_ext.two_level_runs import WORKER
+from tests.deepspeed_ext.two_level_runs import flags as _flags
+from tests.deepspeed_ext.two_level_runs import keeper_pid as _keeper_pid
+from tests.deepspeed_ext.two_level_runs import run as _run
 from tests.launch import describe, run_ranks
 from tests.shm import new_shm_dir, stop_keepers
-
-WORKER = "tests/deepspeed_ext/engine_worker.py"
-
-
-def _flags(shm, nproc, ep, extra=()):
-    return ["--moe-expert-parallel-size", str(ep), "--zero-stage", "2",
-            "--global-batch-size", str(2 * nproc), "--moc-checkpoint", "--moc-two-level",
-            "--moc-shm-dir", shm, *extra]
-
-
-def _run(tmp_path, name, nproc, action, flags, env=None, ok=True):
-    out = tmp_path / name
-    out.mkdir()
-    results = run_ranks(nproc, [action, str(out)] + flags, script=WORKER, timeout=300, env=env)
-    if ok:
-        assert all(r.returncode == 0 for r in results), describe(results)
-    missing = [r for r in range(nproc) if not (out / f"rank{r}.json").exists()]
-    assert not missing, f"no result from rank(s) {missing}\n" + describe(results)
-    return [json.load(open(out / f"rank{r}.json")) for r in range(nproc)], results
 
 
 def _crashed_after_3(tmp_path, flags, ckpt, nproc=2):
@@ -43,11 +28,6 @@ def _crashed_after_3(tmp_path, flags, ckpt, nproc=2):
         env={"MOC_TEST_CRASH": "1"}, ok=False)
     assert all(r.returncode == -signal.SIGKILL for r in results), describe(results)
     return first
-
-
-def _keeper_pid(node_dir):
-    from deepspeed_ext.keeper import request
-    return request(node_dir, {"op": "ping"})["pid"]
 
 
 def test_crash_then_recover_from_memory_bitwise(tmp_path):
@@ -511,28 +491,30 @@ def test_a_pending_persist_counts_as_failed_after_the_commit_timeout(tmp_path):
     import types
     from deepspeed_ext.store import prepare
     from deepspeed_ext.store.claims import read_claim
-    from deepspeed_ext.two_level import PendingPersist, TwoLevel
+    from deepspeed_ext.two_level import PendingPersist
+    from deepspeed_ext.two_level.persister import Persister
     tag_dir = prepare.prepare_checkpoint_dir(str(tmp_path), "global_step2")
     pending = PendingPersist(save_dir=str(tmp_path), tag="global_step2", selected=frozenset(),
                              policy_before=None, slot=0, in_process=False,
                              claim=read_claim(tag_dir))
-    two = types.SimpleNamespace(world=2, cfg=types.SimpleNamespace(commit_timeout_s=30.0),
-                                persist=pending)
-    assert TwoLevel._persist_view(two) is None  # running
-    two.persist.started -= 31
-    ok, why = TwoLevel._persist_view(two)
+    place = types.SimpleNamespace(world=2, cfg=types.SimpleNamespace(commit_timeout_s=30.0))
+    persister = Persister(place, handover=None)
+    persister.pending = pending
+    assert persister.persist_view() is None  # running
+    persister.pending.started -= 31
+    ok, why = persister.persist_view()
     assert not ok and why == f"{tag_dir} not committed within 30 s (--moc-commit-timeout)"
 
 
 def test_the_shared_memory_check_adds_up_the_ranks_of_a_node():
     """Every rank of a node fits alone, not together: refused, naming the node and the
     flag; images a previous attempt left (reused) count as already taken."""
-    from deepspeed_ext.two_level import _short_nodes
+    from deepspeed_ext.two_level import short_nodes
     gib = 2**30
     ranks = [(None, 10 * gib, 0, 30 * gib, node, "/dev/shm") for node in (0, 0, 0, 0, 1)]
-    assert _short_nodes(ranks) == [
+    assert short_nodes(ranks) == [
         "node 0: /dev/shm has 30.000 GiB free, its 4 rank(s)' snapshot slots need 40.000 GiB "
         "more (point --moc-shm-dir at a larger shared-memory filesystem, or enlarge it)"]
     reused = [(None, 10 * gib, 4 * gib, 30 * gib, 0, "/dev/shm") for _ in range(4)]
-    assert _short_nodes(reused) == []  # 24 GiB more needed, 30 free
-    assert _short_nodes([(None, gib, 0, None, 0, "/nowhere")]) == []  # unknown: unchecked
+    assert short_nodes(reused) == []  # 24 GiB more needed, 30 free
+    assert short_nodes([(None, gib, 0, None, 0, "/nowhere")]) == []  # unknown: unchecked

@@ -1,0 +1,101 @@
+"""Plain records of two-level checkpointing: this rank's place, the newest snapshot, the
+pending persist, and one snapshot's plan (:mod:`deepspeed_ext.two_level`)."""
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, FrozenSet, List, Optional
+
+from deepspeed_ext.config import MoCConfig
+from deepspeed_ext.session import CheckpointSession
+
+
+@dataclass
+class RankPlace:
+    """Where this rank's two-level state lives; built once by
+    :class:`deepspeed_ext.two_level.mode.TwoLevel` and shared by its collaborators."""
+
+    session: CheckpointSession
+    cfg: MoCConfig
+    rank: int
+    world: int
+    node: int
+    first_of_node: bool
+    node_dir: str
+    """This node's directory under ``--moc-shm-dir`` (the keeper's, and the slots')."""
+    spec: Any
+    """The redundancy spec (:class:`deepspeed_ext.policy.redundancy.RedundancySpec`)."""
+    topo: Any = None
+    """The node topology when redundancy is on (else None)."""
+    num_slots: int = 0
+    run_id: Optional[str] = None
+    """This job's identity, recorded in every snapshot (:mod:`deepspeed_ext.job_identity`)."""
+    copier: Any = None
+    """The device-to-host copier (:class:`deepspeed_ext.engine.hostcopy.HostCopier`)."""
+    slots: Any = None
+    """This rank's snapshot slots (:class:`deepspeed_ext.snapshot.SnapshotSlots`)."""
+    redundancy: Any = None
+    """The peers' redundancy (:class:`deepspeed_ext.peers.PeerRedundancy`), or None."""
+    budget_bytes: int = 0
+    """Shared memory this rank's slots (and what it holds for its peers) may take."""
+
+
+@dataclass
+class NewestSnapshot:
+    """``TwoLevel.last``: the newest snapshot of this rank, as its persist needs it."""
+
+    slot: int
+    meta: Dict[str, Any]
+    """The slot's published metadata (``step``, ``tag``, ``entries``, ``specs``, ...)."""
+    pieces: Any
+    """The write plan's pieces (:func:`deepspeed_ext.policy.plan.build_write_plan`)."""
+    save_dir: str
+    save_latest: bool
+    object_keys: List[str]
+    persisted: bool
+    """Whether a persist of it was asked for (every rank the same)."""
+    rng_state: Any
+    rng_gathered: bool
+    """Whether its objects hold every rank's RNG state (else only this rank's)."""
+
+
+@dataclass
+class PendingPersist:
+    """``TwoLevel.persist``: the last persist requested and not yet seen committed."""
+
+    save_dir: str
+    tag: str
+    selected: FrozenSet
+    """The experts it saves (empty without MoE), unmarked should it fail."""
+    policy_before: Any
+    """The PEC policy's state before this persist marked them."""
+    slot: int
+    in_process: bool
+    """Persisted by this process (its keeper was gone), not by the keeper."""
+    claim: Optional[str]
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class SnapshotPlan:
+    """One snapshot as every rank decided it, before its bytes are copied."""
+
+    save_dir: str
+    tag: str
+    step: int
+    save_latest: bool
+    start: float
+    """``time.perf_counter()`` when the save call began."""
+    want: bool
+    """Due for storage (every ``persist_interval``-th snapshot)."""
+    persist: bool = False
+    """Due and nothing pending: this snapshot is persisted."""
+    rng_state: Any = None
+    rng_states: List = field(default_factory=list)
+    prepared: Any = None
+    """Rank 0's outcome of preparing the persist's directory ``(ok, error, claim)``."""
+    union: Optional[FrozenSet] = None
+    """Experts in the snapshot (None: no MoE)."""
+    persist_sel: FrozenSet = frozenset()
+    """Experts the persist saves."""
+    policy_before: Any = None
+    claim: Optional[str] = None
