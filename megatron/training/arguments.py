@@ -270,11 +270,31 @@ def _add_logging_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensorboard-queue-size", type=int, default=None,
                    help="TensorBoard events held before a write (default 100).")
     g.add_argument("--log-timers-to-tensorboard", action="store_true",
-                   help="Also record each iteration's time (train/iteration_time_ms).")
+                   help="Also record the time per iteration (iteration-time/iteration-time; "
+                        "iteration_time_ms in the metrics file).")
     g.add_argument("--log-batch-size-to-tensorboard", action="store_true",
-                   help="Also record the global batch size (train/batch_size).")
+                   help="Also record the global batch size (batch-size/batch-size; "
+                        "batch_size in the metrics file).")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
-                   help="Also record the validation perplexity (valid/ppl).")
+                   help="Also record the validation perplexity (lm-loss-validation/lm loss "
+                        "validation ppl; ppl in the metrics file).")
+    g.add_argument("--wandb-project", help="Log the TensorBoard scalars to this Weights & "
+                                           "Biases project too (rank 0; needs `wandb`).")
+    g.add_argument("--wandb-exp-name", help="The W&B run's name (with --wandb-project).")
+    g.add_argument("--wandb-save-dir", help="W&B's local directory (with --wandb-project); "
+                                            "default: <save>/wandb.")
+
+
+def _check_wandb(args: argparse.Namespace) -> None:
+    """Every rank: --wandb-project needs wandb (failing later on rank 0 alone would leave the
+    other ranks waiting in the first collective); its companions need it."""
+    for flag, value in (("--wandb-exp-name", args.wandb_exp_name),
+                        ("--wandb-save-dir", args.wandb_save_dir)):
+        if value and not args.wandb_project:
+            raise ConfigError(f"{flag} needs --wandb-project")
+    if args.wandb_project and importlib.util.find_spec("wandb") is None:
+        from megatron.training.wandb_log import MISSING
+        raise ConfigError(MISSING)
 
 
 def _add_deepspeed_args(p: argparse.ArgumentParser) -> None:
@@ -703,6 +723,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         # other ranks waiting in the first collective.
         raise ConfigError("--tensorboard-dir needs the tensorboard package "
                           "(pip install tensorboard, or the project's [tensorboard] extra)")
+    _check_wandb(args)
     for flag, dropout in (("--hidden-dropout", args.hidden_dropout),
                           ("--attention-dropout", args.attention_dropout)):
         if not 0.0 <= dropout < 1.0:

@@ -1,15 +1,16 @@
-"""Megatron-style console lines, a JSON-lines metrics file, and optional TensorBoard."""
+"""Megatron-style console lines, a JSON-lines metrics file, optional TensorBoard and W&B."""
 
 import json
 import math
 import os
 import sys
 import time
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch.distributed as dist
 
 from megatron.training.errors import ConfigError
+from megatron.training.tb_tags import Scalar
 
 
 def rank() -> int:
@@ -28,17 +29,51 @@ def timestamp() -> str:
 
 
 def training_log_line(it: int, train_iters: int, stats: Dict) -> str:
-    """One line in Megatron's layout for the stats averaged over a log interval."""
-    return (f" iteration {it:8d}/{train_iters:8d} |"
+    """One line in Megatron's layout for the stats averaged over a log interval.
+
+    The fields Megatron-DeepSpeed's line also has keep its wording and order (``consumed
+    tokens`` after ``consumed samples``; ``loss scale`` before ``grad norm``; ``actual
+    seqlen``, the skipped and NaN counts, ``samples per second`` and ``tokens per gpu per
+    second (tgs)`` at the end); ``tokens per second`` and ``moe aux loss`` are ours.
+    ``loss scale`` is printed only when ``stats['loss_scale']`` is not None (an optimizer
+    without one), as Megatron-DeepSpeed does; its TFLOPs estimate is not printed (a
+    formula, not a measurement).
+    """
+    line = (f" iteration {it:8d}/{train_iters:8d} |"
             f" consumed samples: {stats['consumed_samples']:12d} |"
+            f" consumed tokens: {stats['consumed_tokens']:12d} |"
             f" elapsed time per iteration (ms): {stats['elapsed_ms']:.1f} |"
             f" tokens per second: {stats['tokens_per_s']:.1f} |"
             f" learning rate: {stats['lr']:.3E} |"
             f" global batch size: {stats['global_batch_size']:5d} |"
             f" lm loss: {stats['lm_loss']:.6E} |"
-            f" moe aux loss: {stats['moe_aux_loss']:.6E} |"
-            f" grad norm: {stats['grad_norm']:.3f} |"
-            f" number of skipped iterations: {stats['skipped']:3d} |")
+            f" moe aux loss: {stats['moe_aux_loss']:.6E} |")
+    if stats.get("loss_scale") is not None:
+        line += f" loss scale: {stats['loss_scale']:.1f} |"
+    return line + (f" grad norm: {stats['grad_norm']:.3f} |"
+                   f" actual seqlen: {stats['seq_length']:5d} |"
+                   f" number of skipped iterations: {stats['skipped']:3d} |"
+                   f" number of nan iterations: {stats['nan']:3d} |"
+                   f" samples per second: {stats['samples_per_s']:.3f} |"
+                   f" tokens per gpu per second (tgs): {stats['tgs']:.3f} |")
+
+
+def throughput(iterations: int, elapsed_s: float, global_batch_size: int, seq_length: int,
+               world_size: int) -> Dict[str, float]:
+    """Samples and tokens per second over ``iterations`` that took ``elapsed_s`` (rank 0).
+
+    ``tgs`` is tokens per second divided by the number of ranks (Megatron-DeepSpeed's
+    "tokens per gpu per second"; one rank per GPU).
+    """
+    elapsed_s = max(elapsed_s, 1e-9)
+    samples = global_batch_size * iterations / elapsed_s
+    tokens = samples * seq_length
+    return {"samples_per_s": samples, "tokens_per_s": tokens, "tgs": tokens / world_size}
+
+
+def is_nan_iteration(skipped: bool, *losses: float) -> bool:
+    """Megatron-DeepSpeed's "nan iteration": a skipped step whose loss is inf or NaN."""
+    return bool(skipped) and not all(math.isfinite(x) for x in losses)
 
 
 def eval_log_line(label: str, loss: float) -> str:
@@ -47,12 +82,18 @@ def eval_log_line(label: str, loss: float) -> str:
 
 
 class MetricsWriter:
-    """Rank 0's JSON-lines file and TensorBoard writer; a no-op on other ranks."""
+    """Rank 0's JSON-lines file, TensorBoard writer and W&B run; a no-op on other ranks.
+
+    The TensorBoard writer is ``torch.utils.tensorboard.SummaryWriter``, imported when
+    ``tensorboard_dir`` is set (tests put a fake ``torch.utils.tensorboard`` module in
+    ``sys.modules``); ``wandb`` is a :class:`megatron.training.wandb_log.WandbWriter` or None.
+    """
 
     def __init__(self, metrics_file: Optional[str], tensorboard_dir: Optional[str],
-                 queue_size: Optional[int] = None):
+                 queue_size: Optional[int] = None, wandb=None):
         self._file = None
         self._tb = None
+        self._wandb = wandb if rank() == 0 else None
         if rank() != 0:
             return
         if metrics_file:
@@ -67,21 +108,39 @@ class MetricsWriter:
             # queue_size: --tensorboard-queue-size, events held before a write.
             self._tb = SummaryWriter(log_dir=tensorboard_dir, max_queue=queue_size or 100)
 
-    def write(self, kind: str, iteration: int, values: Dict) -> None:
-        """Record ``values`` (floats and ints) of ``kind`` (``train``/``valid``) at ``iteration``."""
+    @property
+    def scalars_enabled(self) -> bool:
+        """TensorBoard or W&B is on (rank 0): worth building :mod:`tb_tags` scalars."""
+        return self._tb is not None or self._wandb is not None
+
+    def write(self, kind: str, iteration: int, values: Dict,
+              scalars: Optional[List[Scalar]] = None) -> None:
+        """Record ``values`` (floats and ints) of ``kind`` (``train``/``valid``/``moc``) at
+        ``iteration`` in the metrics file, and ``scalars`` in TensorBoard and W&B; without
+        ``scalars``, each number of ``values`` as ``{kind}/{key}`` (MoC's own, ``moc/...``)."""
         if self._file is not None:
             self._file.write(json.dumps({"kind": kind, "iteration": iteration, **values}) + "\n")
             self._file.flush()
-        if self._tb is not None:
-            for key, value in values.items():
-                if isinstance(value, (int, float)):
-                    self._tb.add_scalar(f"{kind}/{key}", value, iteration)
+        if scalars is None:
+            scalars = [Scalar(f"{kind}/{key}", value, iteration) for key, value in values.items()
+                       if isinstance(value, (int, float))]
+        self.add_scalars(scalars)
+
+    def add_scalars(self, scalars: List[Scalar]) -> None:
+        """Send ``scalars`` to TensorBoard (all but the W&B-only ones) and W&B."""
+        for scalar in scalars:
+            if self._tb is not None and not scalar.wandb_only:
+                self._tb.add_scalar(scalar.tag, scalar.value, scalar.step)
+            if self._wandb is not None:
+                self._wandb.add_scalar(scalar)
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.close()
 
 
 def fatal(message: str) -> None:

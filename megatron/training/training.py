@@ -26,8 +26,11 @@ from megatron.training.arguments import (moc_config_from_args, model_config_from
                                          padded_vocab_size, validate_args)
 from megatron.training.ds_config import build_ds_config
 from megatron.training.errors import ConfigError
-from megatron.training.log import (MetricsWriter, eval_log_line, print_rank_0, timestamp,
-                                   training_log_line)
+from megatron.training.log import (MetricsWriter, eval_log_line, is_nan_iteration,
+                                   print_rank_0, throughput, timestamp, training_log_line)
+from megatron.training.tb_tags import (Position, interval_scalars, training_scalars,
+                                       validation_scalars)
+from megatron.training.wandb_log import open_wandb
 
 
 @dataclass
@@ -45,6 +48,9 @@ class StepStats:
     expert_counts: torch.Tensor
     """Token-to-expert assignments of this rank's micro batches, int64 ``[moe_layers, experts]``,
     on the engine's device."""
+    loss_scale: Optional[float] = None
+    """The optimizer's loss scale after the step; None where it has none (see
+    :func:`optimizer_loss_scale`)."""
 
 
 @dataclass
@@ -209,6 +215,23 @@ def _batch_to_device(batch: Dict, device) -> Dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items() if torch.is_tensor(v)}
 
 
+def optimizer_loss_scale(optimizer) -> Optional[float]:
+    """The DeepSpeed optimizer's current loss scale, or None where it has none.
+
+    Megatron-DeepSpeed logs ``optimizer.cur_scale`` when the attribute exists: ZeRO 1/2's
+    optimizer has it (1.0 without fp16); DeepSpeed's fp16 optimizer of ZeRO stage 0 names
+    it ``loss_scale`` (None without grad scaling); a plain torch optimizer (fp32, stage 0)
+    has neither, and then the log line leaves the field out, as upstream's does.
+    """
+    for name in ("cur_scale", "loss_scale"):
+        value = getattr(optimizer, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if torch.is_tensor(value) and value.numel() == 1:
+            return float(value.item())
+    return None
+
+
 def train_step(engine, data_iterator: Iterator, args: argparse.Namespace) -> StepStats:
     """One optimizer step over ``gradient_accumulation_steps`` micro batches (all ranks).
 
@@ -235,7 +258,7 @@ def train_step(engine, data_iterator: Iterator, args: argparse.Namespace) -> Ste
     grad_norm = float(grad_norm) if grad_norm is not None else 0.0
     skipped = bool(getattr(engine.optimizer, "overflow", False))
     return StepStats(lm_loss=lm, moe_aux_loss=aux, grad_norm=grad_norm, skipped=skipped,
-                     expert_counts=counts)
+                     expert_counts=counts, loss_scale=optimizer_loss_scale(engine.optimizer))
 
 
 @torch.no_grad()
@@ -357,7 +380,8 @@ def pretrain(args: argparse.Namespace, extra_setup=None) -> TrainResult:
     finally:
         startup.stop()  # the loop's heartbeat takes over (or start-up failed)
     writer = MetricsWriter(args.metrics_file, args.tensorboard_dir,
-                           queue_size=getattr(args, "tensorboard_queue_size", None))
+                           queue_size=getattr(args, "tensorboard_queue_size", None),
+                           wandb=open_wandb(args, dist.get_rank()))
     watch = _Watch(args)
     try:
         return _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
@@ -531,11 +555,11 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
     from megatron.training.stopping import DurationLimit, train_tokens_reached
     limit = limit or DurationLimit(None)
     result = TrainResult(iteration=state.iteration, consumed_train_samples=state.consumed_train_samples)
-    tokens_per_iter = args.global_batch_size * args.seq_length
+    world_size = dist.get_world_size()
     window: List[StepStats] = []
     window_start = time.perf_counter()
     paused = 0.0  # evaluation and save time inside the window: not iteration time (Megatron)
-    skipped_total = 0
+    skipped_total = nan_total = 0  # since this process started (Megatron: per interval)
     last_saved = state.iteration if args.load else -1
     save_interval = args.save_interval
     if getattr(args, "moc_two_level", False) and args.moc_snapshot_interval:
@@ -589,6 +613,7 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
         if progress is not None:
             progress(state.iteration)
         skipped_total += int(stats.skipped)
+        nan_total += int(is_nan_iteration(stats.skipped, stats.lm_loss, stats.moe_aux_loss))
         window.append(stats)
         result.losses.append(stats.lm_loss)
         last = (state.iteration == args.train_iters
@@ -601,18 +626,31 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
             record["batch_size"] = args.global_batch_size
         if getattr(args, "log_timers_to_tensorboard", False):
             record["iteration_time_ms"] = 1000.0 * (time.perf_counter() - top)
-        writer.write("train", state.iteration, record)
+        at = Position(state.iteration, state.consumed_train_samples,
+                      state.consumed_train_samples * args.seq_length)
+        losses = {"lm loss": stats.lm_loss, "moe aux loss": stats.moe_aux_loss}
+        writer.write("train", state.iteration, record, scalars=training_scalars(
+            at, losses, record["lr"], stats.grad_norm, args.global_batch_size, args.seq_length,
+            loss_scale=stats.loss_scale, fp16=args.fp16,
+            log_batch_size=getattr(args, "log_batch_size_to_tensorboard", False)))
         if state.iteration % args.log_interval == 0 or last:
             elapsed = time.perf_counter() - window_start - paused
+            rates = throughput(len(window), elapsed, args.global_batch_size, args.seq_length,
+                               world_size)
             print_rank_0(training_log_line(state.iteration, args.train_iters, {
-                "consumed_samples": state.consumed_train_samples,
+                "consumed_samples": state.consumed_train_samples, "consumed_tokens": at.tokens,
                 "elapsed_ms": 1000.0 * elapsed / len(window),
-                "tokens_per_s": tokens_per_iter * len(window) / max(elapsed, 1e-9),
+                "tokens_per_s": rates["tokens_per_s"],
                 "lr": scheduler.optimizer.param_groups[0]["lr"],
                 "global_batch_size": args.global_batch_size,
                 "lm_loss": sum(s.lm_loss for s in window) / len(window),
                 "moe_aux_loss": sum(s.moe_aux_loss for s in window) / len(window),
-                "grad_norm": window[-1].grad_norm, "skipped": skipped_total}))
+                "loss_scale": stats.loss_scale, "grad_norm": window[-1].grad_norm,
+                "seq_length": args.seq_length, "skipped": skipped_total, "nan": nan_total,
+                "samples_per_s": rates["samples_per_s"], "tgs": rates["tgs"]}))
+            writer.add_scalars(interval_scalars(
+                at, losses, elapsed / len(window), rates, world_size,
+                log_timers=getattr(args, "log_timers_to_tensorboard", False)))
             window, window_start, paused = [], time.perf_counter(), 0.0
         if valid_iter is not None and state.iteration % args.eval_interval == 0:
             began = time.perf_counter()
@@ -621,9 +659,13 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
             result.valid_losses.append(loss)
             print_rank_0(eval_log_line(f"validation loss at iteration {state.iteration}", loss))
             valid_record = {"lm_loss": loss}
-            if getattr(args, "log_validation_ppl_to_tensorboard", False):
-                valid_record["ppl"] = math.exp(min(20.0, loss))  # as the log line's PPL
-            writer.write("valid", state.iteration, valid_record)
+            log_ppl = getattr(args, "log_validation_ppl_to_tensorboard", False)
+            ppl = math.exp(min(20.0, loss))  # as the log line's PPL
+            if log_ppl:
+                valid_record["ppl"] = ppl
+            writer.write("valid", state.iteration, valid_record, scalars=validation_scalars(
+                Position(state.iteration, state.consumed_train_samples,
+                         state.consumed_train_samples * args.seq_length), loss, ppl, log_ppl))
             paused += time.perf_counter() - began
         if exact is not None:
             try:

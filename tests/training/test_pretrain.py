@@ -47,8 +47,12 @@ def test_tiny_run_trains_with_expert_parallelism(corpus, tmp_path, nproc):
     assert f"world size {nproc}, expert-parallel {nproc}" in log
     assert " iteration       24/      24 | consumed samples:          192 |" in log
     for field in ("elapsed time per iteration (ms):", "tokens per second:", "learning rate:",
-                  "lm loss:", "moe aux loss:", "grad norm:"):
+                  "lm loss:", "moe aux loss:", "grad norm:", "samples per second:",
+                  "tokens per gpu per second (tgs):"):
         assert field in log
+    # Megatron-DeepSpeed's fields: ZeRO 2 in fp32 has a loss scale of 1.0, as upstream prints
+    assert ("| consumed tokens:         6144 |" in log and "| loss scale: 1.0 |" in log
+            and "| actual seqlen:    32 |" in log and "| number of nan iterations:   0 |" in log)
     assert "validation loss at iteration 12" in log
     assert "iteration" not in results[1].output  # only rank 0 logs
 
