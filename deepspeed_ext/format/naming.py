@@ -7,6 +7,9 @@ from typing import Optional, Tuple
 LATEST_FILE = "latest"
 """``<save_dir>/latest``: the tag of the newest complete checkpoint (written by
 :mod:`deepspeed_ext.store.latest`); reserved here because no tag may be named so."""
+ITERATION_FILE = "latest_checkpointed_iteration.txt"
+"""``<save_dir>/latest_checkpointed_iteration.txt``: the step of the checkpoint ``latest``
+names, as Megatron-DeepSpeed writes it (its tools read it); written after ``latest``."""
 
 
 def tensor_key(name: str, kind: str) -> str:

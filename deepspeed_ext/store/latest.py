@@ -1,17 +1,20 @@
 """``<save_dir>/latest`` and the job-attempt record: which checkpoint a restart loads,
 and how committers that outlive their attempt are kept from moving it over later work."""
 
+import logging
 import os
 from typing import Optional, Tuple
 
 from deepspeed_ext.format import fs
 from deepspeed_ext.format.errors import CheckpointError
 from deepspeed_ext.format.manifest import MANIFEST_FILE, Manifest, read_manifest
-from deepspeed_ext.format.naming import LATEST_FILE, check_tag
+from deepspeed_ext.format.naming import ITERATION_FILE, LATEST_FILE, check_tag
 from deepspeed_ext.format.storage import (SMALL_RECORD_MAX_BYTES, atomic_write_json,
                                           atomic_write_text, ensure_dir, read_json)
 from deepspeed_ext.store.catalog import scan_checkpoints
 from deepspeed_ext.store.locking import locked_dir
+
+logger = logging.getLogger(__name__)
 
 LATEST_MAX_BYTES = SMALL_RECORD_MAX_BYTES
 """Largest ``latest`` read (it holds one tag): one linked to /dev/zero was read forever."""
@@ -23,8 +26,12 @@ ATTEMPT_MAX_BYTES = SMALL_RECORD_MAX_BYTES
 """Largest :data:`ATTEMPT_FILE` read (it holds one number)."""
 
 
-def update_latest(save_dir: str, tag: str) -> None:
-    """Point ``<save_dir>/latest`` at ``tag`` atomically (rank 0, after write_manifest).
+def update_latest(save_dir: str, tag: str, step: Optional[int] = None) -> None:
+    """Point ``<save_dir>/latest`` at ``tag`` atomically (rank 0, after write_manifest),
+    then write its step into :data:`~deepspeed_ext.format.naming.ITERATION_FILE`.
+
+    Args:
+        step: the step of ``tag``; None: read from its manifest.
 
     Raises:
         ValueError: ``tag`` has no manifest yet; ``latest`` must only name complete
@@ -35,6 +42,25 @@ def update_latest(save_dir: str, tag: str) -> None:
         raise ValueError(f"{os.path.join(save_dir, tag)} has no {MANIFEST_FILE}; write it "
                          f"before pointing {LATEST_FILE} at it")
     atomic_write_text(os.path.join(save_dir, LATEST_FILE), tag)
+    write_iteration_file(save_dir, tag, step)
+
+
+def write_iteration_file(save_dir: str, tag: str, step: Optional[int] = None) -> None:
+    """Rank 0 (or a committer), right after ``latest`` named ``tag``: write its step into
+    :data:`~deepspeed_ext.format.naming.ITERATION_FILE` atomically, as Megatron-DeepSpeed
+    does. Only ever after ``latest``, so it never names a step without a manifest.
+
+    A failure is a warning: the file is for other tools, ``latest`` already counts, and
+    failing the commit for it would stop a run whose checkpoint is whole.
+    """
+    path = os.path.join(save_dir, ITERATION_FILE)
+    try:
+        if step is None:
+            step = read_manifest(os.path.join(save_dir, tag)).step
+        atomic_write_text(path, f"{int(step)}")
+    except (OSError, CheckpointError) as err:
+        logger.warning("cannot write %s (%s: %s); %s names %s", path, type(err).__name__,
+                       err, LATEST_FILE, tag)
 
 
 def advance_latest(save_dir: str, tag: str, attempt_started: Optional[float],
@@ -81,7 +107,7 @@ def advance_latest(save_dir: str, tag: str, attempt_started: Optional[float],
             if theirs is not None and _committed_later(theirs, attempt_started, step):
                 return (f"latest stays at {current}, committed by a later attempt of the job "
                         f"or later in the same attempt")
-        update_latest(save_dir, tag)
+        update_latest(save_dir, tag, step)
         return None
 
 
@@ -123,8 +149,9 @@ def _roll_latest_forward(save_dir: str) -> Optional[str]:
                 continue
     if not later:
         return None
-    update_latest(save_dir, later[-1][1])
-    return later[-1][1]
+    step, tag = later[-1]
+    update_latest(save_dir, tag, step)
+    return tag
 
 
 def later_attempt_started(save_dir: str, attempt_started: Optional[float]) -> bool:

@@ -9,7 +9,7 @@ from typing import List, Optional, Sequence, Tuple
 from deepspeed_ext.format import fs
 from deepspeed_ext.format.errors import CheckpointError
 from deepspeed_ext.format.manifest import MANIFEST_FILE, read_manifest
-from deepspeed_ext.format.naming import LATEST_FILE, check_tag
+from deepspeed_ext.format.naming import ITERATION_FILE, LATEST_FILE, check_tag
 from deepspeed_ext.format.fs import fsync_dir
 from deepspeed_ext.format.storage import ensure_dir
 from deepspeed_ext.store.catalog import scan_checkpoints
@@ -105,6 +105,8 @@ def _move_latest_off(save_dir: str, doomed: Sequence[str], keep: Optional[str],
         # before this run's first commit would otherwise find `latest` naming a
         # checkpoint that is gone, and load nothing at all.
         fs.remove(os.path.join(save_dir, LATEST_FILE))
+        if fs.exists(os.path.join(save_dir, ITERATION_FILE)):
+            fs.remove(os.path.join(save_dir, ITERATION_FILE))  # it named the same step
         fsync_dir(save_dir)
 
 

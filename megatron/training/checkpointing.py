@@ -21,6 +21,7 @@ import torch.distributed as dist
 from deepspeed_ext.engine.rng import get_rng_state, set_rng_state
 from deepspeed_ext.format import fs
 from deepspeed_ext.format.errors import CheckpointError
+from deepspeed_ext.format.naming import ITERATION_FILE
 from deepspeed_ext.format.storage import (SMALL_RECORD_MAX_BYTES, atomic_write_json,
                                           atomic_write_text, read_json)
 from deepspeed_ext.runtime.groups import metadata_group
@@ -35,6 +36,11 @@ META_MAX_BYTES = 16 << 20
 LATEST_FILE = "latest"
 LATEST_MAX_BYTES = SMALL_RECORD_MAX_BYTES
 """Largest DeepSpeed ``latest`` read (one tag): one linked to /dev/zero was read forever."""
+DEEPSPEED_MODEL_FILE = "mp_rank_00_model_states.pt"
+"""The file every DeepSpeed-format checkpoint (ours, Megatron-DeepSpeed's) has in its tag."""
+DEEPSPEED_FORMAT = "deepspeed"
+"""``meta["format"]`` of :func:`newest_tag` when ``--moc-checkpoint`` resumes from a
+DeepSpeed-format checkpoint (bringing a run over)."""
 
 
 @dataclass
@@ -64,6 +70,23 @@ def args_to_dict(args: argparse.Namespace) -> Dict:
             if isinstance(v, (int, float, str, bool, list, type(None)))}
 
 
+def checkpoint_args(args: argparse.Namespace, state: "ResumeState") -> argparse.Namespace:
+    """The arguments a baseline checkpoint stores under ``args``: a Namespace, as
+    Megatron-DeepSpeed stores them (its tools read attributes, e.g.
+    ``checkpoint_args.tensor_model_parallel_size``; a dict raised AttributeError there),
+    holding the JSON-serialisable arguments plus the fields those tools read that this
+    trainer fixes (tensor/pipeline parallel size 1) or tracks elsewhere (consumed samples,
+    iteration)."""
+    saved = argparse.Namespace(**args_to_dict(args))
+    for name, value in (("tensor_model_parallel_size", 1), ("pipeline_model_parallel_size", 1),
+                        ("consumed_valid_samples", 0)):
+        if getattr(saved, name, None) is None:
+            setattr(saved, name, value)
+    saved.consumed_train_samples = state.consumed_train_samples
+    saved.iteration = state.iteration
+    return saved
+
+
 def save_checkpoint(engine, args: argparse.Namespace, scheduler, state: ResumeState,
                     log: bool = True) -> str:
     """Save through ``engine.save_checkpoint``; all ranks call it. Returns the tag.
@@ -87,9 +110,11 @@ def save_checkpoint(engine, args: argparse.Namespace, scheduler, state: ResumeSt
     client_state = {"iteration": state.iteration,
                     "consumed_train_samples": state.consumed_train_samples,
                     "opt_param_scheduler": scheduler.state_dict(),
-                    "rng_states": rng_states,
-                    "args": args_to_dict(args)}
+                    "rng_states": rng_states}
     moc = getattr(engine, "moc", None) is not None
+    # MoC keeps the arguments as JSON (objects.json): a dict there, a Namespace in a
+    # DeepSpeed checkpoint (what Megatron-DeepSpeed's tools read).
+    client_state["args"] = args_to_dict(args) if moc else checkpoint_args(args, state)
     engine.save_checkpoint(args.save, tag=tag, client_state=client_state, save_latest=moc)
     if moc:
         # MoC's manifest already makes the save atomic and holds the arguments (in the
@@ -110,6 +135,8 @@ def save_checkpoint(engine, args: argparse.Namespace, scheduler, state: ResumeSt
             "iteration": state.iteration, "consumed_train_samples": state.consumed_train_samples,
             "world_size": dist.get_world_size(), "args": args_to_dict(args)})
         atomic_write_text(os.path.join(args.save, LATEST_FILE), tag)  # the checkpoint is whole
+        # Megatron-DeepSpeed's tools read it; only after `latest`, so it never runs ahead.
+        atomic_write_text(os.path.join(args.save, ITERATION_FILE), str(state.iteration))
     broadcast_outcome(finish, f"saving {os.path.join(args.save, tag)}")  # rank 0's failure: all
     print_rank_0(f"[{time.strftime('%H:%M:%S')}] saved checkpoint at iteration {state.iteration:7d} "
                  f"to {args.save}/{tag} in {time.perf_counter() - start:.2f} s")
@@ -211,10 +238,12 @@ def newest_tag(engine, load_dir: Optional[str]) -> Tuple[Optional[str], Dict]:
     if dist.get_rank() == 0:
         try:
             tag = None
+            moc = getattr(engine, "moc", None) is not None
             if load_dir and fs.isdir(load_dir):
-                tag = (_moc_newest_tag(load_dir) if getattr(engine, "moc", None) is not None
-                       else find_latest_tag(load_dir))
+                tag = _moc_newest_tag(load_dir) if moc else find_latest_tag(load_dir)
             meta = saved_meta(engine, load_dir, tag) if tag is not None else {}
+            if moc and tag is None and load_dir and fs.isdir(load_dir):
+                tag, meta = _deepspeed_tag(load_dir)
             outcome = [("ok", tag, meta)]
         except ConfigError as e:
             outcome = [("config", str(e), None)]
@@ -231,6 +260,24 @@ def newest_tag(engine, load_dir: Optional[str]) -> Tuple[Optional[str], Dict]:
     return value, meta
 
 
+def _deepspeed_tag(load_dir: str) -> Tuple[Optional[str], Dict]:
+    """Rank 0, ``--moc-checkpoint`` finding no MoC checkpoint: the tag of a DeepSpeed-format
+    checkpoint ``latest`` names (ours from a baseline run, or Megatron-DeepSpeed's) and
+    its meta, marked ``format: deepspeed``; ``(None, {})`` when there is none.
+
+    Without it, a run brought over with ``--moc-checkpoint --load`` started from scratch.
+    Megatron-DeepSpeed's checkpoints have no ``megatron_meta.json``: their settings are
+    then unchecked here (DeepSpeed's load stops at a mismatching tensor's shape).
+    """
+    tag = find_latest_tag(load_dir)
+    if tag is None or not fs.isfile(os.path.join(load_dir, tag, DEEPSPEED_MODEL_FILE)):
+        return None, {}
+    meta = {}
+    if fs.isfile(os.path.join(load_dir, tag, META_FILE)):
+        meta = _baseline_meta(os.path.join(load_dir, tag))
+    return tag, dict(meta, format=DEEPSPEED_FORMAT)
+
+
 def check_compatible(meta: Dict, args: argparse.Namespace, path: str) -> None:
     """Stop with the first model setting that differs between a checkpoint and this run.
 
@@ -244,7 +291,7 @@ def check_compatible(meta: Dict, args: argparse.Namespace, path: str) -> None:
             raise ConfigError(f"checkpoint {path} was saved with --{flag} {saved[name]} but this "
                               f"run has --{flag} {getattr(args, name, None)}; use the same setting "
                               "or another --load directory")
-    if getattr(args, "moc_checkpoint", False):
+    if getattr(args, "moc_checkpoint", False) and meta.get("format") != DEEPSPEED_FORMAT:
         return  # MoC checkpoints load on any layout
     if saved.get("moe_expert_parallel_size", args.moe_expert_parallel_size) != args.moe_expert_parallel_size \
             or meta.get("world_size", dist.get_world_size()) != dist.get_world_size():
@@ -280,6 +327,11 @@ def saved_meta(engine, load_dir: str, tag: str) -> Dict:
             print_rank_0(f"WARNING: cannot read the arguments of {path}: {e}")
             return {}
         return {"args": objects.get("client_state", {}).get("args", {}), "world_size": world}
+    return _baseline_meta(path)
+
+
+def _baseline_meta(path: str) -> Dict:
+    """Rank 0: ``megatron_meta.json`` of the DeepSpeed-format checkpoint at ``path``."""
     meta_path = os.path.join(path, META_FILE)
     if not os.path.isfile(meta_path):
         raise ConfigError(f"--load: {meta_path} is missing: {path} is not a complete checkpoint "
@@ -375,7 +427,10 @@ def load_checkpoint(engine, args: argparse.Namespace, scheduler, exact=None) -> 
 
     An empty or missing directory starts from scratch with a log line. With ``exact``
     (:class:`deepspeed_ext.exact.ExactSnapshots`) a newer complete window of frames
-    wins over the checkpoint: training resumes at its start and replays it.
+    wins over the checkpoint: training resumes at its start and replays it. With
+    ``--moc-checkpoint`` and no MoC checkpoint under ``--load``, a DeepSpeed-format one
+    (a baseline run's, or Megatron-DeepSpeed's) is loaded through DeepSpeed's own load
+    (:func:`_deepspeed_tag`); the next save writes a MoC checkpoint holding every expert.
 
     Raises:
         ConfigError: the checkpoint's model settings differ from this run's, or its
@@ -396,40 +451,84 @@ def load_checkpoint(engine, args: argparse.Namespace, scheduler, exact=None) -> 
         check_compatible(meta, args, path)  # the same meta everywhere: all ranks or none raise
     start = time.perf_counter()
     seeded = get_rng_state() if args.no_load_rng else None
-    load_path, client_state = engine.load_checkpoint(
-        # MoC picks the newest *valid* checkpoint itself (falling back past a corrupt one).
-        load_dir, tag=None if getattr(args, "moc_checkpoint", False) else tag,
-        load_optimizer_states=not args.no_load_optim, load_lr_scheduler_states=False)
+    imported = meta.get("format") == DEEPSPEED_FORMAT
+    load_path = client_state = None
+    if not imported or two_level:  # two-level: newer snapshots in memory win over the import
+        load_path, client_state = engine.load_checkpoint(
+            # MoC picks the newest *valid* checkpoint itself (falling back past a corrupt one).
+            load_dir, tag=None if getattr(args, "moc_checkpoint", False) else tag,
+            load_optimizer_states=not args.no_load_optim, load_lr_scheduler_states=False)
+        imported = imported and load_path is None
+    if imported:
+        print_rank_0(f"> loading a DeepSpeed checkpoint {path} (no MoC checkpoint in --load "
+                     f"{load_dir}); the next save writes a MoC checkpoint")
+        load_path, client_state = engine.deepspeed_load_checkpoint(
+            load_dir, tag=tag, load_optimizer_states=not args.no_load_optim,
+            load_lr_scheduler_states=False)
     if load_path is None and tag is None:
         print_rank_0(f"> no checkpoint found at --load {load_dir} nor in memory: starting "
                      f"from scratch")
         return ResumeState()
     if load_path is None:
         raise ConfigError(f"--load: could not load {path}")
-    path = load_path
-    scheduler.load_state_dict(client_state["opt_param_scheduler"])
-    rng_states = client_state.get("rng_states") or []
-    rng_state = None
+    fields = resume_fields(client_state)
+    scheduler.load_state_dict(fields["opt_param_scheduler"])
+    state = ResumeState(iteration=fields["iteration"],
+                        consumed_train_samples=fields["consumed_train_samples"],
+                        rng_state=_resumed_rng_state(engine, args, fields["rng_states"], seeded))
+    load_s = time.perf_counter() - start
+    print_rank_0(f"> loaded checkpoint {load_path} at iteration {state.iteration} "
+                 f"({state.consumed_train_samples} consumed samples) in {load_s:.2f} s")
+    if getattr(engine, "moc", None) is not None and not imported:
+        from megatron.training.recovery import account_recovery
+        state.recovery = account_recovery(engine, args, state.iteration, load_s)
+    return state
+
+
+def resume_fields(client_state: Dict) -> Dict:
+    """What a load resumes from in a checkpoint's ``client_state``: ``iteration``,
+    ``consumed_train_samples``, ``opt_param_scheduler`` and ``rng_states`` (one per rank,
+    :func:`deepspeed_ext.engine.rng.get_rng_state`'s form, or None).
+
+    Called by :func:`load_checkpoint` on every rank after the engine's load (no
+    collective); tests call it directly. Reads ours (MoC's or a baseline run's, whose
+    ``args`` is a dict in older checkpoints and a Namespace now: neither is read here)
+    and Megatron-DeepSpeed's (the scheduler under ``lr_scheduler`` in older versions,
+    consumed samples in ``args``, per-rank RNG states under ``rng_state``).
+    """
+    saved_args = client_state.get("args")
+    consumed = client_state.get("consumed_train_samples")
+    if consumed is None:  # Megatron-DeepSpeed: args.consumed_train_samples
+        consumed = (saved_args.get("consumed_train_samples", 0) if isinstance(saved_args, dict)
+                    else getattr(saved_args, "consumed_train_samples", 0))
+    scheduler = client_state.get("opt_param_scheduler", client_state.get("lr_scheduler"))
+    if not isinstance(scheduler, dict):
+        raise ConfigError("--load: the checkpoint holds no LR scheduler state "
+                          "(opt_param_scheduler or lr_scheduler)")
+    rng_states = client_state.get("rng_states")
+    if rng_states is None and isinstance(client_state.get("rng_state"), list):
+        rng_states = [{"python": r.get("random_rng_state"), "numpy": r.get("np_rng_state"),
+                       "torch": r.get("torch_rng_state"), "cuda": r.get("cuda_rng_state")}
+                      for r in client_state["rng_state"]]
+    return {"iteration": int(client_state["iteration"]),
+            "consumed_train_samples": int(consumed or 0),
+            "opt_param_scheduler": scheduler, "rng_states": rng_states}
+
+
+def _resumed_rng_state(engine, args, rng_states, seeded) -> Optional[Dict]:
+    """Every rank, after the engine's load: the RNG state training resumes with (None:
+    keep the current one)."""
     if seeded is not None:
         # MoC's load restores the saved states (also those of a damaged checkpoint it
         # fell back past, on some ranks): --no-load-rng undoes whatever it did.
         set_rng_state(seeded)
-    if not args.no_load_rng and client_state.get("rng_states") is None \
-            and getattr(engine, "moc", None) is not None and engine.moc.rng_restored:
-        rng_state = get_rng_state()  # MoC has just restored this rank's saved state
-    elif not args.no_load_rng:
-        if len(rng_states) == dist.get_world_size():
-            rng_state = rng_states[dist.get_rank()]
-        else:
-            print_rank_0(f"WARNING: checkpoint holds {len(rng_states)} RNG states for "
-                         f"{dist.get_world_size()} ranks; RNG states not restored")
-    state = ResumeState(iteration=int(client_state["iteration"]),
-                        consumed_train_samples=int(client_state["consumed_train_samples"]),
-                        rng_state=rng_state)
-    load_s = time.perf_counter() - start
-    print_rank_0(f"> loaded checkpoint {path} at iteration {state.iteration} "
-                 f"({state.consumed_train_samples} consumed samples) in {load_s:.2f} s")
-    if getattr(engine, "moc", None) is not None:
-        from megatron.training.recovery import account_recovery
-        state.recovery = account_recovery(engine, args, state.iteration, load_s)
-    return state
+    if args.no_load_rng:
+        return None
+    if rng_states is None and getattr(engine, "moc", None) is not None and engine.moc.rng_restored:
+        return get_rng_state()  # MoC has just restored this rank's saved state
+    rng_states = rng_states or []
+    if len(rng_states) == dist.get_world_size():
+        return rng_states[dist.get_rank()]
+    print_rank_0(f"WARNING: checkpoint holds {len(rng_states)} RNG states for "
+                 f"{dist.get_world_size()} ranks; RNG states not restored")
+    return None

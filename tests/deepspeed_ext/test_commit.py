@@ -191,6 +191,28 @@ def test_latest_is_not_moved_over_a_later_attempts_checkpoint(tmp_path):
     assert latest.read_latest(save_dir) == "global_step5"
 
 
+def test_latest_checkpointed_iteration_follows_latest_and_only_it(tmp_path):
+    """Megatron-DeepSpeed's ``latest_checkpointed_iteration.txt`` names the step of the
+    checkpoint ``latest`` names: written after it, never for a commit that leaves
+    ``latest`` alone, never for a tag without a manifest."""
+    import pytest
+    from deepspeed_ext.format.naming import ITERATION_FILE
+    from deepspeed_ext.store import latest
+    save_dir = str(tmp_path)
+    iteration = tmp_path / ITERATION_FILE
+    assert commit_two_ranks(save_dir, "global_step30", 30, 3.0, attempt_started=200.0) == []
+    assert iteration.read_text() == "30"
+    commit_two_ranks(save_dir, "global_step20", 20, 2.0, attempt_started=100.0)  # late, older
+    assert latest.read_latest(save_dir) == "global_step30" and iteration.read_text() == "30"
+    (tmp_path / "global_step50").mkdir()
+    with pytest.raises(ValueError, match="has no"):
+        latest.update_latest(save_dir, "global_step50")
+    assert iteration.read_text() == "30"
+    latest.update_latest(save_dir, "global_step20")  # the step read from its manifest
+    assert iteration.read_text() == "20"
+    assert [p.name for p in tmp_path.iterdir() if ITERATION_FILE in p.name] == [ITERATION_FILE]
+
+
 def test_a_late_commit_of_an_earlier_step_of_the_same_attempt_keeps_latest(tmp_path):
     """The training side starts the next persist once a manifest exists, while that
     commit still writes ``latest``: a commit of step 20 finishing after step 30's must
@@ -215,12 +237,12 @@ def test_committers_of_one_process_take_turns_on_a_url(tmp_path, monkeypatch):
     inside, overlapped = [], []
     real = latest.update_latest
 
-    def slow_update(save_dir, tag):
+    def slow_update(save_dir, tag, step=None):
         inside.append(tag)
         if len(inside) > 1:
             overlapped.append(tag)
         time.sleep(0.2)
-        real(save_dir, tag)
+        real(save_dir, tag, step)
         inside.remove(tag)
 
     for step in (10, 20):

@@ -66,10 +66,11 @@ def test_a_baseline_save_names_its_checkpoint_in_latest_only_once_it_is_whole(tm
     import types
     import torch.distributed as dist
     from megatron.training.checkpointing import LATEST_FILE, ResumeState, save_checkpoint
-    calls = []
+    calls, saved = [], []
 
     def ds_save(save_dir, tag=None, client_state=None, save_latest=True):
         calls.append(save_latest)
+        saved.append(client_state)
         (tmp_path / "ckpt" / tag).mkdir(parents=True)
         if save_latest:
             (tmp_path / "ckpt" / LATEST_FILE).write_text(tag)
@@ -90,6 +91,37 @@ def test_a_baseline_save_names_its_checkpoint_in_latest_only_once_it_is_whole(tm
     assert calls == [False]
     assert (tmp_path / "ckpt" / LATEST_FILE).read_text() == tag == "global_step5"
     assert json.loads((tmp_path / "ckpt" / tag / META_FILE).read_text())["iteration"] == 5
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "5"
+    # a Namespace, as Megatron-DeepSpeed's tools read it (attributes, not keys)
+    stored = saved[0]["args"]
+    assert isinstance(stored, argparse.Namespace) and stored.save == str(tmp_path / "ckpt")
+    assert (stored.tensor_model_parallel_size, stored.pipeline_model_parallel_size) == (1, 1)
+    assert (stored.iteration, stored.consumed_train_samples) == (5, 40)
+
+
+@pytest.mark.parametrize("args", [{"consumed_train_samples": 7}, None])
+def test_a_load_reads_ours_and_megatron_deepspeeds_client_state(args):
+    """Ours (args a dict in older checkpoints, a Namespace now; neither is needed) and
+    Megatron-DeepSpeed's (scheduler under lr_scheduler, consumed samples in args, per-rank
+    RNG states under rng_state)."""
+    import argparse
+    from megatron.training.checkpointing import resume_fields
+    ours = {"iteration": 4, "consumed_train_samples": 32, "opt_param_scheduler": {"num_steps": 32},
+            "rng_states": [{"python": 1}, {"python": 2}], "args": args}
+    assert resume_fields(ours) == {"iteration": 4, "consumed_train_samples": 32,
+                                   "opt_param_scheduler": {"num_steps": 32},
+                                   "rng_states": [{"python": 1}, {"python": 2}]}
+    theirs = {"iteration": 9, "lr_scheduler": {"num_steps": 72},
+              "args": argparse.Namespace(**args) if args else None,
+              "rng_state": [{"random_rng_state": 1, "np_rng_state": 2, "torch_rng_state": 3,
+                             "cuda_rng_state": None, "rng_tracker_states": {}}]}
+    assert resume_fields(theirs) == {
+        "iteration": 9, "consumed_train_samples": 7 if args else 0,
+        "opt_param_scheduler": {"num_steps": 72},
+        "rng_states": [{"python": 1, "numpy": 2, "torch": 3, "cuda": None}]}
+    from megatron.training.errors import ConfigError
+    with pytest.raises(ConfigError, match="no LR scheduler state"):
+        resume_fields({"iteration": 1})
 
 
 @pytest.mark.parametrize("no_load_rng", [True, False])
