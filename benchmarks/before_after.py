@@ -42,12 +42,14 @@ def main() -> int:
     parser.add_argument("--before", required=True, help="commit to compare against")
     parser.add_argument("--rounds", type=int, default=1, help="before/after pairs to run")
     parser.add_argument("--tail", type=int, default=40, help="lines of each run's output shown")
-    parser.add_argument("bench_args", nargs=argparse.REMAINDER,
-                        help="arguments for the benchmark, after --")
-    opts = parser.parse_args()
+    argv = sys.argv[1:]
+    # Everything after the first "--" goes to the benchmark untouched (argparse's
+    # REMAINDER after a positional would swallow this script's own options too).
+    cut = argv.index("--") if "--" in argv else len(argv)
+    opts = parser.parse_args(argv[:cut])
+    bench_args = argv[cut + 1:]
     if not os.path.isfile(os.path.join(REPO, "benchmarks", opts.bench + ".py")):
         parser.error(f"no benchmarks/{opts.bench}.py in this tree")
-    bench_args = [a for a in opts.bench_args if a != "--"]
     work = tempfile.mkdtemp(prefix="moc-before-after-")
     worktree = os.path.join(work, "before")
     subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach", worktree, opts.before],
