@@ -54,6 +54,10 @@ def main() -> int:
     worktree = os.path.join(work, "before")
     subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach", worktree, opts.before],
                    check=True, stdout=subprocess.DEVNULL)
+    if os.path.isdir(os.path.join(REPO, ".venv")):
+        # Scripts that start their own ranks (run_elastic.sh) use the tree's .venv; the
+        # worktree's Python code still comes first (the script's own directory).
+        os.symlink(os.path.join(REPO, ".venv"), os.path.join(worktree, ".venv"))
     failed = 0
     try:
         for round_ in range(opts.rounds):
