@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -43,9 +44,13 @@ def run_ranks(nproc: int, args: Sequence[str], script: str = "pretrain_gpt_moe.p
                                       cwd=REPO, env=rank_env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     results = []
+    deadline = time.monotonic() + timeout
     try:
         for rank, proc in enumerate(procs):
-            out, _ = proc.communicate(timeout=timeout)
+            try:
+                out, _ = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(_hung(procs, results, timeout)) from None
             results.append(RankResult(rank, proc.returncode, out))
     finally:
         for proc in procs:
@@ -53,6 +58,21 @@ def run_ranks(nproc: int, args: Sequence[str], script: str = "pretrain_gpt_moe.p
                 proc.kill()
                 proc.wait()
     return results
+
+
+def _hung(procs: List[subprocess.Popen], done: List[RankResult], timeout: float) -> str:
+    """Kill the ranks still running after ``timeout`` and describe every rank's output:
+    which rank hung, and the error a peer printed before it, instead of the subprocess
+    module's truncated repr of one rank's output."""
+    still = [rank for rank, proc in enumerate(procs) if proc.poll() is None]
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+    results = list(done)
+    for rank in range(len(done), len(procs)):
+        out, _ = procs[rank].communicate()
+        results.append(RankResult(rank, procs[rank].returncode, out))
+    return f"rank(s) {still} still running after {timeout:.0f} s, killed\n" + describe(results)
 
 
 def describe(results: List[RankResult]) -> str:
