@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from deepspeed_ext.format.naming import ITERATION_FILE
 from tests.launch import describe, run_ranks
 
 WORKER = "tests/deepspeed_ext/engine_worker.py"
@@ -292,7 +293,8 @@ def test_save_and_load_through_an_fsspec_url(tmp_path):
     flags = _layout(2, 2, 2) + ["--moc-checkpoint", "--moc-keep", "2"]
     first = _run(tmp_path, "first", 2, "train-save", flags + [
         "--train-iters", "3", "--save", url, "--save-interval", "1"])
-    assert sorted(os.listdir(local)) == ["global_step2", "global_step3", "latest"]
+    assert sorted(os.listdir(local)) == ["global_step2", "global_step3", "latest", ITERATION_FILE]
+    assert (local / ITERATION_FILE).read_text().strip() == "3"  # follows latest
     assert cli.main(["verify", url]) == 0
     second = _run(tmp_path, "second", 2, "load-train-save", flags + [
         "--train-iters", "3", "--load", url])

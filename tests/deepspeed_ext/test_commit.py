@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from deepspeed_ext.format.naming import ITERATION_FILE
 from deepspeed_ext.store.claims import (CLAIM_NAME, CommitError, Superseded, check_claim,
                                         claim_dir, read_claim)
 from deepspeed_ext.store.commit import (FAILURE_NAME, commit_checkpoint, remove_reports,
@@ -263,7 +264,9 @@ def test_committers_of_one_process_take_turns_on_a_url(tmp_path, monkeypatch):
         thread.join()
     assert overlapped == []
     assert latest.read_latest(url) == "global_step20"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step10", "global_step20", "latest"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step10", "global_step20", "latest",
+                                                          ITERATION_FILE]
+    assert (tmp_path / ITERATION_FILE).read_text().strip() == "20"  # the late 10 did not win
 
 
 def test_a_late_commit_of_an_earlier_attempt_leaves_latest_and_retention_to_a_started_one(tmp_path):

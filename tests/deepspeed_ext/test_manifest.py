@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from deepspeed_ext.format.naming import ITERATION_FILE
 from deepspeed_ext.format import expert_index
 from deepspeed_ext.format import manifest as mf
 from deepspeed_ext.format import naming
@@ -506,7 +507,8 @@ def test_retention_removes_stale_partial_saves_only(tmp_path):
     deleted = apply_retention(str(tmp_path), keep=2)
     assert deleted == ["global_step15"]
     assert sorted(os.listdir(tmp_path)) == [locking.LOCK_FILE, "global_step10", "global_step20",
-                                            "global_step30", "latest", "tensorboard"]
+                                            "global_step30", "latest", ITERATION_FILE,
+                                            "tensorboard"]
 
 
 def test_interrupted_deletion_is_incomplete_then_cleaned(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from deepspeed_ext.format.naming import ITERATION_FILE
 from deepspeed_ext.job_identity import RUN_ID_FILE
 from tests.deepspeed_ext.two_level_runs import WORKER
 from tests.deepspeed_ext.two_level_runs import flags as _flags
@@ -346,7 +347,7 @@ def test_end_of_job_persists_a_snapshot_that_was_not_due(tmp_path):
             "--train-iters", "3", "--save", ckpt, "--save-interval", "1"])
         assert _latest(ckpt) == "global_step3" and _verify(ckpt, "global_step3") == []
         assert sorted(n for n in os.listdir(ckpt) if not n.startswith(".")) == [
-            "global_step1", "global_step3", "latest", RUN_ID_FILE]
+            "global_step1", "global_step3", "latest", ITERATION_FILE, RUN_ID_FILE]
         rng = read_objects_file(os.path.join(ckpt, "global_step3")).tree["rng_states"]
         assert len(rng) == 2 and all(state is not None for state in rng)
         assert not os.path.exists(shm)  # the end freed the memory: the next load is storage
@@ -373,8 +374,9 @@ def test_keeper_persists_to_an_fsspec_url(tmp_path):
         # step 1 persisted in the background, step 3 too unless step 1 was still being
         # written when its turn came (training never waits), step 4 at the end of the job
         names = set(os.listdir(local))
-        assert {"global_step1", "global_step4", "latest", RUN_ID_FILE} <= names
-        assert names <= {"global_step1", "global_step3", "global_step4", "latest", RUN_ID_FILE}
+        assert {"global_step1", "global_step4", "latest", ITERATION_FILE, RUN_ID_FILE} <= names
+        assert names <= {"global_step1", "global_step3", "global_step4", "latest",
+                         ITERATION_FILE, RUN_ID_FILE}
         assert _latest(str(local)) == "global_step4"
         assert _verify(url, "global_step1") == [] and _verify(url, "global_step4") == []
         assert not os.path.exists(shm)
