@@ -186,6 +186,10 @@ def shutdown_keeper(directory: str, timeout_s: float = 600.0,
     if run_id is not None:
         message["run_id"] = run_id
     pid = keeper_pid(directory)
+    if pid == os.getpid():
+        # A keeper served by a thread of this very process (keeper.serve: tests and tools)
+        # never exits before us: waiting for that would always run to the deadline.
+        pid = None
     try:
         request(directory, message, timeout_s=timeout_s)
     except KeeperError:
