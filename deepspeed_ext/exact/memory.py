@@ -11,7 +11,9 @@ import torch.distributed as dist
 
 from deepspeed_ext.exact.config import UNCOPIED_WINDOWS, ExactConfig
 from deepspeed_ext.exact.frames import data_path, frame_dir, frame_job, list_frames, marker_path
+import deepspeed_ext.keeper as keeper
 from deepspeed_ext.format.storage import ensure_dir
+import deepspeed_ext.keeper.persist as persist
 from deepspeed_ext.private_dir import make_private_dir
 from deepspeed_ext.runtime.groups import metadata_group
 from deepspeed_ext.runtime.log import log_line
@@ -44,7 +46,6 @@ class NodeMemory:
         straight to storage, which the log says once; but a node directory that is not
         private or serves another job is refused on every rank (one collective), before
         training, naming ``--moc-shm-dir``."""
-        from deepspeed_ext import keeper
         from deepspeed_ext.job_identity import ForeignJobError, agree_run_id
         from deepspeed_ext.private_dir import UnsafeDirectoryError
         self.run_id = agree_run_id(self.save_dir, cfg.memory_dir, log=self.log)
@@ -86,7 +87,6 @@ class NodeMemory:
         the node's keeper and deletes its shared memory; any rank of the node may call
         it, the node's other ranks are expected to die with it."""
         import signal
-        from deepspeed_ext import keeper
         if not self.node_dir:
             return
         try:
@@ -109,7 +109,6 @@ class NodeMemory:
         """Frame writer's thread: queue frame ``frame``'s copy to storage with the node's
         keeper; a keeper that does not answer is given up (later frames go straight to
         storage) and this one is copied here."""
-        from deepspeed_ext import keeper
         job = frame_job(self.node_dir, self.save_dir, frame, self.rank, self.run_id,
                         keeper.job_id(f"frame{frame}", self.rank))
         why: Exception = keeper.KeeperError(f"it did not take the copy of frame {frame}")
@@ -130,11 +129,10 @@ class NodeMemory:
         newest complete one anyway), and older frames still waiting for the keeper, up to
         :data:`UNCOPIED_WINDOWS` windows back (deleting them first would leave storage
         without them for ever)."""
-        from deepspeed_ext.keeper import copied_marker
         for f in list_frames(self.node_dir):
             if f >= window_start - window:
                 continue
-            if not os.path.exists(copied_marker(marker_path(self.node_dir, f, self.rank))):
+            if not os.path.exists(persist.copied_marker(marker_path(self.node_dir, f, self.rank))):
                 if f >= window_start - UNCOPIED_WINDOWS * window:
                     continue
                 if not self._uncopied_warned:
@@ -149,9 +147,8 @@ class NodeMemory:
     def remove_own_frame(self, frame: int) -> None:
         """This rank's files of ``frame`` in the node's memory, the marker first (a frame
         without it does not count); the directory once the node's last rank is done."""
-        from deepspeed_ext.keeper import copied_marker
         marker = marker_path(self.node_dir, frame, self.rank)
-        for path in (marker, data_path(self.node_dir, frame, self.rank), copied_marker(marker)):
+        for path in (marker, data_path(self.node_dir, frame, self.rank), persist.copied_marker(marker)):
             try:
                 os.remove(path)
             except FileNotFoundError:
@@ -166,7 +163,6 @@ class NodeMemory:
         rank has its keeper copy what it was given and delete the node's memory, then
         rank 0 removes the job's ``memory_dir`` if empty: a finished run leaves no shared
         memory behind."""
-        from deepspeed_ext import keeper
         dist.barrier(group=metadata_group())
         if self.first_of_node:
             keeper.shutdown_keeper(self.node_dir, run_id=self.run_id)

@@ -14,7 +14,7 @@ import traceback
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from deepspeed_ext.jobs import FrameJob, Job, PersistJob, job_from_json
-from deepspeed_ext.keeper import commits
+import deepspeed_ext.keeper.commits as commits
 from deepspeed_ext.keeper.faults import crash_in_persist_if_due
 from deepspeed_ext.keeper.log import default_log, logger
 from deepspeed_ext.format import fs, memsum

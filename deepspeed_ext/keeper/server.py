@@ -29,7 +29,7 @@ import traceback
 from typing import Any, Dict, List, Optional
 
 from deepspeed_ext.jobs import Job
-from deepspeed_ext.keeper import commits
+import deepspeed_ext.keeper.commits as commits
 from deepspeed_ext.keeper.job_checks import JobRefused, check_job
 from deepspeed_ext.keeper.lock import lock_node
 from deepspeed_ext.keeper.log import keeper_log

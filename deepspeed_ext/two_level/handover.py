@@ -12,7 +12,7 @@ from dataclasses import replace
 import traceback
 from typing import List, Optional
 
-from deepspeed_ext import keeper
+import deepspeed_ext.keeper as keeper
 from deepspeed_ext.format import fs
 from deepspeed_ext.jobs import PersistJob
 from deepspeed_ext.store import commit

@@ -9,7 +9,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from deepspeed_ext import keeper
+import deepspeed_ext.keeper as keeper
 from deepspeed_ext.engine.hostcopy import HostCopier
 from deepspeed_ext.runtime.groups import metadata_group
 from deepspeed_ext.runtime.log import rank_zero_lines
