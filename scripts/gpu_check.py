@@ -524,9 +524,13 @@ def stall_flags(mode: str) -> List[str]:
               "--systems", "deepspeed,moc-full,moc-pec", "--persist-interval", "10",
               "--train-steps", "2"]
     if mode == "cuda":
-        return common + ["--nproc", "1", "--ep", "1", "--num-layers", "12", "--hidden-size", "768",
-                         "--num-attention-heads", "12", "--num-experts", "8", "--seq-length", "512",
-                         "--micro-batch-size", "4", "--iters", "3", "--min-saves", "3"]
+        # 92 M parameters (1.1 GB of fp32 state). The first H200 run (2026-11-27) used 284 M:
+        # DeepSpeed's saves of 4.3 GB each ran the benchmark past its cap before moc-pec's
+        # turn. Six timed saves: MoC has 3 snapshot slots, and a slot's first use maps and
+        # page-locks its memory (about a second per 3 GB there), which 3 saves all paid.
+        return common + ["--nproc", "1", "--ep", "1", "--num-layers", "8", "--hidden-size", "512",
+                         "--num-attention-heads", "8", "--num-experts", "8", "--seq-length", "512",
+                         "--micro-batch-size", "4", "--iters", "3", "--min-saves", "6"]
     return common + ["--nproc", "1", "--ep", "1", "--num-layers", "2", "--hidden-size", "64",
                      "--num-attention-heads", "4", "--num-experts", "4", "--seq-length", "32",
                      "--micro-batch-size", "2", "--iters", "2", "--min-saves", "2",

@@ -600,6 +600,7 @@ def test_cuda_event_clock_splits_device_waits_from_compute(one_rank_group):
     a = torch.randn(2048, 2048, device="cuda")
     x = torch.ones(1024, device="cuda")
     dist.all_reduce(x, group=group)  # communicator set-up, outside the clock
+    _busy(a, 2)  # cuBLAS set-up happens on the host at the first product: keep it out of busy_s
     torch.cuda.synchronize()
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
