@@ -7,7 +7,7 @@ once per test process; ``tests.launch.run_ranks`` asks it to fork each rank, whi
 runs its script as ``python SCRIPT ARGS`` would (``runpy`` as ``__main__``, with its own
 environment, working directory, umask, argv, stdin from /dev/null, stdout and stderr
 into one file). Nothing of a rank's own starts before the fork: no process group, no
-thread of ours, no code of this repository.
+thread of ours; of this repository only the helpers that defer torch.compile at import.
 
 Protocol (one JSON object per line):
 
@@ -74,11 +74,17 @@ def serve(log: str) -> None:
     os.dup2(logfd, 1)
     os.dup2(logfd, 2)
     os.close(logfd)
-    # What every rank imports first and what takes its time: torch (1.3 s of CPU here),
-    # megatron.core (2.2 s more: it pulls in torch's compiler stack) and deepspeed.
+    # What every rank imports first and what takes its time, the way the trainer imports
+    # it: torch, megatron.core and deepspeed with their import-time torch.compile calls
+    # deferred (megatron.lazy_compile; a plain import loads TorchDynamo and Inductor,
+    # which then also made each forked rank's exit 1.7 s slower).
     import torch  # noqa: F401
-    import megatron.core  # noqa: F401
+    from megatron.data._compat import quiet_core_import
+    from megatron.lazy_compile import DEEPSPEED_COMPILING_MODULES, import_deferring_compile
+    with quiet_core_import():
+        import megatron.core  # noqa: F401
     import deepspeed  # noqa: F401
+    import_deferring_compile(*DEEPSPEED_COMPILING_MODULES)
 
     def send(message: dict) -> None:
         os.write(protocol, (json.dumps(message) + "\n").encode())
