@@ -23,3 +23,26 @@ def corpus(tmp_path_factory) -> str:
                     "--exclude-dirs", "site-packages", "dist-packages"],
                    check=True, cwd=REPO, capture_output=True, text=True)
     return prefix + "_text_document"
+
+
+# The files of long end-to-end jobs (multi-rank runs with crashes and restarts), longest
+# first. scripts/test.sh runs the suite on 2 workers, each taking one whole file at a time
+# in collection order; taken last, one of these kept a worker busy for minutes after the
+# other had finished. Only the order changes (a stable sort: the rest keep theirs).
+LONGEST_FIRST = (
+    "tests/deepspeed_ext/test_exact.py",
+    "tests/training/test_restart.py",
+    "tests/deepspeed_ext/test_checkpointer.py",
+    "tests/deepspeed_ext/test_two_level.py",
+    "tests/deepspeed_ext/test_peers.py",
+    "tests/training/test_pretrain.py",
+    "tests/training/test_startup.py",
+    "tests/training/test_megatron_deepspeed_flags.py",
+    "tests/training/test_monitor.py",
+    "tests/training/test_determinism.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    order = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: order.get(os.path.relpath(str(item.path), REPO), len(order)))
