@@ -53,6 +53,9 @@ class GPTMoEConfig:
     """LayerNorm epsilon (``--layernorm-epsilon``)."""
     seed: int = 1234
     """Seed of the weight init; each tensor is seeded by its global name (``--seed``)."""
+    tensor_model_parallel_size: int = 1
+    """Ranks each layer's attention heads, dense MLP and vocabulary are split over
+    (``--tensor-model-parallel-size``); experts are not split."""
     checkpoint_activations: bool = False
     """Recompute each transformer layer in the backward pass instead of keeping its
     activations (``--checkpoint-activations``); the losses and gradients are the same."""
@@ -62,7 +65,8 @@ class GPTMoEConfig:
             self.ffn_hidden_size = 4 * self.hidden_size
         positive = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
                     "max_position_embeddings", "ffn_hidden_size", "num_experts",
-                    "expert_interval", "moe_expert_parallel_size", "topk")
+                    "expert_interval", "moe_expert_parallel_size", "topk",
+                    "tensor_model_parallel_size")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -74,6 +78,13 @@ class GPTMoEConfig:
                              f"got {self.position_embedding_type!r}")
         if self.position_embedding_type == "rope" and self.head_dim % 2:
             raise ValueError(f"rope needs an even head size, got {self.head_dim}")
+        for name in ("num_attention_heads", "ffn_hidden_size", "vocab_size"):
+            if getattr(self, name) % self.tensor_model_parallel_size:
+                raise ValueError(f"--{name.replace('_', '-')} ({getattr(self, name)}) must be divisible "
+                                 f"by --tensor-model-parallel-size ({self.tensor_model_parallel_size})")
+        if self.tensor_model_parallel_size > 1 and self.num_experts > 1:
+            raise ValueError("--tensor-model-parallel-size > 1 with MoE layers (--num-experts > 1) "
+                             "is not supported yet")
         if self.num_experts % self.moe_expert_parallel_size:
             raise ValueError(f"--num-experts ({self.num_experts}) must be divisible by "
                              f"--moe-expert-parallel-size ({self.moe_expert_parallel_size})")

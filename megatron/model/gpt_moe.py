@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
+from megatron.model import tensor_parallel as tp
 from megatron.model.config import GPTMoEConfig
 
 EXPERTS_KEY = "deepspeed_moe.experts.deepspeed_experts."
@@ -57,32 +58,34 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, config: GPTMoEConfig):
         super().__init__()
-        self.num_heads = config.num_attention_heads
+        size = config.tensor_model_parallel_size
+        self.num_heads = config.num_attention_heads // size  # this rank's heads
         self.head_dim = config.head_dim
         self.dropout = config.attention_dropout
-        self.query_key_value = nn.Linear(config.hidden_size, 3 * config.hidden_size)
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.query_key_value = tp.linear(config.hidden_size, 3 * config.hidden_size, size, "column")
+        self.dense = tp.linear(config.hidden_size, config.hidden_size, size, "row")
         self.rotary = (RotaryEmbedding(self.head_dim, config.max_position_embeddings)
                        if config.position_embedding_type == "rope" else None)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        batch, seq, hidden = x.shape
+        batch, seq, _ = x.shape
         qkv = self.query_key_value(x).view(batch, seq, 3, self.num_heads, self.head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
         if self.rotary is not None:
             q, k = self.rotary(q, position_ids), self.rotary(k, position_ids)
         out = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
-        return self.dense(out.transpose(1, 2).reshape(batch, seq, hidden))
+        return self.dense(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
-    """The dense feed-forward block; also the module each expert is a copy of."""
+    """The dense feed-forward block; also the module each expert is a copy of (experts
+    are not tensor-parallel: ``tp_size`` 1)."""
 
-    def __init__(self, config: GPTMoEConfig):
+    def __init__(self, config: GPTMoEConfig, tp_size: int = 1):
         super().__init__()
-        self.dense_h_to_4h = nn.Linear(config.hidden_size, config.ffn_hidden_size)
-        self.dense_4h_to_h = nn.Linear(config.ffn_hidden_size, config.hidden_size)
+        self.dense_h_to_4h = tp.linear(config.hidden_size, config.ffn_hidden_size, tp_size, "column")
+        self.dense_4h_to_h = tp.linear(config.ffn_hidden_size, config.hidden_size, tp_size, "row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x)))
@@ -113,7 +116,7 @@ class TransformerLayer(nn.Module):
                 use_rts=False,  # random token selection would make the gate depend on RNG draws
             )
         else:
-            self.mlp = MLP(config)
+            self.mlp = MLP(config, config.tensor_model_parallel_size)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
         """Returns ``(hidden, aux_loss or None, expert_counts or None)``."""
@@ -139,7 +142,11 @@ class GPTMoEModel(nn.Module):
         super().__init__()
         self.config = config
         self.ep_rank = ep_rank
-        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.tp_rank, tp_size = tp.tp_rank_and_size() if config.tensor_model_parallel_size > 1 else (0, 1)
+        if tp_size != config.tensor_model_parallel_size:
+            raise ValueError(f"tensor_model_parallel_size {config.tensor_model_parallel_size}, but "
+                             f"megatron-core's parallel_state has {tp_size}: initialise it first")
+        self.word_embeddings = tp.embedding(config.vocab_size, config.hidden_size, tp_size)
         self.position_embeddings = (nn.Embedding(config.max_position_embeddings, config.hidden_size)
                                     if config.position_embedding_type == "learned_absolute" else None)
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
@@ -160,8 +167,11 @@ class GPTMoEModel(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Initialise every tensor from ``seed`` and its global name (layout-independent)."""
+        """Initialise every tensor from ``seed`` and its global name (layout-independent):
+        a tensor-parallel rank draws the whole tensor and keeps its slice, so every
+        tensor-parallel size starts from the same model."""
         cfg = self.config
+        size = cfg.tensor_model_parallel_size
         out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         for name, param in self.named_parameters():
             gen = torch.Generator().manual_seed(
@@ -169,8 +179,11 @@ class GPTMoEModel(nn.Module):
             if param.dim() == 1:
                 param.fill_(1.0 if "layernorm" in name and name.endswith("weight") else 0.0)
                 continue
+            split = tp.split_of(name, tuple(param.shape), size)
             std = out_std if name.endswith(("dense.weight", "dense_4h_to_h.weight")) else cfg.init_method_std
-            param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
+            full = torch.randn(split.global_shape if split else param.shape, generator=gen,
+                               dtype=torch.float32) * std
+            param.copy_(split.slice(full, self.tp_rank, size) if split else full)
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor,
                 labels: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None):
@@ -195,15 +208,21 @@ class GPTMoEModel(nn.Module):
                 aux_losses.append(aux)
                 counts.append(cnt.to(torch.int64))
         x = self.final_layernorm(x)
-        logits = F.linear(x, self.word_embeddings.weight)  # tied output embedding
+        if self.config.tensor_model_parallel_size > 1:  # this rank's slice of the vocabulary
+            logits = tp.parallel_logits(x, self.word_embeddings.weight)
+        else:
+            logits = F.linear(x, self.word_embeddings.weight)  # tied output embedding
         if labels is None:
             return logits
         return self._losses(logits, labels, loss_mask, aux_losses, counts)
 
     def _losses(self, logits, labels, loss_mask, aux_losses, counts
                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        losses = F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.reshape(-1),
-                                 reduction="none")
+        if self.config.tensor_model_parallel_size > 1:
+            losses = tp.parallel_cross_entropy(logits.float(), labels).reshape(-1)
+        else:
+            losses = F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.reshape(-1),
+                                     reduction="none")
         mask = (loss_mask if loss_mask is not None else torch.ones_like(labels)).reshape(-1).float()
         lm_loss = (losses * mask).sum() / mask.sum().clamp(min=1.0)
         aux = torch.stack([a.float() for a in aux_losses]).sum() if aux_losses else lm_loss.new_zeros(())

@@ -1,0 +1,168 @@
+"""Tensor (model) parallelism for the GPT-MoE model: which tensors are split, how, and
+the layers that hold the splits.
+
+With ``tensor_model_parallel_size`` T > 1 the attention heads, the dense MLP's inner
+width and the vocabulary are split over the T ranks of a tensor-parallel group with
+megatron-core's layers (``ColumnParallelLinear``, ``RowParallelLinear``,
+``VocabParallelEmbedding``, vocab-parallel cross entropy); LayerNorms, position
+embeddings and the row-parallel layers' biases are replicated. megatron-core's
+``parallel_state`` must be initialised first (every rank, before the model is built).
+
+Every split tensor is a slice of the tensor the same model has at T = 1
+(:class:`TPSplit`): the model draws each tensor whole from its seed and name, then keeps
+its rank's slice, so a T = 2 run starts from exactly the T = 1 run's weights. The same
+record says where a rank's piece lies in the global tensor, which is what a checkpoint
+of a tensor-parallel run has to record about each fragment.
+
+The fused QKV projection keeps the T = 1 layout ``[3, heads, head_dim]`` of its output
+rows: a rank's heads are a slice along the heads dimension of the ``[3, hidden, hidden]``
+view, not a contiguous block of rows.
+"""
+
+import functools
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TPSplit:
+    """How one parameter of a tensor-parallel rank is a slice of the global tensor."""
+
+    global_shape: Tuple[int, ...]
+    """The tensor's shape at T = 1 (the parameter's shape, for the whole model)."""
+    view: Tuple[int, ...]
+    """The shape the global tensor is viewed as before slicing (``global_shape`` unless
+    the split dimension is an inner one, as for the fused QKV projection)."""
+    dim: int
+    """The dimension of ``view`` split evenly over the T ranks."""
+
+    def slice(self, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+        """Rank ``rank``'s piece of ``full`` (the global tensor) among ``size`` ranks,
+        contiguous, in the parameter's local shape."""
+        if tuple(full.shape) != self.global_shape:
+            raise ValueError(f"expected the global shape {self.global_shape}, got {tuple(full.shape)}")
+        piece = full.reshape(self.view).chunk(size, dim=self.dim)[rank].contiguous()
+        if self.view == self.global_shape:
+            return piece
+        # An inner dimension of the first one (QKV): the rows of the pieces, in order.
+        return piece.reshape((-1,) + self.global_shape[1:])
+
+    def offset(self, rank: int, size: int) -> int:
+        """Where rank ``rank``'s piece starts along ``dim`` of ``view``."""
+        return rank * self.view[self.dim] // size
+
+
+def split_of(name: str, shape: Tuple[int, ...], size: int) -> Optional[TPSplit]:
+    """The split of parameter ``name`` (local ``shape``) among ``size`` tensor-parallel
+    ranks, or None for a replicated one. Pure: the same answer on every rank."""
+    if size == 1 or "deepspeed_moe" in name:  # experts: not tensor-parallel (yet)
+        return None
+    shape = tuple(shape)
+    leaf = name.rsplit(".", 2)[-2:]  # (module, "weight"|"bias")
+    module, kind = leaf if len(leaf) == 2 else ("", leaf[0])
+    if module == "word_embeddings":  # vocabulary rows
+        return TPSplit((shape[0] * size,) + shape[1:], (shape[0] * size,) + shape[1:], 0)
+    if module == "query_key_value":  # [3, heads, head_dim] rows: split along heads
+        rows = shape[0] * size
+        view = (3, rows // 3) + shape[1:]
+        return TPSplit((rows,) + shape[1:], view, 1)
+    if module == "dense_h_to_4h":  # column-parallel: output rows
+        return TPSplit((shape[0] * size,) + shape[1:], (shape[0] * size,) + shape[1:], 0)
+    if module in ("dense", "dense_4h_to_h") and kind == "weight":  # row-parallel: inputs
+        return TPSplit((shape[0], shape[1] * size), (shape[0], shape[1] * size), 1)
+    return None  # LayerNorms, position embeddings, row-parallel biases: replicated
+
+
+def _core():
+    from megatron.data._compat import quiet_core_import
+    with quiet_core_import():
+        from megatron.core import parallel_state, tensor_parallel
+        from megatron.core.model_parallel_config import ModelParallelConfig
+    return parallel_state, tensor_parallel, ModelParallelConfig
+
+
+def tp_rank_and_size() -> Tuple[int, int]:
+    """This rank's place in its tensor-parallel group: (0, 1) unless megatron-core's
+    ``parallel_state`` was initialised with a larger tensor-parallel size."""
+    parallel_state, _, _ = _core()
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1
+    return (parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_world_size())
+
+
+def _core_config(size: int):
+    _, _, ModelParallelConfig = _core()
+    # CPU-safe settings (megatron-core 0.16): weights made on the CPU and filled by the
+    # model's own init; no fused CUDA kernels, no sequence parallelism.
+    return ModelParallelConfig(tensor_model_parallel_size=size, use_cpu_initialization=True,
+                               perform_initialization=False, gradient_accumulation_fusion=False,
+                               sequence_parallel=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _layer_classes():
+    """megatron-core's parallel linears returning only their output (the bias is added
+    inside): drop-in for ``nn.Linear``, with the same parameter names."""
+    _, tp, _ = _core()
+
+    class ColumnLinear(tp.ColumnParallelLinear):
+        """Output features split over the group; returns this rank's slice (no gather)."""
+
+        # No ``_extra_state`` entry (megatron-core's is always None) in state dicts, so
+        # that checkpoints hold the same keys at every tensor-parallel size.
+        get_extra_state = nn.Module.get_extra_state
+        set_extra_state = nn.Module.set_extra_state
+
+        def forward(self, x):
+            return super().forward(x)[0]
+
+    class RowLinear(tp.RowParallelLinear):
+        """Input features split over the group; takes this rank's slice of the input and
+        returns the full output (summed over the group)."""
+
+        get_extra_state = nn.Module.get_extra_state
+        set_extra_state = nn.Module.set_extra_state
+
+        def forward(self, x):
+            return super().forward(x)[0]
+
+    return ColumnLinear, RowLinear
+
+
+def linear(in_features: int, out_features: int, size: int, kind: str) -> nn.Module:
+    """A linear layer for ``size`` tensor-parallel ranks: ``nn.Linear`` at size 1, else a
+    ``kind`` (``column`` or ``row``) parallel one."""
+    if size == 1:
+        return nn.Linear(in_features, out_features)
+    column, row = _layer_classes()
+    if kind == "column":
+        return column(in_features, out_features, config=_core_config(size),
+                      init_method=lambda w: None, bias=True, gather_output=False)
+    return row(in_features, out_features, config=_core_config(size), init_method=lambda w: None,
+               bias=True, input_is_parallel=True, skip_bias_add=False)
+
+
+def embedding(vocab_size: int, hidden_size: int, size: int) -> nn.Module:
+    """The word embedding: vocabulary rows split over the group when ``size`` > 1."""
+    if size == 1:
+        return nn.Embedding(vocab_size, hidden_size)
+    _, tp, _ = _core()
+    return tp.VocabParallelEmbedding(vocab_size, hidden_size, config=_core_config(size),
+                                     init_method=lambda w: None)
+
+
+def parallel_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Logits of this rank's vocabulary slice (tied output embedding): ``x`` is
+    replicated, so its gradient is summed over the group in the backward pass."""
+    _, tp, _ = _core()
+    return torch.nn.functional.linear(tp.copy_to_tensor_model_parallel_region(x), weight)
+
+
+def parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-token cross entropy over the vocabulary split across the group."""
+    _, tp, _ = _core()
+    return tp.vocab_parallel_cross_entropy(logits, labels)

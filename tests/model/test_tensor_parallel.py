@@ -1,0 +1,67 @@
+"""Tensor parallelism in the model: which tensors are split and how (pure), and a 2-rank
+T = 2 model that starts from the T = 1 model's weights and computes its loss and
+gradients (megatron-core's parallel layers on gloo)."""
+
+import json
+
+import pytest
+import torch
+
+from megatron.model.config import GPTMoEConfig
+from megatron.model.tensor_parallel import TPSplit, split_of
+from tests.launch import describe, run_ranks
+
+
+def test_splits_of_the_models_tensors():
+    assert split_of("layers.0.self_attention.dense.weight", (8, 4), 1) is None
+    assert split_of("word_embeddings.weight", (32, 8), 2) == TPSplit((64, 8), (64, 8), 0)
+    assert split_of("layers.0.mlp.dense_h_to_4h.bias", (16,), 2) == TPSplit((32,), (32,), 0)
+    assert split_of("layers.0.mlp.dense_4h_to_h.weight", (8, 16), 2) == TPSplit((8, 32), (8, 32), 1)
+    assert split_of("layers.0.mlp.dense_4h_to_h.bias", (8,), 2) is None  # row-parallel bias
+    assert split_of("layers.0.input_layernorm.weight", (8,), 2) is None
+    assert split_of("layers.1.mlp.deepspeed_moe.experts.deepspeed_experts.0.dense_h_to_4h.weight",
+                    (32, 8), 2) is None
+    qkv = split_of("layers.0.self_attention.query_key_value.weight", (12, 8), 2)
+    assert qkv == TPSplit((24, 8), (3, 8, 8), 1)
+
+
+def test_a_qkv_slice_keeps_each_ranks_heads_for_q_k_and_v():
+    """Rows of the fused QKV are [3, heads, head_dim]: rank r's piece holds q, k and v of
+    its own heads, in that order, each a slice along the heads."""
+    split = TPSplit((12, 1), (3, 4, 1), 1)  # hidden 4 (4 heads of 1), 3 * 4 rows
+    full = torch.arange(12.0).reshape(12, 1)
+    assert split.slice(full, 0, 2).flatten().tolist() == [0, 1, 4, 5, 8, 9]
+    assert split.slice(full, 1, 2).flatten().tolist() == [2, 3, 6, 7, 10, 11]
+    assert split.offset(1, 2) == 2
+    with pytest.raises(ValueError, match="global shape"):
+        split.slice(torch.zeros(6, 1), 0, 2)
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(tensor_model_parallel_size=3), "--num-attention-heads \\(4\\) must be divisible"),
+    (dict(tensor_model_parallel_size=2, num_experts=4), "not supported yet"),
+])
+def test_tensor_parallel_config_checks(kw, needle):
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64,
+                max_position_embeddings=16)
+    with pytest.raises(ValueError, match=needle):
+        GPTMoEConfig(**{**base, **kw})
+
+
+def test_two_ranks_compute_the_loss_and_gradients_of_the_whole_model(tmp_path):
+    """T = 2 on 2 ranks against T = 1 on each rank: weights are exact slices (the same
+    draws); loss and gradients differ only by the order of float32 sums (a matmul split
+    in two halves summed by an all-reduce), so 1e-5 relative to the largest gradient."""
+    results = run_ranks(2, [str(tmp_path)], script="tests/model/tp_worker.py", timeout=180)
+    assert all(r.returncode == 0 for r in results), describe(results)
+    reports = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    assert sorted(r["rank"] for r in reports) == [0, 1]
+    for r in reports:
+        assert r["size"] == 2
+        assert r["weight_diff"] == 0.0
+        assert abs(r["loss1"] - r["loss2"]) <= 1e-5 * abs(r["loss1"]), r
+        assert r["grad_diff"] <= 1e-5 * r["grad_scale"], r
+        # Attention, MLP and vocabulary split; LayerNorms and row biases replicated.
+        assert any("query_key_value.weight" in n for n in r["split"])
+        assert "word_embeddings.weight" in r["split"]
+        assert any("dense_4h_to_h.bias" in n for n in r["replicated"])
