@@ -55,7 +55,10 @@ class GPTMoEConfig:
     """Seed of the weight init; each tensor is seeded by its global name (``--seed``)."""
     tensor_model_parallel_size: int = 1
     """Ranks each layer's attention heads, dense MLP and vocabulary are split over
-    (``--tensor-model-parallel-size``); experts are not split."""
+    (``--tensor-model-parallel-size``)."""
+    enable_expert_tensor_parallelism: bool = False
+    """Split each expert's MLP over the tensor-parallel ranks too, as DeepSpeed's expert
+    sharding (``--enable-expert-tensor-parallelism``)."""
     checkpoint_activations: bool = False
     """Recompute each transformer layer in the backward pass instead of keeping its
     activations (``--checkpoint-activations``); the losses and gradients are the same."""
@@ -82,9 +85,11 @@ class GPTMoEConfig:
             if getattr(self, name) % self.tensor_model_parallel_size:
                 raise ValueError(f"--{name.replace('_', '-')} ({getattr(self, name)}) must be divisible "
                                  f"by --tensor-model-parallel-size ({self.tensor_model_parallel_size})")
-        if self.tensor_model_parallel_size > 1 and self.num_experts > 1:
+        if (self.tensor_model_parallel_size > 1 and self.num_experts > 1
+                and not self.enable_expert_tensor_parallelism):
             raise ValueError("--tensor-model-parallel-size > 1 with MoE layers (--num-experts > 1) "
-                             "is not supported yet")
+                             "needs --enable-expert-tensor-parallelism: experts replicated over the "
+                             "tensor-parallel ranks are not supported yet")
         if self.num_experts % self.moe_expert_parallel_size:
             raise ValueError(f"--num-experts ({self.num_experts}) must be divisible by "
                              f"--moe-expert-parallel-size ({self.moe_expert_parallel_size})")

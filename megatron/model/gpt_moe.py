@@ -79,8 +79,9 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """The dense feed-forward block; also the module each expert is a copy of (experts
-    are not tensor-parallel: ``tp_size`` 1)."""
+    """The dense feed-forward block; also the module each expert is a copy of (split over
+    ``tp_size`` ranks: the dense MLP's tensor-parallel size, an expert's with expert
+    tensor parallelism, else 1)."""
 
     def __init__(self, config: GPTMoEConfig, tp_size: int = 1):
         super().__init__()
@@ -105,7 +106,8 @@ class TransformerLayer(nn.Module):
             from deepspeed.moe.layer import MoE
             self.mlp = MoE(
                 hidden_size=config.hidden_size,
-                expert=MLP(config),
+                expert=MLP(config, config.tensor_model_parallel_size
+                           if config.enable_expert_tensor_parallelism else 1),
                 num_experts=config.num_experts,
                 ep_size=config.moe_expert_parallel_size,
                 k=config.topk,
@@ -114,6 +116,7 @@ class TransformerLayer(nn.Module):
                 min_capacity=config.moe_min_capacity,
                 drop_tokens=config.moe_token_dropping,
                 use_rts=False,  # random token selection would make the gate depend on RNG draws
+                enable_expert_tensor_parallelism=config.enable_expert_tensor_parallelism,
             )
         else:
             self.mlp = MLP(config, config.tensor_model_parallel_size)
@@ -146,6 +149,8 @@ class GPTMoEModel(nn.Module):
         if tp_size != config.tensor_model_parallel_size:
             raise ValueError(f"tensor_model_parallel_size {config.tensor_model_parallel_size}, but "
                              f"megatron-core's parallel_state has {tp_size}: initialise it first")
+        if tp_size > 1 and config.num_experts > 1:
+            tp.allow_flat_gathers_on_gloo()  # DeepSpeed's MoE token gathers over the TP group
         self.word_embeddings = tp.embedding(config.vocab_size, config.hidden_size, tp_size)
         self.position_embeddings = (nn.Embedding(config.max_position_embeddings, config.hidden_size)
                                     if config.position_embedding_type == "learned_absolute" else None)
@@ -179,7 +184,7 @@ class GPTMoEModel(nn.Module):
             if param.dim() == 1:
                 param.fill_(1.0 if "layernorm" in name and name.endswith("weight") else 0.0)
                 continue
-            split = tp.split_of(name, tuple(param.shape), size)
+            split = tp.split_of(name, tuple(param.shape), size, cfg.enable_expert_tensor_parallelism)
             std = out_std if name.endswith(("dense.weight", "dense_4h_to_h.weight")) else cfg.init_method_std
             full = torch.randn(split.global_shape if split else param.shape, generator=gen,
                                dtype=torch.float32) * std

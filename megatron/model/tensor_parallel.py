@@ -19,6 +19,7 @@ rows: a rank's heads are a slice along the heads dimension of the ``[3, hidden, 
 view, not a contiguous block of rows.
 """
 
+import copy
 import functools
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -55,10 +56,13 @@ class TPSplit:
         return rank * self.view[self.dim] // size
 
 
-def split_of(name: str, shape: Tuple[int, ...], size: int) -> Optional[TPSplit]:
+def split_of(name: str, shape: Tuple[int, ...], size: int,
+             expert_tp: bool = False) -> Optional[TPSplit]:
     """The split of parameter ``name`` (local ``shape``) among ``size`` tensor-parallel
-    ranks, or None for a replicated one. Pure: the same answer on every rank."""
-    if size == 1 or "deepspeed_moe" in name:  # experts: not tensor-parallel (yet)
+    ranks, or None for a replicated one; experts' MLPs are split like the dense MLP with
+    ``expert_tp`` (expert tensor parallelism), the gate never. Pure: the same answer on
+    every rank."""
+    if size == 1 or ("deepspeed_moe" in name and not expert_tp) or ".gate." in name:
         return None
     shape = tuple(shape)
     leaf = name.rsplit(".", 2)[-2:]  # (module, "weight"|"bias")
@@ -109,6 +113,25 @@ def _layer_classes():
     inside): drop-in for ``nn.Linear``, with the same parameter names."""
     _, tp, _ = _core()
 
+    def shares_groups(cls):
+        """DeepSpeed deep-copies the expert module once per local expert; a process group
+        cannot be copied (TypeError: cannot pickle ProcessGroup), so a copy shares the
+        layer's groups and copies the rest."""
+
+        def __deepcopy__(self, memo):
+            for value in vars(self).values():
+                if isinstance(value, torch.distributed.ProcessGroup):
+                    memo[id(value)] = value
+            copied = cls.__new__(cls)
+            memo[id(self)] = copied
+            for key, value in vars(self).items():
+                copied.__dict__[key] = copy.deepcopy(value, memo)
+            return copied
+
+        cls.__deepcopy__ = __deepcopy__
+        return cls
+
+    @shares_groups
     class ColumnLinear(tp.ColumnParallelLinear):
         """Output features split over the group; returns this rank's slice (no gather)."""
 
@@ -118,8 +141,9 @@ def _layer_classes():
         set_extra_state = nn.Module.set_extra_state
 
         def forward(self, x):
-            return super().forward(x)[0]
+            return _flat_call(super().forward, x)
 
+    @shares_groups
     class RowLinear(tp.RowParallelLinear):
         """Input features split over the group; takes this rank's slice of the input and
         returns the full output (summed over the group)."""
@@ -128,9 +152,20 @@ def _layer_classes():
         set_extra_state = nn.Module.set_extra_state
 
         def forward(self, x):
-            return super().forward(x)[0]
+            return _flat_call(super().forward, x)
 
     return ColumnLinear, RowLinear
+
+
+def _flat_call(forward, x: torch.Tensor) -> torch.Tensor:
+    """``forward(x)[0]`` with ``x`` as [tokens, features] when it has more than 3
+    dimensions: megatron-core's backward handles at most 3 (DeepSpeed's experts get
+    [ep, experts, capacity, hidden] chunks), and a linear layer treats every leading
+    dimension alike."""
+    if x.dim() <= 3:
+        return forward(x)[0]
+    out = forward(x.reshape(-1, x.shape[-1]))[0]
+    return out.reshape(x.shape[:-1] + out.shape[-1:])
 
 
 def linear(in_features: int, out_features: int, size: int, kind: str) -> nn.Module:
@@ -166,3 +201,29 @@ def parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.
     """Per-token cross entropy over the vocabulary split across the group."""
     _, tp, _ = _core()
     return tp.vocab_parallel_cross_entropy(logits, labels)
+
+
+def allow_flat_gathers_on_gloo() -> None:
+    """Let DeepSpeed's MoE token gathers run on gloo (every rank, before the first MoE
+    forward with tensor parallelism; idempotent).
+
+    ``deepspeed.moe.mappings`` gathers a ``[e, c, m]`` tensor into a flat buffer of
+    ``T * e * c * m`` elements with ``all_gather_into_tensor``; NCCL takes any shapes of the
+    same size, gloo wants the output to be the inputs stacked and fails with "invalid
+    tensor size". On gloo the wrapper passes the input flattened (the same bytes in the
+    same order); every other call is DeepSpeed's unchanged.
+    """
+    import deepspeed.comm as ds_comm
+    if getattr(ds_comm.all_gather_into_tensor, "_moc_flat_gloo", False):
+        return
+    gather = ds_comm.all_gather_into_tensor
+
+    @functools.wraps(gather)
+    def all_gather_into_tensor(output_tensor, tensor, group=None, async_op=False):
+        if (output_tensor.dim() == 1 and tensor.dim() > 1 and tensor.is_contiguous()
+                and torch.distributed.get_backend(group) == "gloo"):
+            tensor = tensor.view(-1)
+        return gather(output_tensor, tensor, group=group, async_op=async_op)
+
+    all_gather_into_tensor._moc_flat_gloo = True
+    ds_comm.all_gather_into_tensor = all_gather_into_tensor

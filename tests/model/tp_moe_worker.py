@@ -1,0 +1,65 @@
+"""A rank of the tensor-parallel MoE test: the GPT-MoE model (4 experts, expert
+parallelism 2) at tensor-parallel size T (1 or 2, expert tensor parallelism on at 2),
+one forward and backward pass on tokens drawn from the rank's data-parallel rank; saves
+OUT_DIR/rank<R>.pt with the loss, the gradients by global name and the rank's place.
+
+    tp_moe_worker.py OUT_DIR T TOPK
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+
+def main():
+    out_dir, size, topk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    dist.init_process_group("gloo")
+    import deepspeed
+    from deepspeed.utils import groups
+    deepspeed.init_distributed(dist_backend="gloo")  # DeepSpeed's comm, for its MoE groups
+    from megatron.training.parallel_layout import build_layout
+    if size > 1:
+        from megatron.data._compat import quiet_core_import
+        with quiet_core_import():
+            from megatron.core import parallel_state
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=size)
+        from megatron.training.mpu import CoreMPU
+        groups.mpu = CoreMPU()  # as deepspeed.initialize(mpu=...) sets it
+    place = build_layout(dist.get_world_size(), size, 2).place(dist.get_rank())
+    from megatron.model.config import GPTMoEConfig
+    from megatron.model.gpt_moe import GPTMoEModel
+    config = GPTMoEConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64,
+                          max_position_embeddings=16, num_experts=4, moe_expert_parallel_size=2,
+                          topk=topk, hidden_dropout=0.0, attention_dropout=0.0,
+                          tensor_model_parallel_size=size, enable_expert_tensor_parallelism=size > 1)
+    model = GPTMoEModel(config, ep_rank=place.ep_rank)
+    for layer in model.layers:
+        if layer.is_moe:
+            layer.mlp.set_deepspeed_parallelism()
+    gen = torch.Generator().manual_seed(100 + place.dp_rank)
+    tokens = torch.randint(0, 64, (2, 16), generator=gen)
+    labels = torch.randint(0, 64, (2, 16), generator=gen)
+    positions = torch.arange(16).expand_as(tokens)
+    # Top-2 gating draws Gumbel noise for the second expert from the global generator,
+    # which nn.Linear's own init (T = 1) consumed and megatron-core's layers (T = 2) did
+    # not: the same state for the pass in both runs.
+    torch.manual_seed(1234 + place.dp_rank)
+    lm_loss, aux_loss, counts = model(tokens, positions, labels)
+    (lm_loss + 0.01 * aux_loss).backward()
+    torch.save({"tp_rank": place.tp_rank, "dp_rank": place.dp_rank, "ep_rank": place.ep_rank,
+                "loss": lm_loss.detach(), "aux": aux_loss.detach(), "counts": counts,
+                "grads": {model.global_name(n): p.grad for n, p in model.named_parameters()},
+                "local_names": {model.global_name(n): n for n, p in model.named_parameters()}},
+               os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+    from megatron.training.exit import exit_without_teardown
+    exit_without_teardown(0)
+
+
+if __name__ == "__main__":
+    main()
