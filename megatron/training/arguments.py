@@ -628,22 +628,35 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.num_experts % ep:
         raise ConfigError(f"--num-experts ({args.num_experts}) must be divisible by "
                           f"--moe-expert-parallel-size ({ep})")
-    if world_size % ep:
+    tp = getattr(args, "tensor_model_parallel_size", 1)
+    if tp > 1 and world_size % tp:
         raise ConfigError(f"world size ({world_size}) must be divisible by "
+                          f"--tensor-model-parallel-size ({tp})")
+    for name in ("num_attention_heads", "ffn_hidden_size"):
+        value = getattr(args, name, None) or 4 * args.hidden_size  # ffn: 4 x hidden by default
+        if tp > 1 and value % tp:
+            raise ConfigError(f"--{name.replace('_', '-')} ({value}) must be divisible by "
+                              f"--tensor-model-parallel-size ({tp})")
+    dp = world_size // max(tp, 1)
+    if dp % ep:
+        raise ConfigError(f"world size ({world_size}) must be divisible by "
+                          f"--moe-expert-parallel-size ({ep})" if tp <= 1 else
+                          f"the data-parallel size ({dp} = world size {world_size} / "
+                          f"--tensor-model-parallel-size {tp}) must be divisible by "
                           f"--moe-expert-parallel-size ({ep})")
     if args.num_experts > 1 and args.expert_interval > args.num_layers:
         raise ConfigError(f"--expert-interval ({args.expert_interval}) exceeds --num-layers "
                           f"({args.num_layers}): the model would have no MoE layer")
     if args.num_experts > 1 and args.topk > args.num_experts:
         raise ConfigError(f"--topk ({args.topk}) exceeds --num-experts ({args.num_experts})")
-    args.data_parallel_size = world_size
-    per_step = args.micro_batch_size * world_size
+    args.data_parallel_size = dp
+    per_step = args.micro_batch_size * dp
     if args.global_batch_size is None:
         args.global_batch_size = per_step
     if args.global_batch_size % per_step:
         raise ConfigError(f"--global-batch-size ({args.global_batch_size}) must be divisible by "
                           f"--micro-batch-size x data-parallel size ({args.micro_batch_size} x "
-                          f"{world_size} = {per_step})")
+                          f"{dp} = {per_step})")
     args.gradient_accumulation_steps = args.global_batch_size // per_step
     if args.bf16 and args.fp16:
         raise ConfigError("--bf16 and --fp16 are mutually exclusive")
@@ -731,9 +744,12 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     return args
 
 
-def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
-    """Round the tokenizer's vocabulary up to a multiple of ``--make-vocab-size-divisible-by``."""
-    return -(-vocab_size // divisible_by) * divisible_by
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int = 1) -> int:
+    """Round the tokenizer's vocabulary up to a multiple of ``--make-vocab-size-divisible-by``
+    times the tensor-parallel size (as Megatron does: each rank's vocabulary slice is then
+    a multiple of the former)."""
+    multiple = divisible_by * tensor_parallel_size
+    return -(-vocab_size // multiple) * multiple
 
 
 def moc_config_from_args(args: argparse.Namespace):
@@ -769,5 +785,7 @@ def model_config_from_args(args: argparse.Namespace):
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std, layernorm_epsilon=args.layernorm_epsilon,
         seed=args.seed,
+        tensor_model_parallel_size=getattr(args, "tensor_model_parallel_size", 1),
+        enable_expert_tensor_parallelism=bool(getattr(args, "enable_expert_tensor_parallelism", False)),
         checkpoint_activations=bool(getattr(args, "checkpoint_activations", False)
                                     or getattr(args, "deepspeed_activation_checkpointing", False)))

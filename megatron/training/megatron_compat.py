@@ -41,7 +41,14 @@ def add_megatron_compat_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Megatron-DeepSpeed compatibility (accepted with the value "
                              "this trainer supports)")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1,
-                   help="Only 1: no tensor parallelism.")
+                   help="Split attention heads, the dense MLP and the vocabulary over this many "
+                        "consecutive ranks (megatron-core's layers); MoE layers then need "
+                        "--enable-expert-tensor-parallelism. Not yet with --moc-checkpoint.")
+    g.add_argument("--enable-expert-tensor-parallelism", action="store_true",
+                   help="With --tensor-model-parallel-size > 1, split each expert's MLP over "
+                        "the tensor-parallel ranks too (DeepSpeed's expert sharding).")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="Refused: sequence parallelism is not supported yet.")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="Only 1: no pipeline parallelism.")
     g.add_argument("--no-pipeline-parallel", action="store_true",
@@ -58,13 +65,13 @@ def check_megatron_compat(args: argparse.Namespace) -> None:
     Raises:
         ConfigError: naming the flag, its value and the supported one.
     """
-    for flag, what in (("tensor_model_parallel_size", "tensor"),
-                       ("pipeline_model_parallel_size", "pipeline")):
-        value = getattr(args, flag, 1)
-        if value != 1:
-            raise ConfigError(f"--{flag.replace('_', '-')} {value}: {what} model parallelism "
-                              "is not supported; only 1 (experts are spread with "
-                              "--moe-expert-parallel-size, the rest is data parallel)")
+    value = getattr(args, "pipeline_model_parallel_size", 1)
+    if value != 1:
+        raise ConfigError(f"--pipeline-model-parallel-size {value}: pipeline model parallelism "
+                          "is not supported; only 1 (experts are spread with "
+                          "--moe-expert-parallel-size, layers with --tensor-model-parallel-size, "
+                          "the rest is data parallel)")
+    _check_tensor_parallel(args)
     queue = getattr(args, "tensorboard_queue_size", None)
     if queue is not None and queue < 1:
         raise ConfigError(f"--tensorboard-queue-size must be >= 1, got {queue}")
@@ -126,3 +133,25 @@ def infer_tokenizer(args: argparse.Namespace) -> Optional[str]:
         args.tokenizer_type = "GPT2BPETokenizer"
         return args.tokenizer_type
     return None
+
+
+def _check_tensor_parallel(args: argparse.Namespace) -> None:
+    """Refuse what tensor parallelism does not support yet, naming the flags."""
+    if getattr(args, "sequence_parallel", False):
+        raise ConfigError("--sequence-parallel: sequence parallelism is not supported yet; "
+                          "drop the flag (tensor parallelism runs without it)")
+    size = getattr(args, "tensor_model_parallel_size", 1)
+    if size < 1:
+        raise ConfigError(f"--tensor-model-parallel-size must be >= 1, got {size}")
+    if size == 1:
+        if getattr(args, "enable_expert_tensor_parallelism", False):
+            raise ConfigError("--enable-expert-tensor-parallelism needs "
+                              "--tensor-model-parallel-size > 1")
+        return
+    if getattr(args, "moc_checkpoint", False):
+        raise ConfigError(f"--tensor-model-parallel-size {size} with --moc-checkpoint: MoC "
+                          "checkpoints of tensor-parallel runs are not supported yet; drop one")
+    if getattr(args, "num_experts", 1) > 1 and not getattr(args, "enable_expert_tensor_parallelism", False):
+        raise ConfigError(f"--tensor-model-parallel-size {size} with MoE layers (--num-experts "
+                          f"{args.num_experts}) needs --enable-expert-tensor-parallelism: experts "
+                          "replicated over the tensor-parallel ranks are not supported yet")

@@ -126,6 +126,15 @@ def initialize_distributed(args: argparse.Namespace) -> None:
     # (deepspeed_ext.runtime.groups), before any of them runs.
     from deepspeed_ext.runtime.groups import init_metadata_group
     init_metadata_group(timeout)
+    if getattr(args, "tensor_model_parallel_size", 1) > 1:
+        # megatron-core's tensor- and data-parallel groups (consecutive ranks share the
+        # layers: megatron/training/parallel_layout.py), before the model is built.
+        from megatron.data._compat import quiet_core_import
+        with quiet_core_import():
+            from megatron.core import parallel_state
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=args.tensor_model_parallel_size,
+            distributed_timeout_minutes=args.distributed_timeout_minutes)
 
 
 def _init_from_agent_store(backend: str, timeout) -> None:
@@ -187,14 +196,18 @@ def setup_model_and_optimizer(args: argparse.Namespace):
         raise ConfigError(f"--fp16 is not supported on this {get_accelerator().device_name()} "
                           "device; use --bf16 or full precision")
     config = model_config_from_args(args)
-    ep_rank = dist.get_rank() % args.moe_expert_parallel_size
-    model = GPTMoEModel(config, ep_rank=ep_rank)
+    place = _layout(args).place(dist.get_rank())
+    model = GPTMoEModel(config, ep_rank=place.ep_rank)
     optimizer = torch.optim.AdamW(_param_groups(model, args.weight_decay), lr=args.lr,
                                   betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
                                   foreach=False)
+    mpu = None
+    if config.tensor_model_parallel_size > 1:
+        from megatron.training.mpu import CoreMPU
+        mpu = CoreMPU()
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                           config=build_ds_config(args))
-    _check_expert_layout(model, args, ep_rank)
+                                           config=build_ds_config(args), mpu=mpu)
+    _check_expert_layout(model, args, place.ep_rank)
     scheduler = build_scheduler(engine.optimizer, args)
     return engine, scheduler
 
@@ -285,11 +298,21 @@ def evaluate(engine, data_iterator: Iterator, args: argparse.Namespace,
     return total.item()
 
 
+def _layout(args: argparse.Namespace):
+    """This job's tensor x data x expert layout (the same on every rank)."""
+    from megatron.training.parallel_layout import build_layout
+    return build_layout(dist.get_world_size(), getattr(args, "tensor_model_parallel_size", 1),
+                        args.moe_expert_parallel_size)
+
+
 def _build_loaders(args: argparse.Namespace, datasets, state: checkpointing.ResumeState):
     """Train and valid iterators positioned after what ``state`` says was consumed."""
     from megatron.data import build_pretraining_data_loader
     train_ds, valid_ds, _ = datasets
-    rank, world = dist.get_rank(), dist.get_world_size()
+    # The data-parallel rank reads its shard; the ranks of a tensor-parallel group read
+    # the same one.
+    place = _layout(args).place(dist.get_rank())
+    rank, world = place.dp_rank, args.data_parallel_size
     train = build_pretraining_data_loader(train_ds, state.consumed_train_samples,
                                           args.micro_batch_size, rank, world, args.num_workers)
     valid_consumed = (state.iteration // args.eval_interval) * args.eval_iters * args.global_batch_size
@@ -327,13 +350,18 @@ def pretrain(args: argparse.Namespace, extra_setup=None) -> TrainResult:
         startup.phase("data")
         from megatron.data import build_tokenizer, build_train_valid_test_datasets
         tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
-        args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by)
+        args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
+                                                   getattr(args, "tensor_model_parallel_size", 1))
         # Data before the model: a missing or unusable --data-path stops the job before
         # the (slow) engine set-up.
         datasets = build_train_valid_test_datasets(args, tokenizer)
         _print_banner(args)
         startup.phase("model and engine")
         engine, scheduler = setup_model_and_optimizer(args)
+        # Training's draws (dropout masks, top-2 gate noise) start from the seed whatever
+        # building the model drew: torch's nn.Linear initialisers draw, megatron-core's
+        # tensor-parallel layers do not, and a T = 2 run gated differently from T = 1.
+        set_seed(args.seed)
         injector = _fault_injector(args, engine)
         if args.moc_checkpoint:
             from deepspeed_ext import enable_moc_checkpointing
@@ -413,8 +441,10 @@ def _print_banner(args: argparse.Namespace) -> None:
     print_rank_0(f"> building GPT-MoE model: {args.num_layers} layers, hidden {args.hidden_size}, "
                  f"{args.num_experts} experts every {args.expert_interval} layers, top-{args.topk}; "
                  f"parameters: {counts['total']:,} ({counts['expert']:,} in experts)")
+    tp = getattr(args, "tensor_model_parallel_size", 1)
     print_rank_0(f"> world size {dist.get_world_size()}, expert-parallel {args.moe_expert_parallel_size}, "
-                 f"ZeRO stage {args.zero_stage}, micro batch {args.micro_batch_size}, global batch "
+                 + (f"tensor-parallel {tp} (data-parallel {args.data_parallel_size}), " if tp > 1 else "")
+                 + f"ZeRO stage {args.zero_stage}, micro batch {args.micro_batch_size}, global batch "
                  f"{args.global_batch_size} ({args.gradient_accumulation_steps} accumulation steps), "
                  f"{'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}")
 

@@ -85,8 +85,11 @@ def _ds_file(tmp_path, **sections):
 
 
 @pytest.mark.parametrize("extra, needle", [
-    (["--tensor-model-parallel-size", "2"],
-     "--tensor-model-parallel-size 2: tensor model parallelism is not supported; only 1"),
+    (["--tensor-model-parallel-size", "2", "--num-experts", "4"],
+     "--tensor-model-parallel-size 2 with MoE layers (--num-experts 4) needs "
+     "--enable-expert-tensor-parallelism"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+     "--sequence-parallel: sequence parallelism is not supported yet"),
     (["--pipeline-model-parallel-size", "4"],
      "--pipeline-model-parallel-size 4: pipeline model parallelism is not supported; only 1"),
     (["--data-impl", "lazy"], "argument --data-impl: invalid choice: 'lazy' (choose from mmap, infer)"),
