@@ -54,6 +54,11 @@ def main():
         split = tp.split_of(name, tuple(param.shape), size)
         piece = (lambda t: split.slice(t, rank, size)) if split else (lambda t: t)
         (report["split"] if split else report["replicated"]).append(name)
+        # What DeepSpeed reads to count a parameter once in the gradient norm.
+        if bool(getattr(param, "tensor_model_parallel", False)) != (split is not None):
+            report.setdefault("marked_wrong", []).append(name)
+        elif split is not None and param.partition_dim != (split.dim if split.view == split.global_shape else 0):
+            report.setdefault("marked_wrong", []).append(name)
         report["weight_diff"] = max(report["weight_diff"],
                                     (param.detach() - piece(weights1[name].detach())).abs().max().item())
         report["grad_diff"] = max(report["grad_diff"],
