@@ -107,6 +107,10 @@ def _core_config(size: int):
                                sequence_parallel=False)
 
 
+_SPLIT_MARKS = ("tensor_model_parallel", "partition_dim", "partition_stride")
+"""megatron-core's attributes of a split parameter (read by DeepSpeed's gradient norm)."""
+
+
 @functools.lru_cache(maxsize=None)
 def _layer_classes():
     """megatron-core's parallel linears returning only their output (the bias is added
@@ -116,7 +120,10 @@ def _layer_classes():
     def shares_groups(cls):
         """DeepSpeed deep-copies the expert module once per local expert; a process group
         cannot be copied (TypeError: cannot pickle ProcessGroup), so a copy shares the
-        layer's groups and copies the rest."""
+        layer's groups and copies the rest. A copied Parameter loses its Python attributes
+        (torch copies data and requires_grad only), so the split marks are set again:
+        unmarked expert shards were counted on tensor-parallel rank 0 only in DeepSpeed's
+        gradient norm (0.02 % low with top-1, 0.2 % with top-2)."""
 
         def __deepcopy__(self, memo):
             for value in vars(self).values():
@@ -126,6 +133,11 @@ def _layer_classes():
             memo[id(self)] = copied
             for key, value in vars(self).items():
                 copied.__dict__[key] = copy.deepcopy(value, memo)
+            for name, param in self.named_parameters(recurse=False):
+                twin = getattr(copied, name)
+                for mark in _SPLIT_MARKS:
+                    if hasattr(param, mark):
+                        setattr(twin, mark, getattr(param, mark))
             return copied
 
         cls.__deepcopy__ = __deepcopy__

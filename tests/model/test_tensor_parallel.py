@@ -98,6 +98,7 @@ def test_moe_layers_with_expert_tensor_parallelism_match_one_rank_per_layer(tmp_
             full = want["grads"][name]
             expected = split.slice(full, got["tp_rank"], 2) if split else full
             split_names += split is not None
+            assert got["marked"][name] == (split is not None), name
             scale = full.abs().max().item()
             assert (grad - expected).abs().max().item() <= 1e-5 * max(scale, 1e-12), name
     assert split_names > 4 * 10  # attention, MLP, embedding and every expert's MLP split

@@ -53,7 +53,11 @@ def main():
     torch.save({"tp_rank": place.tp_rank, "dp_rank": place.dp_rank, "ep_rank": place.ep_rank,
                 "loss": lm_loss.detach(), "aux": aux_loss.detach(), "counts": counts,
                 "grads": {model.global_name(n): p.grad for n, p in model.named_parameters()},
-                "local_names": {model.global_name(n): n for n, p in model.named_parameters()}},
+                "local_names": {model.global_name(n): n for n, p in model.named_parameters()},
+                # DeepSpeed's gradient norm counts a parameter without this mark once, on
+                # tensor-parallel rank 0 (experts are deep copies of one template).
+                "marked": {model.global_name(n): bool(getattr(p, "tensor_model_parallel", False))
+                           for n, p in model.named_parameters()}},
                os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
     dist.barrier()
     dist.destroy_process_group()
