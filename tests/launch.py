@@ -11,6 +11,7 @@ import json
 import os
 import select
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -203,7 +204,7 @@ class ForkedRank:
     def kill(self) -> None:
         if self.poll() is None:
             try:
-                os.kill(self.pid, 9)
+                os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 

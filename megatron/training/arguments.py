@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Sequence
 
 from deepspeed_ext.keeper import SUN_PATH_MAX as UNIX_SOCKET_PATH_MAX
 from megatron.training.errors import ConfigError
+from megatron.training.parallel_layout import build_layout
 from megatron.training.megatron_compat import (NumExpertsAction, add_megatron_compat_args,
                                                check_megatron_compat, given_flags,
                                                infer_tokenizer)
@@ -629,21 +630,16 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         raise ConfigError(f"--num-experts ({args.num_experts}) must be divisible by "
                           f"--moe-expert-parallel-size ({ep})")
     tp = getattr(args, "tensor_model_parallel_size", 1)
-    if tp > 1 and world_size % tp:
-        raise ConfigError(f"world size ({world_size}) must be divisible by "
-                          f"--tensor-model-parallel-size ({tp})")
-    for name in ("num_attention_heads", "ffn_hidden_size"):
-        value = getattr(args, name, None) or 4 * args.hidden_size  # ffn: 4 x hidden by default
-        if tp > 1 and value % tp:
-            raise ConfigError(f"--{name.replace('_', '-')} ({value}) must be divisible by "
-                              f"--tensor-model-parallel-size ({tp})")
-    dp = world_size // max(tp, 1)
-    if dp % ep:
-        raise ConfigError(f"world size ({world_size}) must be divisible by "
-                          f"--moe-expert-parallel-size ({ep})" if tp <= 1 else
-                          f"the data-parallel size ({dp} = world size {world_size} / "
-                          f"--tensor-model-parallel-size {tp}) must be divisible by "
-                          f"--moe-expert-parallel-size ({ep})")
+    try:
+        dp = build_layout(world_size, tp, ep).dp
+    except ValueError as e:  # the message names the flag
+        raise ConfigError(str(e)) from None
+    if tp > 1:
+        for flag, value in (("--num-attention-heads", args.num_attention_heads),
+                            ("--ffn-hidden-size", args.ffn_hidden_size or 4 * args.hidden_size)):
+            if value % tp:
+                raise ConfigError(f"{flag} ({value}) must be divisible by "
+                                  f"--tensor-model-parallel-size ({tp})")
     if args.num_experts > 1 and args.expert_interval > args.num_layers:
         raise ConfigError(f"--expert-interval ({args.expert_interval}) exceeds --num-layers "
                           f"({args.num_layers}): the model would have no MoE layer")

@@ -64,8 +64,13 @@ class ParallelLayout:
 def build_layout(world: int, tp: int, ep: int) -> ParallelLayout:
     """The layout of ``world`` ranks; raises ValueError naming the flag that does not fit."""
     if tp < 1 or world % tp:
-        raise ValueError(f"--tensor-model-parallel-size ({tp}) must divide the world size ({world})")
+        raise ValueError(f"world size ({world}) must be divisible by "
+                         f"--tensor-model-parallel-size ({tp})")
     if ep < 1 or (world // tp) % ep:
-        raise ValueError(f"--moe-expert-parallel-size ({ep}) must divide the data-parallel size "
-                         f"({world // tp} = world size {world} / --tensor-model-parallel-size {tp})")
+        if tp == 1:
+            raise ValueError(f"world size ({world}) must be divisible by "
+                             f"--moe-expert-parallel-size ({ep})")
+        raise ValueError(f"the data-parallel size ({world // tp} = world size {world} / "
+                         f"--tensor-model-parallel-size {tp}) must be divisible by "
+                         f"--moe-expert-parallel-size ({ep})")
     return ParallelLayout(world=world, tp=tp, ep=ep)

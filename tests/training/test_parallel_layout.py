@@ -34,8 +34,10 @@ def test_expert_groups_are_deepspeeds(world, tp, ep):
 
 
 @pytest.mark.parametrize("world, tp, ep, needle", [
-    (6, 4, 1, "--tensor-model-parallel-size \\(4\\) must divide the world size \\(6\\)"),
-    (4, 2, 4, "--moe-expert-parallel-size \\(4\\) must divide the data-parallel size \\(2 "),
+    (6, 4, 1, "world size \\(6\\) must be divisible by --tensor-model-parallel-size \\(4\\)"),
+    (4, 2, 4, "the data-parallel size \\(2 = world size 4 / --tensor-model-parallel-size 2\\) "
+              "must be divisible by --moe-expert-parallel-size \\(4\\)"),
+    (6, 1, 4, "world size \\(6\\) must be divisible by --moe-expert-parallel-size \\(4\\)"),
 ])
 def test_a_layout_that_does_not_fit_names_the_flag(world, tp, ep, needle):
     with pytest.raises(ValueError, match=needle):
