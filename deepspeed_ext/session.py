@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Tuple
 import torch.distributed as dist
 
 from deepspeed_ext.config import MoCConfig
-from deepspeed_ext.engine.rng import set_rng_state
+from deepspeed_ext.engine.rng import common_state, set_rng_state
 from deepspeed_ext.runtime.groups import metadata_group
 from deepspeed_ext.runtime.log import rank_zero_lines
 from deepspeed_ext.state import (ExpertNaming, LocalFragment, expert_naming, loss_scaler_state,
@@ -276,9 +276,18 @@ class CheckpointSession:
         self.rng_restored = len(rng_states) == dist.get_world_size()
         if self.rng_restored:
             set_rng_state(rng_states[dist.get_rank()])
+            return
+        # Another number of ranks (a reshard): when every saved rank drew the same stream,
+        # each rank here continues it, as a run that was never resharded would.
+        common = common_state(rng_states)
+        self.rng_restored = common is not None
+        if common is not None:
+            set_rng_state(common)
+            _log(f"RNG states saved by {len(rng_states)} ranks are all equal: restored on "
+                 f"each of the {dist.get_world_size()} ranks")
         else:
             _log(f"RNG states saved by {len(rng_states)} ranks, loading on "
-                 f"{dist.get_world_size()}: not restored")
+                 f"{dist.get_world_size()}: not restored (they differ)")
 
 
 def _num_local_experts(engine) -> int:

@@ -218,7 +218,7 @@ class SingleLevel:
                 tensors[frag.key] = frag.tensor
                 specs.append(assemble.FragmentSpec(frag.name, frag.kind, frag.offset, frag.length,
                                              frag.shape, dtypes.dtype_name(frag.tensor.dtype),
-                                             frag.expert))
+                                             frag.expert, frag.split))
         tree, object_tensors = None, {}
         if rank == 0:
             objects = self.session.objects(client_state)

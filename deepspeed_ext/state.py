@@ -12,6 +12,16 @@ rank holds, with a live 1-D view of those elements:
   the parameter's data-parallel group (all ranks for non-expert parameters, the
   expert-data-parallel group for experts).
 
+With tensor parallelism (an engine given an ``mpu`` whose tensor-parallel size T > 1) a
+parameter marked as megatron-core marks split ones (``tensor_model_parallel``,
+``partition_dim``) is rank ``t``'s part of a global tensor whose ``partition_dim`` is T
+times longer; its fragments are counted in the part-major order of its
+:class:`~deepspeed_ext.format.splits.TensorSplit` (:mod:`deepspeed_ext.format.splits`),
+so a ZeRO partition of it is still one fragment. A split along an inner dimension of a
+view of the tensor (a fused QKV projection kept as ``[3, heads, head_dim]`` rows) is
+marked ``param.moc_partition_view = (view, dim)`` by the model. Unsplit parameters are
+held identically by the T ranks of a tensor-parallel group.
+
 The bf16/fp16 compute copies are derivable from the fp32 master and never described.
 Moments that do not exist yet (before the first step, or the first fp16 step that does
 not overflow) are not described either; :class:`MomentPresence` records which groups
@@ -19,11 +29,14 @@ have them, and :func:`prepare_optimizer_state` gives a loading engine the same.
 Every rank calls :func:`describe_local_state` on its own engine; no collectives.
 """
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
+
+from deepspeed_ext.format.splits import TensorSplit
 
 ExpertId = Tuple[int, int]
 """(MoE layer index in module order, global expert index)."""
@@ -53,6 +66,8 @@ class LocalFragment:
     """Global ranks holding identical bytes (one rank for ZeRO-partitioned state)."""
     tensor: torch.Tensor
     """1-D view of the fragment's elements (the training state itself: copy before use)."""
+    split: Optional[TensorSplit] = None
+    """The tensor-parallel split ``offset`` counts in (part-major order); None: row-major."""
 
     @property
     def key(self) -> str:
@@ -109,13 +124,113 @@ def expert_naming(module: torch.nn.Module) -> ExpertNaming:
 
 
 def _group_ranks(param: torch.nn.Parameter) -> Tuple[int, ...]:
-    """Global ranks holding a replica of ``param`` when nothing is partitioned."""
+    """Global ranks holding a replica of ``param`` when nothing is partitioned and nothing
+    is tensor-parallel."""
     import torch.distributed as dist
     from deepspeed.utils import groups
     if getattr(param, "allreduce", True) is False:  # an expert parameter
         group = groups._get_expert_data_parallel_group(param.group_name)
         return tuple(sorted(dist.get_process_group_ranks(group)))
     return tuple(range(dist.get_world_size()))
+
+
+@dataclass(frozen=True)
+class TensorParallelPlace:
+    """This rank's place among the tensor-parallel ranks (from the engine's mpu)."""
+
+    rank: int
+    """Rank within the tensor-parallel group (the part of a split tensor held here)."""
+    size: int
+    """Tensor-parallel size T (> 1)."""
+    group: Tuple[int, ...]
+    """Global ranks of this rank's tensor-parallel group."""
+    data_group: Tuple[int, ...]
+    """Global ranks of this rank's data-parallel group (all hold part ``rank``)."""
+
+
+def tensor_parallel_place(engine) -> Optional[TensorParallelPlace]:
+    """This rank's :class:`TensorParallelPlace`, None without tensor parallelism (no mpu,
+    or a tensor-parallel size of 1). No collectives."""
+    import torch.distributed as dist
+    mpu = getattr(engine, "mpu", None)
+    if mpu is None or not hasattr(mpu, "get_tensor_model_parallel_world_size"):
+        return None
+    size = mpu.get_tensor_model_parallel_world_size()
+    if size == 1:
+        return None
+    return TensorParallelPlace(
+        rank=mpu.get_tensor_model_parallel_rank(), size=size,
+        group=tuple(sorted(dist.get_process_group_ranks(mpu.get_tensor_model_parallel_group()))),
+        data_group=tuple(sorted(dist.get_process_group_ranks(mpu.get_data_parallel_group()))))
+
+
+def param_split(name: str, param: torch.nn.Parameter, size: int) -> Optional[TensorSplit]:
+    """How ``param`` (a rank's part) is cut from its global tensor among ``size``
+    tensor-parallel ranks; None when it is not split (or ``size`` is 1).
+
+    Raises:
+        ValueError: naming the parameter, for a split this format cannot express (a
+            ``partition_stride`` other than 1, or a view that does not fit).
+    """
+    if size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return None
+    if getattr(param, "partition_stride", 1) != 1:
+        raise ValueError(f"{name}: tensor-parallel partition_stride {param.partition_stride} "
+                         "is not supported by MoC checkpoints (strided splits)")
+    dim = getattr(param, "partition_dim", 0)
+    shape = global_shape(param, size)
+    marked = getattr(param, "moc_partition_view", None)
+    view, vdim = (tuple(marked[0]), marked[1]) if marked is not None else (shape, dim)
+    try:
+        split = TensorSplit(view, vdim, size)
+    except ValueError as err:
+        raise ValueError(f"{name}: {err}") from None
+    if split.numel != math.prod(shape):
+        raise ValueError(f"{name}: moc_partition_view {list(view)} does not hold the global "
+                         f"shape {list(shape)}")
+    return split
+
+
+def global_shape(param: torch.nn.Parameter, size: int) -> Tuple[int, ...]:
+    """The global shape of ``param``: its own, ``partition_dim`` times ``size`` when it is
+    a tensor-parallel part."""
+    shape = tuple(param.shape)
+    if size == 1 or not getattr(param, "tensor_model_parallel", False):
+        return shape
+    dim = getattr(param, "partition_dim", 0)
+    return shape[:dim] + (shape[dim] * size,) + shape[dim + 1:]
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Where one parameter of this rank lies among the global tensors and the ranks."""
+
+    shape: Tuple[int, ...]
+    """Global shape."""
+    split: Optional[TensorSplit]
+    base: int
+    """Stored offset of the parameter's first element (its part's start)."""
+    replicas: Tuple[int, ...]
+    """Ranks holding the same whole parameter (its data-parallel replicas)."""
+    twins: Tuple[int, ...]
+    """Ranks whose ZeRO partition of it is the same as this rank's (its tensor-parallel
+    peers, for a parameter they do not split; this rank alone otherwise)."""
+
+
+def _place(name: str, param, tp: Optional[TensorParallelPlace], rank: int) -> _Placement:
+    group = _group_ranks(param)
+    if tp is None:
+        return _Placement(tuple(param.shape), None, 0, group, (rank,))
+    split = param_split(name, param, tp.size)
+    shape = global_shape(param, tp.size)
+    if split is not None:
+        # Part tp.rank is held by this rank's data-parallel replicas only.
+        replicas = tuple(r for r in group if r in tp.data_group)
+        return _Placement(shape, split, split.stored_offset(tp.rank, 0), replicas, (rank,))
+    expert = getattr(param, "allreduce", True) is False
+    # An unsplit expert tensor (a row-parallel bias) is described by each peer's own
+    # expert-data-parallel group: one of them writes it (the plan merges equal keys).
+    return _Placement(shape, None, 0, group, (rank,) if expert else tp.group)
 
 
 def base_optimizer(engine):
@@ -319,49 +434,51 @@ def describe_local_state(engine, naming: ExpertNaming, with_moments: bool = True
     fragments: List[LocalFragment] = []
     partitioned = is_partitioned(engine)
     rank = dist.get_rank()
+    tp = tensor_parallel_place(engine)
     opt = base_optimizer(engine)
     for local_name, param in engine.module.named_parameters():
         name = naming.global_name(local_name)
         expert = naming.expert_of(local_name)
-        shape = tuple(param.shape)
+        place = _place(local_name, param, tp, rank)
         if partitioned:
             replicated_weights = for_save and param.dtype == torch.float32
             if replicated_weights:
                 # Described by every holder, owner of a partition or not: the plan may
                 # pick any of them to write it.
-                fragments += _replicated(name, shape, expert, _group_ranks(param),
-                                         param.data.view(-1), chunk_elems)
+                fragments += _replicated(name, place, expert, param.data.view(-1), chunk_elems)
             mapping = getattr(param, "_hp_mapping", None)
             if mapping is None:
                 continue  # this rank owns no element of the parameter
-            offset = mapping.lp_fragment_address.start
+            offset = place.base + mapping.lp_fragment_address.start
             length = mapping.lp_fragment_address.numel
             views = {} if replicated_weights else {FP32: mapping.hp_fragment}
             if with_moments:
                 views.update(_moment_views(opt, mapping))
-            holders: Tuple[int, ...] = (rank,)
+            holders: Tuple[int, ...] = place.twins
         else:
             if param.dtype != torch.float32:
                 raise ValueError(f"MoC checkpointing of {param.dtype} weights needs ZeRO stage 1 or 2 "
                                  "(the fp32 master weights live in its partitions); use --zero-stage 1/2")
-            holders = _group_ranks(param)
             views = {FP32: param.data.view(-1)}
             state = opt.state.get(param, {})
             if with_moments:
                 views.update({k: state[k].view(-1) for k in MOMENT_KINDS if k in state})
             for kind, view in views.items():
-                fragments += _replicated(name, shape, expert, holders, view, chunk_elems, kind)
+                fragments += _replicated(name, place, expert, view, chunk_elems, kind)
             continue
         for kind, view in views.items():
-            fragments.append(LocalFragment(name, kind, shape, offset, length, expert, holders,
-                                           view.view(-1)))
+            fragments.append(LocalFragment(name, kind, place.shape, offset, length, expert, holders,
+                                           view.view(-1), place.split))
     return fragments
 
 
-def _replicated(name, shape, expert, holders, flat, chunk_elems, kind=FP32) -> List[LocalFragment]:
-    """Fragments of a tensor every rank of ``holders`` holds whole, cut into chunks."""
+def _replicated(name, place: _Placement, expert, flat, chunk_elems,
+                kind=FP32) -> List[LocalFragment]:
+    """Fragments of a tensor (part) every rank of ``place.replicas`` holds whole, cut into
+    chunks."""
     spans = _chunks(flat.numel(), chunk_elems) if chunk_elems else [(0, flat.numel())]
-    return [LocalFragment(name, kind, shape, start, n, expert, holders, flat.narrow(0, start, n))
+    return [LocalFragment(name, kind, place.shape, place.base + start, n, expert, place.replicas,
+                          flat.narrow(0, start, n), place.split)
             for start, n in spans]
 
 

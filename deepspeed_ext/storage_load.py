@@ -180,7 +180,8 @@ class StorageLoad:
                 objects = reader.objects()  # first: which moments the fragments include
                 for frag in fragments(MomentPresence.from_record(objects.get("optimizer_moments"))):
                     check_saved_shape(reader, frag, load_dir, chosen)
-                    data = reader.read(frag.name, frag.kind, frag.offset, frag.length)
+                    data = reader.read(frag.name, frag.kind, frag.offset, frag.length,
+                                       split=frag.split)
                     frag.tensor.copy_(data.to(device=frag.tensor.device, dtype=frag.tensor.dtype))
                 versions = {k: v[0] for k, v in reader.expert_versions().items()}
             restore(objects)

@@ -57,3 +57,28 @@ def set_rng_state(state: Dict) -> None:
         cuda = cuda_state_for_device(state["cuda"], torch.cuda.current_device())
         if cuda is not None:
             torch.cuda.set_rng_state(cuda)
+
+
+def _canonical(value):
+    """A comparable form of a saved state's entry (tensors and arrays as bytes, tuples
+    and lists alike: a state read back from a checkpoint has lists where tuples were)."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, tuple(value.shape), value.cpu().numpy().tobytes())
+    if isinstance(value, np.ndarray):
+        return ("array", value.dtype.str, value.shape, value.tobytes())
+    if isinstance(value, dict):
+        return tuple(sorted((k, _canonical(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_canonical(v) for v in value)
+    return value
+
+
+def common_state(states) -> Optional[Dict]:
+    """The one state every entry of ``states`` holds, or None when they differ (or there
+    are none). Ranks seeded alike that draw alike (every rank of our trainer: the same
+    dropout shapes and gate noise per micro-batch) stay equal, so a load on another
+    number of ranks can still give every rank the saved stream."""
+    if not states:
+        return None
+    first = _canonical(states[0])
+    return states[0] if all(_canonical(s) == first for s in states[1:]) else None

@@ -5,8 +5,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 
-from deepspeed_ext.format.manifest import (ExpertVersion, FileEntry, Fragment, Manifest,
-                                           TensorEntry, get_field)
+from deepspeed_ext.format.manifest import (SPLIT_VERSION, VERSION, ExpertVersion, FileEntry,
+                                           Fragment, Manifest, TensorEntry, get_field)
+from deepspeed_ext.format.splits import TensorSplit, check_split_shape
 from deepspeed_ext.format.dtypes import dtype_from_name
 from deepspeed_ext.format.naming import check_key_part, check_tag, fragment_key, tensor_key
 from deepspeed_ext.format.storage import FileRecord
@@ -35,11 +36,16 @@ class FragmentSpec:
     """dtype name as stored (:func:`deepspeed_ext.format.dtypes.dtype_name`)."""
     expert: Optional[Tuple[int, int]] = None
     """``(moe_layer, expert)`` for an expert's tensor."""
+    split: Optional[TensorSplit] = None
+    """The tensor-parallel split ``offset`` counts in (part-major order); None: row-major."""
 
     def __post_init__(self):
         check_key_part(self.name, "tensor name")
         check_key_part(self.kind, "tensor kind")
         dtype_from_name(self.dtype)
+        if self.split is not None and check_split_shape(self.split, self.shape):
+            raise ValueError(f"fragment {self.name}|{self.kind}: "
+                             f"{check_split_shape(self.split, self.shape)}")
         numel = math.prod(self.shape)
         if self.offset < 0 or self.length <= 0 or self.offset + self.length > numel:
             raise ValueError(f"fragment {self.name}|{self.kind}: [{self.offset}, "
@@ -51,9 +57,12 @@ class FragmentSpec:
         return fragment_key(self.name, self.kind, self.offset)
 
     def to_json(self) -> Dict[str, Any]:
-        return {"name": self.name, "kind": self.kind, "offset": self.offset,
-                "length": self.length, "shape": list(self.shape), "dtype": self.dtype,
-                "expert": list(self.expert) if self.expert is not None else None}
+        out = {"name": self.name, "kind": self.kind, "offset": self.offset,
+               "length": self.length, "shape": list(self.shape), "dtype": self.dtype,
+               "expert": list(self.expert) if self.expert is not None else None}
+        if self.split is not None:
+            out["split"] = self.split.to_json()
+        return out
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any], where: str = "fragment") -> "FragmentSpec":
@@ -67,10 +76,12 @@ class FragmentSpec:
         if expert is not None and (not isinstance(expert, list) or len(expert) != 2
                                    or not all(type(x) is int for x in expert)):
             raise ValueError(f"{where}.expert: expected [layer, expert] or null, got {expert!r}")
+        split = d.get("split") if isinstance(d, dict) else None
         return cls(name=get_field(d, "name", str, where), kind=get_field(d, "kind", str, where),
                    offset=get_field(d, "offset", int, where), length=get_field(d, "length", int, where),
                    shape=tuple(shape), dtype=get_field(d, "dtype", str, where),
-                   expert=tuple(expert) if expert is not None else None)
+                   expert=tuple(expert) if expert is not None else None,
+                   split=TensorSplit.from_json(split, f"{where}.split") if split is not None else None)
 
 
 @dataclass
@@ -139,12 +150,13 @@ def assemble_manifest(tag: str, step: int, world_size: int, layout: Mapping[str,
             entry = tensors.get(tkey)
             if entry is None:
                 entry = tensors[tkey] = TensorEntry(shape=list(spec.shape), dtype=spec.dtype,
-                                                    expert=spec.expert)
-            elif (entry.shape, entry.dtype, entry.expert) != (list(spec.shape), spec.dtype,
-                                                               spec.expert):
+                                                    expert=spec.expert, split=spec.split)
+            elif (entry.shape, entry.dtype, entry.expert, entry.split) != (
+                    list(spec.shape), spec.dtype, spec.expert, spec.split):
                 problems.append(f"{tag}: tensor {tkey}: rank {report.rank} describes it as "
-                                f"{list(spec.shape)} {spec.dtype} expert {spec.expert}, another "
-                                f"rank as {entry.shape} {entry.dtype} expert {entry.expert}")
+                                f"{list(spec.shape)} {spec.dtype} expert {spec.expert} split "
+                                f"{spec.split}, another rank as {entry.shape} {entry.dtype} "
+                                f"expert {entry.expert} split {entry.split}")
             entry.fragments.append(Fragment(file=report.file, key=spec.key,
                                             offset=spec.offset, length=spec.length))
     for name, entry in (extra_files or {}).items():
@@ -155,7 +167,9 @@ def assemble_manifest(tag: str, step: int, world_size: int, layout: Mapping[str,
         entry.fragments.sort(key=lambda f: f.offset)
     manifest = Manifest(tag=tag, step=step, world_size=world_size, layout=dict(layout),
                         files=files, tensors=tensors, expert_index=dict(expert_index),
-                        extra=dict(extra or {}))
+                        extra=dict(extra or {}),
+                        version=(SPLIT_VERSION if any(e.split is not None for e in tensors.values())
+                                 else VERSION))
     problems.extend(manifest.validate())
     if problems:
         raise ValueError("cannot assemble the manifest:\n  " + "\n  ".join(problems))

@@ -62,6 +62,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 from deepspeed_ext.format import fs
 from deepspeed_ext.format.dtypes import dtype_from_name
 from deepspeed_ext.format.errors import CheckpointError
+from deepspeed_ext.format.splits import TensorSplit, check_split_shape
 from deepspeed_ext.format.naming import (check_tag, expert_key, fragment_key, parse_expert_key,
                                          plain_file_name, split_or_raw, split_tensor_key,
                                          try_parse_expert_key)
@@ -71,7 +72,11 @@ from deepspeed_ext.policy.pec import part_of_kind
 FORMAT = "moc-ckpt"
 VERSION = 2
 """Version 2 added per-part expert versions (``expert_index[...].optim``)."""
-READABLE_VERSIONS = (1, 2)
+SPLIT_VERSION = 3
+"""Version 3 added tensor-parallel splits (``tensors[...].split``): written only by a
+checkpoint that holds a split tensor, so that an older MoC, which would read a split
+tensor's part-major order as row-major, refuses it instead."""
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST_FILE = "manifest.json"
 MANIFEST_MAX_BYTES = 256 << 20
 """Largest manifest read: a manifest of a trillion-parameter model's fragments stays far
@@ -139,15 +144,21 @@ class TensorEntry:
     """``(moe_layer, expert)`` for an expert's tensor, None for non-expert state."""
     fragments: List[Fragment] = field(default_factory=list)
     """Where its elements are, sorted by offset; together exactly ``[0, numel)``."""
+    split: Optional[TensorSplit] = None
+    """How the tensor-parallel ranks that saved it split it: offsets are then in its
+    part-major order (:mod:`deepspeed_ext.format.splits`); None: row-major."""
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
     def to_json(self) -> Dict[str, Any]:
-        return {"shape": list(self.shape), "dtype": self.dtype,
-                "expert": list(self.expert) if self.expert is not None else None,
-                "fragments": [f.to_json() for f in self.fragments]}
+        out = {"shape": list(self.shape), "dtype": self.dtype,
+               "expert": list(self.expert) if self.expert is not None else None,
+               "fragments": [f.to_json() for f in self.fragments]}
+        if self.split is not None:
+            out["split"] = self.split.to_json()
+        return out
 
 
 @dataclass
@@ -272,6 +283,9 @@ class Manifest:
                 problems.append(f"{where}: file name {name!r} is not a plain file name")
         for tkey, entry in self.tensors.items():
             problems.extend(tensor_problems(where, tkey, entry, self.files))
+            if entry.split is not None and self.version < SPLIT_VERSION:
+                problems.append(f"{where}: tensor {tkey} is split, which version "
+                                f"{self.version} manifests cannot say")
         for ekey, version in self.expert_index.items():
             try:
                 parse_expert_key(ekey)
@@ -370,6 +384,8 @@ def tensor_problems(where: str, tkey: str, entry: TensorEntry,
         return [f"{label}: {err}"]
     if any((not isinstance(s, int)) or s < 0 for s in entry.shape):
         return [f"{label}: bad shape {entry.shape}"]
+    if entry.split is not None and check_split_shape(entry.split, entry.shape):
+        return [f"{label}: {check_split_shape(entry.split, entry.shape)}"]
     for frag in entry.fragments:
         if frag.file not in files:
             problems.append(f"{label}: fragment {frag.key!r} is in {frag.file!r}, which is "
@@ -460,8 +476,11 @@ def _parse_manifest(data: Any, source: str) -> Manifest:
             frags.append(Fragment(file=get_field(fr, "file", str, fw), key=get_field(fr, "key", str, fw),
                                   offset=get_field(fr, "offset", int, fw),
                                   length=get_field(fr, "length", int, fw)))
+        split = t.get("split")
         tensors[tkey] = TensorEntry(shape=shape, dtype=get_field(t, "dtype", str, w), expert=expert,
-                                    fragments=sorted(frags, key=lambda f: f.offset))
+                                    fragments=sorted(frags, key=lambda f: f.offset),
+                                    split=(TensorSplit.from_json(split, f"{w}.split")
+                                           if split is not None else None))
     index = {}
     for ekey, v in get_field(data, "expert_index", dict, source).items():
         w = f"{source}: expert_index[{ekey!r}]"

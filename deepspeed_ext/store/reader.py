@@ -32,6 +32,7 @@ from deepspeed_ext.format.errors import CheckpointError
 from deepspeed_ext.format.fragment_reader import FragmentReader
 from deepspeed_ext.format.manifest import Manifest
 from deepspeed_ext.format.naming import tensor_key
+from deepspeed_ext.format.splits import TensorSplit, convert, same_order
 from deepspeed_ext.format.objects import OBJECTS_FILE, decode, read_objects_file, tensor_keys
 from deepspeed_ext.format.storage import FileRecord, verify_file
 from deepspeed_ext.runtime.outcomes import MoCCheckpointError
@@ -60,6 +61,8 @@ class TensorInfo:
     saved there)."""
     step: int
     """Step of that version: ``reader.step - info.step`` steps of its updates are lost."""
+    split: Optional[TensorSplit] = None
+    """The tensor-parallel split it was saved with (None: saved whole, row-major)."""
 
     @property
     def numel(self) -> int:
@@ -182,6 +185,7 @@ class CheckpointReader:
         self.verify_checksums = verify_checksums
         self._verified: set = set()
         self._offsets: Dict[str, List[int]] = {}
+        self._reordered: Optional[Tuple[Tuple, torch.Tensor]] = None
 
     def _open(self, save_dir: str, tag: str, check_structure: bool,
               resolution: Optional[Resolution]) -> None:
@@ -242,15 +246,22 @@ class CheckpointReader:
         rt = self._resolved(name, kind)
         return TensorInfo(name=name, kind=kind, shape=tuple(rt.entry.shape),
                           dtype=dtype_from_name(rt.entry.dtype), expert=rt.entry.expert,
-                          tag=rt.tag, step=rt.step)
+                          tag=rt.tag, step=rt.step, split=rt.entry.split)
 
     # ---------------------------------------------------------------------- reads
     def read(self, name: str, kind: str, start: int = 0, length: Optional[int] = None,
-             out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Elements ``[start, start + length)`` of the flattened global tensor.
+             out: Optional[torch.Tensor] = None,
+             split: Optional[TensorSplit] = None) -> torch.Tensor:
+        """Elements ``[start, start + length)`` of the flattened global tensor, in the
+        order of ``split`` (None: row-major).
 
-        Reads only the byte ranges of the fragments that overlap the range, from the
-        checkpoint that holds the tensor's newest version.
+        When the checkpoint stored the tensor in that order (saved by the same
+        tensor-parallel split, or whole and read whole), reads only the byte ranges of
+        the fragments that overlap the range. Otherwise (a load under another
+        tensor-parallel size) it reads the whole tensor once, re-orders it
+        (:func:`deepspeed_ext.format.splits.convert`) and keeps it for the next range of
+        the same tensor and order. Either way from the checkpoint that holds the tensor's
+        newest version.
 
         Args:
             name, kind: the tensor.
@@ -258,11 +269,13 @@ class CheckpointReader:
             length: number of elements; None = to the end.
             out: optional 1-D tensor of ``length`` elements and the stored dtype to fill
                 (e.g. a slice of the rank's flat ZeRO partition); returned.
+            split: the order to read in: a tensor-parallel rank's split, whose part ``p``
+                is elements ``[p * part_numel, (p + 1) * part_numel)``.
 
         Raises:
             KeyError: no such tensor.
             IndexError: the range is outside the tensor.
-            ValueError: ``out`` does not fit.
+            ValueError: ``out`` does not fit, or ``split`` is not one of this tensor.
             CheckpointError: a file fails its checksum (with ``verify_checksums``) or
                 cannot be read.
         """
@@ -279,6 +292,18 @@ class CheckpointReader:
         elif out.dim() != 1 or out.numel() != length or out.dtype != dtype:
             raise ValueError(f"{name}|{kind}: out must be 1-D {dtype} with {length} elements, "
                              f"got {tuple(out.shape)} {out.dtype}")
+        if same_order(rt.entry.split, split):
+            return self._read_stored(rt, name, kind, start, length, out)
+        key = (rt.tag, name, kind, split)
+        if self._reordered is None or self._reordered[0] != key:
+            self._reordered = None  # one whole tensor kept at a time
+            stored = self._read_stored(rt, name, kind, 0, numel, torch.empty(numel, dtype=dtype))
+            self._reordered = (key, convert(stored, rt.entry.split, split))
+        return out.copy_(self._reordered[1].narrow(0, start, length))
+
+    def _read_stored(self, rt: ResolvedTensor, name: str, kind: str, start: int, length: int,
+                     out: torch.Tensor) -> torch.Tensor:
+        """Elements ``[start, start + length)`` in the stored order, into ``out``."""
         frags = rt.entry.fragments
         offsets = self._offsets.get(tensor_key(name, kind))
         if offsets is None:
@@ -296,7 +321,7 @@ class CheckpointReader:
         return out
 
     def read_full(self, name: str, kind: str) -> torch.Tensor:
-        """The whole tensor in its global shape."""
+        """The whole tensor in its global shape (a split one re-assembled)."""
         rt = self._resolved(name, kind)
         return self.read(name, kind).view(rt.entry.shape)
 
@@ -346,6 +371,7 @@ class CheckpointReader:
         for reader in self._readers.values():
             reader.close()
         self._readers.clear()
+        self._reordered = None
         self._pin.close()
 
     def __enter__(self) -> "CheckpointReader":

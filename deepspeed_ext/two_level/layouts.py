@@ -82,10 +82,11 @@ class SnapshotLayouts:
         """The manifest spec of a fragment, built once per fragment (every snapshot needs
         hundreds of them, and they change only with the layout)."""
         from deepspeed_ext.format import assemble
-        cache_key = (frag.key, frag.length, tuple(frag.shape), frag.tensor.dtype, frag.expert)
+        cache_key = (frag.key, frag.length, tuple(frag.shape), frag.tensor.dtype, frag.expert,
+                     frag.split)
         spec = self._specs.get(cache_key)
         if spec is None:
             spec = self._specs[cache_key] = assemble.FragmentSpec(
                 frag.name, frag.kind, frag.offset, frag.length, frag.shape,
-                str(frag.tensor.dtype).rsplit(".", 1)[-1], frag.expert).to_json()
+                str(frag.tensor.dtype).rsplit(".", 1)[-1], frag.expert, frag.split).to_json()
         return spec

@@ -299,7 +299,7 @@ class Recovery:
         reader = storage.reader()
         # Reads go by element range: a tensor of another shape would load silently.
         check_saved_shape(reader, frag, storage.load_dir, storage.tag)
-        return None, reader.read(frag.name, frag.kind, frag.offset, frag.length)
+        return None, reader.read(frag.name, frag.kind, frag.offset, frag.length, split=frag.split)
 
     def _overlay_newer_experts(self, memory: MemorySnapshots, fragments) -> None:
         """Two-level recovery: after a storage load, take experts whose memory snapshot on

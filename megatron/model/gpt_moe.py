@@ -159,6 +159,7 @@ class GPTMoEModel(nn.Module):
         self.layers = nn.ModuleList(TransformerLayer(config, i in moe_layers)
                                     for i in range(config.num_layers))
         self.final_layernorm = _layer_norm(config)
+        tp.mark_partition_views(self, tp_size, config.enable_expert_tensor_parallelism)
         self.init_weights()
 
     def global_name(self, name: str) -> str:

@@ -107,8 +107,21 @@ def _core_config(size: int):
                                sequence_parallel=False)
 
 
-_SPLIT_MARKS = ("tensor_model_parallel", "partition_dim", "partition_stride")
-"""megatron-core's attributes of a split parameter (read by DeepSpeed's gradient norm)."""
+_SPLIT_MARKS = ("tensor_model_parallel", "partition_dim", "partition_stride", "moc_partition_view")
+"""megatron-core's attributes of a split parameter (read by DeepSpeed's gradient norm), and
+MoC's view of an inner split (read by its checkpoints)."""
+
+
+def mark_partition_views(model: nn.Module, size: int, expert_tp: bool) -> None:
+    """Mark every parameter split along an inner dimension of a view (the fused QKV
+    projection's ``[3, heads, ...]``) with ``moc_partition_view = (view, dim)``, which MoC
+    checkpoints read to place its parts (``deepspeed_ext.state``); megatron-core's
+    ``partition_dim`` 0 alone would have them stored as contiguous row blocks, and a load
+    under another tensor-parallel size would then mix queries, keys and values."""
+    for name, param in model.named_parameters():
+        split = split_of(name, tuple(param.shape), size, expert_tp)
+        if split is not None and split.view != split.global_shape:
+            param.moc_partition_view = (split.view, split.dim)
 
 
 @functools.lru_cache(maxsize=None)

@@ -148,9 +148,6 @@ def _check_tensor_parallel(args: argparse.Namespace) -> None:
             raise ConfigError("--enable-expert-tensor-parallelism needs "
                               "--tensor-model-parallel-size > 1")
         return
-    if getattr(args, "moc_checkpoint", False):
-        raise ConfigError(f"--tensor-model-parallel-size {size} with --moc-checkpoint: MoC "
-                          "checkpoints of tensor-parallel runs are not supported yet; drop one")
     if getattr(args, "num_experts", 1) > 1 and not getattr(args, "enable_expert_tensor_parallelism", False):
         raise ConfigError(f"--tensor-model-parallel-size {size} with MoE layers (--num-experts "
                           f"{args.num_experts}) needs --enable-expert-tensor-parallelism: experts "

@@ -632,7 +632,10 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
         if moc is not None and stats.expert_counts.numel():
             counts = stats.expert_counts.clone()
             dist.all_reduce(counts)  # the policy state must be identical on every rank
-            # (the host waits at tolist(); the clock times the all-reduce on the stream)
+            # (the host waits at tolist(); the clock times the all-reduce on the stream).
+            # The T ranks of a tensor-parallel group route the same tokens: each token
+            # was counted T times, which would inflate the lost-token figures' totals.
+            counts //= getattr(args, "tensor_model_parallel_size", 1)
             moc.observe_tokens(counts.tolist())
             if exact is not None:
                 exact.observe_tokens(counts.tolist())

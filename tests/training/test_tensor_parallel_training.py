@@ -1,24 +1,59 @@
 """Training with tensor parallelism through the trainer: T = 2 x E = 2 on 4 ranks
-against T = 1 x E = 2 on 2 ranks, the same model, data and steps; and what is refused."""
+against T = 1 x E = 2 on 2 ranks, the same model, data and steps; MoC checkpoints of both
+loaded under the other tensor-parallel size (and another expert-parallel size), consolidated,
+and recovered after failures from memory, from the peers' memory and by exact replay; and
+what is refused."""
 
 import json
+import os
+import subprocess
 
 import pytest
+import torch
 
-from tests.launch import describe, run_ranks
+from tests.launch import REPO, describe, run_ranks
+from tests.shm import new_shm_dir, stop_keepers
 
 TINY = ["--config", "configs/tiny.yaml", "--split", "90,10,0", "--hidden-dropout", "0",
         "--attention-dropout", "0", "--train-iters", "6", "--eval-interval", "3",
-        "--eval-iters", "1", "--log-interval", "1"]
+        "--eval-iters", "1", "--log-interval", "1", "--topk", "2"]
+
+
+def _layout(size):
+    """The flags of tensor-parallel size ``size``. The vocabulary is padded to a multiple
+    of --make-vocab-size-divisible-by times the tensor-parallel size (as Megatron does):
+    32 / T pads 257 to 288 in both layouts."""
+    extra = ["--make-vocab-size-divisible-by", str(32 // size)]
+    if size > 1:
+        extra += ["--tensor-model-parallel-size", str(size), "--enable-expert-tensor-parallelism"]
+    return extra
+
+
+NPROC = {1: 2, 2: 4}
 
 
 def _losses(path):
-    with open(path) as f:
+    with open(path) as f:  # a redone iteration's line replaces the first one's
         return {(r["kind"], r["iteration"]): (r["lm_loss"], r.get("grad_norm"))
                 for r in map(json.loads, f) if r["kind"] in ("train", "valid")}
 
 
-def test_tensor_parallel_training_tracks_the_single_rank_layers(corpus, tmp_path):
+@pytest.fixture(scope="module")
+def runs(corpus, tmp_path_factory):
+    """T = 1 on 2 ranks and T = 2 on 4 ranks, 6 steps each, with MoC checkpoints at 3 and
+    6: ``{size: (losses, rank 0's log, save dir)}``."""
+    out = {}
+    for size, nproc in NPROC.items():
+        where = tmp_path_factory.mktemp(f"t{size}")
+        results = run_ranks(nproc, TINY + _layout(size) + [
+            "--data-path", corpus, "--metrics-file", str(where / "m.jsonl"), "--moc-checkpoint",
+            "--save", str(where / "ckpt"), "--save-interval", "3"], timeout=240)
+        assert all(r.returncode == 0 for r in results), describe(results)
+        out[size] = (_losses(where / "m.jsonl"), results[0].output, where / "ckpt")
+    return out
+
+
+def test_tensor_parallel_training_tracks_the_single_rank_layers(runs):
     """ZeRO-2 with DeepSpeed's expert sharding: every logged train and validation loss of
     6 steps, and every gradient norm, agrees with the T = 1 run's within 1e-4 relative
     (measured: 1e-6). The two runs differ only in
@@ -27,19 +62,7 @@ def test_tensor_parallel_training_tracks_the_single_rank_layers(corpus, tmp_path
     is replicated on every tensor-parallel rank and the generators start alike). Top-2
     only: it also covers the gate's noise; top-1 is compared at model level
     (tests/model/test_tensor_parallel.py)."""
-    runs = {}
-    for size, nproc in ((1, 2), (2, 4)):
-        metrics = tmp_path / f"t{size}.jsonl"
-        extra = (["--tensor-model-parallel-size", "2", "--enable-expert-tensor-parallelism"]
-                 if size > 1 else [])
-        # The vocabulary is padded to a multiple of --make-vocab-size-divisible-by times the
-        # tensor-parallel size (as Megatron does): 32 / T pads 257 to 288 in both runs.
-        extra += ["--make-vocab-size-divisible-by", str(32 // size)]
-        results = run_ranks(nproc, TINY + ["--data-path", corpus, "--topk", "2",
-                                           "--metrics-file", str(metrics)] + extra, timeout=240)
-        assert all(r.returncode == 0 for r in results), describe(results)
-        runs[size] = (_losses(metrics), results[0].output)
-    (want, _), (got, log) = runs[1], runs[2]
+    (want, _, _), (got, log, _) = runs[1], runs[2]
     assert want.keys() == got.keys() and len(want) == 6 + 2
     for key, (loss, grad_norm) in want.items():
         assert got[key][0] == pytest.approx(loss, rel=1e-4), (key, got[key], loss)
@@ -51,10 +74,98 @@ def test_tensor_parallel_training_tracks_the_single_rank_layers(corpus, tmp_path
     assert "tensor-parallel 2" in log
 
 
+def _consolidated(ckpt, out):
+    from safetensors.torch import load_file
+    subprocess.run([os.path.join(os.path.dirname(os.sys.executable), "moc-ckpt"), "consolidate",
+                    str(ckpt), "--tag", "global_step3", "--out", str(out)], check=True,
+                   capture_output=True, cwd=REPO)
+    return load_file(str(out))
+
+
+def test_moc_checkpoints_load_under_the_other_tensor_parallel_size(runs, corpus, tmp_path):
+    """The step-3 checkpoint of each run, loaded by the other layout, continues as that
+    layout's own run did: T = 2 x E = 2 on 4 ranks -> T = 1 x E = 1 on 2 ranks, and
+    T = 1 x E = 2 -> T = 2 x E = 2. Losses of steps 4-6 within 1e-4 (the two layouts'
+    own tolerance; measured: equal to 1e-9). Every saved rank drew the same random
+    stream, so the gate noise continues on the new ranks (the log says so). A part laid
+    in the wrong place (queries for keys, a row-parallel weight's columns) gives
+    O(1) differences."""
+    manifest = json.load(open(runs[2][2] / "global_step3" / "manifest.json"))
+    qkv = manifest["tensors"]["layers.0.self_attention.query_key_value.weight|fp32"]
+    assert qkv["shape"] == [96, 32] and qkv["split"] == {"view": [3, 32, 32], "dim": 1, "parts": 2}
+    assert manifest["tensors"]["layers.0.input_layernorm.weight|fp32"].get("split") is None
+    for saved, size, extra in ((2, 1, ["--moe-expert-parallel-size", "1"]), (1, 2, [])):
+        load = tmp_path / f"from-t{saved}"
+        os.makedirs(load)
+        os.symlink(runs[saved][2] / "global_step3", load / "global_step3")
+        with open(load / "latest", "w") as f:
+            f.write("global_step3")
+        metrics = tmp_path / f"t{size}-from-t{saved}.jsonl"
+        results = run_ranks(NPROC[size], TINY + _layout(size) + extra + [
+            "--data-path", corpus, "--metrics-file", str(metrics), "--moc-checkpoint",
+            "--load", str(load)], timeout=240)
+        assert all(r.returncode == 0 for r in results), describe(results)
+        assert "all equal: restored on each of the" in results[0].output
+        got, want = _losses(metrics), runs[size][0]
+        assert sorted(got) == [("train", 4), ("train", 5), ("train", 6), ("valid", 6)]
+        for key, (loss, _) in got.items():
+            assert loss == pytest.approx(want[key][0], rel=1e-4), (saved, key, loss, want[key])
+    # Consolidated, both checkpoints give the same full tensors (the layouts' float
+    # noise apart: Adam turns the near-zero gradients of the key bias into steps of
+    # either sign, hence the absolute tolerance).
+    whole = {size: _consolidated(runs[size][2], tmp_path / f"t{size}.safetensors") for size in NPROC}
+    assert whole[1].keys() == whole[2].keys()
+    for key, tensor in whole[1].items():
+        assert torch.allclose(whole[2][key], tensor, rtol=1e-4, atol=1e-5), key
+
+
+def _elastic(tmp_path, corpus, extra):
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    cmd = ["bash", "scripts/run_elastic.sh", "4", "2", *TINY, *_layout(2), "--data-path", corpus,
+           "--save", str(ckpt), "--load", str(ckpt), "--metrics-file", str(metrics),
+           "--moc-checkpoint", *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-4000:]
+    events = [json.loads(line) for line in open(ckpt / "moc-events.jsonl")]
+    return _losses(metrics), proc.stdout, events
+
+
+@pytest.mark.parametrize("how", ["peers", "exact"])
+def test_a_tensor_parallel_run_recovers_to_the_bit(runs, corpus, tmp_path, how):
+    """T = 2 x E = 2 on 4 ranks, restarted by torchrun after a failure, ends with every
+    loss and gradient norm of the run that never failed, to the bit:
+
+    * ``peers``: two-level snapshots every step, replicated to the other node's keeper
+      (2 ranks per node); node 0 loses its memory at the top of step 5 and the restart
+      rebuilds its snapshots of step 4 from the peers' memory.
+    * ``exact``: frames every step (W = 3), nothing in storage; rank 1 is killed at the
+      top of step 6 and the restart replays the window from iteration 1 to 4.
+    """
+    shm = new_shm_dir()
+    try:
+        if how == "peers":
+            losses, log, events = _elastic(tmp_path, corpus, [
+                "--save-interval", "3", "--moc-two-level", "--moc-snapshot-interval", "1",
+                "--moc-persist-interval", "3", "--moc-shm-dir", shm, "--moc-redundancy",
+                "replicate", "--moc-ranks-per-node", "2", "--moc-fault", "lose-memory@5:rank=0"])
+            assert "from the peers' memory" in log
+            source = ("memory+peers", 4)
+        else:
+            losses, log, events = _elastic(tmp_path, corpus, [
+                "--save-interval", "100", "--moc-mode", "exact", "--moc-window", "3",
+                "--moc-fault", "crash@6:rank=1"])
+            assert "replay done at iteration 4; the state is the original run's" in log
+            source = ("exact replay from memory", 1)
+    finally:
+        stop_keepers(shm)
+    recoveries = [(e["source"], e["iteration"]) for e in events if e["kind"] == "recovery"]
+    assert recoveries == [source], events
+    assert losses == runs[2][0]
+
+
 @pytest.mark.parametrize("extra, needle", [
     (["--tensor-model-parallel-size", "2"], "needs --enable-expert-tensor-parallelism"),
-    (["--tensor-model-parallel-size", "2", "--enable-expert-tensor-parallelism",
-      "--moc-checkpoint"], "with --moc-checkpoint: MoC checkpoints of tensor-parallel runs"),
     (["--enable-expert-tensor-parallelism"], "needs --tensor-model-parallel-size > 1"),
     (["--tensor-model-parallel-size", "3", "--enable-expert-tensor-parallelism"],
      "--num-attention-heads \\(4\\) must be divisible by --tensor-model-parallel-size \\(3\\)"),

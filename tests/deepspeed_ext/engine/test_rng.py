@@ -45,3 +45,23 @@ def test_cuda_state_is_one_devices_and_round_trips():
     first = torch.rand(4, device="cuda")
     rng.set_rng_state(state)
     assert torch.equal(torch.rand(4, device="cuda"), first)
+
+
+def test_common_state_is_found_only_when_every_rank_drew_alike():
+    """A load on another number of ranks restores the saved stream only when every saved
+    rank held the same one (ranks seeded alike, drawing alike), as read back from a
+    checkpoint (tuples come back as lists)."""
+    from deepspeed_ext.format.objects import decode, encode
+    rng.set_seed(7)
+    same = rng.get_rng_state()
+    tree, tensors = encode([same, rng.get_rng_state()])
+    saved = decode(json_round_trip(tree), tensors)
+    assert rng.common_state(saved) is saved[0]
+    torch.rand(1)  # one rank drew once more
+    assert rng.common_state(saved + [rng.get_rng_state()]) is None
+    assert rng.common_state([]) is None
+
+
+def json_round_trip(tree):
+    import json
+    return json.loads(json.dumps(tree))
