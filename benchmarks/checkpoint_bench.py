@@ -23,7 +23,7 @@ the save call plus ``wait()``; deepspeed-fsync: the save call; deepspeed: never,
 does not fsync). The script prints a table (and ``--json FILE``
 writes it); it asserts nothing about the numbers.
 
-    python benchmarks/checkpoint_bench.py [--nproc 4 --ep 4 --zero-stage 2 --repeats 3]
+    python benchmarks/checkpoint_bench.py [--nproc 4 --ep 4 --tp 1 --zero-stage 2 --repeats 3]
                                           [--json FILE] [--out-dir DIR] [--keep] [model flags]
 """
 
@@ -52,7 +52,7 @@ SYSTEMS = ("deepspeed", "deepspeed-fsync", "moc-full", "moc-full-sync", "moc-pec
 # Flags forwarded from the launcher to every rank (the rest only concern the launcher).
 MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                "seq_length", "num_experts", "expert_interval", "topk", "micro_batch_size",
-               "train_steps", "zero_stage", "ep", "repeats", "seed")
+               "train_steps", "zero_stage", "ep", "tp", "repeats", "seed")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("layout")
     g.add_argument("--nproc", type=int, default=4, help="Local ranks to start.")
     g.add_argument("--ep", type=int, default=4, help="Expert-parallel size.")
+    g.add_argument("--tp", type=int, default=1,
+                   help="Tensor-parallel size (> 1: experts sharded over it too, "
+                        "--enable-expert-tensor-parallelism).")
     g.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2], help="DeepSpeed ZeRO stage.")
     g = p.add_argument_group("model (GPT-350M-16E-shaped, scaled to CPU; fp32)")
     g.add_argument("--num-layers", type=int, default=4)
@@ -469,12 +472,18 @@ def _print_notes_and_checks(rows: list, config: dict) -> None:
 
 
 def launcher_main(opts) -> int:
-    if opts.nproc < 1 or opts.ep < 1 or opts.repeats < 1 or opts.train_steps < 1:
-        print("error: --nproc, --ep, --repeats and --train-steps must be >= 1", file=sys.stderr)
+    if min(opts.nproc, opts.ep, opts.tp, opts.repeats, opts.train_steps) < 1:
+        print("error: --nproc, --ep, --tp, --repeats and --train-steps must be >= 1",
+              file=sys.stderr)
         return 2
-    if opts.nproc % opts.ep or opts.num_experts % opts.ep:
-        print(f"error: --nproc ({opts.nproc}) and --num-experts ({opts.num_experts}) must be "
-              f"divisible by --ep ({opts.ep})", file=sys.stderr)
+    if opts.nproc % opts.tp:
+        print(f"error: --nproc ({opts.nproc}) must be divisible by --tp ({opts.tp})",
+              file=sys.stderr)
+        return 2
+    if (opts.nproc // opts.tp) % opts.ep or opts.num_experts % opts.ep:
+        print(f"error: the data-parallel size (--nproc / --tp = {opts.nproc // opts.tp}) and "
+              f"--num-experts ({opts.num_experts}) must be divisible by --ep ({opts.ep})",
+              file=sys.stderr)
         return 2
     try:
         out_dir, created = prepare_out_dir(opts.out_dir, "moc-ckpt-bench-")

@@ -20,14 +20,20 @@ def _trainer_argv(opts) -> list:
             "--lr", 1e-3, "--lr-warmup-iters", 0, "--zero-stage", opts.zero_stage,
             "--hidden-dropout", 0, "--attention-dropout", 0, "--seed", opts.seed,
             "--data-path", "unused", "--log-interval", 1, "--eval-iters", 0]
+    tp = getattr(opts, "tp", 1)
+    if tp > 1:  # the tensor-parallel layout (experts sharded as Megatron-DeepSpeed does)
+        argv += ["--tensor-model-parallel-size", tp, "--enable-expert-tensor-parallelism"]
     return [str(a) for a in argv]
 
 
 def synthetic_batch(args, step: int, micro: int, rank: int):
     """(tokens, positions, labels) of micro-batch ``micro`` of step ``step`` on ``rank``:
-    random tokens, the same for the same arguments (every benchmark's training loop)."""
+    random tokens, the same for the same arguments (every benchmark's training loop), and
+    the same on the ranks of one tensor-parallel group (ranks are tensor-parallel
+    innermost: the data-parallel rank is ``rank // T``)."""
     import torch
-    gen = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    data_rank = rank // getattr(args, "tensor_model_parallel_size", 1)
+    gen = torch.Generator().manual_seed(1000 * step + 10 * micro + data_rank)
     tokens = torch.randint(0, VOCAB, (args.micro_batch_size, args.seq_length + 1), generator=gen)
     positions = torch.arange(args.seq_length).expand(args.micro_batch_size, -1)
     return tokens[:, :-1], positions, tokens[:, 1:]
@@ -47,16 +53,22 @@ def _train(engine, args, steps: int, rank: int) -> list:
     return losses
 
 
-def _param_counts(engine, world: int, ep: int) -> dict:
-    """Parameters of the whole model: expert (DeepSpeed marks them allreduce=False) and not."""
+def _param_counts(engine, world: int, ep: int, tp: int) -> dict:
+    """Parameters of the whole model: expert (DeepSpeed marks them allreduce=False) and not;
+    a tensor-parallel part counted as its whole tensor."""
+    import math
     import torch
     import torch.distributed as dist
-    expert = sum(p.numel() for p in engine.module.parameters() if not getattr(p, "allreduce", True))
-    dense = sum(p.numel() for p in engine.module.parameters() if getattr(p, "allreduce", True))
+    from deepspeed_ext.state import global_shape
+    expert = sum(math.prod(global_shape(p, tp)) for p in engine.module.parameters()
+                 if not getattr(p, "allreduce", True))
+    dense = sum(math.prod(global_shape(p, tp)) for p in engine.module.parameters()
+                if getattr(p, "allreduce", True))
     from deepspeed_ext.runtime.groups import metadata_group
     total_expert = torch.tensor([expert], dtype=torch.int64)
     dist.all_reduce(total_expert, group=metadata_group())  # a CPU tensor: never on NCCL
-    expert_all = int(total_expert.item()) // (world // ep)  # each expert lives on world/ep ranks
+    # each expert lives on world/ep ranks (its data-parallel replicas x its tensor parts)
+    expert_all = int(total_expert.item()) // (world // ep)
     return {"params_total": expert_all + dense, "params_expert": expert_all,
             "params_non_expert": dense,
             "expert_fraction": expert_all / max(1, expert_all + dense)}
@@ -83,8 +95,9 @@ def build_engine(opts, rank: int, world: int) -> tuple:
               "num_experts": args.num_experts, "expert_interval": args.expert_interval,
               "num_moe_layers": num_moe_layers, "topk": args.topk,
               "padded_vocab_size": args.padded_vocab_size, "dtype": "fp32",
-              "world_size": world, "ep_size": opts.ep, "dp_size": world,
+              "world_size": world, "ep_size": opts.ep, "dp_size": world // args.tensor_model_parallel_size,
+              "tp_size": args.tensor_model_parallel_size,
               "zero_stage": opts.zero_stage, "micro_batch_size": args.micro_batch_size,
               "train_steps": opts.train_steps, "train_losses": losses,
-              **_param_counts(engine, world, opts.ep)}
+              **_param_counts(engine, world, opts.ep, args.tensor_model_parallel_size)}
     return engine, args, config

@@ -27,5 +27,6 @@ def print_model(config: dict, layout_extra: str = "") -> None:
           f"({config['num_moe_layers']} MoE layers), top-{config['topk']}, {config['dtype']}")
     print(f"params:  {config['params_total'] / 1e6:.2f} M: expert {config['params_expert'] / 1e6:.2f} M "
           f"({100 * config['expert_fraction']:.1f} %), non-expert {config['params_non_expert'] / 1e6:.2f} M")
-    print(f"layout:  {config['world_size']} ranks, EP {config['ep_size']}, DP {config['dp_size']}, "
+    tp = f"TP {config['tp_size']}, " if config.get("tp_size", 1) > 1 else ""
+    print(f"layout:  {config['world_size']} ranks, {tp}EP {config['ep_size']}, DP {config['dp_size']}, "
           f"ZeRO-{config['zero_stage']}{layout_extra}")

@@ -43,7 +43,7 @@ def add_megatron_compat_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1,
                    help="Split attention heads, the dense MLP and the vocabulary over this many "
                         "consecutive ranks (megatron-core's layers); MoE layers then need "
-                        "--enable-expert-tensor-parallelism. Not yet with --moc-checkpoint.")
+                        "--enable-expert-tensor-parallelism. MoC checkpoints load under another size.")
     g.add_argument("--enable-expert-tensor-parallelism", action="store_true",
                    help="With --tensor-model-parallel-size > 1, split each expert's MLP over "
                         "the tensor-parallel ranks too (DeepSpeed's expert sharding).")
