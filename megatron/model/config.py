@@ -85,11 +85,6 @@ class GPTMoEConfig:
             if getattr(self, name) % self.tensor_model_parallel_size:
                 raise ValueError(f"--{name.replace('_', '-')} ({getattr(self, name)}) must be divisible "
                                  f"by --tensor-model-parallel-size ({self.tensor_model_parallel_size})")
-        if (self.tensor_model_parallel_size > 1 and self.num_experts > 1
-                and not self.enable_expert_tensor_parallelism):
-            raise ValueError("--tensor-model-parallel-size > 1 with MoE layers (--num-experts > 1) "
-                             "needs --enable-expert-tensor-parallelism: experts replicated over the "
-                             "tensor-parallel ranks are not supported yet")
         if self.num_experts % self.moe_expert_parallel_size:
             raise ValueError(f"--num-experts ({self.num_experts}) must be divisible by "
                              f"--moe-expert-parallel-size ({self.moe_expert_parallel_size})")

@@ -160,6 +160,8 @@ class GPTMoEModel(nn.Module):
                                     for i in range(config.num_layers))
         self.final_layernorm = _layer_norm(config)
         tp.mark_partition_views(self, tp_size, config.enable_expert_tensor_parallelism)
+        if tp_size > 1 and not config.enable_expert_tensor_parallelism:
+            tp.mark_replicated_experts(self)
         self.init_weights()
 
     def global_name(self, name: str) -> str:

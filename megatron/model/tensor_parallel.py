@@ -112,6 +112,20 @@ _SPLIT_MARKS = ("tensor_model_parallel", "partition_dim", "partition_stride", "m
 MoC's view of an inner split (read by its checkpoints)."""
 
 
+def mark_replicated_experts(model: nn.Module) -> None:
+    """Mark every expert parameter ``model_parallel`` when experts are replicated over the
+    tensor-parallel ranks (no expert tensor parallelism). DeepSpeed then places other
+    experts on each rank of a tensor-parallel group (parallel_layout), but its gradient
+    norm counts a parameter without a model-parallel mark on tensor-parallel rank 0 only:
+    measured at T = 2, the norm missed half the experts and was 1 % low, so gradient
+    clipping scaled every step differently from T = 1. With the mark each rank counts its
+    own experts and the norms are summed over the group. (Not ``tensor_model_parallel``:
+    the weights are whole, and megatron-core and MoC checkpoints read that mark as split.)"""
+    for param in model.parameters():
+        if getattr(param, "allreduce", True) is False:  # DeepSpeed's mark of an expert's
+            param.model_parallel = True
+
+
 def mark_partition_views(model: nn.Module, size: int, expert_tp: bool) -> None:
     """Mark every parameter split along an inner dimension of a view (the fused QKV
     projection's ``[3, heads, ...]``) with ``moc_partition_view = (view, dim)``, which MoC

@@ -631,7 +631,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                           f"--moe-expert-parallel-size ({ep})")
     tp = getattr(args, "tensor_model_parallel_size", 1)
     try:
-        dp = build_layout(world_size, tp, ep).dp
+        dp = build_layout(world_size, tp, ep,
+                          bool(getattr(args, "enable_expert_tensor_parallelism", False))).dp
     except ValueError as e:  # the message names the flag
         raise ConfigError(str(e)) from None
     if tp > 1:

@@ -42,8 +42,10 @@ def add_megatron_compat_args(p: argparse.ArgumentParser) -> None:
                              "this trainer supports)")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1,
                    help="Split attention heads, the dense MLP and the vocabulary over this many "
-                        "consecutive ranks (megatron-core's layers); MoE layers then need "
-                        "--enable-expert-tensor-parallelism. MoC checkpoints load under another size.")
+                        "consecutive ranks (megatron-core's layers); experts are split too with "
+                        "--enable-expert-tensor-parallelism, else kept whole "
+                        "(--moe-expert-parallel-size a multiple of it). MoC checkpoints load "
+                        "under another size.")
     g.add_argument("--enable-expert-tensor-parallelism", action="store_true",
                    help="With --tensor-model-parallel-size > 1, split each expert's MLP over "
                         "the tensor-parallel ranks too (DeepSpeed's expert sharding).")
@@ -148,7 +150,3 @@ def _check_tensor_parallel(args: argparse.Namespace) -> None:
             raise ConfigError("--enable-expert-tensor-parallelism needs "
                               "--tensor-model-parallel-size > 1")
         return
-    if getattr(args, "num_experts", 1) > 1 and not getattr(args, "enable_expert_tensor_parallelism", False):
-        raise ConfigError(f"--tensor-model-parallel-size {size} with MoE layers (--num-experts "
-                          f"{args.num_experts}) needs --enable-expert-tensor-parallelism: experts "
-                          "replicated over the tensor-parallel ranks are not supported yet")

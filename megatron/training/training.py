@@ -302,7 +302,8 @@ def _layout(args: argparse.Namespace):
     """This job's tensor x data x expert layout (the same on every rank)."""
     from megatron.training.parallel_layout import build_layout
     return build_layout(dist.get_world_size(), getattr(args, "tensor_model_parallel_size", 1),
-                        args.moe_expert_parallel_size)
+                        args.moe_expert_parallel_size,
+                        bool(getattr(args, "enable_expert_tensor_parallelism", False)))
 
 
 def _build_loaders(args: argparse.Namespace, datasets, state: checkpointing.ResumeState):

@@ -39,7 +39,7 @@ def test_a_qkv_slice_keeps_each_ranks_heads_for_q_k_and_v():
 
 @pytest.mark.parametrize("kw, needle", [
     (dict(tensor_model_parallel_size=3), "--num-attention-heads \\(4\\) must be divisible"),
-    (dict(tensor_model_parallel_size=2, num_experts=4), "not supported yet"),
+    (dict(tensor_model_parallel_size=2, vocab_size=63), "--vocab-size \\(63\\) must be divisible"),
 ])
 def test_tensor_parallel_config_checks(kw, needle):
     base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64,

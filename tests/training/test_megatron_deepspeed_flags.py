@@ -86,9 +86,10 @@ def _ds_file(tmp_path, **sections):
 
 @pytest.mark.parametrize("extra, needle", [
     (["--tensor-model-parallel-size", "2", "--num-experts", "4"],
-     "--tensor-model-parallel-size 2 with MoE layers (--num-experts 4) needs "
-     "--enable-expert-tensor-parallelism"),
-    (["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+     "experts replicated over the tensor-parallel ranks (no --enable-expert-tensor-parallelism) "
+     "need --moe-expert-parallel-size (1) to be a multiple of --tensor-model-parallel-size (2)"),
+    (["--tensor-model-parallel-size", "2", "--enable-expert-tensor-parallelism",
+      "--sequence-parallel"],
      "--sequence-parallel: sequence parallelism is not supported yet"),
     (["--pipeline-model-parallel-size", "4"],
      "--pipeline-model-parallel-size 4: pipeline model parallelism is not supported; only 1"),

@@ -60,3 +60,28 @@ def test_the_mpu_gives_deepspeed_the_layouts_groups(tmp_path):
         assert tuple(got["ep_group"]) in layout.expert_groups() and rank in got["ep_group"]
         assert tuple(got["ep_dp_group"]) in layout.expert_data_groups()
         assert got["ep_group"].index(rank) == place.ep_rank
+
+
+def test_replicated_experts_follow_deepspeeds_world_ordered_groups():
+    """Without expert tensor parallelism DeepSpeed 0.19 builds its expert groups over the
+    world (``_create_expert_and_data_parallel`` without ``mp_size``: E consecutive ranks,
+    and the ranks E apart); each expert group holds whole tensor-parallel pairs."""
+    layout = build_layout(8, tp=2, ep=4, expert_tp=False)
+    assert layout.dp == 4 and layout.tensor_groups() == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert layout.expert_groups() == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert layout.expert_data_groups() == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert layout.place(5) == RankPlace(tp_rank=1, dp_rank=2, ep_rank=1)
+    for group in layout.expert_groups():
+        assert [layout.place(r).ep_rank for r in group] == list(range(layout.ep))
+        assert all(tp in layout.tensor_groups() for tp in zip(group[::2], group[1::2]))
+    # at T = 1 the flag is moot: the same layout either way
+    assert build_layout(4, 1, 2, expert_tp=False).expert_groups() == build_layout(4, 1, 2).expert_groups()
+
+
+@pytest.mark.parametrize("world, tp, ep", [(4, 2, 1), (8, 4, 2), (12, 2, 8)])
+def test_replicated_experts_need_whole_tensor_parallel_groups_per_expert_group(world, tp, ep):
+    """An expert group that splits a tensor-parallel pair would serve only part of a data
+    shard's capacity and average its gradient over too many ranks."""
+    with pytest.raises(ValueError, match="--moe-expert-parallel-size .* multiple of "
+                                         "--tensor-model-parallel-size"):
+        build_layout(world, tp, ep, expert_tp=False)
