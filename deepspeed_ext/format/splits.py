@@ -138,5 +138,6 @@ def convert(flat: torch.Tensor, source: Optional[TensorSplit],
 def check_split_shape(split: TensorSplit, shape: Sequence[int]) -> str:
     """Why ``split`` cannot describe a tensor of ``shape`` ('' when it can)."""
     if split.numel != math.prod(shape):
-        return f"split view {list(split.view)} does not hold the {math.prod(shape)} elements of {list(shape)}"
+        return (f"split view {list(split.view)} does not hold the {math.prod(shape)} "
+                f"elements of {list(shape)}")
     return ""

@@ -78,9 +78,10 @@ def _save_split_checkpoint(save_dir, full, split, parts_per_fragment=2):
             n = local.numel() // parts_per_fragment
             spec = FragmentSpec("w", "fp32", split.stored_offset(p, chunk_start), n,
                                 tuple(full.shape), "float32", None, split)
-            assert torch.equal(stored[spec.offset:spec.offset + n], local[chunk_start:chunk_start + n])
+            piece = local[chunk_start:chunk_start + n]
+            assert torch.equal(stored[spec.offset:spec.offset + n], piece)
             record = write_fragment_file(os.path.join(tag_dir, rank_file_name(rank)),
-                                         {spec.key: local[chunk_start:chunk_start + n].clone()})
+                                         {spec.key: piece.clone()})
             reports.append(RankReport.from_record(rank, rank_file_name(rank), record, [spec]))
             rank += 1
     manifest = assemble_manifest("global_step1", 1, rank, {}, [RankReport.from_json(r.to_json())

@@ -41,14 +41,17 @@ def _losses(path):
 
 @pytest.fixture(scope="module")
 def runs(corpus, tmp_path_factory):
-    """Every layout of :data:`LAYOUTS`, 6 steps each, with MoC checkpoints at 3 and 6:
+    """Every layout of :data:`LAYOUTS`, 6 steps each, with MoC checkpoints at 3 (every
+    expert: the directory's first) and 6 (PEC, K = 2 of the 4 experts of the one MoE
+    layer, the others' newest versions in step 3's):
     ``{layout: (losses, rank 0's log, save dir)}``."""
     out = {}
     for name, (nproc, flags) in LAYOUTS.items():
         where = tmp_path_factory.mktemp(name)
         results = run_ranks(nproc, TINY + flags + [
             "--data-path", corpus, "--metrics-file", str(where / "m.jsonl"), "--moc-checkpoint",
-            "--save", str(where / "ckpt"), "--save-interval", "3"], timeout=240)
+            "--save", str(where / "ckpt"), "--save-interval", "3", "--moc-pec-k", "2"],
+            timeout=240)
         assert all(r.returncode == 0 for r in results), describe(results)
         out[name] = (_losses(where / "m.jsonl"), results[0].output, where / "ckpt")
     return out
@@ -81,10 +84,10 @@ def test_tensor_parallel_training_tracks_the_single_rank_layers(runs, layout):
     assert len(balance) == 2 and max(balance) < 1.1, balance
 
 
-def _consolidated(ckpt, out):
+def _consolidated(ckpt, tag, out):
     from safetensors.torch import load_file
     subprocess.run([os.path.join(os.path.dirname(os.sys.executable), "moc-ckpt"), "consolidate",
-                    str(ckpt), "--tag", "global_step3", "--out", str(out)], check=True,
+                    str(ckpt), "--tag", tag, "--out", str(out), "--optimizer"], check=True,
                    capture_output=True, cwd=REPO)
     return load_file(str(out))
 
@@ -119,19 +122,32 @@ def test_moc_checkpoints_load_under_another_tensor_parallel_size(runs, corpus, t
         assert sorted(got) == [("train", 4), ("train", 5), ("train", 6), ("valid", 6)]
         for key, (loss, _) in got.items():
             assert loss == pytest.approx(want[key][0], rel=1e-4), (saved, key, loss, want[key])
-    # Consolidated, both checkpoints give the same full tensors (the layouts' float
-    # noise apart: Adam turns the near-zero gradients of the key bias into steps of
-    # either sign, hence the absolute tolerance).
-    whole = {name: _consolidated(runs[name][2], tmp_path / f"{name}.safetensors") for name in runs}
-    for name in ("t2", "t2-replicated"):
-        assert whole[name].keys() == whole["t1"].keys()
-        for key, tensor in whole["t1"].items():
-            assert torch.allclose(whole[name][key], tensor, rtol=1e-4, atol=1e-5), (name, key)
+    # Consolidated, every layout's checkpoints give the same full tensors (the layouts'
+    # float noise apart: Adam turns the near-zero gradients of the key bias into steps of
+    # either sign, hence the absolute tolerance), weights and moments. Step 6 holds 2
+    # experts per layer and takes the others from step 3 through its expert index (the
+    # same experts in every layout: the same expert-parallel size).
+    for tag in ("global_step3", "global_step6"):
+        whole = {name: _consolidated(runs[name][2], tag, tmp_path / f"{name}-{tag}.safetensors")
+                 for name in runs}
+        assert len(whole["t1"]) == 3 * 41
+        for name in ("t2", "t2-replicated"):
+            assert whole[name].keys() == whole["t1"].keys()
+            for key, tensor in whole["t1"].items():
+                scale = max(tensor.abs().max().item(), 1e-12)
+                if key.endswith("exp_avg_sq"):  # squares of near-zero gradients
+                    assert (whole[name][key] - tensor).abs().max() <= 1e-3 * scale, (name, key)
+                else:
+                    assert torch.allclose(whole[name][key], tensor, rtol=1e-4, atol=1e-5), \
+                        (name, key)
+    index = json.load(open(runs["t2"][2] / "global_step6" / "manifest.json"))["expert_index"]
+    assert sorted(v["tag"] for v in index.values()) == ["global_step3"] * 2 + ["global_step6"] * 2
 
 
 def _elastic(tmp_path, corpus, extra):
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
-    cmd = ["bash", "scripts/run_elastic.sh", "4", "2", *TINY, *LAYOUTS["t2"][1], "--data-path", corpus,
+    cmd = ["bash", "scripts/run_elastic.sh", "4", "2", *TINY, *LAYOUTS["t2"][1],
+           "--data-path", corpus,
            "--save", str(ckpt), "--load", str(ckpt), "--metrics-file", str(metrics),
            "--moc-checkpoint", *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
