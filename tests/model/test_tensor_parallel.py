@@ -102,3 +102,47 @@ def test_moe_layers_with_expert_tensor_parallelism_match_one_rank_per_layer(tmp_
             scale = full.abs().max().item()
             assert (grad - expected).abs().max().item() <= 1e-5 * max(scale, 1e-12), name
     assert split_names > 4 * 10  # attention, MLP, embedding and every expert's MLP split
+
+
+@pytest.mark.parametrize("topk", [1, 2])
+def test_moe_layers_with_replicated_experts_match_one_rank_per_layer(tmp_path, topk):
+    """T = 2 x E = 2 on 4 ranks with experts replicated over the tensor-parallel pair
+    (DeepSpeed's world-ordered expert groups: the pair's two ranks hold different
+    experts, each gets the pair's capacity shares) against T = 1 x E = 2 on 2 ranks:
+    losses and routing agree; split tensors' gradients are slices of T = 1's; an expert's
+    gradient summed over the ranks holding it (what its data-parallel all-reduce adds)
+    is T = 1's summed the same way, within 1e-5 of its scale. Experts are whole and
+    marked ``model_parallel`` only (DeepSpeed's norm then counts them on every rank)."""
+    from megatron.model.tensor_parallel import split_of
+    for size, nproc, extra in ((1, 2, []), (2, 4, ["replicated"])):
+        out = tmp_path / f"t{size}"
+        out.mkdir()
+        results = run_ranks(nproc, [str(out), str(size), str(topk)] + extra,
+                            script="tests/model/tp_moe_worker.py", timeout=180)
+        assert all(r.returncode == 0 for r in results), describe(results)
+    ref = [torch.load(tmp_path / "t1" / f"rank{d}.pt", weights_only=True) for d in range(2)]
+    got = [torch.load(tmp_path / "t2" / f"rank{r}.pt", weights_only=True) for r in range(4)]
+    assert [g["ep_rank"] for g in got] == [0, 1, 0, 1]  # the pair holds both halves
+
+    def summed(ranks, name):
+        return sum(r["grads"][name] for r in ranks if name in r["grads"])
+
+    experts = 0
+    for g in got:
+        want = ref[g["dp_rank"]]
+        assert torch.allclose(g["loss"], want["loss"], rtol=1e-5, atol=0)
+        assert torch.equal(g["counts"], want["counts"])
+        for name, grad in g["grads"].items():
+            if "deepspeed_experts" in name:
+                experts += 1
+                assert g["model_parallel"][name] and not g["marked"][name], name
+                full = summed(ref, name)
+                diff = (summed(got, name) - full).abs().max().item()
+                assert diff <= 1e-5 * max(full.abs().max().item(), 1e-12), name
+                continue
+            split = split_of(g["local_names"][name], tuple(grad.shape), 2, expert_tp=False)
+            full = want["grads"][name]
+            expected = split.slice(full, g["tp_rank"], 2) if split else full
+            scale = max(full.abs().max().item(), 1e-12)
+            assert (grad - expected).abs().max().item() <= 1e-5 * scale, name
+    assert experts == 4 * 2 * 4  # 4 ranks x 2 local experts x 4 tensors each

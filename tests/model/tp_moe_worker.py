@@ -1,9 +1,10 @@
 """A rank of the tensor-parallel MoE test: the GPT-MoE model (4 experts, expert
-parallelism 2) at tensor-parallel size T (1 or 2, expert tensor parallelism on at 2),
-one forward and backward pass on tokens drawn from the rank's data-parallel rank; saves
-OUT_DIR/rank<R>.pt with the loss, the gradients by global name and the rank's place.
+parallelism 2) at tensor-parallel size T (1 or 2; at 2 experts split over the pair, or
+replicated over it with ``replicated``), one forward and backward pass on tokens drawn
+from the rank's data-parallel rank; saves OUT_DIR/rank<R>.pt with the loss, the gradients
+by global name and the rank's place.
 
-    tp_moe_worker.py OUT_DIR T TOPK
+    tp_moe_worker.py OUT_DIR T TOPK [replicated]
 """
 
 import os
@@ -17,6 +18,7 @@ import torch.distributed as dist  # noqa: E402
 
 def main():
     out_dir, size, topk = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    expert_tp = size > 1 and sys.argv[4:] != ["replicated"]
     dist.init_process_group("gloo")
     import deepspeed
     from deepspeed.utils import groups
@@ -29,13 +31,13 @@ def main():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=size)
         from megatron.training.mpu import CoreMPU
         groups.mpu = CoreMPU()  # as deepspeed.initialize(mpu=...) sets it
-    place = build_layout(dist.get_world_size(), size, 2).place(dist.get_rank())
+    place = build_layout(dist.get_world_size(), size, 2, expert_tp).place(dist.get_rank())
     from megatron.model.config import GPTMoEConfig
     from megatron.model.gpt_moe import GPTMoEModel
     config = GPTMoEConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64,
                           max_position_embeddings=16, num_experts=4, moe_expert_parallel_size=2,
                           topk=topk, hidden_dropout=0.0, attention_dropout=0.0,
-                          tensor_model_parallel_size=size, enable_expert_tensor_parallelism=size > 1)
+                          tensor_model_parallel_size=size, enable_expert_tensor_parallelism=expert_tp)
     model = GPTMoEModel(config, ep_rank=place.ep_rank)
     for layer in model.layers:
         if layer.is_moe:
@@ -57,7 +59,9 @@ def main():
                 # DeepSpeed's gradient norm counts a parameter without this mark once, on
                 # tensor-parallel rank 0 (experts are deep copies of one template).
                 "marked": {model.global_name(n): bool(getattr(p, "tensor_model_parallel", False))
-                           for n, p in model.named_parameters()}},
+                           for n, p in model.named_parameters()},
+                "model_parallel": {model.global_name(n): bool(getattr(p, "model_parallel", False))
+                                   for n, p in model.named_parameters()}},
                os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
     dist.barrier()
     dist.destroy_process_group()
