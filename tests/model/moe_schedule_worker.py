@@ -1,0 +1,93 @@
+"""A rank of the MoE-schedule test: one GPT-MoE MoE layer (2 local experts) at
+tensor-parallel size 2 with expert sharding and expert-parallel size EP, run forward and
+backward under every schedule on the same input, for top-1 and top-2, with and without
+capacity drops; saves OUT_DIR/rank<R>.pt with each run's output, aux loss, input
+gradient and parameter gradients.
+
+    moe_schedule_worker.py OUT_DIR EP
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+
+def _inputs(moe, place, drop):
+    """(tokens, loss weights), the same on the tensor-parallel pair. Without token dropping
+    the capacity is the largest expert count, which DeepSpeed 0.19 splits over the pair
+    without padding it (its drop_tokens asserts divisibility): draw until it is even on
+    every expert-parallel group (the gate's all-reduce makes the capacity agree)."""
+    for attempt in range(50):
+        gen = torch.Generator().manual_seed(10 + 100 * attempt + place.dp_rank)
+        x = torch.randn(2, 16, 32, generator=gen)
+        probe = torch.randn(2, 16, 32, generator=gen)
+        if drop:
+            return x, probe
+        torch.manual_seed(1234 + place.dp_rank)
+        capacity = int(moe.deepspeed_moe.gate(x.reshape(-1, 32), None, True, False)[1])
+        even = torch.tensor([int(capacity % 2 == 0)])
+        dist.all_reduce(even, op=dist.ReduceOp.MIN)
+        if even.item():
+            return x, probe
+    raise RuntimeError("no input with an even capacity in 50 draws")
+
+
+def main():
+    out_dir, ep = sys.argv[1], int(sys.argv[2])
+    dist.init_process_group("gloo")
+    import deepspeed
+    from deepspeed.utils import groups
+    deepspeed.init_distributed(dist_backend="gloo")
+    from megatron.data._compat import quiet_core_import
+    with quiet_core_import():
+        from megatron.core import parallel_state
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    from megatron.training.mpu import CoreMPU
+    groups.mpu = CoreMPU()
+    from megatron.model.config import GPTMoEConfig
+    from megatron.model.gpt_moe import GPTMoEModel
+    from megatron.model.moe_schedules import SCHEDULES, install_schedules
+    from megatron.training.parallel_layout import build_layout
+    place = build_layout(dist.get_world_size(), 2, ep).place(dist.get_rank())
+    results = {}
+    for topk in (1, 2):
+        for drop in (True, False):
+            config = GPTMoEConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64,
+                                  max_position_embeddings=16, num_experts=2 * ep,
+                                  moe_expert_parallel_size=ep, topk=topk, hidden_dropout=0.0,
+                                  attention_dropout=0.0, tensor_model_parallel_size=2,
+                                  enable_expert_tensor_parallelism=True, moe_token_dropping=drop,
+                                  moe_train_capacity_factor=0.5 if drop else 1.0)
+            model = GPTMoEModel(config, ep_rank=place.ep_rank)
+            moe = model.layers[1].mlp
+            moe.set_deepspeed_parallelism()
+            x, probe = _inputs(moe, place, drop)
+            for schedule in SCHEDULES:
+                report = install_schedules(model, lambda i, m: schedule)
+                assert report == [("layers.1.mlp", schedule)], report
+                model.zero_grad(set_to_none=True)
+                inp = x.clone().requires_grad_(True)
+                torch.manual_seed(1234 + place.dp_rank)  # top-2's second-expert noise
+                out, l_aux, counts = moe(inp)
+                ((out * probe).sum() + 0.1 * l_aux).backward()
+                torch.manual_seed(1234 + place.dp_rank)
+                routes = moe.deepspeed_moe.gate(x.reshape(-1, 32), None, True, False)[3]
+                results[(topk, drop, schedule)] = {
+                    "out": out.detach(), "l_aux": l_aux.detach(), "counts": counts,
+                    "dropped": int((routes < 0).sum()),
+                    "x_grad": inp.grad,
+                    "grads": {n: p.grad for n, p in moe.named_parameters()}}
+    torch.save({"results": results, "tp_rank": place.tp_rank, "dp_rank": place.dp_rank},
+               os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+    from megatron.training.exit import exit_without_teardown
+    exit_without_teardown(0)
+
+
+if __name__ == "__main__":
+    main()
