@@ -140,7 +140,7 @@ def why_not_scheduled(moe) -> Optional[str]:
     return None
 
 
-def _combined_groups(moes: Sequence) -> Dict[Tuple[int, ...], object]:
+def combined_groups(moes: Sequence) -> Dict[Tuple[int, ...], object]:
     """Every rank: the combined expert x tensor-parallel group of every expert-parallel
     group, created in the same order everywhere (``new_group`` is collective)."""
     from deepspeed.utils import groups
@@ -183,8 +183,10 @@ def install_schedules(model: torch.nn.Module, choose) -> List[Tuple[str, str]]:
 
     Args:
         model: the module holding the MoE layers.
-        choose: ``choose(index, moe) -> schedule`` (one of :data:`SCHEDULES`), the same on
-            every rank.
+        choose: ``choose(index, groups) -> schedule`` (one of :data:`SCHEDULES`) for each
+            MoE layer a Parm schedule can run on, with its :class:`MoEGroups`; the same on
+            every rank (it may run collectives over the groups: every rank calls it for
+            the same layers in the same order).
 
     Returns:
         ``(layer path, what it runs)`` per MoE layer, for the log: the schedule, or
@@ -192,19 +194,20 @@ def install_schedules(model: torch.nn.Module, choose) -> List[Tuple[str, str]]:
     """
     from deepspeed.moe.layer import MoE
     moes = [(path, m) for path, m in model.named_modules() if isinstance(m, MoE)]
-    wanted = [(path, m, choose(i, m)) for i, (path, m) in enumerate(moes)]
-    for _, _, schedule in wanted:
+    eligible = [m for _, m in moes if why_not_scheduled(m) is None]
+    combined = combined_groups(eligible) if eligible else {}
+    report = []
+    for index, (path, moe) in enumerate(moes):
+        moe.deepspeed_moe.__dict__.pop("forward", None)  # DeepSpeed's own, unless replaced
+        why = why_not_scheduled(moe)
+        if why is not None:
+            report.append((path, f"deepspeed ({why})"))
+            continue
+        groups = moe_groups(moe, combined)
+        schedule = choose(index, groups)
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown MoE schedule {schedule!r} (one of {', '.join(SCHEDULES)})")
-    scheduled = [(p, m, s) for p, m, s in wanted if s != "deepspeed" and why_not_scheduled(m) is None]
-    combined = _combined_groups([m for _, m, _ in scheduled]) if scheduled else {}
-    report = []
-    for path, moe, schedule in wanted:
-        why = why_not_scheduled(moe) if schedule != "deepspeed" else None
-        if schedule == "deepspeed" or why is not None:
-            moe.deepspeed_moe.__dict__.pop("forward", None)  # DeepSpeed's own
-            report.append((path, "deepspeed" + (f" ({why})" if why else "")))
-            continue
-        moe.deepspeed_moe.forward = ScheduledMoE(moe.deepspeed_moe, schedule, moe_groups(moe, combined))
+        if schedule != "deepspeed":
+            moe.deepspeed_moe.forward = ScheduledMoE(moe.deepspeed_moe, schedule, groups)
         report.append((path, schedule))
     return report

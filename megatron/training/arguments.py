@@ -83,6 +83,15 @@ def _add_moe_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-min-capacity", type=int, default=4, help="Minimum expert capacity in tokens.")
     g.add_argument("--disable-moe-token-dropping", action="store_true",
                    help="Never drop tokens over an expert's capacity.")
+    g.add_argument("--moe-schedule", default="deepspeed",
+                   choices=["deepspeed", "parm-s1", "parm-s2", "auto"],
+                   help="How MoE layers with experts split over the tensor-parallel ranks "
+                        "dispatch and combine tokens: DeepSpeed's own, Parm's S1 or S2, or auto "
+                        "(per layer, by an alpha-beta cost model of the layer's groups, measured "
+                        "at start; docs/moe-schedules.md).")
+    g.add_argument("--moe-schedule-costs", default=None, metavar="FILE",
+                   help="With --moe-schedule auto: the groups' alpha/beta from this JSON file "
+                        "({ep, tp, combined: {alpha, beta}}) instead of measuring them.")
 
 
 def _add_training_args(p: argparse.ArgumentParser) -> None:
@@ -601,6 +610,21 @@ def _check_numbers(args: argparse.Namespace) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
 
 
+def _check_moe_schedule(args: argparse.Namespace) -> None:
+    """A Parm schedule rearranges the collectives of experts split over the
+    tensor-parallel ranks: refuse it where there are none (``auto`` falls back to
+    DeepSpeed's, with a log line)."""
+    schedule = getattr(args, "moe_schedule", "deepspeed")
+    if schedule in ("parm-s1", "parm-s2") and (
+            getattr(args, "tensor_model_parallel_size", 1) == 1
+            or not getattr(args, "enable_expert_tensor_parallelism", False) or args.num_experts <= 1):
+        raise ConfigError(f"--moe-schedule {schedule} needs MoE layers (--num-experts > 1) with "
+                          "experts split over the tensor-parallel ranks "
+                          "(--tensor-model-parallel-size > 1 --enable-expert-tensor-parallelism)")
+    if getattr(args, "moe_schedule_costs", None) and schedule != "auto":
+        raise ConfigError("--moe-schedule-costs is read by --moe-schedule auto only")
+
+
 def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Check the arguments against each other and the world size; fill derived values.
 
@@ -675,6 +699,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     if args.hysteresis < 1:
         raise ConfigError(f"--hysteresis must be >= 1, got {args.hysteresis}")
     check_megatron_compat(args)
+    _check_moe_schedule(args)
     infer_tokenizer(args)
     if args.moc_pec_k > args.num_experts:
         raise ConfigError(f"--moc-pec-k ({args.moc_pec_k}) exceeds --num-experts ({args.num_experts})")

@@ -208,6 +208,8 @@ def setup_model_and_optimizer(args: argparse.Namespace):
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                            config=build_ds_config(args), mpu=mpu)
     _check_expert_layout(model, args, place.ep_rank)
+    from megatron.training.moe_schedule_setup import setup_moe_schedules
+    setup_moe_schedules(model, args, print_rank_0)
     scheduler = build_scheduler(engine.optimizer, args)
     return engine, scheduler
 
