@@ -112,6 +112,14 @@ def metadata_group():
                        "init_process_group (MoCCheckpointer and ExactSnapshots do)")
 
 
+def new_training_group(ranks):
+    """Every rank of the world, at the same point, in the same order: a group of ``ranks``
+    on the training's own backend (NCCL on GPUs), for device tensors only: the combined
+    expert x tensor-parallel groups of the MoE schedules (``megatron.model.moe_schedules``).
+    """
+    return dist.new_group(list(ranks))
+
+
 def new_host_group(timeout: timedelta):
     """Every rank, at the same point, in the same order: a new gloo group spanning the
     world, for one component's host traffic (one that may run on a background thread,

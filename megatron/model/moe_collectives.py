@@ -148,9 +148,9 @@ def overlapped_exchange(own: torch.Tensor, g: MoEGroups) -> torch.Tensor:
         if step == 0:
             received[src].copy_(chunks[dst])
         else:
-            ops = [dist.P2POp(dist.isend, chunks[dst].contiguous(), g.ep_ranks[dst], g.ep_group),
-                   dist.P2POp(dist.irecv, received[src], g.ep_ranks[src], g.ep_group)]
-            for req in dist.batch_isend_irecv(ops):
+            requests = [dist.isend(chunks[dst].contiguous(), g.ep_ranks[dst], group=g.ep_group),
+                        dist.irecv(received[src], g.ep_ranks[src], group=g.ep_group)]
+            for req in requests:
                 req.wait()
         pending.append(dist.all_gather_into_tensor(gathered[src].view(-1), received[src].view(-1),
                                                    group=g.tp_group, async_op=True))

@@ -144,17 +144,18 @@ def combined_groups(moes: Sequence) -> Dict[Tuple[int, ...], object]:
     """Every rank: the combined expert x tensor-parallel group of every expert-parallel
     group, created in the same order everywhere (``new_group`` is collective)."""
     from deepspeed.utils import groups
+    from deepspeed_ext.runtime.groups import metadata_group, new_training_group
     tp_ranks = dist.get_process_group_ranks(groups.mpu.get_tensor_model_parallel_group())
     all_tp: List = [None] * dist.get_world_size()
-    dist.all_gather_object(all_tp, sorted(tp_ranks))
+    dist.all_gather_object(all_tp, sorted(tp_ranks), group=metadata_group())
     wanted = set()
     for moe in moes:
         ep_ranks = dist.get_process_group_ranks(moe.deepspeed_moe.ep_group)
         mine = sorted({r for m in ep_ranks for r in all_tp[m]})
         every: List = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
+        dist.all_gather_object(every, mine, group=metadata_group())
         wanted.update(tuple(ranks) for ranks in every)
-    return {ranks: dist.new_group(list(ranks)) for ranks in sorted(wanted)}
+    return {ranks: new_training_group(ranks) for ranks in sorted(wanted)}
 
 
 def moe_groups(moe, combined: Dict[Tuple[int, ...], object]) -> MoEGroups:

@@ -24,19 +24,25 @@ CALIBRATION_REPEATS = 5
 """Timed repeats per group and size (the median is taken, then the maximum over ranks)."""
 
 
-def _timed(op, repeats: int) -> float:
-    """Median seconds of ``op()`` after one warm-up; every rank starts each at a barrier."""
+def _timed(op, repeats: int, cuda: bool) -> float:
+    """Median seconds of ``op()`` after one warm-up; every rank starts each at a barrier
+    (on CUDA, once the device has finished the op)."""
+    from deepspeed_ext.runtime.groups import metadata_group
     op()
     times = []
     for _ in range(repeats):
-        dist.barrier()
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier(group=metadata_group())
         start = time.perf_counter()
         op()
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def _fit(ranks: int, points) -> Link:
+def fit_link(ranks: int, points) -> Link:
     """``Link`` through two ``(bytes, seconds)`` points of ``alpha (n-1) + beta B (n-1)/n``
     (negative fits clamped to 0: noise on a quiet link)."""
     (b1, t1), (b2, t2) = points
@@ -49,7 +55,11 @@ def _fit(ranks: int, points) -> Link:
 def measure_links(g: MoEGroups, repeats: int = CALIBRATION_REPEATS) -> GroupLinks:
     """Every rank: time all-to-alls over the expert-parallel and the combined group and
     all-gathers over the tensor-parallel group at :data:`CALIBRATION_BYTES`, and fit each
-    group's alpha and beta (the slowest rank's times: a collective ends with its last)."""
+    group's alpha and beta (the slowest rank's times: a collective ends with its last).
+    The messages are device tensors on NCCL (the groups' backend), CPU ones on gloo."""
+    from deepspeed_ext.runtime.groups import metadata_group
+    cuda = dist.get_backend(g.ep_group) == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     links = {}
     for name, group, ranks in (("ep", g.ep_group, g.ep_size), ("tp", g.tp_group, g.tp_size),
                                ("combined", g.combined_group, g.ep_size * g.tp_size)):
@@ -60,17 +70,17 @@ def measure_links(g: MoEGroups, repeats: int = CALIBRATION_REPEATS) -> GroupLink
         for nbytes in CALIBRATION_BYTES:
             elems = nbytes // 4
             if name == "tp":
-                send = torch.ones(elems // ranks)
-                recv = torch.empty(elems // ranks * ranks)
+                send = torch.ones(elems // ranks, device=device)
+                recv = torch.empty(elems // ranks * ranks, device=device)
                 op = lambda: dist.all_gather_into_tensor(recv, send, group=group)  # noqa: E731
             else:
-                send = torch.ones(elems // ranks * ranks)
+                send = torch.ones(elems // ranks * ranks, device=device)
                 recv = torch.empty_like(send)
                 op = lambda: dist.all_to_all_single(recv, send, group=group)  # noqa: E731
-            seconds = torch.tensor([_timed(op, repeats)], dtype=torch.float64)
-            dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+            seconds = torch.tensor([_timed(op, repeats, cuda)], dtype=torch.float64)
+            dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=metadata_group())
             points.append((float(nbytes), seconds.item()))
-        links[name] = _fit(ranks, points)
+        links[name] = fit_link(ranks, points)
     return GroupLinks(**links)
 
 

@@ -1,11 +1,9 @@
-"""The alpha-beta cost model of the MoE schedules (megatron/model/moe_cost.py) and the
-trainer's fit of measured times (megatron/training/moe_schedule_setup.py)."""
+"""The alpha-beta cost model of the MoE schedules (megatron/model/moe_cost.py)."""
 
 import pytest
 
 from megatron.model.moe_cost import (GroupLinks, LayerShape, Link, capacity_of, choose,
                                      predict)
-from megatron.training.moe_schedule_setup import _fit
 
 SHAPE = LayerShape(experts=8, capacity=16, hidden=256, ep=4, tp=2)  # V = 8*16*256*4 = 131072 B
 
@@ -69,12 +67,3 @@ def test_capacity_as_deepspeeds_gate_sizes_it():
     assert capacity_of(64, 8, 2, 1.0, 4, True) == 16
     assert capacity_of(64, 8, 1, 0.25, 4, True) == 4
     assert capacity_of(64, 8, 2, 1.0, 4, False) == 16  # no dropping: the mean count
-
-
-def test_the_calibration_fit_recovers_alpha_and_beta():
-    alpha, beta, ranks = 2e-4, 3e-9, 4
-    points = [(b, alpha * (ranks - 1) + beta * b * (ranks - 1) / ranks) for b in (65536, 4194304)]
-    fitted = _fit(ranks, points)
-    assert fitted.alpha == pytest.approx(alpha) and fitted.beta == pytest.approx(beta)
-    # noise that makes the big message look faster: clamped, not negative
-    assert _fit(ranks, [(65536, 2e-3), (4194304, 1e-3)]).beta == 0.0

@@ -44,6 +44,8 @@ DEFAULT_GROUP_CALLS: Dict[Tuple[str, str, str], Tuple[int, str]] = {
     # -- the home of the project's groups -----------------------------------------------
     ("deepspeed_ext/runtime/groups.py", "init_metadata_group", "new_group"):
         (1, "the metadata group itself (every rank, at known points)"),
+    ("deepspeed_ext/runtime/groups.py", "new_training_group", "new_group"):
+        (1, "a group of device tensors on the training's backend (the MoE schedules')"),
     ("deepspeed_ext/runtime/groups.py", "new_host_group", "new_group"):
         (1, "a component's own gloo group (peers.py, two_level_bench's DCP uploads)"),
 }
