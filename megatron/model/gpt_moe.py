@@ -83,13 +83,17 @@ class MLP(nn.Module):
     ``tp_size`` ranks: the dense MLP's tensor-parallel size, an expert's with expert
     tensor parallelism, else 1)."""
 
+    activation = staticmethod(F.gelu)
+    """Between the two linears; Parm's S1 runs the expert shards with it too
+    (``megatron.model.moe_schedules``)."""
+
     def __init__(self, config: GPTMoEConfig, tp_size: int = 1):
         super().__init__()
         self.dense_h_to_4h = tp.linear(config.hidden_size, config.ffn_hidden_size, tp_size, "column")
         self.dense_4h_to_h = tp.linear(config.ffn_hidden_size, config.hidden_size, tp_size, "row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x)))
+        return self.dense_4h_to_h(self.activation(self.dense_h_to_4h(x)))
 
 
 class TransformerLayer(nn.Module):

@@ -85,7 +85,8 @@ def _expert_partials(experts, slots_in: torch.Tensor, first_shard: bool) -> torc
     all-reduce and without its input-gradient all-reduce (S1's collectives do both)."""
     outs = []
     for i, mlp in enumerate(experts.deepspeed_experts):
-        hidden = F.gelu(F.linear(slots_in[:, i], mlp.dense_h_to_4h.weight, mlp.dense_h_to_4h.bias))
+        hidden = mlp.activation(F.linear(slots_in[:, i], mlp.dense_h_to_4h.weight,
+                                         mlp.dense_h_to_4h.bias))
         partial = F.linear(hidden, mlp.dense_4h_to_h.weight)
         outs.append(_AddOnFirstShard.apply(partial, mlp.dense_4h_to_h.bias, first_shard))
     return torch.stack(outs, dim=1)
@@ -135,7 +136,7 @@ def why_not_scheduled(moe) -> Optional[str]:
     if moe.deepspeed_moe.use_tutel:
         return "Tutel's dispatcher is in use"
     mlp = moe.deepspeed_moe.experts.deepspeed_experts[0]
-    if not (hasattr(mlp, "dense_h_to_4h") and hasattr(mlp, "dense_4h_to_h")):
+    if not all(hasattr(mlp, a) for a in ("dense_h_to_4h", "dense_4h_to_h", "activation")):
         return "the experts are not this model's MLP"
     return None
 
