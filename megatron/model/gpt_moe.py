@@ -170,32 +170,16 @@ class GPTMoEModel(nn.Module):
 
     def global_name(self, name: str) -> str:
         """The layout-independent name of parameter ``name``: local expert index -> global."""
-        if EXPERTS_KEY not in name:
-            return name
-        head, tail = name.split(EXPERTS_KEY, 1)
-        local, rest = tail.split(".", 1)
-        global_index = self.ep_rank * self.config.num_local_experts + int(local)
-        return f"{head}{EXPERTS_KEY}{global_index}.{rest}"
+        return expert_global_name(name, self.ep_rank, self.config.num_local_experts)
 
     @torch.no_grad()
     def init_weights(self) -> None:
         """Initialise every tensor from ``seed`` and its global name (layout-independent):
         a tensor-parallel rank draws the whole tensor and keeps its slice, so every
         tensor-parallel size starts from the same model."""
-        cfg = self.config
-        size = cfg.tensor_model_parallel_size
-        out_std = cfg.init_method_std / math.sqrt(2.0 * cfg.num_layers)
         for name, param in self.named_parameters():
-            gen = torch.Generator().manual_seed(
-                (cfg.seed * 1_000_003 + zlib.crc32(self.global_name(name).encode())) % (2 ** 62))
-            if param.dim() == 1:
-                param.fill_(1.0 if "layernorm" in name and name.endswith("weight") else 0.0)
-                continue
-            split = tp.split_of(name, tuple(param.shape), size, cfg.enable_expert_tensor_parallelism)
-            std = out_std if name.endswith(("dense.weight", "dense_4h_to_h.weight")) else cfg.init_method_std
-            full = torch.randn(split.global_shape if split else param.shape, generator=gen,
-                               dtype=torch.float32) * std
-            param.copy_(split.slice(full, self.tp_rank, size) if split else full)
+            init_parameter(self.config, self.global_name(name), param, self.tp_rank)
+
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor,
                 labels: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None):
@@ -242,6 +226,37 @@ class GPTMoEModel(nn.Module):
                          else torch.zeros(0, self.config.num_experts, dtype=torch.int64,
                                           device=logits.device))
         return lm_loss, aux, expert_counts
+
+
+def expert_global_name(name: str, ep_rank: int, num_local_experts: int) -> str:
+    """``name`` with its local expert index (on expert-parallel rank ``ep_rank``) replaced
+    by the global one; other names unchanged."""
+    if EXPERTS_KEY not in name:
+        return name
+    head, tail = name.split(EXPERTS_KEY, 1)
+    local, rest = tail.split(".", 1)
+    return f"{head}{EXPERTS_KEY}{ep_rank * num_local_experts + int(local)}.{rest}"
+
+
+@torch.no_grad()
+def init_parameter(config: GPTMoEConfig, global_name: str, param: torch.nn.Parameter,
+                   tp_rank: int = 0) -> None:
+    """Initialise ``param`` from ``config.seed`` and its global name (the name it has in
+    the whole :class:`GPTMoEModel`, experts by global index): every layout that names it
+    alike (any expert-parallel, tensor-parallel or pipeline split) gets the same values."""
+    size = config.tensor_model_parallel_size
+    gen = torch.Generator().manual_seed(
+        (config.seed * 1_000_003 + zlib.crc32(global_name.encode())) % (2 ** 62))
+    if param.dim() == 1:
+        param.fill_(1.0 if "layernorm" in global_name and global_name.endswith("weight") else 0.0)
+        return
+    split = tp.split_of(global_name, tuple(param.shape), size, config.enable_expert_tensor_parallelism)
+    out_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
+    std = out_std if global_name.endswith(("dense.weight", "dense_4h_to_h.weight")) \
+        else config.init_method_std
+    full = torch.randn(split.global_shape if split else param.shape, generator=gen,
+                       dtype=torch.float32) * std
+    param.copy_(split.slice(full, tp_rank, size) if split else full)
 
 
 def count_parameters(config: GPTMoEConfig) -> dict:
