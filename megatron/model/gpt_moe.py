@@ -22,7 +22,7 @@ from megatron.model.config import GPTMoEConfig
 EXPERTS_KEY = "deepspeed_moe.experts.deepspeed_experts."
 
 
-def _layer_norm(config: GPTMoEConfig) -> nn.Module:
+def layer_norm(config: GPTMoEConfig) -> nn.Module:
     """A LayerNorm: apex's fused kernel on CUDA when apex is installed, torch's otherwise."""
     if torch.cuda.is_available():
         try:
@@ -102,9 +102,9 @@ class TransformerLayer(nn.Module):
     def __init__(self, config: GPTMoEConfig, is_moe: bool):
         super().__init__()
         self.is_moe = is_moe
-        self.input_layernorm = _layer_norm(config)
+        self.input_layernorm = layer_norm(config)
         self.self_attention = CausalSelfAttention(config)
-        self.post_attention_layernorm = _layer_norm(config)
+        self.post_attention_layernorm = layer_norm(config)
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
         if is_moe:
             from deepspeed.moe.layer import MoE
@@ -162,7 +162,7 @@ class GPTMoEModel(nn.Module):
         moe_layers = set(config.moe_layer_indices)
         self.layers = nn.ModuleList(TransformerLayer(config, i in moe_layers)
                                     for i in range(config.num_layers))
-        self.final_layernorm = _layer_norm(config)
+        self.final_layernorm = layer_norm(config)
         tp.mark_partition_views(self, tp_size, config.enable_expert_tensor_parallelism)
         if tp_size > 1 and not config.enable_expert_tensor_parallelism:
             tp.mark_replicated_experts(self)

@@ -1,0 +1,188 @@
+"""The GPT-MoE model as a DeepSpeed ``PipelineModule``, for pipeline parallelism
+(``--pipeline-model-parallel-size P``).
+
+The layers are :class:`~megatron.model.gpt_moe.GPTMoEModel`'s, cut into a sequence of
+pipeline layers:
+
+    EmbeddingPipe (tied) | TransformerLayerPipe x num_layers | FinalNormPipe | head (tied)
+
+- Between stages travel ``(hidden, position_ids, aux)``. ``aux`` is the sum of the MoE
+  layers' load-balancing losses so far, carried as a second tensor, as Megatron-DeepSpeed's
+  ``GPTModelPipe`` carries its MoE loss.
+- The last stage's loss is ``lm_loss + moe_loss_coeff * aux`` (:func:`pipe_loss`).
+- The output head is the word embedding, tied across the first and last stages with
+  DeepSpeed's ``TiedLayerSpec`` (its gradient is summed over the two).
+- Every parameter is initialised from the seed and the name it has in the whole
+  ``GPTMoEModel`` (:func:`~megatron.model.gpt_moe.init_parameter`), so a pipeline run
+  starts from the same weights as a run without one.
+
+Experts: the expert-parallel groups are ``ep`` consecutive ranks of one stage (DeepSpeed's
+groups with a pipeline), so a rank's expert-parallel rank is ``rank % ep``.
+"""
+
+from typing import List
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron.model.config import GPTMoEConfig
+from megatron.model.gpt_moe import (TransformerLayer, expert_global_name, init_parameter,
+                                    layer_norm)
+
+TIED_EMBEDDING = "embed"
+"""DeepSpeed's tie key of the word embedding (first stage) and the output head (last)."""
+
+
+class EmbeddingPipe(nn.Module):
+    """Word (and learned position) embeddings: ``(tokens, position_ids)`` ->
+    ``(hidden, position_ids, aux)``; also the output head on the last stage
+    (:func:`head_forward`)."""
+
+    global_prefix = ""
+
+    def __init__(self, config: GPTMoEConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.position_embeddings = (nn.Embedding(config.max_position_embeddings, config.hidden_size)
+                                    if config.position_embedding_type == "learned_absolute" else None)
+        self.embedding_dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, inputs):
+        tokens, position_ids = inputs
+        x = self.word_embeddings(tokens)
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(position_ids)
+        # A leaf that requires a gradient: the pipeline sends every float tensor's gradient
+        # back, and a stage whose layers add no aux loss would otherwise have none.
+        aux = torch.zeros(1, device=x.device, requires_grad=True)
+        return self.embedding_dropout(x), position_ids, aux
+
+
+def head_forward(embedding: EmbeddingPipe, inputs):
+    """The output head: logits of the tied word embedding, and the aux loss."""
+    x, aux = inputs
+    return F.linear(x, embedding.word_embeddings.weight), aux
+
+
+class TransformerLayerPipe(TransformerLayer):
+    """One decoder layer on ``(hidden, position_ids, aux)``."""
+
+    def __init__(self, config: GPTMoEConfig, index: int):
+        super().__init__(config, index in set(config.moe_layer_indices))
+        self.global_prefix = f"layers.{index}."
+
+    def forward(self, inputs):
+        x, position_ids, aux = inputs
+        x, layer_aux, _ = super().forward(x, position_ids)
+        if layer_aux is not None:
+            aux = aux + layer_aux.float()
+        return x, position_ids, aux
+
+
+class FinalNormPipe(nn.Module):
+    """The final LayerNorm: ``(hidden, position_ids, aux)`` -> ``(hidden, aux)``."""
+
+    global_prefix = "final_layernorm."
+
+    def __init__(self, config: GPTMoEConfig):
+        super().__init__()
+        self.norm = layer_norm(config)
+
+    def forward(self, inputs):
+        x, _, aux = inputs
+        return self.norm(x), aux
+
+    @staticmethod
+    def global_name(local: str) -> str:
+        return local.replace("norm.", "", 1)
+
+
+def pipe_loss(config: GPTMoEConfig):
+    """The last stage's loss function: ``((logits, aux), (labels, loss_mask))`` ->
+    ``lm_loss + moe_loss_coeff * aux`` (the masked mean cross entropy, as
+    ``GPTMoEModel`` computes it)."""
+    def loss_fn(outputs, targets):
+        (logits, aux), (labels, loss_mask) = outputs, targets
+        losses = F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.reshape(-1),
+                                 reduction="none")
+        mask = loss_mask.reshape(-1).float()
+        lm_loss = (losses * mask).sum() / mask.sum().clamp(min=1.0)
+        return lm_loss + config.moe_loss_coeff * aux.sum()
+    return loss_fn
+
+
+def pipe_layers(config: GPTMoEConfig) -> List:
+    """The layer specs of :func:`build_pipe_model`, in order."""
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+    specs = [TiedLayerSpec(TIED_EMBEDDING, EmbeddingPipe, config,
+                           tied_weight_attr=["word_embeddings.weight"])]
+    specs += [LayerSpec(TransformerLayerPipe, config, i) for i in range(config.num_layers)]
+    specs.append(LayerSpec(FinalNormPipe, config))
+    specs.append(TiedLayerSpec(TIED_EMBEDDING, EmbeddingPipe, config, forward_fn=head_forward,
+                               tied_weight_attr=["word_embeddings.weight"]))
+    return specs
+
+
+def build_pipe_model(config: GPTMoEConfig, stages: int, ep_rank: int):
+    """The ``PipelineModule`` of this rank's stage, initialised as ``GPTMoEModel`` would be.
+    Every rank calls it after ``init_process_group`` (DeepSpeed's pipeline groups).
+
+    Raises:
+        ValueError: tensor parallelism with a pipeline (not supported yet).
+    """
+    from deepspeed.pipe import PipelineModule
+    if config.tensor_model_parallel_size > 1:
+        raise ValueError("pipeline parallelism with tensor parallelism is not supported yet")
+    module = PipelineModule(layers=pipe_layers(config), num_stages=stages,
+                            loss_fn=pipe_loss(config),
+                            partition_method="type:TransformerLayerPipe")
+    check_stages_hold_experts(config, module.parts)
+    init_pipe_weights(module, config, ep_rank)
+    return module
+
+
+def check_stages_hold_experts(config: GPTMoEConfig, parts) -> None:
+    """Refuse a partition in which a stage holds no MoE layer (``parts``: the
+    ``PipelineModule``'s stage boundaries over :func:`pipe_layers`).
+
+    DeepSpeed's ZeRO all-reduces each optimizer parameter group's gradient norm over the
+    pipeline's model-parallel group, and the experts are a parameter group of their own:
+    a stage without experts has one group fewer, so its ranks leave the step while the
+    others wait in a collective (measured: the job hung). A stage without MoE layers also
+    makes no expert groups, whose creation is a collective of the whole world.
+
+    Raises:
+        ValueError: naming the stage and the flags to change.
+    """
+    if config.num_experts <= 1:
+        return
+    moe = set(config.moe_layer_indices)
+    for stage in range(len(parts) - 1):
+        layers = [i - 1 for i in range(parts[stage], parts[stage + 1]) if 1 <= i <= config.num_layers]
+        if not moe.intersection(layers):
+            raise ValueError(
+                f"pipeline stage {stage} holds transformer layers {layers} and no MoE layer: "
+                f"with MoE, every stage needs one (DeepSpeed's ZeRO reduces each optimizer "
+                f"parameter group's norm over the pipeline). Change --expert-interval "
+                f"({config.expert_interval}), --num-layers ({config.num_layers}) or "
+                f"--pipeline-model-parallel-size")
+
+
+def init_pipe_weights(module: nn.Module, config: GPTMoEConfig, ep_rank: int) -> List[str]:
+    """Initialise every parameter of this stage's layers by its ``GPTMoEModel`` name;
+    returns those names (the tied embedding once)."""
+    names = []
+    seen = set()
+    for sub in module.modules():
+        prefix = getattr(sub, "global_prefix", None)
+        if prefix is None or id(sub) in seen:
+            continue
+        seen.add(id(sub))
+        for local, param in sub.named_parameters():
+            if isinstance(sub, FinalNormPipe):
+                local = FinalNormPipe.global_name(local)
+            name = expert_global_name(prefix + local, ep_rank, config.num_local_experts)
+            init_parameter(config, name, param)
+            names.append(name)
+    return names
