@@ -9,7 +9,7 @@ pipeline layers:
 - Between stages travel ``(hidden, position_ids, aux)``. ``aux`` is the sum of the MoE
   layers' load-balancing losses so far, carried as a second tensor, as Megatron-DeepSpeed's
   ``GPTModelPipe`` carries its MoE loss.
-- The last stage's loss is ``lm_loss + moe_loss_coeff * aux`` (:func:`pipe_loss`).
+- The last stage's loss is ``lm_loss + moe_loss_coeff * aux`` (:class:`PipeLoss`).
 - The output head is the word embedding, tied across the first and last stages with
   DeepSpeed's ``TiedLayerSpec`` (its gradient is summed over the two).
 - Every parameter is initialised from the seed and the name it has in the whole
@@ -98,18 +98,34 @@ class FinalNormPipe(nn.Module):
         return local.replace("norm.", "", 1)
 
 
-def pipe_loss(config: GPTMoEConfig):
+class PipeLoss:
     """The last stage's loss function: ``((logits, aux), (labels, loss_mask))`` ->
     ``lm_loss + moe_loss_coeff * aux`` (the masked mean cross entropy, as
-    ``GPTMoEModel`` computes it)."""
-    def loss_fn(outputs, targets):
+    ``GPTMoEModel`` computes it). The pipeline engine reports only that sum, so the two
+    parts of every micro-batch are also added up here, for :meth:`take`."""
+
+    def __init__(self, config: GPTMoEConfig):
+        self.coeff = config.moe_loss_coeff
+        self._parts = None
+
+    def __call__(self, outputs, targets):
         (logits, aux), (labels, loss_mask) = outputs, targets
         losses = F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.reshape(-1),
                                  reduction="none")
         mask = loss_mask.reshape(-1).float()
         lm_loss = (losses * mask).sum() / mask.sum().clamp(min=1.0)
-        return lm_loss + config.moe_loss_coeff * aux.sum()
-    return loss_fn
+        aux = aux.sum()
+        parts = torch.stack((lm_loss.detach().double(), aux.detach().double(),
+                             torch.ones((), dtype=torch.float64, device=lm_loss.device)))
+        self._parts = parts if self._parts is None else self._parts + parts
+        return lm_loss + self.coeff * aux
+
+    def take(self, device) -> torch.Tensor:
+        """``[lm loss sum, aux loss sum, micro-batches]`` since the last call (zeros on a
+        stage that computes no loss), on ``device``; resets them."""
+        parts = self._parts if self._parts is not None else torch.zeros(3, dtype=torch.float64)
+        self._parts = None
+        return parts.to(device)
 
 
 def pipe_layers(config: GPTMoEConfig) -> List:
@@ -135,7 +151,7 @@ def build_pipe_model(config: GPTMoEConfig, stages: int, ep_rank: int):
     if config.tensor_model_parallel_size > 1:
         raise ValueError("pipeline parallelism with tensor parallelism is not supported yet")
     module = PipelineModule(layers=pipe_layers(config), num_stages=stages,
-                            loss_fn=pipe_loss(config),
+                            loss_fn=PipeLoss(config),
                             partition_method="type:TransformerLayerPipe")
     check_stages_hold_experts(config, module.parts)
     init_pipe_weights(module, config, ep_rank)

@@ -654,8 +654,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         raise ConfigError(f"--num-experts ({args.num_experts}) must be divisible by "
                           f"--moe-expert-parallel-size ({ep})")
     tp = getattr(args, "tensor_model_parallel_size", 1)
+    stages = getattr(args, "pipeline_model_parallel_size", 1)
+    if stages > 1 and world_size % stages:
+        raise ConfigError(f"world size ({world_size}) must be divisible by "
+                          f"--pipeline-model-parallel-size ({stages})")
     try:
-        dp = build_layout(world_size, tp, ep,
+        # a pipeline stage's ranks (world / P) are laid out as the whole world is without one
+        dp = build_layout(world_size // max(stages, 1), tp, ep,
                           bool(getattr(args, "enable_expert_tensor_parallelism", False))).dp
     except ValueError as e:  # the message names the flag
         raise ConfigError(str(e)) from None

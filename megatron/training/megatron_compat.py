@@ -52,7 +52,9 @@ def add_megatron_compat_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sequence-parallel", action="store_true",
                    help="Refused: sequence parallelism is not supported yet.")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
-                   help="Only 1: no pipeline parallelism.")
+                   help="Pipeline stages (DeepSpeed's pipeline engine; ZeRO stage 0/1, every "
+                        "stage must hold an MoE layer; not yet with tensor parallelism or "
+                        "--moc-checkpoint).")
     g.add_argument("--no-pipeline-parallel", action="store_true",
                    help="Accepted: the model is never pipelined.")
     g.add_argument("--data-impl", default="mmap", choices=DATA_IMPLS,
@@ -67,12 +69,7 @@ def check_megatron_compat(args: argparse.Namespace) -> None:
     Raises:
         ConfigError: naming the flag, its value and the supported one.
     """
-    value = getattr(args, "pipeline_model_parallel_size", 1)
-    if value != 1:
-        raise ConfigError(f"--pipeline-model-parallel-size {value}: pipeline model parallelism "
-                          "is not supported; only 1 (experts are spread with "
-                          "--moe-expert-parallel-size, layers with --tensor-model-parallel-size, "
-                          "the rest is data parallel)")
+    _check_pipeline(args)
     _check_tensor_parallel(args)
     queue = getattr(args, "tensorboard_queue_size", None)
     if queue is not None and queue < 1:
@@ -135,6 +132,29 @@ def infer_tokenizer(args: argparse.Namespace) -> Optional[str]:
         args.tokenizer_type = "GPT2BPETokenizer"
         return args.tokenizer_type
     return None
+
+
+def _check_pipeline(args: argparse.Namespace) -> None:
+    """Refuse what pipeline parallelism does not support (yet), naming the flags."""
+    stages = getattr(args, "pipeline_model_parallel_size", 1)
+    if stages < 1:
+        raise ConfigError(f"--pipeline-model-parallel-size must be >= 1, got {stages}")
+    if stages == 1:
+        return
+    if getattr(args, "zero_stage", 0) >= 2:
+        raise ConfigError(f"--pipeline-model-parallel-size {stages} with --zero-stage "
+                          f"{args.zero_stage}: DeepSpeed's pipeline engine supports ZeRO stage 0 or "
+                          "1 only; pass --zero-stage 1")
+    for flag, value, why in (
+            ("--tensor-model-parallel-size", getattr(args, "tensor_model_parallel_size", 1) > 1,
+             "tensor and pipeline parallelism together are not supported yet"),
+            ("--moc-checkpoint", getattr(args, "moc_checkpoint", False),
+             "MoC checkpoints of pipeline runs are not supported yet (DeepSpeed's own "
+             "checkpoints are)"),
+            ("--checkpoint-activations", getattr(args, "checkpoint_activations", False),
+             "activation checkpointing inside pipeline stages is not supported yet")):
+        if value:
+            raise ConfigError(f"--pipeline-model-parallel-size {stages} with {flag}: {why}")
 
 
 def _check_tensor_parallel(args: argparse.Namespace) -> None:

@@ -196,8 +196,16 @@ def setup_model_and_optimizer(args: argparse.Namespace):
         raise ConfigError(f"--fp16 is not supported on this {get_accelerator().device_name()} "
                           "device; use --bf16 or full precision")
     config = model_config_from_args(args)
-    place = _layout(args).place(dist.get_rank())
-    model = GPTMoEModel(config, ep_rank=place.ep_rank)
+    place = _place(args)
+    stages = getattr(args, "pipeline_model_parallel_size", 1)
+    if stages > 1:
+        from megatron.model.gpt_moe_pipe import build_pipe_model
+        try:
+            model = build_pipe_model(config, stages, place.ep_rank)
+        except ValueError as err:  # a stage without experts: names the flags
+            raise ConfigError(str(err)) from None
+    else:
+        model = GPTMoEModel(config, ep_rank=place.ep_rank)
     optimizer = torch.optim.AdamW(_param_groups(model, args.weight_decay), lr=args.lr,
                                   betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
                                   foreach=False)
@@ -253,6 +261,15 @@ def train_step(engine, data_iterator: Iterator, args: argparse.Namespace) -> Ste
     Losses and gate counts stay on the device until the one all-reduce at the end: a
     ``.item()`` per micro batch would make a GPU wait for every micro batch.
     """
+    if getattr(args, "pipeline_model_parallel_size", 1) > 1:
+        from megatron.training.pipeline import pipe_train_step
+        lm, aux = pipe_train_step(engine, data_iterator)
+        grad_norm = engine.get_global_grad_norm()
+        return StepStats(lm_loss=lm, moe_aux_loss=aux,
+                         grad_norm=float(grad_norm) if grad_norm is not None else 0.0,
+                         skipped=bool(getattr(engine.optimizer, "overflow", False)),
+                         expert_counts=torch.zeros(0, dtype=torch.int64),
+                         loss_scale=optimizer_loss_scale(engine.optimizer))
     sums = torch.zeros(2, dtype=torch.float64, device=engine.device)
     counts = None
     for _ in range(args.gradient_accumulation_steps):
@@ -284,6 +301,9 @@ def evaluate(engine, data_iterator: Iterator, args: argparse.Namespace,
     Args:
         on_step: called after each micro batch (the monitor's progress touch).
     """
+    if getattr(args, "pipeline_model_parallel_size", 1) > 1:
+        from megatron.training.pipeline import pipe_evaluate
+        return pipe_evaluate(engine, data_iterator, args, on_step)
     engine.eval()
     total = torch.zeros(1, dtype=torch.float64, device=engine.device)
     steps = args.eval_iters * args.gradient_accumulation_steps
@@ -303,9 +323,18 @@ def evaluate(engine, data_iterator: Iterator, args: argparse.Namespace,
 def _layout(args: argparse.Namespace):
     """This job's tensor x data x expert layout (the same on every rank)."""
     from megatron.training.parallel_layout import build_layout
-    return build_layout(dist.get_world_size(), getattr(args, "tensor_model_parallel_size", 1),
+    return build_layout(dist.get_world_size() // getattr(args, "pipeline_model_parallel_size", 1),
+                        getattr(args, "tensor_model_parallel_size", 1),
                         args.moe_expert_parallel_size,
                         bool(getattr(args, "enable_expert_tensor_parallelism", False)))
+
+
+def _place(args: argparse.Namespace):
+    """This rank's place in its pipeline stage's layout (the whole world without a
+    pipeline): DeepSpeed's pipeline topology puts the stage outermost, so a stage is
+    ``world / P`` consecutive ranks with the same layout each."""
+    layout = _layout(args)
+    return layout.place(dist.get_rank() % layout.world)
 
 
 def _build_loaders(args: argparse.Namespace, datasets, state: checkpointing.ResumeState):
@@ -314,7 +343,7 @@ def _build_loaders(args: argparse.Namespace, datasets, state: checkpointing.Resu
     train_ds, valid_ds, _ = datasets
     # The data-parallel rank reads its shard; the ranks of a tensor-parallel group read
     # the same one.
-    place = _layout(args).place(dist.get_rank())
+    place = _place(args)
     rank, world = place.dp_rank, args.data_parallel_size
     train = build_pretraining_data_loader(train_ds, state.consumed_train_samples,
                                           args.micro_batch_size, rank, world, args.num_workers)
@@ -322,7 +351,14 @@ def _build_loaders(args: argparse.Namespace, datasets, state: checkpointing.Resu
     valid = (build_pretraining_data_loader(valid_ds, valid_consumed, args.micro_batch_size, rank,
                                            world, args.num_workers)
              if args.eval_iters > 0 and valid_ds is not None else None)
-    return iter(train), (iter(valid) if valid is not None else None)
+    train, valid = iter(train), (iter(valid) if valid is not None else None)
+    if getattr(args, "pipeline_model_parallel_size", 1) > 1:  # the engine pulls its batches
+        from deepspeed.accelerator import get_accelerator
+        from megatron.training.pipeline import pipe_batches
+        device = get_accelerator().current_device_name()
+        train = pipe_batches(train, device)
+        valid = pipe_batches(valid, device) if valid is not None else None
+    return train, valid
 
 
 def pretrain(args: argparse.Namespace, extra_setup=None) -> TrainResult:

@@ -39,6 +39,8 @@ DEFAULT_GROUP_CALLS: Dict[Tuple[str, str, str], Tuple[int, str]] = {
         (1, "validation loss on engine.device"),
     ("megatron/training/training.py", "_train_loop", "all_reduce"):
         (1, "the gate counts, on the model's device"),
+    ("megatron/training/pipeline.py", "_loss_parts", "all_reduce"):
+        (1, "the pipeline's losses on engine.device"),
     ("megatron/data/gpt_dataset.py", "_all_ranks_agree", "all_reduce"):
         (1, "on the current CUDA device when the backend is NCCL"),
     # -- the home of the project's groups -----------------------------------------------
