@@ -217,8 +217,13 @@ class _Placement:
     peers, for a parameter they do not split; this rank alone otherwise)."""
 
 
-def _place(name: str, param, tp: Optional[TensorParallelPlace], rank: int) -> _Placement:
-    group = _group_ranks(param)
+def _place(name: str, param, tp: Optional[TensorParallelPlace], rank: int,
+           groups: Dict) -> _Placement:
+    # one group lookup per expert group (or the world), not per parameter
+    key = getattr(param, "group_name", None) if getattr(param, "allreduce", True) is False else None
+    if key not in groups:
+        groups[key] = _group_ranks(param)
+    group = groups[key]
     if tp is None:
         return _Placement(tuple(param.shape), None, 0, group, (rank,))
     split = param_split(name, param, tp.size)
@@ -436,10 +441,11 @@ def describe_local_state(engine, naming: ExpertNaming, with_moments: bool = True
     rank = dist.get_rank()
     tp = tensor_parallel_place(engine)
     opt = base_optimizer(engine)
+    groups: Dict = {}
     for local_name, param in engine.module.named_parameters():
         name = naming.global_name(local_name)
         expert = naming.expert_of(local_name)
-        place = _place(local_name, param, tp, rank)
+        place = _place(local_name, param, tp, rank, groups)
         if partitioned:
             replicated_weights = for_save and param.dtype == torch.float32
             if replicated_weights:

@@ -189,12 +189,10 @@ def init_pipe_weights(module: nn.Module, config: GPTMoEConfig, ep_rank: int) -> 
     """Initialise every parameter of this stage's layers by its ``GPTMoEModel`` name;
     returns those names (the tied embedding once)."""
     names = []
-    seen = set()
-    for sub in module.modules():
+    for sub in module.modules():  # each module once, the tied embedding too
         prefix = getattr(sub, "global_prefix", None)
-        if prefix is None or id(sub) in seen:
+        if prefix is None:
             continue
-        seen.add(id(sub))
         for local, param in sub.named_parameters():
             if isinstance(sub, FinalNormPipe):
                 local = FinalNormPipe.global_name(local)

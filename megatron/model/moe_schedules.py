@@ -73,7 +73,7 @@ class _AddOnFirstShard(torch.autograd.Function):
     @staticmethod
     def forward(ctx, partial, bias, first):
         ctx.dims = tuple(range(partial.dim() - 1))
-        return partial + bias if first else partial.clone()
+        return partial + bias if first else partial.view_as(partial)
 
     @staticmethod
     def backward(ctx, grad):
@@ -98,14 +98,16 @@ class ScheduledMoE:
     ``exp_counts`` on the layer the same way."""
 
     def __init__(self, layer, schedule: str, groups: MoEGroups):
+        from deepspeed.moe.mappings import drop_tokens, gather_tokens
         if schedule not in SCHEDULES[1:]:
             raise ValueError(f"unknown MoE schedule {schedule!r}")
         self.layer = layer
         self.schedule = schedule
         self.groups = groups
+        self._drop, self._gather = drop_tokens, gather_tokens  # resolved once, not per pass
 
     def __call__(self, *inputs: torch.Tensor, **kwargs) -> torch.Tensor:
-        from deepspeed.moe.mappings import drop_tokens, gather_tokens
+        drop_tokens, gather_tokens = self._drop, self._gather
         layer, g = self.layer, self.groups
         width = inputs[0].shape[-1]
         tokens = inputs[0].reshape(-1, width)

@@ -264,12 +264,7 @@ def train_step(engine, data_iterator: Iterator, args: argparse.Namespace) -> Ste
     if getattr(args, "pipeline_model_parallel_size", 1) > 1:
         from megatron.training.pipeline import pipe_train_step
         lm, aux = pipe_train_step(engine, data_iterator)
-        grad_norm = engine.get_global_grad_norm()
-        return StepStats(lm_loss=lm, moe_aux_loss=aux,
-                         grad_norm=float(grad_norm) if grad_norm is not None else 0.0,
-                         skipped=bool(getattr(engine.optimizer, "overflow", False)),
-                         expert_counts=torch.zeros(0, dtype=torch.int64),
-                         loss_scale=optimizer_loss_scale(engine.optimizer))
+        return _step_stats(engine, lm, aux, torch.zeros(0, dtype=torch.int64))
     sums = torch.zeros(2, dtype=torch.float64, device=engine.device)
     counts = None
     for _ in range(args.gradient_accumulation_steps):
@@ -286,10 +281,15 @@ def train_step(engine, data_iterator: Iterator, args: argparse.Namespace) -> Ste
     # the monitor's clock counts only the all-reduce's stream time as collective time
     # (CUDA events), so a slow device still shows as this rank's own time.
     lm, aux = sums.tolist()
+    return _step_stats(engine, lm, aux, counts)
+
+
+def _step_stats(engine, lm: float, aux: float, counts: torch.Tensor) -> StepStats:
+    """The step's record, with what the engine knows after its optimizer step."""
     grad_norm = engine.get_global_grad_norm()
-    grad_norm = float(grad_norm) if grad_norm is not None else 0.0
-    skipped = bool(getattr(engine.optimizer, "overflow", False))
-    return StepStats(lm_loss=lm, moe_aux_loss=aux, grad_norm=grad_norm, skipped=skipped,
+    return StepStats(lm_loss=lm, moe_aux_loss=aux,
+                     grad_norm=float(grad_norm) if grad_norm is not None else 0.0,
+                     skipped=bool(getattr(engine.optimizer, "overflow", False)),
                      expert_counts=counts, loss_scale=optimizer_loss_scale(engine.optimizer))
 
 
