@@ -70,6 +70,10 @@ def _init(opts):
     import torch.distributed as dist
     from deepspeed.utils import groups
     dist.init_process_group("gloo")
+    from megatron.training import jit_ops
+    # as the trainer: no JIT build of DeepSpeed's shm op (a cold build held the ranks
+    # 25-35 s, and every checkout of a venv rebuilt it)
+    jit_ops.disable_unused_ops()
     deepspeed.init_distributed(dist_backend="gloo")
     from megatron.data._compat import quiet_core_import
     with quiet_core_import():

@@ -38,6 +38,10 @@ def main():
     out_dir, stages, topk, interval = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     dist.init_process_group("gloo")
     import deepspeed
+    from megatron.training import jit_ops
+    # as the trainer: no JIT build of DeepSpeed's shm op (a cold build held the ranks
+    # 25-35 s, and every checkout of a venv rebuilt it)
+    jit_ops.disable_unused_ops()
     deepspeed.init_distributed(dist_backend="gloo")
     from megatron.model.config import GPTMoEConfig
     config = GPTMoEConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,

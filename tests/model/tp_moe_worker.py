@@ -22,6 +22,10 @@ def main():
     dist.init_process_group("gloo")
     import deepspeed
     from deepspeed.utils import groups
+    from megatron.training import jit_ops
+    # as the trainer: no JIT build of DeepSpeed's shm op (a cold build held the ranks
+    # 25-35 s, and every checkout of a venv rebuilt it)
+    jit_ops.disable_unused_ops()
     deepspeed.init_distributed(dist_backend="gloo")  # DeepSpeed's comm, for its MoE groups
     from megatron.training.parallel_layout import build_layout
     if size > 1:

@@ -25,6 +25,10 @@ def main():
     mpu = CoreMPU()
     import deepspeed
     from deepspeed.utils import groups
+    from megatron.training import jit_ops
+    # as the trainer: no JIT build of DeepSpeed's shm op (a cold build held the ranks
+    # 25-35 s, and every checkout of a venv rebuilt it)
+    jit_ops.disable_unused_ops()
     deepspeed.init_distributed(dist_backend="gloo")
     groups.mpu = mpu  # as deepspeed.initialize(mpu=...) sets it
     groups._create_expert_data_and_model_parallel(2, mpu=mpu)
