@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from deepspeed_ext.config import MoCConfig
 from deepspeed_ext.engine.rng import common_state, set_rng_state
+from deepspeed_ext.engine.stages import STAGE_NAMING_ATTR, pipeline_place
 from deepspeed_ext.runtime.groups import metadata_group
 from deepspeed_ext.runtime.log import rank_zero_lines
 from deepspeed_ext.state import (ExpertNaming, LocalFragment, expert_naming, loss_scaler_state,
@@ -89,6 +90,11 @@ class CheckpointSession:
         self.engine = engine
         self.config = config or MoCConfig()
         self.naming: ExpertNaming = expert_naming(engine.module)
+        if pipeline_place(engine) is not None and self.naming.stage is None:
+            raise ValueError(
+                f"MoC checkpoints of a pipeline need the whole model's names: set "
+                f"module.{STAGE_NAMING_ATTR} to a deepspeed_ext.engine.stages.StageNaming "
+                "on the PipelineModule given to deepspeed.initialize")
         self.layout = None
         self.policy = None
         self.ledger = None
@@ -101,7 +107,7 @@ class CheckpointSession:
             if any(n != num_experts for n in self.naming.num_experts):
                 raise ValueError("MoC checkpointing needs the same expert count in every MoE layer")
             ep_size = num_experts // _num_local_experts(engine)
-            self.layout = ExpertLayout(len(self.naming.moe_prefixes), num_experts, ep_size)
+            self.layout = ExpertLayout(self.naming.num_moe_layers, num_experts, ep_size)
             k = self.config.pec_k or num_experts
             self.policy = make_policy(self.config.pec_policy, self.layout, min(k, num_experts))
             self.ledger = TokenLedger(self.layout.num_moe_layers, num_experts)

@@ -29,6 +29,7 @@ have them, and :func:`prepare_optimizer_state` gives a loading engine the same.
 Every rank calls :func:`describe_local_state` on its own engine; no collectives.
 """
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from deepspeed_ext.engine.stages import PipelinePlace, StageNaming, pipeline_place, stage_naming
 from deepspeed_ext.format.splits import TensorSplit
 
 ExpertId = Tuple[int, int]
@@ -79,35 +81,64 @@ class LocalFragment:
 class ExpertNaming:
     """Maps local parameter names to global ones for ``deepspeed.moe`` layers.
 
-    ``moe_prefixes[i]`` is the module path of the i-th MoE layer; ``first_expert[i]``
-    the global index of this rank's local expert 0 in that layer.
+    ``moe_prefixes[i]`` is the module path of this rank's i-th MoE layer;
+    ``first_expert[i]`` the global index of this rank's local expert 0 in that layer. On
+    a pipeline stage, ``stage`` renames the stage's parameters as the whole model names
+    them, and its MoE layers are numbered from ``stage.first_moe_layer`` on, so that the
+    stages' expert ids differ (:mod:`deepspeed_ext.engine.stages`).
     """
 
     moe_prefixes: Tuple[str, ...]
     first_expert: Tuple[int, ...]
     num_experts: Tuple[int, ...]
+    stage: Optional[StageNaming] = None
+
+    @property
+    def layer_offset(self) -> int:
+        """Whole-model ordinal of this rank's first MoE layer (0 without a pipeline)."""
+        return self.stage.first_moe_layer if self.stage is not None else 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        """MoE layers of the whole model (of this module, without a pipeline)."""
+        return self.stage.num_moe_layers if self.stage is not None else len(self.moe_prefixes)
+
+    def first_expert_of(self, layer: int) -> int:
+        """Global index of this rank's local expert 0 in MoE layer ``layer`` (an ordinal
+        of the whole model's, held by this rank)."""
+        return self.first_expert[layer - self.layer_offset]
+
+    def experts_in(self, layer: int) -> int:
+        """Experts of MoE layer ``layer`` (held by this rank)."""
+        return self.num_experts[layer - self.layer_offset]
 
     def expert_of(self, name: str) -> Optional[ExpertId]:
-        """(layer, global expert) of an expert parameter name, None for others."""
+        """(layer, global expert) of an expert parameter's local name, None for others."""
         match = _EXPERT_RE.match(name)
         if match is None:
             return None
         for layer, prefix in enumerate(self.moe_prefixes):
             if name.startswith(prefix + "."):
-                return layer, self.first_expert[layer] + int(match.group("local"))
+                return self.layer_offset + layer, self.first_expert[layer] + int(match.group("local"))
         raise ValueError(f"expert parameter {name} belongs to no known MoE layer")
 
     def global_name(self, name: str) -> str:
-        """``name`` with its local expert index replaced by the global one."""
+        """The whole model's name of local parameter ``name``: renamed as its stage says,
+        its local expert index replaced by the global one."""
         expert = self.expert_of(name)
+        whole = self.stage.global_name(name) if self.stage is not None else name
         if expert is None:
-            return name
-        match = _EXPERT_RE.match(name)
+            return whole
+        match = _EXPERT_RE.match(whole)
+        if match is None:
+            raise ValueError(f"{self.stage} renames expert parameter {name} to {whole}, "
+                             "which names no expert")
         return f"{match.group('head')}{expert[1]}{match.group('tail')}"
 
 
 def expert_naming(module: torch.nn.Module) -> ExpertNaming:
-    """Find the ``deepspeed.moe.layer.MoE`` layers of ``module`` and this rank's experts.
+    """Find the ``deepspeed.moe.layer.MoE`` layers of ``module`` and this rank's experts
+    (and the stage's naming a pipeline model set, :func:`deepspeed_ext.engine.stages.stage_naming`).
 
     Called after ``deepspeed.initialize`` (expert groups exist then).
     """
@@ -120,17 +151,20 @@ def expert_naming(module: torch.nn.Module) -> ExpertNaming:
             prefixes.append(path)
             firsts.append(ep_rank * sub.num_local_experts)
             counts.append(sub.num_experts)
-    return ExpertNaming(tuple(prefixes), tuple(firsts), tuple(counts))
+    return ExpertNaming(tuple(prefixes), tuple(firsts), tuple(counts), stage_naming(module))
 
 
-def _group_ranks(param: torch.nn.Parameter) -> Tuple[int, ...]:
+def _group_ranks(param: torch.nn.Parameter, pipe: Optional[PipelinePlace]) -> Tuple[int, ...]:
     """Global ranks holding a replica of ``param`` when nothing is partitioned and nothing
-    is tensor-parallel."""
+    is tensor-parallel: its expert-data-parallel group, or every rank of the world (of
+    the stage, with a pipeline)."""
     import torch.distributed as dist
     from deepspeed.utils import groups
     if getattr(param, "allreduce", True) is False:  # an expert parameter
         group = groups._get_expert_data_parallel_group(param.group_name)
         return tuple(sorted(dist.get_process_group_ranks(group)))
+    if pipe is not None:
+        return pipe.data_group
     return tuple(range(dist.get_world_size()))
 
 
@@ -217,12 +251,12 @@ class _Placement:
     peers, for a parameter they do not split; this rank alone otherwise)."""
 
 
-def _place(name: str, param, tp: Optional[TensorParallelPlace], rank: int,
-           groups: Dict) -> _Placement:
+def _place(name: str, param, tp: Optional[TensorParallelPlace], pipe: Optional[PipelinePlace],
+           rank: int, groups: Dict) -> _Placement:
     # one group lookup per expert group (or the world), not per parameter
     key = getattr(param, "group_name", None) if getattr(param, "allreduce", True) is False else None
     if key not in groups:
-        groups[key] = _group_ranks(param)
+        groups[key] = _group_ranks(param, pipe)
     group = groups[key]
     if tp is None:
         return _Placement(tuple(param.shape), None, 0, group, (rank,))
@@ -431,21 +465,35 @@ def describe_local_state(engine, naming: ExpertNaming, with_moments: bool = True
         chunk_elems: cut replicated tensors into chunks of this many elements (0: whole),
             so one large tensor does not fall on one rank.
 
+    On a pipeline stage the names are the whole model's (``naming.stage``), a non-expert
+    parameter's replicas are the stage's data-parallel ranks, and a save leaves out the
+    copies of tied modules that an earlier stage holds too (it saves them; a load fills
+    every copy).
+
     Raises:
         ValueError: low-precision training without ZeRO, whose master weights are not
-            reachable through fragment maps.
+            reachable through fragment maps; a pipeline with tensor parallelism.
     """
     import torch.distributed as dist
     fragments: List[LocalFragment] = []
     partitioned = is_partitioned(engine)
     rank = dist.get_rank()
     tp = tensor_parallel_place(engine)
+    pipe = pipeline_place(engine)
+    if tp is not None and pipe is not None:
+        raise ValueError("MoC checkpoints of a pipeline with tensor parallelism are not supported yet")
     opt = base_optimizer(engine)
     groups: Dict = {}
     for local_name, param in engine.module.named_parameters():
+        tied = pipe.tied.get(local_name) if pipe is not None else None
+        copy = for_save and pipe is not None and local_name in pipe.replicated
+        if copy and (tied is None or not partitioned or param.dtype != torch.float32):
+            continue  # a tied module's copy: the first stage holding it saves it
         name = naming.global_name(local_name)
         expert = naming.expert_of(local_name)
-        place = _place(local_name, param, tp, rank, groups)
+        place = _place(local_name, param, tp, pipe, rank, groups)
+        if tied is not None and for_save:
+            place = dataclasses.replace(place, replicas=tied)  # any of its stages may write it
         if partitioned:
             replicated_weights = for_save and param.dtype == torch.float32
             if replicated_weights:
@@ -453,8 +501,8 @@ def describe_local_state(engine, naming: ExpertNaming, with_moments: bool = True
                 # pick any of them to write it.
                 fragments += _replicated(name, place, expert, param.data.view(-1), chunk_elems)
             mapping = getattr(param, "_hp_mapping", None)
-            if mapping is None:
-                continue  # this rank owns no element of the parameter
+            if mapping is None or copy:
+                continue  # this rank owns no element of the parameter (or saves no copy)
             offset = place.base + mapping.lp_fragment_address.start
             length = mapping.lp_fragment_address.numel
             views = {} if replicated_weights else {FP32: mapping.hp_fragment}

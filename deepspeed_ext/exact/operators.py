@@ -70,7 +70,7 @@ def build_operators(engine, naming) -> List[operators.Operator]:
         expert = naming.expert_of(local_name)
         numel, lp = param.numel(), param.numel() * param.element_size()
         if expert is not None:
-            if expert[1] == naming.first_expert[expert[0]]:  # one local expert per layer
+            if expert[1] == naming.first_expert_of(expert[0]):  # one local expert per layer
                 acc = expert_sizes.setdefault(expert[0], [0, 0])
                 acc[0] += numel * BYTES_PER_ACTIVE_ELEMENT
                 acc[1] += lp
@@ -82,7 +82,7 @@ def build_operators(engine, naming) -> List[operators.Operator]:
         kinds[op] = ("gate" if op.endswith(".gate") else "dense", None)
     ops = [operators.Operator(op, kinds[op][0], None, a, f) for op, (a, f) in sizes.items()]
     for layer, (a, f) in sorted(expert_sizes.items()):
-        for e in range(naming.num_experts[layer]):
+        for e in range(naming.experts_in(layer)):
             ops.append(operators.Operator(f"expert/{layer}/{e}", "expert", (layer, e), a, f))
     return ops
 

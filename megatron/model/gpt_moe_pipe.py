@@ -70,14 +70,39 @@ class TransformerLayerPipe(TransformerLayer):
 
     def __init__(self, config: GPTMoEConfig, index: int):
         super().__init__(config, index in set(config.moe_layer_indices))
+        self.index = index
         self.global_prefix = f"layers.{index}."
+        self.counts = None
+        """Gate counts (``[num_experts]``, int64) of the training forwards since the last
+        :func:`take_gate_counts`; None: none (or not an MoE layer)."""
 
     def forward(self, inputs):
         x, position_ids, aux = inputs
-        x, layer_aux, _ = super().forward(x, position_ids)
+        x, layer_aux, counts = super().forward(x, position_ids)
         if layer_aux is not None:
             aux = aux + layer_aux.float()
+            if self.training:  # evaluation routes tokens too, and trains no expert
+                counts = counts.detach().to(torch.int64)
+                self.counts = counts if self.counts is None else self.counts + counts
         return x, position_ids, aux
+
+
+def take_gate_counts(module: nn.Module, num_experts: int, device) -> torch.Tensor:
+    """``[num_moe_layers, num_experts]`` gate counts of the MoE layers of this stage's
+    ``module`` (from :func:`build_pipe_model`) since the last call, in their rows of the
+    whole model's (zeros elsewhere), on ``device``; resets them. Summed over the world,
+    they are what ``GPTMoEModel`` counts."""
+    from deepspeed_ext.engine.stages import stage_naming as naming_of
+    naming = naming_of(module)
+    out = torch.zeros(naming.num_moe_layers, num_experts, dtype=torch.int64, device=device)
+    row = naming.first_moe_layer
+    for sub in module.modules():
+        if isinstance(sub, TransformerLayerPipe) and sub.is_moe:
+            if sub.counts is not None:
+                out[row] += sub.counts.to(device)
+                sub.counts = None
+            row += 1
+    return out
 
 
 class FinalNormPipe(nn.Module):
@@ -155,7 +180,30 @@ def build_pipe_model(config: GPTMoEConfig, stages: int, ep_rank: int):
                             partition_method="type:TransformerLayerPipe")
     check_stages_hold_experts(config, module.parts)
     init_pipe_weights(module, config, ep_rank)
+    from deepspeed_ext.engine.stages import STAGE_NAMING_ATTR
+    setattr(module, STAGE_NAMING_ATTR, stage_naming(module, config))
     return module
+
+
+def stage_naming(module: nn.Module, config: GPTMoEConfig):
+    """How this stage's ``PipelineModule`` names its parameters in ``GPTMoEModel``, for
+    MoC checkpoints that load under any number of stages
+    (:class:`deepspeed_ext.engine.stages.StageNaming`)."""
+    from deepspeed_ext.engine.stages import StageNaming
+    prefixes, layers = [], []
+    for name, child in module.named_modules():
+        prefix = getattr(child, "global_prefix", None)
+        if prefix is None or not name:
+            continue
+        if isinstance(child, FinalNormPipe):
+            prefixes.append((name + ".norm.", prefix))
+        else:
+            prefixes.append((name + ".", prefix))
+        if isinstance(child, TransformerLayerPipe):
+            layers.append(child.index)
+    moe = list(config.moe_layer_indices)
+    first = sum(1 for i in moe if layers and i < min(layers))
+    return StageNaming(prefixes=tuple(prefixes), first_moe_layer=first, num_moe_layers=len(moe))
 
 
 def check_stages_hold_experts(config: GPTMoEConfig, parts) -> None:

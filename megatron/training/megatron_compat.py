@@ -53,8 +53,8 @@ def add_megatron_compat_args(p: argparse.ArgumentParser) -> None:
                    help="Refused: sequence parallelism is not supported yet.")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="Pipeline stages (DeepSpeed's pipeline engine; ZeRO stage 0/1, every "
-                        "stage must hold an MoE layer; not yet with tensor parallelism or "
-                        "--moc-checkpoint).")
+                        "stage must hold an MoE layer; MoC checkpoints single-level; not yet with "
+                        "tensor parallelism, --moc-two-level or --moc-mode exact).")
     g.add_argument("--no-pipeline-parallel", action="store_true",
                    help="Accepted: the model is never pipelined.")
     g.add_argument("--data-impl", default="mmap", choices=DATA_IMPLS,
@@ -148,9 +148,11 @@ def _check_pipeline(args: argparse.Namespace) -> None:
     for flag, value, why in (
             ("--tensor-model-parallel-size", getattr(args, "tensor_model_parallel_size", 1) > 1,
              "tensor and pipeline parallelism together are not supported yet"),
-            ("--moc-checkpoint", getattr(args, "moc_checkpoint", False),
-             "MoC checkpoints of pipeline runs are not supported yet (DeepSpeed's own "
-             "checkpoints are)"),
+            ("--moc-two-level", getattr(args, "moc_two_level", False),
+             "two-level MoC checkpoints of pipeline runs are not supported yet "
+             "(single-level ones are)"),
+            ("--moc-mode exact", getattr(args, "moc_mode", "pec") == "exact",
+             "exact recovery of pipeline runs is not supported yet (--moc-mode pec is)"),
             ("--checkpoint-activations", getattr(args, "checkpoint_activations", False),
              "activation checkpointing inside pipeline stages is not supported yet")):
         if value:

@@ -30,14 +30,17 @@ def _loss_parts(engine) -> torch.Tensor:
     return parts
 
 
-def pipe_train_step(engine, batches: Iterator) -> Tuple[float, float]:
+def pipe_train_step(engine, batches: Iterator,
+                    num_experts: int) -> Tuple[float, float, torch.Tensor]:
     """One optimizer step: ``train_batch`` over ``gradient_accumulation_steps``
-    micro-batches; returns the mean LM and aux losses. The gate counts stay on their
-    stages: MoC's accounting of them is not wired to pipelines yet (``--moc-checkpoint``
-    is refused with one)."""
+    micro-batches; returns the mean LM and aux losses and this rank's gate counts
+    ``[num_moe_layers, num_experts]`` (its stage's rows; the trainer sums them over the
+    world, as without a pipeline)."""
+    from megatron.model.gpt_moe_pipe import take_gate_counts
+    take_gate_counts(engine.module, num_experts, engine.device)  # drop evaluation's
     engine.train_batch(batches)
     lm, aux, count = _loss_parts(engine).tolist()
-    return lm / count, aux / count
+    return lm / count, aux / count, take_gate_counts(engine.module, num_experts, engine.device)
 
 
 @torch.no_grad()

@@ -263,8 +263,8 @@ def train_step(engine, data_iterator: Iterator, args: argparse.Namespace) -> Ste
     """
     if getattr(args, "pipeline_model_parallel_size", 1) > 1:
         from megatron.training.pipeline import pipe_train_step
-        lm, aux = pipe_train_step(engine, data_iterator)
-        return _step_stats(engine, lm, aux, torch.zeros(0, dtype=torch.int64))
+        lm, aux, counts = pipe_train_step(engine, data_iterator, args.num_experts)
+        return _step_stats(engine, lm, aux, counts)
     sums = torch.zeros(2, dtype=torch.float64, device=engine.device)
     counts = None
     for _ in range(args.gradient_accumulation_steps):
