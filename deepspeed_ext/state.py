@@ -31,21 +31,17 @@ Every rank calls :func:`describe_local_state` on its own engine; no collectives.
 
 import dataclasses
 import math
-import re
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from deepspeed_ext.engine.stages import PipelinePlace, StageNaming, pipeline_place, stage_naming
+from deepspeed_ext.engine.naming import ExpertId, ExpertNaming, expert_naming  # noqa: F401 (re-exported)
+from deepspeed_ext.engine.stages import PipelinePlace, pipeline_place
 from deepspeed_ext.format.splits import TensorSplit
-
-ExpertId = Tuple[int, int]
-"""(MoE layer index in module order, global expert index)."""
 
 FP32 = "fp32"
 MOMENT_KINDS = ("exp_avg", "exp_avg_sq")
-_EXPERT_RE = re.compile(r"^(?P<head>.*\.deepspeed_experts\.)(?P<local>\d+)(?P<tail>\..*)$")
 
 
 @dataclass
@@ -75,83 +71,6 @@ class LocalFragment:
     def key(self) -> str:
         """Storage key, unique across the world."""
         return f"{self.name}|{self.kind}|{self.offset}"
-
-
-@dataclass(frozen=True)
-class ExpertNaming:
-    """Maps local parameter names to global ones for ``deepspeed.moe`` layers.
-
-    ``moe_prefixes[i]`` is the module path of this rank's i-th MoE layer;
-    ``first_expert[i]`` the global index of this rank's local expert 0 in that layer. On
-    a pipeline stage, ``stage`` renames the stage's parameters as the whole model names
-    them, and its MoE layers are numbered from ``stage.first_moe_layer`` on, so that the
-    stages' expert ids differ (:mod:`deepspeed_ext.engine.stages`).
-    """
-
-    moe_prefixes: Tuple[str, ...]
-    first_expert: Tuple[int, ...]
-    num_experts: Tuple[int, ...]
-    stage: Optional[StageNaming] = None
-
-    @property
-    def layer_offset(self) -> int:
-        """Whole-model ordinal of this rank's first MoE layer (0 without a pipeline)."""
-        return self.stage.first_moe_layer if self.stage is not None else 0
-
-    @property
-    def num_moe_layers(self) -> int:
-        """MoE layers of the whole model (of this module, without a pipeline)."""
-        return self.stage.num_moe_layers if self.stage is not None else len(self.moe_prefixes)
-
-    def first_expert_of(self, layer: int) -> int:
-        """Global index of this rank's local expert 0 in MoE layer ``layer`` (an ordinal
-        of the whole model's, held by this rank)."""
-        return self.first_expert[layer - self.layer_offset]
-
-    def experts_in(self, layer: int) -> int:
-        """Experts of MoE layer ``layer`` (held by this rank)."""
-        return self.num_experts[layer - self.layer_offset]
-
-    def expert_of(self, name: str) -> Optional[ExpertId]:
-        """(layer, global expert) of an expert parameter's local name, None for others."""
-        match = _EXPERT_RE.match(name)
-        if match is None:
-            return None
-        for layer, prefix in enumerate(self.moe_prefixes):
-            if name.startswith(prefix + "."):
-                return self.layer_offset + layer, self.first_expert[layer] + int(match.group("local"))
-        raise ValueError(f"expert parameter {name} belongs to no known MoE layer")
-
-    def global_name(self, name: str) -> str:
-        """The whole model's name of local parameter ``name``: renamed as its stage says,
-        its local expert index replaced by the global one."""
-        expert = self.expert_of(name)
-        whole = self.stage.global_name(name) if self.stage is not None else name
-        if expert is None:
-            return whole
-        match = _EXPERT_RE.match(whole)
-        if match is None:
-            raise ValueError(f"{self.stage} renames expert parameter {name} to {whole}, "
-                             "which names no expert")
-        return f"{match.group('head')}{expert[1]}{match.group('tail')}"
-
-
-def expert_naming(module: torch.nn.Module) -> ExpertNaming:
-    """Find the ``deepspeed.moe.layer.MoE`` layers of ``module`` and this rank's experts
-    (and the stage's naming a pipeline model set, :func:`deepspeed_ext.engine.stages.stage_naming`).
-
-    Called after ``deepspeed.initialize`` (expert groups exist then).
-    """
-    from deepspeed.moe.layer import MoE
-    from deepspeed.utils import groups
-    prefixes, firsts, counts = [], [], []
-    for path, sub in module.named_modules():
-        if isinstance(sub, MoE):
-            ep_rank = groups._get_expert_parallel_rank(sub.expert_group_name)
-            prefixes.append(path)
-            firsts.append(ep_rank * sub.num_local_experts)
-            counts.append(sub.num_experts)
-    return ExpertNaming(tuple(prefixes), tuple(firsts), tuple(counts), stage_naming(module))
 
 
 def _group_ranks(param: torch.nn.Parameter, pipe: Optional[PipelinePlace]) -> Tuple[int, ...]:
@@ -476,54 +395,67 @@ def describe_local_state(engine, naming: ExpertNaming, with_moments: bool = True
     """
     import torch.distributed as dist
     fragments: List[LocalFragment] = []
-    partitioned = is_partitioned(engine)
-    rank = dist.get_rank()
-    tp = tensor_parallel_place(engine)
-    pipe = pipeline_place(engine)
+    partitioned, rank = is_partitioned(engine), dist.get_rank()
+    tp, pipe = tensor_parallel_place(engine), pipeline_place(engine)
     if tp is not None and pipe is not None:
         raise ValueError("MoC checkpoints of a pipeline with tensor parallelism are not supported yet")
-    opt = base_optimizer(engine)
-    groups: Dict = {}
+    opt, groups = base_optimizer(engine), {}
     for local_name, param in engine.module.named_parameters():
-        tied = pipe.tied.get(local_name) if pipe is not None else None
-        copy = for_save and pipe is not None and local_name in pipe.replicated
-        if copy and (tied is None or not partitioned or param.dtype != torch.float32):
+        copy, tied = _tied_copy(pipe, local_name, param, for_save, partitioned)
+        if copy and tied is None:
             continue  # a tied module's copy: the first stage holding it saves it
-        name = naming.global_name(local_name)
-        expert = naming.expert_of(local_name)
+        name, expert = naming.global_name(local_name), naming.expert_of(local_name)
         place = _place(local_name, param, tp, pipe, rank, groups)
-        if tied is not None and for_save:
-            place = dataclasses.replace(place, replicas=tied)  # any of its stages may write it
-        if partitioned:
-            replicated_weights = for_save and param.dtype == torch.float32
-            if replicated_weights:
-                # Described by every holder, owner of a partition or not: the plan may
-                # pick any of them to write it.
-                fragments += _replicated(name, place, expert, param.data.view(-1), chunk_elems)
-            mapping = getattr(param, "_hp_mapping", None)
-            if mapping is None or copy:
-                continue  # this rank owns no element of the parameter (or saves no copy)
-            offset = place.base + mapping.lp_fragment_address.start
-            length = mapping.lp_fragment_address.numel
-            views = {} if replicated_weights else {FP32: mapping.hp_fragment}
-            if with_moments:
-                views.update(_moment_views(opt, mapping))
-            holders: Tuple[int, ...] = place.twins
-        else:
-            if param.dtype != torch.float32:
-                raise ValueError(f"MoC checkpointing of {param.dtype} weights needs ZeRO stage 1 or 2 "
-                                 "(the fp32 master weights live in its partitions); use --zero-stage 1/2")
-            views = {FP32: param.data.view(-1)}
-            state = opt.state.get(param, {})
-            if with_moments:
-                views.update({k: state[k].view(-1) for k in MOMENT_KINDS if k in state})
-            for kind, view in views.items():
-                fragments += _replicated(name, place, expert, view, chunk_elems, kind)
+        if tied is not None:
+            place = dataclasses.replace(place, replicas=tied)
+        if not partitioned:
+            fragments += _unpartitioned(name, place, expert, param, opt, with_moments, chunk_elems)
             continue
+        replicated_weights = for_save and param.dtype == torch.float32
+        if replicated_weights:
+            # Described by every holder, owner of a partition or not: the plan may
+            # pick any of them to write it.
+            fragments += _replicated(name, place, expert, param.data.view(-1), chunk_elems)
+        mapping = getattr(param, "_hp_mapping", None)
+        if mapping is None or copy:
+            continue  # this rank owns no element of the parameter (or saves no copy)
+        offset = place.base + mapping.lp_fragment_address.start
+        length = mapping.lp_fragment_address.numel
+        views = {} if replicated_weights else {FP32: mapping.hp_fragment}
+        if with_moments:
+            views.update(_moment_views(opt, mapping))
+        holders: Tuple[int, ...] = place.twins
         for kind, view in views.items():
             fragments.append(LocalFragment(name, kind, place.shape, offset, length, expert, holders,
                                            view.view(-1), place.split))
     return fragments
+
+
+def _tied_copy(pipe: Optional[PipelinePlace], local_name: str, param, for_save: bool,
+               partitioned: bool) -> Tuple[bool, Optional[Tuple[int, ...]]]:
+    """``(copy, tied)`` for a save: whether the parameter is a later stage's copy of a tied
+    module's, and, for a tied weight whose fp32 weights a save reads (ZeRO, fp32: equal
+    on every stage holding it), every rank that may write them."""
+    if pipe is None or not for_save:
+        return False, None
+    tied = pipe.tied.get(local_name) if partitioned and param.dtype == torch.float32 else None
+    return local_name in pipe.replicated, tied
+
+
+def _unpartitioned(name, place: _Placement, expert, param, opt, with_moments,
+                   chunk_elems) -> List[LocalFragment]:
+    """Fragments of a parameter (and its moments) without ZeRO: whole on every replica."""
+    if param.dtype != torch.float32:
+        raise ValueError(f"MoC checkpointing of {param.dtype} weights needs ZeRO stage 1 or 2 "
+                         "(the fp32 master weights live in its partitions); use --zero-stage 1/2")
+    views = {FP32: param.data.view(-1)}
+    state = opt.state.get(param, {})
+    if with_moments:
+        views.update({k: state[k].view(-1) for k in MOMENT_KINDS if k in state})
+    out: List[LocalFragment] = []
+    for kind, view in views.items():
+        out += _replicated(name, place, expert, view, chunk_elems, kind)
+    return out
 
 
 def _replicated(name, place: _Placement, expert, flat, chunk_elems,

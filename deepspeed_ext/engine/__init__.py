@@ -6,7 +6,9 @@ process's random-number generators. This package captures and restores that stat
 today it holds :mod:`deepspeed_ext.engine.rng` (every generator a rank draws from;
 the trainer imports its RNG handling from here, so the library never imports the
 trainer) and :mod:`deepspeed_ext.engine.hostcopy` (the device-to-host copies of that
-state into a snapshot's image, and the wait an optimizer step makes for them).
+state into a snapshot's image, and the wait an optimizer step makes for them) and
+:mod:`deepspeed_ext.engine.stages` (a pipeline stage's parameter names, MoE layer
+ordinals and ranks in the whole model's terms).
 
 May import: :mod:`deepspeed_ext.runtime`, :mod:`deepspeed_ext.policy`,
 :mod:`deepspeed_ext.format` and :mod:`deepspeed_ext.store`; nothing above (the

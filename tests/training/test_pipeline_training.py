@@ -1,10 +1,13 @@
 """Pipeline parallelism through the trainer (--pipeline-model-parallel-size): PP = 2 on 4
-ranks against PP = 1 on 2 ranks, the same model, data and steps; and what is refused."""
+ranks against PP = 1 on 2 ranks, the same model, data and steps; their MoC checkpoints,
+loaded under the other pipeline size; and what is refused."""
 
 import json
+import os
 import re
 
 import pytest
+import torch
 
 from tests.launch import describe, run_ranks
 
@@ -21,34 +24,97 @@ def _records(path):
                 for r in map(json.loads, f) if r["kind"] in ("train", "valid")}
 
 
-def test_two_pipeline_stages_train_as_one(corpus, tmp_path):
+@pytest.fixture(scope="module")
+def runs(corpus, tmp_path_factory):
+    """PP = 1 on 2 ranks and PP = 2 on 4, 6 steps each, with MoC checkpoints at 3 (every
+    expert) and 6 (PEC, K = 2 of each layer's 4): ``{stages: (records, rank 0's log,
+    save dir)}``."""
+    out = {}
+    for stages, nproc in ((1, 2), (2, 4)):
+        where = tmp_path_factory.mktemp(f"pp{stages}")
+        results = run_ranks(nproc, TINY + [
+            "--data-path", corpus, "--metrics-file", str(where / "m.jsonl"),
+            "--pipeline-model-parallel-size", str(stages), "--moc-checkpoint",
+            "--save", str(where / "ckpt"), "--save-interval", "3", "--moc-pec-k", "2"],
+            timeout=240)
+        assert all(r.returncode == 0 for r in results), describe(results)
+        out[stages] = (_records(where / "m.jsonl"), results[0].output, where / "ckpt")
+    return out
+
+
+def _close(got, want, rel):
+    assert got.keys() <= want.keys() and got
+    for key, values in got.items():
+        for value, expected in zip(values, want[key]):
+            if expected is not None:
+                assert value == pytest.approx(expected, rel=rel), (key, values, want[key])
+
+
+def test_two_pipeline_stages_train_as_one(runs):
     """ZeRO-1, 6 steps of 2 micro-batches, top-1: every logged LM loss, aux loss and
     gradient norm of PP = 2 (DeepSpeed's pipeline engine, each stage one decoder layer
     and 2 of the 4 experts per rank) agrees with PP = 1's within 1e-5 relative (measured:
     equal to 1e-7: the tied embedding's gradient is summed over two stages). The LM and
     aux losses, which the engine reports only summed, come from the last stage's loss
     function."""
-    runs = {}
-    for stages, nproc in ((1, 2), (2, 4)):
-        metrics = tmp_path / f"pp{stages}.jsonl"
-        results = run_ranks(nproc, TINY + ["--data-path", corpus, "--metrics-file", str(metrics),
-                                           "--pipeline-model-parallel-size", str(stages)],
-                            timeout=240)
+    assert runs[1][0].keys() == runs[2][0].keys() and len(runs[1][0]) == 6 + 2
+    _close(runs[2][0], runs[1][0], 1e-5)
+
+
+def test_moc_checkpoints_of_pipeline_stages(runs):
+    """The PP = 2 run's checkpoints hold the whole model under ``GPTMoEModel``'s names,
+    as the PP = 1 run's do: the same tensors, the tied word embedding once; each stage's
+    MoE layers keep their own ordinals (the stages' experts would collide otherwise);
+    the 4 ranks write a balanced share (max/mean under 1.1: the tied embedding's weights
+    written by either stage holding it; measured 1.05, 1.13 without); the gate counts of
+    both stages reach the token ledger and the PEC policy, which saved the same experts."""
+    from deepspeed_ext.store.reader import CheckpointReader
+    balance = [float(line.split("max/mean ")[1].split(")")[0])
+               for line in runs[2][1].splitlines() if line.startswith("[moc] saved")]
+    assert len(balance) == 2 and max(balance) < 1.1, balance
+    for tag in ("global_step3", "global_step6"):
+        whole = {}
+        for stages in (1, 2):
+            with CheckpointReader(str(runs[stages][2]), tag) as reader:
+                whole[stages] = ({key: reader.read_full(*key) for key in reader.keys()},
+                                 reader.objects()["token_ledger"], reader.expert_versions())
+        (tensors1, ledger1, versions1), (tensors2, ledger2, versions2) = whole[1], whole[2]
+        assert tensors1.keys() == tensors2.keys()
+        assert ("word_embeddings.weight", "exp_avg") in tensors2
+        assert ("layers.1.mlp.deepspeed_moe.experts.deepspeed_experts.3.dense_h_to_4h.weight",
+                "fp32") in tensors2
+        for key, value in tensors1.items():
+            torch.testing.assert_close(tensors2[key], value, rtol=1e-4, atol=1e-6, msg=str(key))
+        assert ledger1 == ledger2 and sum(ledger2["cumulative"][1]) == int(tag[-1]) * 8 * 32
+        assert versions1 == versions2
+        if tag == "global_step6":  # K = 2: two experts of each layer from step 3
+            assert [step for step, _ in versions2.values()].count(3) == 4, versions2
+
+
+def test_moc_checkpoints_load_under_another_pipeline_size(runs, corpus, tmp_path):
+    """Step 3's checkpoint of PP = 2 loaded by PP = 1 (2 ranks), and PP = 1's by PP = 2
+    (4 ranks): steps 4-6 continue as the loading layout's own run did, within 1e-5
+    (measured: equal to 1e-7)."""
+    for saved, target, nproc in ((2, 1, 2), (1, 2, 4)):
+        load = tmp_path / f"pp{target}-from-pp{saved}"
+        os.makedirs(load)
+        os.symlink(runs[saved][2] / "global_step3", load / "global_step3")
+        (load / "latest").write_text("global_step3")
+        results = run_ranks(nproc, TINY + [
+            "--data-path", corpus, "--metrics-file", str(load / "m.jsonl"), "--moc-checkpoint",
+            "--pipeline-model-parallel-size", str(target), "--load", str(load)], timeout=240)
         assert all(r.returncode == 0 for r in results), describe(results)
-        runs[stages] = _records(metrics)
-    assert runs[1].keys() == runs[2].keys() and len(runs[1]) == 6 + 2
-    for key, want in runs[1].items():
-        for got, value in zip(runs[2][key], want):
-            if value is not None:
-                assert got == pytest.approx(value, rel=1e-5), (key, runs[2][key], want)
+        got = _records(load / "m.jsonl")
+        assert sorted(got) == [("train", 4), ("train", 5), ("train", 6), ("valid", 6)]
+        _close(got, runs[target][0], 1e-5)
 
 
 @pytest.mark.parametrize("extra, needle", [
     (["--pipeline-model-parallel-size", "2"],
      "--pipeline-model-parallel-size 2 with --zero-stage 2: DeepSpeed's pipeline engine supports "
      "ZeRO stage 0 or 1 only"),
-    (["--pipeline-model-parallel-size", "2", "--zero-stage", "1", "--moc-checkpoint"],
-     "with --moc-checkpoint: MoC checkpoints of pipeline runs are not supported yet"),
+    (["--pipeline-model-parallel-size", "2", "--zero-stage", "1", "--moc-checkpoint",
+      "--moc-two-level"], "with --moc-two-level: two-level MoC checkpoints of pipeline runs"),
     (["--pipeline-model-parallel-size", "2", "--zero-stage", "1", "--tensor-model-parallel-size",
       "2", "--enable-expert-tensor-parallelism"], "tensor and pipeline parallelism together"),
     (["--pipeline-model-parallel-size", "3", "--zero-stage", "1"],
