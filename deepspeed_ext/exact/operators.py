@@ -87,6 +87,22 @@ def build_operators(engine, naming) -> List[operators.Operator]:
     return ops
 
 
+def whole_model_operators(local: List[operators.Operator]) -> List[operators.Operator]:
+    """Every rank's operators, each once, in rank order: on a pipeline, a stage builds
+    only its own, and the window schedule must be the same on every rank (a rank whose
+    schedule lacked the other stages' operators cut its windows elsewhere, and a
+    recovery found no common window). Every rank calls it (one ``all_gather_object``)."""
+    import torch.distributed as dist
+    from deepspeed_ext.runtime.groups import metadata_group
+    gathered: List = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local, group=metadata_group())
+    seen: Dict[str, operators.Operator] = {}
+    for ops in gathered:
+        for op in ops:
+            seen.setdefault(op.name, op)  # a tied module's operator is on two stages
+    return list(seen.values())
+
+
 class OperatorIndex:
     """This rank's tensors by operator, and the experts' popularity (which orders them).
 
@@ -102,6 +118,8 @@ class OperatorIndex:
     def __init__(self, engine, naming):
         self.engine, self.naming = engine, naming
         self.operators = build_operators(engine, naming)
+        if naming.stage is not None:  # a pipeline stage: its own layers' operators only
+            self.operators = whole_model_operators(self.operators)
         self.by_name = operators.index_operators(self.operators)
         self.popularity: Dict[Tuple[int, int], int] = {}
         """Tokens routed to each ``(moe layer, expert)`` so far, summed over ranks."""

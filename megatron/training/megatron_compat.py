@@ -148,11 +148,6 @@ def _check_pipeline(args: argparse.Namespace) -> None:
     for flag, value, why in (
             ("--tensor-model-parallel-size", getattr(args, "tensor_model_parallel_size", 1) > 1,
              "tensor and pipeline parallelism together are not supported yet"),
-            ("--moc-two-level", getattr(args, "moc_two_level", False),
-             "two-level MoC checkpoints of pipeline runs are not supported yet "
-             "(single-level ones are)"),
-            ("--moc-mode exact", getattr(args, "moc_mode", "pec") == "exact",
-             "exact recovery of pipeline runs is not supported yet (--moc-mode pec is)"),
             ("--checkpoint-activations", getattr(args, "checkpoint_activations", False),
              "activation checkpointing inside pipeline stages is not supported yet")):
         if value:
