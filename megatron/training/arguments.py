@@ -191,6 +191,13 @@ def _add_moc_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moc-window", type=int, default=0,
                    help="Exact mode: iterations per window of frames; 0: the smallest window "
                         "whose frame copy hides behind an iteration, measured at the start.")
+    g.add_argument("--moc-upstream-logging", action="store_true",
+                   help="Exact mode with --pipeline-model-parallel-size > 1: each stage keeps "
+                        "in host memory what it sends to its neighbours (activations forward, "
+                        "input gradients back) for two windows, MoEtion's upstream logs.")
+    g.add_argument("--moc-upstream-log-gb", type=float, default=1.0,
+                   help="Host memory a stage's upstream log may take (GB, per rank), checked "
+                        "before training; 0: unchecked.")
     g.add_argument("--moc-expected-mtbf", type=float, default=0.0,
                    help="Exact mode: expected seconds between failures; the automatic window "
                         "then weighs a frame's cost against the replay each failure costs "
@@ -586,6 +593,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
                  note=" (0: unknown)")
     _check_float("--moc-host-memory-gb", args.moc_host_memory_gb, "GB", zero_ok=True,
                  note=" (0: unchecked)")
+    _check_float("--moc-upstream-log-gb", getattr(args, "moc_upstream_log_gb", 0.0), "GB",
+                 zero_ok=True, note=" (0: unchecked)")
     # Defined by the fault-injection and monitor groups (getattr: a parser without them).
     for name in ("moc_fault_mtbf", "moc_hang_timeout", "moc_monitor_poll"):
         _check_float(f"--{name.replace('_', '-')}", getattr(args, name, None), "seconds",
@@ -719,6 +728,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         from deepspeed_ext.format import fs
         if fs.is_url(args.save):
             raise ConfigError(f"--moc-mode exact: --save {args.save} must be a local path")
+    if getattr(args, "moc_upstream_logging", False) and (
+            args.moc_mode != "exact" or getattr(args, "pipeline_model_parallel_size", 1) < 2):
+        raise ConfigError("--moc-upstream-logging needs --moc-mode exact (a stage replays its "
+                          "window from the logs) and --pipeline-model-parallel-size > 1")
     _check_redundancy(args, world_size)
     if args.moc_pec_scope != "wo" and args.moc_two_level:
         raise ConfigError(f"--moc-pec-scope {args.moc_pec_scope} is not supported with "

@@ -53,8 +53,8 @@ def add_megatron_compat_args(p: argparse.ArgumentParser) -> None:
                    help="Refused: sequence parallelism is not supported yet.")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="Pipeline stages (DeepSpeed's pipeline engine; ZeRO stage 0/1, every "
-                        "stage must hold an MoE layer; MoC checkpoints single-level; not yet with "
-                        "tensor parallelism, --moc-two-level or --moc-mode exact).")
+                        "stage must hold an MoE layer; MoC checkpoints of every kind load under "
+                        "another size; not yet with tensor parallelism).")
     g.add_argument("--no-pipeline-parallel", action="store_true",
                    help="Accepted: the model is never pipelined.")
     g.add_argument("--data-impl", default="mmap", choices=DATA_IMPLS,

@@ -53,3 +53,67 @@ def pipe_evaluate(engine, batches: Iterator, args: argparse.Namespace,
             on_step()
     lm, _, count = _loss_parts(engine).tolist()
     return lm / count
+
+
+def boundary_bytes(args: argparse.Namespace) -> Tuple[int, int]:
+    """Bytes a stage sends per micro-batch across a stage boundary: ``(activations,
+    gradients)``: the hidden states (in the compute precision), the position ids (int64)
+    and the aux-loss scalar forward; the gradients of the hidden states and the aux loss
+    back."""
+    elem = 2 if (getattr(args, "fp16", False) or getattr(args, "bf16", False)) else 4
+    hidden = args.micro_batch_size * args.seq_length * args.hidden_size * elem
+    return hidden + args.micro_batch_size * args.seq_length * 8 + 4, hidden + 4
+
+
+def attach_upstream_log(engine, args: argparse.Namespace):
+    """Every rank, with ``--moc-upstream-logging``, after the engine exists: an
+    :class:`~deepspeed_ext.exact.upstream.UpstreamLog` on the engine's sends, keeping two
+    exact-mode windows (``--moc-window``; an automatic window sets it at its first frame,
+    :func:`check_upstream_log`)."""
+    from deepspeed_ext.exact.upstream import UpstreamLog
+    log = UpstreamLog(engine, retain_iterations=2 * max(args.moc_window, 1))
+    log.attach()
+    return log
+
+
+def check_upstream_log(log, args: argparse.Namespace, window: int) -> None:
+    """Every rank, once the exact-mode window ``window`` is known (before the second
+    iteration): keep two windows, and refuse a log whose host memory would exceed
+    ``--moc-upstream-log-gb`` on any stage (every rank computes the same figures).
+
+    Raises:
+        ConfigError: naming the flags to change.
+    """
+    from deepspeed_ext.exact.upstream import log_bytes_per_iteration, log_capacity_bytes
+    from megatron.training.errors import ConfigError
+    log.retain_iterations = 2 * window
+    act, grad = boundary_bytes(args)
+    stages = args.pipeline_model_parallel_size
+    worst = max(log_capacity_bytes(log_bytes_per_iteration(
+        act, grad, args.gradient_accumulation_steps, s, stages), 2 * window) for s in range(stages))
+    budget = args.moc_upstream_log_gb * 2 ** 30
+    if budget and worst > budget:
+        raise ConfigError(
+            f"--moc-upstream-logging: a stage's log of two windows (W = {window}) of "
+            f"{args.gradient_accumulation_steps} micro-batches takes {worst / 2 ** 30:.3f} GiB of "
+            f"host memory, over --moc-upstream-log-gb {args.moc_upstream_log_gb:g}; raise it, "
+            f"or lower --moc-window, --micro-batch-size or the micro-batches per step")
+
+
+def report_upstream_log(log, args: argparse.Namespace) -> str:
+    """Every rank, at the end of training: rank 0's line on the host memory each stage's
+    upstream log holds (the most of any rank of the stage; one ``all_gather_object``)."""
+    from deepspeed_ext.runtime.groups import metadata_group
+    stage = log.engine.stage_id
+    mine = (stage, log.bytes, log.peak_bytes, log.iterations())
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine, group=metadata_group())
+    parts = []
+    for s in range(args.pipeline_model_parallel_size):
+        held = [e for e in every if e[0] == s]
+        parts.append(f"stage {s} {max(e[1] for e in held) / 2 ** 20:.2f} MiB "
+                     f"(peak {max(e[2] for e in held) / 2 ** 20:.2f})")
+    iters = mine[3]
+    span = f"iterations {iters[0]}..{iters[-1]}" if iters else "no iteration"
+    return (f"[moc] upstream logs: {', '.join(parts)} per rank; {span} kept "
+            f"({log.retain_iterations} = two windows)")

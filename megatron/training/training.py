@@ -430,6 +430,9 @@ def pretrain(args: argparse.Namespace, extra_setup=None) -> TrainResult:
                                                host_memory_gb=args.moc_host_memory_gb),
                                    log=print_rank_0)
             engine.moc_exact = exact  # for the lose-memory fault
+            if getattr(args, "moc_upstream_logging", False):
+                from megatron.training.pipeline import attach_upstream_log
+                engine.moc_upstream = attach_upstream_log(engine, args)
         if extra_setup is not None:
             extra_setup(engine, args)
         startup.phase("checkpoint load")
@@ -437,6 +440,10 @@ def pretrain(args: argparse.Namespace, extra_setup=None) -> TrainResult:
         checkpointing.record_attempt(engine, args)
         if args.load:
             state = checkpointing.load_checkpoint(engine, args, scheduler, exact=exact)
+            if exact is not None and exact.replaying and getattr(engine, "moc_upstream", None):
+                print_rank_0("[moc] upstream logs: none survived the restart (they live in the "
+                             "training processes, which it replaced): every stage replays the "
+                             "window (global exact replay)")
         startup.phase("data loaders")
         train_iter, valid_iter = _build_loaders(args, datasets, state)
         if state.rng_state is not None:
@@ -619,6 +626,18 @@ def _exact_client_state(state, scheduler) -> Dict:
             "command": list(_replay_command()), "cwd": os.getcwd()}
 
 
+def _size_upstream_log(engine, args, exact) -> None:
+    """Every rank, after each frame: once the exact-mode window is known (or changes),
+    the upstream log keeps two of them and its budget is checked."""
+    log = getattr(engine, "moc_upstream", None)
+    schedule = exact.schedule
+    if log is None or schedule is None or getattr(engine, "moc_upstream_window", None) == schedule.window:
+        return
+    from megatron.training.pipeline import check_upstream_log
+    check_upstream_log(log, args, schedule.window)
+    engine.moc_upstream_window = schedule.window
+
+
 def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
                 injector=None, watch=None, exact=None, limit=None) -> TrainResult:
     from megatron.training.stopping import DurationLimit, train_tokens_reached
@@ -742,7 +761,8 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
         if exact is not None:
             try:
                 exact.snapshot(state.iteration, _exact_client_state(state, scheduler))
-            except MemoryError as e:  # an automatic window over budget, on every rank
+                _size_upstream_log(engine, args, exact)
+            except (MemoryError, ConfigError) as e:  # over a budget, on every rank
                 exact.close()
                 raise ConfigError(str(e)) from None
         # While an exact replay runs, the frozen operators' fp32 state is not whole yet.
@@ -768,6 +788,9 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
             print_rank_0(f"> exiting at iteration {state.iteration} (--exit-interval {args.exit_interval})")
             break
     watch.stop()
+    if getattr(engine, "moc_upstream", None) is not None:
+        from megatron.training.pipeline import report_upstream_log
+        print_rank_0(report_upstream_log(engine.moc_upstream, args))
     if exact is not None:
         exact.close()
         if exact.replaying:

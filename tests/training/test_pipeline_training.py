@@ -1,15 +1,18 @@
 """Pipeline parallelism through the trainer (--pipeline-model-parallel-size): PP = 2 on 4
 ranks against PP = 1 on 2 ranks, the same model, data and steps; their MoC checkpoints,
-loaded under the other pipeline size; and what is refused."""
+loaded under the other pipeline size; recovery to the bit from the peers' memory and by
+exact replay; and what is refused."""
 
 import json
 import os
 import re
+import subprocess
 
 import pytest
 import torch
 
-from tests.launch import describe, run_ranks
+from tests.launch import REPO, describe, run_ranks
+from tests.shm import new_shm_dir, stop_keepers
 
 # every layer MoE: a stage without experts is refused (test_gpt_moe_pipe.py)
 TINY = ["--config", "configs/tiny.yaml", "--split", "90,10,0", "--hidden-dropout", "0",
@@ -109,12 +112,73 @@ def test_moc_checkpoints_load_under_another_pipeline_size(runs, corpus, tmp_path
         _close(got, runs[target][0], 1e-5)
 
 
+def _elastic(tmp_path, corpus, extra):
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    cmd = ["bash", "scripts/run_elastic.sh", "4", "2", *TINY, "--pipeline-model-parallel-size",
+           "2", "--data-path", corpus, "--save", str(ckpt), "--load", str(ckpt),
+           "--metrics-file", str(metrics), "--moc-checkpoint", *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-4000:]
+    events = [json.loads(line) for line in open(ckpt / "moc-events.jsonl")]
+    return _records(metrics), proc.stdout, events
+
+
+@pytest.mark.parametrize("how", ["peers", "exact"])
+def test_a_pipeline_run_recovers_to_the_bit(runs, corpus, tmp_path, how):
+    """PP = 2 on 4 ranks, restarted by torchrun after a failure of stage 0, ends with
+    every loss and gradient norm of the run that never failed, to the bit:
+
+    * ``peers``: two-level snapshots every step, replicated to the other node's keeper
+      (2 ranks per node: node 0 is stage 0); node 0 loses its memory at the top of step 5
+      and the restart rebuilds stage 0's snapshots of step 4 from stage 1's node.
+    * ``exact``: frames every step (W = 3), nothing in storage, upstream logs; rank 1
+      (stage 0) is killed at the top of step 6 and the restart replays the window from
+      iteration 1 to 4 on both stages (each stage's frames hold its own layers; the
+      window schedule lists the whole model's operators on every rank). The upstream
+      logs died with the processes, and the log says so; they held two windows.
+    """
+    shm = new_shm_dir()
+    try:
+        if how == "peers":
+            got, log, events = _elastic(tmp_path, corpus, [
+                "--save-interval", "3", "--moc-two-level", "--moc-snapshot-interval", "1",
+                "--moc-persist-interval", "3", "--moc-shm-dir", shm, "--moc-redundancy",
+                "replicate", "--moc-ranks-per-node", "2", "--moc-fault", "lose-memory@5:rank=0"])
+            assert "from the peers' memory" in log
+            # step 4's copy to the peers runs beside step 5: on a busy machine node 0 can
+            # lose its memory before it lands, and the restart takes step 3's (then
+            # replays step 4): the same losses either way
+            source = ("memory+peers", (3, 4))
+        else:
+            got, log, events = _elastic(tmp_path, corpus, [
+                "--save-interval", "100", "--moc-mode", "exact", "--moc-window", "3",
+                "--moc-shm-dir", shm, "--moc-fault", "crash@6:rank=1", "--moc-upstream-logging"])
+            assert "replay done at iteration 4; the state is the original run's" in log
+            # the logs change no bit of the training, and die with their processes
+            assert "upstream logs: none survived the restart" in log
+            # two windows of 2 micro-batches of [2, 32, 32] fp32 hidden states, + positions
+            # and aux forward; their gradients (+ aux) back
+            per_step = 2 * (2 * 32 * 32 * 4 + 2 * 32 * 8 + 4), 2 * (2 * 32 * 32 * 4 + 4)
+            # (the restarted processes logged iterations 2-6: the replay's and the rest)
+            line = next(x for x in log.splitlines() if x.startswith("[moc] upstream logs: stage"))
+            assert line.startswith(f"[moc] upstream logs: stage 0 {5 * per_step[0] / 2 ** 20:.2f} MiB "
+                                   f"(peak {5 * per_step[0] / 2 ** 20:.2f}), stage 1 "
+                                   f"{5 * per_step[1] / 2 ** 20:.2f} MiB"), line
+            assert line.endswith("iterations 2..6 kept (6 = two windows)"), line
+            source = ("exact replay from memory", (1,))
+    finally:
+        stop_keepers(shm)
+    recoveries = [(e["source"], e["iteration"]) for e in events if e["kind"] == "recovery"]
+    assert len(recoveries) == 1 and recoveries[0][0] == source[0], events
+    assert recoveries[0][1] in source[1], events
+    assert got == runs[2][0]
+
+
 @pytest.mark.parametrize("extra, needle", [
     (["--pipeline-model-parallel-size", "2"],
      "--pipeline-model-parallel-size 2 with --zero-stage 2: DeepSpeed's pipeline engine supports "
      "ZeRO stage 0 or 1 only"),
-    (["--pipeline-model-parallel-size", "2", "--zero-stage", "1", "--moc-checkpoint",
-      "--moc-two-level"], "with --moc-two-level: two-level MoC checkpoints of pipeline runs"),
     (["--pipeline-model-parallel-size", "2", "--zero-stage", "1", "--tensor-model-parallel-size",
       "2", "--enable-expert-tensor-parallelism"], "tensor and pipeline parallelism together"),
     (["--pipeline-model-parallel-size", "3", "--zero-stage", "1"],

@@ -187,17 +187,21 @@ def test_a_tensor_parallel_run_recovers_to_the_bit(runs, corpus, tmp_path, how):
                 "--moc-persist-interval", "3", "--moc-shm-dir", shm, "--moc-redundancy",
                 "replicate", "--moc-ranks-per-node", "2", "--moc-fault", "lose-memory@5:rank=0"])
             assert "from the peers' memory" in log
-            source = ("memory+peers", 4)
+            # step 4's copy to the peers runs beside step 5: on a busy machine node 0 can
+            # lose its memory before it lands, and the restart takes step 3's (then
+            # replays step 4): the same losses either way
+            source = ("memory+peers", (3, 4))
         else:
             losses, log, events = _elastic(tmp_path, corpus, [
                 "--save-interval", "100", "--moc-mode", "exact", "--moc-window", "3",
                 "--moc-fault", "crash@6:rank=1"])
             assert "replay done at iteration 4; the state is the original run's" in log
-            source = ("exact replay from memory", 1)
+            source = ("exact replay from memory", (1,))
     finally:
         stop_keepers(shm)
     recoveries = [(e["source"], e["iteration"]) for e in events if e["kind"] == "recovery"]
-    assert recoveries == [source], events
+    assert len(recoveries) == 1 and recoveries[0][0] == source[0], events
+    assert recoveries[0][1] in source[1], events
     assert losses == runs["t2"][0]
 
 
