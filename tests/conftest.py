@@ -35,6 +35,7 @@ LONGEST_FIRST = (
     "tests/deepspeed_ext/test_checkpointer.py",
     "tests/deepspeed_ext/test_two_level.py",
     "tests/deepspeed_ext/test_peers.py",
+    "tests/training/test_pipeline_training.py",
     "tests/training/test_tensor_parallel_training.py",
     "tests/training/test_pretrain.py",
     "tests/training/test_startup.py",
