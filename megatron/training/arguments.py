@@ -440,6 +440,8 @@ def _check_failure_flags(args: argparse.Namespace, world_size: int) -> None:
             raise ConfigError(f"--moc-fault {spec.text}: slow must be a finite number of "
                               f"seconds > 0, at most {MAX_TIMEOUT_S:g}, got {spec.slow_s:g}")
     kinds = {spec.kind for spec in specs}
+    from megatron.training.stage_loss import check_stage_loss
+    check_stage_loss(args, specs)
     # Checked here, on every rank: the injector finds out only on the fault's own rank,
     # after the process group exists (the others then hang), or never fires them.
     two_level = getattr(args, "moc_two_level", False)

@@ -22,6 +22,10 @@ Kinds (what the chosen rank does when the fault fires):
   (armed through :meth:`FaultInjector.persist_env`).
 - ``lose-memory``: calls ``lose_memory()`` (the node's in-memory snapshots are gone),
   then SIGKILLs itself.
+- ``lose-stage``: the chosen rank's pipeline stage loses its training state in place
+  (weights, optimizer state, upstream logs; the processes live on) and the job recovers
+  without a restart, localized or global. Fired by the trainer on every rank
+  (:mod:`megatron.training.stage_loss`), not by :class:`FaultInjector`; once per process.
 
 Every fault fires once per *job*, not once per process: the automatic restart resumes
 from a checkpoint taken before the fault's iteration and would otherwise meet the same
@@ -66,7 +70,7 @@ from deepspeed_ext.keeper.faults import (FAULT_KEY_ENV, FAULT_STATE_ENV, PERSIST
 from megatron.training.errors import ConfigError
 
 KINDS = ("crash", "raise", "hang", "slow", "slow-compute", "snapshot-crash", "persist-crash",
-         "lose-memory")
+         "lose-memory", "lose-stage")
 SLOW_KINDS = ("slow", "slow-compute")
 """Every fault kind ``--moc-fault`` accepts."""
 

@@ -39,6 +39,9 @@ def pipe_train_step(engine, batches: Iterator,
     from megatron.model.gpt_moe_pipe import take_gate_counts
     take_gate_counts(engine.module, num_experts, engine.device)  # drop evaluation's
     engine.train_batch(batches)
+    cross = getattr(engine, "moc_cross", None)
+    if cross is not None:
+        cross.end_step()
     lm, aux, count = _loss_parts(engine).tolist()
     return lm / count, aux / count, take_gate_counts(engine.module, num_experts, engine.device)
 
@@ -70,9 +73,16 @@ def attach_upstream_log(engine, args: argparse.Namespace):
     :class:`~deepspeed_ext.exact.upstream.UpstreamLog` on the engine's sends, keeping two
     exact-mode windows (``--moc-window``; an automatic window sets it at its first frame,
     :func:`check_upstream_log`)."""
+    from deepspeed_ext.exact.cross_stage import CrossStageLog
     from deepspeed_ext.exact.upstream import UpstreamLog
-    log = UpstreamLog(engine, retain_iterations=2 * max(args.moc_window, 1))
+    retain = 2 * max(args.moc_window, 1)
+    log = UpstreamLog(engine, retain_iterations=retain)
     log.attach()
+    # the all-reduces across stages (tied gradients, the norm): a stage replaying alone
+    # takes their results from the others (megatron/training/stage_loss.py)
+    engine.moc_cross = CrossStageLog(engine, tuple(engine.grid.get_data_parallel_group_ranks()),
+                                     retain)
+    engine.moc_cross.attach()
     return log
 
 
@@ -87,6 +97,9 @@ def check_upstream_log(log, args: argparse.Namespace, window: int) -> None:
     from deepspeed_ext.exact.upstream import log_bytes_per_iteration, log_capacity_bytes
     from megatron.training.errors import ConfigError
     log.retain_iterations = 2 * window
+    cross = getattr(log.engine, "moc_cross", None)
+    if cross is not None:
+        cross.retain_iterations = 2 * window
     act, grad = boundary_bytes(args)
     stages = args.pipeline_model_parallel_size
     worst = max(log_capacity_bytes(log_bytes_per_iteration(

@@ -433,6 +433,7 @@ def pretrain(args: argparse.Namespace, extra_setup=None) -> TrainResult:
             if getattr(args, "moc_upstream_logging", False):
                 from megatron.training.pipeline import attach_upstream_log
                 engine.moc_upstream = attach_upstream_log(engine, args)
+        stage_loss = _stage_loss(args, engine, exact, scheduler, datasets)
         if extra_setup is not None:
             extra_setup(engine, args)
         startup.phase("checkpoint load")
@@ -459,7 +460,7 @@ def pretrain(args: argparse.Namespace, extra_setup=None) -> TrainResult:
     watch = _Watch(args)
     try:
         return _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
-                           injector, watch, exact, limit)
+                           injector, watch, exact, limit, stage_loss)
     finally:
         watch.stop()
         writer.close()
@@ -638,8 +639,28 @@ def _size_upstream_log(engine, args, exact) -> None:
     engine.moc_upstream_window = schedule.window
 
 
+def _stage_loss(args, engine, exact, scheduler, datasets):
+    """Every rank: the ``lose-stage`` faults' in-process recovery
+    (:mod:`megatron.training.stage_loss`), or None."""
+    from megatron.training.faults import faults_from_args
+    specs = [s for s in faults_from_args(args, dist.get_world_size()) if s.kind == "lose-stage"]
+    if not specs or exact is None:
+        return None
+    from megatron.training.stage_loss import StageLoss
+    stage_size = dist.get_world_size() // args.pipeline_model_parallel_size
+
+    def batches_from(consumed: int):
+        resume = checkpointing.ResumeState(iteration=consumed // args.global_batch_size,
+                                           consumed_train_samples=consumed)
+        return _build_loaders(args, datasets, resume)[0]
+
+    return StageLoss(engine, exact, specs, lambda rank: rank // stage_size, batches_from,
+                     scheduler, args, print_rank_0)
+
+
 def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
-                injector=None, watch=None, exact=None, limit=None) -> TrainResult:
+                injector=None, watch=None, exact=None, limit=None,
+                stage_loss=None) -> TrainResult:
     from megatron.training.stopping import DurationLimit, train_tokens_reached
     limit = limit or DurationLimit(None)
     result = TrainResult(iteration=state.iteration, consumed_train_samples=state.consumed_train_samples)
@@ -677,6 +698,8 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
            and not train_tokens_reached(args, state.consumed_train_samples)):
         if injector is not None:
             injector.before_iteration(state.iteration + 1)
+        if stage_loss is not None:
+            stage_loss.before_iteration(state.iteration + 1)
         watch.beat(state.iteration + 1)
         top = time.perf_counter()
         if last_top is not None:
