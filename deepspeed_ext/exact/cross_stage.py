@@ -133,6 +133,10 @@ class CrossStageLog:
                 if slot[0] == iteration:
                     self.entries[slot] = list(values)
 
+    def clear(self) -> None:
+        """Drop every entry (the log is lost with its rank's state)."""
+        self.entries.clear()
+
     def free_before(self, iteration: int) -> None:
         """Drop every step before ``iteration``."""
         for slot in [s for s in self.entries if s[0] < iteration]:

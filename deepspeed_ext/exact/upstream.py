@@ -189,6 +189,11 @@ class UpstreamLog:
         """The steps held, oldest first."""
         return sorted({k.iteration for k in self.entries})
 
+    def clear(self) -> None:
+        """Drop every entry (the log is lost with its rank's state)."""
+        self.entries.clear()
+        self.bytes = 0
+
     def free_before(self, iteration: int) -> None:
         """Drop every step before ``iteration``."""
         for key in [k for k in self.entries if k.iteration < iteration]:

@@ -95,6 +95,10 @@ class StageLoss:
         self.pending = [(it, s) for it, s in self.pending if it > iteration]
         began = time.perf_counter()
         failed = sorted(set(due))
+        # The last frame's copy runs beside the next step, and this loss comes at the top
+        # of one: wiped under the copy, the frame would hold NaN (measured: the global
+        # replay after a localized one diverged).
+        self.exact.writer.wait_for_previous()
         if self.engine.stage_id in failed:
             self._lose_state()
         self.log(f"[fault] stage(s) {failed} lost their training state at iteration {iteration} "
@@ -119,7 +123,7 @@ class StageLoss:
                 param.fill_(float("nan"))
         for log in (getattr(engine, "moc_upstream", None), getattr(engine, "moc_cross", None)):
             if log is not None:
-                log.entries.clear()
+                log.clear()
 
     def _recover(self, iteration: int, failed: List[int], began: float) -> Recovered:
         from deepspeed_ext.exact.local_replay import (StageReplay, gather_replay_inputs,

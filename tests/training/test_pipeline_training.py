@@ -175,36 +175,30 @@ def test_a_pipeline_run_recovers_to_the_bit(runs, corpus, tmp_path, how):
     assert got == runs[2][0]
 
 
-@pytest.mark.parametrize("faults, localized", [
-    (["lose-stage@6:rank=2"], True),
-    (["lose-stage@6:rank=0", "lose-stage@6:rank=3"], False),
-])
-def test_a_stage_that_loses_its_state_recovers_in_place_to_the_bit(runs, corpus, tmp_path,
-                                                                    faults, localized):
-    """Exact mode (W = 2) with upstream logs; at the top of step 6 a stage loses its
-    weights, optimizer state and logs in place (the processes live on). Stage 1 alone:
-    it restores the window of frames 3-4 and replays steps 4-5 from stage 0's logs and
-    the all-reduces stage 0 kept, while stage 0 waits. Both stages (adjacent): no
-    neighbour holds their logs, so every stage replays, and the log says why. Either
-    way every loss and gradient norm equals the run without a failure, to the bit."""
+def test_a_stage_that_loses_its_state_recovers_in_place_to_the_bit(runs, corpus, tmp_path):
+    """Exact mode (W = 2: windows of frames 1-2, 3-4) with upstream logs. At the top of
+    step 4 stage 1 loses its weights, optimizer state and logs in place (the processes
+    live on): it alone restores the window of frames 1-2 and replays steps 2-3 from stage
+    0's logs and the all-reduces stage 0 kept, while stage 0 waits. At the top of step 6
+    both stages lose theirs: no neighbour holds their logs, so every stage restores the
+    window of frames 3-4 and replays steps 4-5 through the pipeline, and the log says why.
+    Every loss and gradient norm equals the run without a failure, to the bit."""
     shm = new_shm_dir()
     try:
-        flags = ["--save", str(tmp_path / "ckpt"), "--save-interval", "100", "--moc-mode",
-                 "exact", "--moc-window", "2", "--moc-shm-dir", shm, "--moc-upstream-logging"]
-        for fault in faults:
-            flags += ["--moc-fault", fault]
-        results = run_ranks(4, TINY + ["--data-path", corpus, "--metrics-file", str(tmp_path / "m.jsonl"),
-                                       "--pipeline-model-parallel-size", "2", "--moc-checkpoint", *flags],
-                            timeout=240)
+        results = run_ranks(4, TINY + [
+            "--data-path", corpus, "--metrics-file", str(tmp_path / "m.jsonl"),
+            "--pipeline-model-parallel-size", "2", "--moc-checkpoint", "--save",
+            str(tmp_path / "ckpt"), "--save-interval", "100", "--moc-mode", "exact",
+            "--moc-window", "2", "--moc-shm-dir", shm, "--moc-upstream-logging",
+            "--moc-fault", "lose-stage@4:rank=2", "--moc-fault", "lose-stage@6:rank=0",
+            "--moc-fault", "lose-stage@6:rank=3"], timeout=240)
     finally:
         stop_keepers(shm)
     assert all(r.returncode == 0 for r in results), describe(results)
     log = results[0].output
-    if localized:
-        assert "localized: stage(s) [1] replayed iterations 4..5 from their neighbours' upstream " \
-               "logs while the others waited" in log, log[-3000:]
-    else:
-        assert "global: every stage replayed iterations 4..5 (stages [0, 1] failed together" in log
+    assert "localized: stage(s) [1] replayed iterations 2..3 from their neighbours' upstream " \
+           "logs while the others waited" in log, log[-3000:]
+    assert "global: every stage replayed iterations 4..5 (stages [0, 1] failed together" in log
     assert _records(tmp_path / "m.jsonl") == runs[2][0]
 
 

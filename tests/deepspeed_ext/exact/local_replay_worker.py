@@ -5,7 +5,8 @@ loses its state: it restores its state of step 2 and replays steps 3-4 alone fro
 0's logs; after step 6 stage 0 does the same (state of step 4, steps 5-6). Each time the
 failed stage's ranks compare their state after the replay (fp32 masters, moments,
 compute weights, step counters) and the sends they logged again with what they held
-before the failure, bit for bit. Writes OUT_DIR/rank<R>.json.
+before the failure, bit for bit. Then step 7, and an evaluation batch; what the logs hold
+(4 steps kept) goes to OUT_DIR/rank<R>.json too.
 
     local_replay_worker.py OUT_DIR
 """
@@ -113,8 +114,8 @@ def main():
             before = _capture(engine, naming)
             sent = {k: v for k, v in upstream.entries.items() if k.iteration in replayed}
             _wipe(engine, naming)
-            upstream.entries.clear()
-            cross.entries.clear()
+            upstream.clear()
+            cross.clear()
         inputs = gather_replay_inputs(engine, failed, replayed, upstream, cross)
         if stage == failed:
             _restore(engine, naming, saved[start])
@@ -127,9 +128,16 @@ def main():
                                 all(torch.equal(a, b) for a, b in zip(sent[k], resent[k])) for k in sent),
                             "sends": len(sent), "collectives": len(inputs.collectives)})
         dist.barrier(group=metadata_group())  # the survivors wait here
-    losses.append(engine.train_batch(_batches(7, 7, dp_rank)).item())
+    losses.append(engine.train_batch(_batches(7, 8, dp_rank)).item())
+    cross.end_step()
+    held = [(k.iteration, k.micro_batch, k.direction) for k in sorted(
+        upstream.entries, key=lambda k: (k.iteration, k.micro_batch))]
+    entry_bytes = sorted({sum(t.numel() * t.element_size() for t in v) for v in upstream.entries.values()})
+    engine.eval_batch(_batches(8, 8, dp_rank))  # evaluation's sends are not kept
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"stage": stage, "results": results, "losses": losses}, f)
+        json.dump({"stage": stage, "results": results, "losses": losses, "held": held,
+                   "held_after_eval": len(upstream.entries), "bytes": upstream.bytes,
+                   "entry_bytes": entry_bytes, "cross_steps": sorted({s for s, _ in cross.entries})}, f)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Localized recovery (deepspeed_ext.exact.local_replay, cross_stage): one pipeline stage
 replays its steps alone from its neighbours' upstream logs and the other stages' records
-of the all-reduces across stages, and ends in the state it had, to the bit."""
+of the all-reduces across stages, and ends in the state it had, to the bit; what the
+upstream logs keep."""
 
 import json
 
@@ -32,3 +33,16 @@ def test_a_stage_replays_alone_to_the_bit(tmp_path):
         # stages, in the two steps
         assert result["collectives"] == 2
         assert len(o["losses"]) == 7 and o["losses"] == out[0]["losses"]
+        # the upstream log: steps 4-7 kept (4 retained), keyed by the real micro-batch
+        # (stage 0 has 2 pipeline buffers for 4 micro-batches: keyed by buffer, 2-3 would
+        # overwrite 0-1), one direction per stage, nothing of evaluation
+        # (stage 0 lost its log of step 4 with its state, and replayed from step 5 on)
+        direction, first = ("activation", 5) if o["stage"] == 0 else ("gradient", 4)
+        assert o["held"] == [[s, m, direction] for s in range(first, 8) for m in range(4)]
+        assert o["held_after_eval"] == len(o["held"])
+        assert o["cross_steps"] == list(range(first, 8))
+        # stage 0 sends (hidden fp32 [2, 16, 32], positions int64, aux fp32); stage 1 the
+        # gradients of the two float tensors
+        hidden = 2 * 16 * 32 * 4
+        assert o["entry_bytes"] == [hidden + 2 * 16 * 8 + 4 if o["stage"] == 0 else hidden + 4]
+        assert o["bytes"] == len(o["held"]) * o["entry_bytes"][0]

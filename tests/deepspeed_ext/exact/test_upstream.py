@@ -1,38 +1,41 @@
-"""Upstream logging (deepspeed_ext.exact.upstream): a stage's log holds, per step and
-micro-batch, exactly what its neighbour received; it keeps only the retained steps and
-nothing of evaluation; the sizing functions."""
+"""The upstream log's bookkeeping (deepspeed_ext.exact.upstream) without an engine: keys,
+bytes, retention, the error naming a missing entry, and the sizing functions. What it
+logs from DeepSpeed's pipeline engine, and that a replay from it is exact, is tested in
+test_local_replay.py."""
 
-import json
+import pytest
+import torch
 
-from deepspeed_ext.exact.upstream import log_bytes_per_iteration, log_capacity_bytes
-from tests.launch import describe, run_ranks
+from deepspeed_ext.exact.upstream import (ACTIVATION, GRADIENT, UpstreamLog, log_bytes_per_iteration,
+                                          log_capacity_bytes)
 
 
-def test_each_stage_logs_what_its_neighbour_received(tmp_path):
-    """2 stages on 2 ranks, 3 steps of 4 micro-batches (the engine reuses its 2 buffers on
-    stage 0), retention 2 steps, then an evaluation batch. Stage 0 logs the activations
-    of micro-batches 0-3 of steps 2 and 3; stage 1 the input gradients; every logged send
-    equals what the other stage received, bit for bit (keyed by the real micro-batch:
-    keyed by buffer, micro-batches 2-3 would overwrite 0-1); evaluation adds nothing."""
-    results = run_ranks(2, [str(tmp_path)], script="tests/deepspeed_ext/exact/upstream_worker.py",
-                        timeout=180)
-    assert all(r.returncode == 0 for r in results), describe(results)
-    out = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
-    for rank, direction in ((0, "activation"), (1, "gradient")):
-        want = [[step, micro, direction] for step in (2, 3) for micro in range(4)]
-        assert out[rank]["keys"] == want, (rank, out[rank]["keys"])
-        assert out[rank]["after_eval"] == want
-        # the other stage received these (and 3 steps in all), and each is equal
-        assert out[1 - rank]["other_logged"] == 8 and out[1 - rank]["matched"] == 8, out
-        assert out[1 - rank]["received_steps"] == [1, 2, 3]
-        assert len(out[rank]["entry_bytes"]) == 1
-        assert out[rank]["bytes"] == 8 * out[rank]["entry_bytes"][0]
-        assert out[rank]["peak"] == 12 * out[rank]["entry_bytes"][0]  # 3 steps before a free
-    # stage 0 sends (hidden fp32, positions int64, aux fp32); stage 1 the gradients of
-    # the two float tensors: hidden and aux
-    hidden = 2 * 16 * 32 * 4
-    assert out[0]["entry_bytes"] == [hidden + 2 * 16 * 8 + 4]
-    assert out[1]["entry_bytes"] == [hidden + 4]
+def _step(log, iteration, micro_batches=3):
+    log.begin(iteration)
+    for m in range(micro_batches):
+        log.record(ACTIVATION, (torch.full((4,), float(10 * iteration + m)), torch.zeros(2, dtype=torch.int64)))
+    log.end()
+
+
+def test_entries_are_copies_keyed_by_step_and_micro_batch_and_old_steps_are_freed():
+    log = UpstreamLog(engine=None, retain_iterations=2)
+    for it in (1, 2, 3):
+        _step(log, it)
+    assert log.iterations() == [2, 3]
+    assert log.bytes == 2 * 3 * (4 * 4 + 2 * 8) and log.peak_bytes == 3 * 3 * (4 * 4 + 2 * 8)
+    assert torch.equal(log.get(3, 2, ACTIVATION)[0], torch.full((4,), 32.0))
+    with pytest.raises(KeyError, match="no gradient of micro-batch 0 of iteration 3 "
+                                       "\\(it holds iterations 2..3\\)"):
+        log.get(3, 0, GRADIENT)
+    log.begin(None)  # evaluation: nothing kept
+    log.record(ACTIVATION, torch.ones(4))
+    log.end()
+    assert log.iterations() == [2, 3]
+    sent = torch.ones(4)
+    log.begin(4)
+    log.record(ACTIVATION, sent)
+    sent.add_(1)  # the engine reuses its buffers: the log keeps what was sent
+    assert torch.equal(log.get(4, 0, ACTIVATION)[0], torch.ones(4))
 
 
 def test_log_sizes():
@@ -40,3 +43,5 @@ def test_log_sizes():
     assert log_bytes_per_iteration(100, 60, 4, stage=1, stages=3) == 640
     assert log_bytes_per_iteration(100, 60, 4, stage=2, stages=3) == 240
     assert log_capacity_bytes(640, 6) == 7 * 640
+    with pytest.raises(ValueError, match="retain_iterations must be >= 1"):
+        UpstreamLog(engine=None, retain_iterations=0)
