@@ -26,6 +26,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
+from deepspeed_ext.engine.rng import get_rng_state, set_rng_state
 from megatron.training.errors import ConfigError
 
 KIND = "lose-stage"
@@ -152,7 +153,12 @@ class StageLoss:
         replaying = bool(why) or engine.stage_id in failed
         if replaying:
             replay, objects = self._restore(found)
-            data = self.batches_from(int(objects["client_state"]["consumed_train_samples"]))
+            consumed = int(objects["client_state"]["consumed_train_samples"])
+            rng = get_rng_state()
+            data = self.batches_from(consumed)
+            # after the loader: building one draws from the global generator (measured:
+            # with dropout the replayed steps' masks differed)
+            set_rng_state(rng)
             stage_replay = None if why else StageReplay(engine, upstream, engine.moc_cross, inputs)
             for step in steps:
                 if stage_replay is not None:
@@ -168,7 +174,6 @@ class StageLoss:
         """The window's first frame into this rank's engine, and the trainer's scheduler
         to that frame's step."""
         from deepspeed_ext.exact.local_replay import restore_window
-        from deepspeed_ext.engine.rng import set_rng_state
         replay, objects = restore_window(self.exact, found)
         # megatron.core's scheduler loads by stepping from where it is: from 0 here, or it
         # would land at the loss's step plus the frame's

@@ -182,24 +182,32 @@ def test_a_stage_that_loses_its_state_recovers_in_place_to_the_bit(runs, corpus,
     0's logs and the all-reduces stage 0 kept, while stage 0 waits. At the top of step 6
     both stages lose theirs: no neighbour holds their logs, so every stage restores the
     window of frames 3-4 and replays steps 4-5 through the pipeline, and the log says why.
-    Every loss and gradient norm equals the run without a failure, to the bit."""
+    Every loss and gradient norm equals the run without a failure, to the bit. With
+    dropout: the replay draws its masks from the frame's generator state (building the
+    replay's data loader draws too: restored after it; measured, the masks differed)."""
     shm = new_shm_dir()
+    flags = TINY + ["--data-path", corpus, "--pipeline-model-parallel-size", "2",
+                    "--hidden-dropout", "0.1", "--moc-checkpoint", "--save-interval", "100",
+                    "--moc-mode", "exact", "--moc-window", "2", "--moc-shm-dir", shm,
+                    "--moc-upstream-logging"]
     try:
-        results = run_ranks(4, TINY + [
-            "--data-path", corpus, "--metrics-file", str(tmp_path / "m.jsonl"),
-            "--pipeline-model-parallel-size", "2", "--moc-checkpoint", "--save",
-            str(tmp_path / "ckpt"), "--save-interval", "100", "--moc-mode", "exact",
-            "--moc-window", "2", "--moc-shm-dir", shm, "--moc-upstream-logging",
-            "--moc-fault", "lose-stage@4:rank=2", "--moc-fault", "lose-stage@6:rank=0",
-            "--moc-fault", "lose-stage@6:rank=3"], timeout=240)
+        runs_out = {}
+        for name, faults in (("reference", []), ("faults", [
+                "--moc-fault", "lose-stage@4:rank=2", "--moc-fault", "lose-stage@6:rank=0",
+                "--moc-fault", "lose-stage@6:rank=3"])):
+            results = run_ranks(4, flags + faults + [
+                "--metrics-file", str(tmp_path / f"{name}.jsonl"), "--save",
+                str(tmp_path / name)], timeout=240)
+            assert all(r.returncode == 0 for r in results), describe(results)
+            runs_out[name] = (_records(tmp_path / f"{name}.jsonl"), results[0].output)
     finally:
         stop_keepers(shm)
-    assert all(r.returncode == 0 for r in results), describe(results)
-    log = results[0].output
+    log = runs_out["faults"][1]
     assert "localized: stage(s) [1] replayed iterations 2..3 from their neighbours' upstream " \
            "logs while the others waited" in log, log[-3000:]
     assert "global: every stage replayed iterations 4..5 (stages [0, 1] failed together" in log
-    assert _records(tmp_path / "m.jsonl") == runs[2][0]
+    assert runs_out["faults"][0] == runs_out["reference"][0]
+    assert runs_out["reference"][0] != runs[2][0]  # the dropout masks count
 
 
 @pytest.mark.parametrize("extra, needle", [
