@@ -6,9 +6,13 @@ pipeline layers:
 
     EmbeddingPipe (tied) | TransformerLayerPipe x num_layers | FinalNormPipe | head (tied)
 
-- Between stages travel ``(hidden, position_ids, aux)``. ``aux`` is the sum of the MoE
+- Between stages travel ``(hidden, aux, position_ids)``. ``aux`` is the sum of the MoE
   layers' load-balancing losses so far, carried as a second tensor, as Megatron-DeepSpeed's
-  ``GPTModelPipe`` carries its MoE loss.
+  ``GPTModelPipe`` carries its MoE loss. The floats come first: DeepSpeed receives a
+  stage's activations and its output gradients into one buffer per tuple position, reused
+  whatever the dtype, so a float gradient at the position of the int64 position ids was
+  received into an int64 buffer (measured: on the middle stages of PP = 4 the aux loss's
+  gradient was garbage and the gradient norm 1e10; PP = 2 has no middle stage).
 - The last stage's loss is ``lm_loss + moe_loss_coeff * aux`` (:class:`PipeLoss`).
 - The output head is the word embedding, tied across the first and last stages with
   DeepSpeed's ``TiedLayerSpec`` (its gradient is summed over the two).
@@ -36,7 +40,7 @@ TIED_EMBEDDING = "embed"
 
 class EmbeddingPipe(nn.Module):
     """Word (and learned position) embeddings: ``(tokens, position_ids)`` ->
-    ``(hidden, position_ids, aux)``; also the output head on the last stage
+    ``(hidden, aux, position_ids)``; also the output head on the last stage
     (:func:`head_forward`)."""
 
     global_prefix = ""
@@ -56,7 +60,7 @@ class EmbeddingPipe(nn.Module):
         # A leaf that requires a gradient: the pipeline sends every float tensor's gradient
         # back, and a stage whose layers add no aux loss would otherwise have none.
         aux = torch.zeros(1, device=x.device, requires_grad=True)
-        return self.embedding_dropout(x), position_ids, aux
+        return self.embedding_dropout(x), aux, position_ids
 
 
 def head_forward(embedding: EmbeddingPipe, inputs):
@@ -66,7 +70,7 @@ def head_forward(embedding: EmbeddingPipe, inputs):
 
 
 class TransformerLayerPipe(TransformerLayer):
-    """One decoder layer on ``(hidden, position_ids, aux)``."""
+    """One decoder layer on ``(hidden, aux, position_ids)``."""
 
     def __init__(self, config: GPTMoEConfig, index: int):
         super().__init__(config, index in set(config.moe_layer_indices))
@@ -77,14 +81,14 @@ class TransformerLayerPipe(TransformerLayer):
         :func:`take_gate_counts`; None: none (or not an MoE layer)."""
 
     def forward(self, inputs):
-        x, position_ids, aux = inputs
+        x, aux, position_ids = inputs
         x, layer_aux, counts = super().forward(x, position_ids)
         if layer_aux is not None:
             aux = aux + layer_aux.float()
             if self.training:  # evaluation routes tokens too, and trains no expert
                 counts = counts.detach().to(torch.int64)
                 self.counts = counts if self.counts is None else self.counts + counts
-        return x, position_ids, aux
+        return x, aux, position_ids
 
 
 def take_gate_counts(module: nn.Module, num_experts: int, device) -> torch.Tensor:
@@ -106,7 +110,7 @@ def take_gate_counts(module: nn.Module, num_experts: int, device) -> torch.Tenso
 
 
 class FinalNormPipe(nn.Module):
-    """The final LayerNorm: ``(hidden, position_ids, aux)`` -> ``(hidden, aux)``."""
+    """The final LayerNorm: ``(hidden, aux, position_ids)`` -> ``(hidden, aux)``."""
 
     global_prefix = "final_layernorm."
 
@@ -115,7 +119,7 @@ class FinalNormPipe(nn.Module):
         self.norm = layer_norm(config)
 
     def forward(self, inputs):
-        x, _, aux = inputs
+        x, aux, _ = inputs
         return self.norm(x), aux
 
     @staticmethod

@@ -1,11 +1,12 @@
 """A rank of the pipeline test: the GPT-MoE model (2 layers, the second MoE with 4
 experts, expert parallelism 2) trained 3 ZeRO-1 steps of 2 micro-batches by DeepSpeed,
 either whole (``1``: 2 ranks, data-parallel 2) or as a 2-stage ``PipelineModule``
-(``2``: 4 ranks, 2 per stage), on the same micro-batches per data-parallel rank; writes
+(``2``: 4 ranks, 2 per stage; or LAYERS layers and expert parallelism EP, any number of
+stages), on the same micro-batches per data-parallel rank; writes
 OUT_DIR/rank<R>.json with each step's loss (averaged over micro-batches and data-parallel
 ranks, as the pipeline engine reports it).
 
-    pipe_worker.py OUT_DIR STAGES TOPK EXPERT_INTERVAL
+    pipe_worker.py OUT_DIR STAGES TOPK EXPERT_INTERVAL [LAYERS EP]
 """
 
 import json
@@ -36,6 +37,7 @@ def _ds_config(dp):
 
 def main():
     out_dir, stages, topk, interval = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    layers, ep = (int(sys.argv[5]), int(sys.argv[6])) if len(sys.argv) > 6 else (2, 2)
     dist.init_process_group("gloo")
     import deepspeed
     from megatron.training import jit_ops
@@ -44,12 +46,12 @@ def main():
     jit_ops.disable_unused_ops()
     deepspeed.init_distributed(dist_backend="gloo")
     from megatron.model.config import GPTMoEConfig
-    config = GPTMoEConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
-                          max_position_embeddings=SEQ, num_experts=4, moe_expert_parallel_size=2,
+    config = GPTMoEConfig(num_layers=layers, hidden_size=32, num_attention_heads=4, vocab_size=VOCAB,
+                          max_position_embeddings=SEQ, num_experts=4, moe_expert_parallel_size=ep,
                           expert_interval=interval, topk=topk, hidden_dropout=0.0, attention_dropout=0.0)
     rank, world = dist.get_rank(), dist.get_world_size()
     dp = world // stages
-    dp_rank, ep_rank = rank % dp, rank % 2
+    dp_rank, ep_rank = rank % dp, rank % ep
     losses = []
     if stages == 1:
         from megatron.model.gpt_moe import GPTMoEModel

@@ -10,20 +10,29 @@ from megatron.model.gpt_moe_pipe import check_stages_hold_experts
 from tests.launch import describe, run_ranks
 
 
-def test_two_stages_train_as_the_whole_model(tmp_path):
+@pytest.mark.parametrize("layout", [
+    # (layers, expert-parallel size, [(stages, ranks), ...])
+    (2, 2, [(1, 2), (2, 4)]),
+    # middle stages: they receive activations and gradients (the aux loss's included)
+    (4, 1, [(1, 1), (4, 4)]),
+])
+def test_stages_train_as_the_whole_model(tmp_path, layout):
     """2 layers, both MoE (4 experts, expert parallelism 2 inside each stage), top-1,
     3 steps of 2 micro-batches: PP = 2 on 4 ranks (the pipeline engine's train_batch)
-    against PP = 1 on 2 ranks (forward/backward/step per micro-batch), the same
+    against PP = 1 on 2 ranks (forward/backward/step per micro-batch); and 4 layers as
+    PP = 4 on 4 ranks against one rank (with the int64 position ids before the aux loss
+    between stages, the middle stages took its gradient as int64 garbage). The same
     micro-batches per data-parallel rank. Every step's loss agrees within 1e-5 relative
     (measured: equal). The stages start from the whole model's weights (each parameter
     drawn by its GPTMoEModel name); the tied output embedding's gradient is summed over
     the first and last stage. Top-1 only: top-2's second-expert noise is drawn from each
     stage's own generator, so a pipeline samples other noise than the whole model."""
+    layers, ep, runs_of = layout
     losses = {}
-    for stages, nproc in ((1, 2), (2, 4)):
+    for stages, nproc in runs_of:
         out = tmp_path / f"pp{stages}"
         out.mkdir()
-        results = run_ranks(nproc, [str(out), str(stages), "1", "1"],
+        results = run_ranks(nproc, [str(out), str(stages), "1", "1", str(layers), str(ep)],
                             script="tests/model/pipe_worker.py", timeout=180)
         assert all(r.returncode == 0 for r in results), describe(results)
         runs = [json.load(open(out / f"rank{r}.json")) for r in range(nproc)]
@@ -31,7 +40,8 @@ def test_two_stages_train_as_the_whole_model(tmp_path):
         assert sorted({run["stage"] for run in runs}) == list(range(stages))
         losses[stages] = runs[0]["losses"]
     assert len(losses[1]) == 3 and losses[1][0] != losses[1][2]
-    assert losses[2] == pytest.approx(losses[1], rel=1e-5)
+    stages = runs_of[1][0]
+    assert losses[stages] == pytest.approx(losses[1], rel=1e-5)
 
 
 @pytest.mark.parametrize("interval, parts, ok", [
