@@ -14,9 +14,10 @@ with ``--moc-window W``, four jobs of the same steps and data:
 * ``global``: the same fault without the logs: every stage replays.
 
 It prints, per ``P``: the recovery's wall time (fault to the end of the replay, every
-rank waiting), the steps replayed, the ETTR each job's trainer reports (its useful
-iteration time over its wall time since start), the median iteration times with and
-without the logs, the memory each stage's log held, and whether each failed job's losses
+rank waiting), the speedup ``moc-plan pipeline``'s model predicts, the steps replayed,
+the training loop's ETTR of each failed job (the fault-free job's median step times the
+steps, over the sum of the job's logged step times, a recovery inside the step it
+precedes; start-up excluded), the median iteration times with and without the logs, the memory each stage's log held, and whether each failed job's losses
 equal the ``logged`` job's to the bit. It asserts nothing about the numbers.
 
 On CPU the ranks share the machine's cores: a stage replaying alone also gets the cores
@@ -115,6 +116,7 @@ def _run(opts, stages: int, data: str, out: str, job: str) -> dict:
     logs = LOGS.findall(log.split("[moc] upstream logs:")[-1].splitlines()[0]) if \
         "[moc] upstream logs:" in log else []
     return {"train": train, "iter_ms": statistics.median(times[2:] or times),
+            "loop_ms": sum(times),
             "recovery_s": float(rec.group(1)) if rec else None,
             "how": rec.group(2) if rec else None, "ettr": float(ettr.group(1)) if ettr else None,
             "log_mib": max((float(m) for _, m, _ in logs), default=0.0),
@@ -142,7 +144,9 @@ def main(argv=None) -> int:
         return 2
     data = prepare_data(os.path.join(REPO, opts.data_prefix))
     command = shlex.join(getattr(sys, "orig_argv", [sys.executable] + sys.argv))
+    from deepspeed_ext.planning import pipeline as pm
     table = [["PP", "failed stage", "steps replayed", "localized s", "global s", "speedup",
+              "model speedup",
               "ETTR localized", "ETTR global", "iter ms plain", "iter ms logged", "log MiB/stage",
               "exact"]]
     results = []
@@ -150,17 +154,29 @@ def main(argv=None) -> int:
         runs = {job: _run(opts, stages, data, out, job) for job in JOBS}
         exact = all(runs[j]["train"] == runs["logged"]["train"] for j in ("localized", "global"))
         loc, glo = runs["localized"], runs["global"]
+        # the training loop's ETTR: the fault-free logged job's median step x steps over
+        # the loop's wall time (each logged step's elapsed time; a recovery at the top of
+        # a step counts in that step's), start-up excluded
+        useful = opts.iters * runs["logged"]["iter_ms"]
+        for run in runs.values():
+            run["loop_ettr"] = useful / run["loop_ms"]
         row = {"stages": stages, "failed_stage": stages // 2, "replayed": _replayed(opts),
                "localized_s": loc["recovery_s"], "global_s": glo["recovery_s"],
-               "ettr_localized": loc["ettr"], "ettr_global": glo["ettr"],
+               "ettr_localized": loc["loop_ettr"], "ettr_global": glo["loop_ettr"],
+               "ettr_logged": runs["logged"]["loop_ettr"],
+               "trainer_ettr": {j: runs[j]["ettr"] for j in JOBS},
                "iter_ms_plain": runs["plain"]["iter_ms"], "iter_ms_logged": runs["logged"]["iter_ms"],
                "log_mib": runs["logged"]["log_mib"], "log_peak_mib": runs["logged"]["log_peak_mib"],
                "exact": exact, "how": (loc["how"], glo["how"])}
+        model = pm.PipelineRecovery(stages, opts.micro_batches, opts.window,
+                                    runs["logged"]["iter_ms"] / 1e3)
+        row["model_speedup"] = pm.replay_step_s(model, False) / pm.replay_step_s(model, True)
         results.append(row)
         table.append([str(stages), str(row["failed_stage"]), str(row["replayed"]),
                       f"{loc['recovery_s']:.2f}",
                       f"{glo['recovery_s']:.2f}", f"{glo['recovery_s'] / loc['recovery_s']:.2f}x",
-                      f"{loc['ettr']:.3f}", f"{glo['ettr']:.3f}", f"{row['iter_ms_plain']:.0f}",
+                      f"{row['model_speedup']:.2f}x",
+                      f"{loc['loop_ettr']:.3f}", f"{glo['loop_ettr']:.3f}", f"{row['iter_ms_plain']:.0f}",
                       f"{row['iter_ms_logged']:.0f}", f"{row['log_peak_mib']:.2f}",
                       "yes" if exact else "NO"])
     print("Localized vs global in-place recovery of a pipeline stage")
@@ -170,10 +186,13 @@ def main(argv=None) -> int:
           f"seq {opts.seq}, {opts.micro_batches} micro-batches of {opts.micro_batch}; W = "
           f"{opts.window}; the stage is lost at the top of step {opts.fail_at}")
     print_aligned(table)
+    print("model speedup: moc-plan pipeline's (deepspeed_ext/planning/pipeline.py), the "
+          "1F1B bubble a stage replaying alone saves, (M + P - 1) / M, one device per stage.")
     print("localized/global s: fault to the end of the replay (every rank waits); ETTR: the "
-          "trainer's (median iteration x steps over wall time since start, start-up "
-          "included); log MiB: the most one stage's upstream log held; exact: the failed "
-          "jobs' losses and gradient norms equal the logged job's to the bit.")
+          "training loop's (the fault-free logged job's median step x steps over the sum of "
+          "the job's logged step times, the recovery inside one; start-up excluded); log "
+          "MiB: the most one stage's upstream log held; exact: the failed jobs' losses and "
+          "gradient norms equal the logged job's to the bit.")
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump({"command": command, "rows": results}, f, indent=1)

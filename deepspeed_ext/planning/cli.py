@@ -6,6 +6,8 @@
         --iteration-time 6 --seeds 5 --json out.json --plot out.png
     moc-plan calibrate --dir /path/to/checkpoints --out hw.json \\
         [--config configs/tiny.yaml --data-path data/x_text_document] [--from-json bench.json]
+    moc-plan pipeline --stages 8,16 --micro-batches 32 --window 8 --iteration-time 6 \\
+        --mtbf 600,3600 [--restore-time 2] [--downtime 30] [--log-overhead 0]
 
 Exit codes: 0 done, 2 bad input (the message names the flag or file), or a calibration
 run or an output file that failed.
@@ -387,6 +389,33 @@ def cmd_calibrate(opts) -> int:
     return 0
 
 
+def cmd_pipeline(opts) -> int:
+    """Localized against global recovery of a pipeline stage, per stage count and MTBF."""
+    from deepspeed_ext.planning import pipeline as pm
+    try:
+        stages = [int(v) for v in opts.stages.split(",") if v.strip()]
+    except ValueError:
+        raise PlanError(f"--stages: expected integers, comma-separated, got {opts.stages!r}") from None
+    table = []
+    print(f"pipeline of P stages, {opts.micro_batches} micro-batches per step, W = {opts.window}, "
+          f"iteration {opts.iteration_time:g} s, restore {opts.restore_time:g} s, downtime "
+          f"{opts.downtime:g} s, log overhead {opts.log_overhead:g} s per step; "
+          f"{pm.REPLAYED_WINDOWS * opts.window:g} steps replayed per failure on average")
+    print(f"{'P':>4} {'MTBF s':>8} {'localized s':>12} {'global s':>10} {'speedup':>8} "
+          f"{'ETTR localized':>15} {'ETTR global':>12}")
+    for p in stages:
+        shape = pm.PipelineRecovery(p, opts.micro_batches, opts.window, opts.iteration_time,
+                                    opts.restore_time, opts.downtime, opts.log_overhead)
+        for mtbf in _mtbfs(opts.mtbf):
+            row = dict(stages=p, mtbf_s=mtbf, **pm.compare(shape, mtbf))
+            table.append(row)
+            print(f"{p:>4} {mtbf:>8g} {row['localized_s']:>12.1f} {row['global_s']:>10.1f} "
+                  f"{row['speedup']:>7.2f}x {row['ettr_localized']:>15.4f} {row['ettr_global']:>12.4f}")
+    if opts.json:
+        _write_json("--json", opts.json, table)
+    return 0
+
+
 def _add_cluster(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cluster")
     g.add_argument("--config", required=True, help="The training YAML config (the model).")
@@ -484,6 +513,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="A benchmark JSON to read figures from (repeatable).")
     c.add_argument("--iteration-time", type=float,
                    help="The iteration time, when not measured or read.")
+    q = sub.add_parser("pipeline", help="Localized against global recovery of a pipeline "
+                                        "stage (upstream logs): seconds per failure, ETTR.")
+    q.add_argument("--stages", default="8,16", help="Pipeline stages, comma-separated.")
+    q.add_argument("--micro-batches", type=int, required=True, help="Micro-batches per step.")
+    q.add_argument("--window", type=int, required=True, help="Exact mode's frames per window.")
+    q.add_argument("--iteration-time", type=float, required=True, help="Seconds per step.")
+    q.add_argument("--mtbf", required=True, help="Seconds between failures, comma-separated.")
+    q.add_argument("--restore-time", type=float, default=0.0,
+                   help="Seconds to restore a window of frames.")
+    q.add_argument("--downtime", type=float, default=0.0,
+                   help="Seconds before the replay starts (detection, a replacement device).")
+    q.add_argument("--log-overhead", type=float, default=0.0,
+                   help="Seconds the upstream logs add to a step.")
+    q.add_argument("--json", help="Also write the table here.")
     return p
 
 
@@ -496,7 +539,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 if getattr(opts, name, 1) < 1:
                     raise PlanError(f"--{name} must be >= 1")
         return {"recommend": cmd_recommend, "simulate": cmd_simulate,
-                "calibrate": cmd_calibrate}[opts.command](opts)
+                "calibrate": cmd_calibrate, "pipeline": cmd_pipeline}[opts.command](opts)
     except (PlanError, ValueError, OSError, RuntimeError) as err:
         # OSError: a file or directory that cannot be read or written; RuntimeError: the
         # calibration's training run failed (its message carries the log's tail).
