@@ -9,12 +9,13 @@ with ``--moc-window W``, four jobs of the same steps and data:
 * ``plain``: no upstream logs, no failure (the iteration time without logs);
 * ``logged``: ``--moc-upstream-logging``, no failure (the logs' cost, their memory per
   stage, and the reference losses);
-* ``localized``: logged, and ``--moc-fault lose-stage@F:rank=R`` (a middle stage, or the
-  last of two) loses its state in place: it alone replays from its window;
+* ``localized``: logged, and ``--moc-fault lose-stage@F:rank=R`` for each ``--fail-at F``
+  (a middle stage, or the last of two, loses its state in place): it alone replays from
+  its window;
 * ``global``: the same fault without the logs: every stage replays.
 
-It prints, per ``P``: the recovery's wall time (fault to the end of the replay, every
-rank waiting), the speedup ``moc-plan pipeline``'s model predicts, the steps replayed,
+It prints, per ``P``: the recovery's wall time (per failure, fault to the end of the
+replay, every rank waiting), the speedup ``moc-plan pipeline``'s model predicts, the steps replayed,
 the training loop's ETTR of each failed job (the fault-free job's median step times the
 steps, over the sum of the job's logged step times, a recovery inside the step it
 precedes; start-up excluded), the median iteration times with and without the logs, the memory each stage's log held, and whether each failed job's losses
@@ -24,8 +25,8 @@ On CPU the ranks share the machine's cores: a stage replaying alone also gets th
 the waiting stages leave, which a GPU per stage would not give it. The times say what
 this machine measured, not what a cluster will.
 
-    python benchmarks/localized_recovery_bench.py [--stages 2 4] [--iters 16] [--window 3]
-        [--fail-at 12] [--json FILE]
+    python benchmarks/localized_recovery_bench.py [--stages 2 4] [--iters 40] [--window 3]
+        [--fail-at 12 22 32] [--json FILE]
 """
 
 import argparse
@@ -57,10 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Localized vs global in-place recovery of a "
                                             "pipeline stage.")
     p.add_argument("--stages", type=int, nargs="+", default=[2, 4], help="Pipeline sizes.")
-    p.add_argument("--iters", type=int, default=16, help="Training steps per job.")
+    p.add_argument("--iters", type=int, default=40, help="Training steps per job.")
     p.add_argument("--window", type=int, default=3, help="Exact mode's --moc-window.")
-    p.add_argument("--fail-at", type=int, default=12, help="The step the stage is lost at "
-                                                           "(the top of it).")
+    p.add_argument("--fail-at", type=int, nargs="+", default=[12, 22, 32],
+                   help="The steps the stage is lost at (the top of each).")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=4)
@@ -94,7 +95,8 @@ def _flags(opts, stages: int, data: str, job_dir: str, job: str) -> list:
     if job in ("logged", "localized"):
         flags.append("--moc-upstream-logging")
     if job in ("localized", "global"):
-        flags += ["--moc-fault", f"lose-stage@{opts.fail_at}:rank={stages // 2}"]
+        for step in opts.fail_at:
+            flags += ["--moc-fault", f"lose-stage@{step}:rank={stages // 2}"]
     return flags
 
 
@@ -111,31 +113,32 @@ def _run(opts, stages: int, data: str, out: str, job: str) -> dict:
     rows = [json.loads(line) for line in open(os.path.join(job_dir, "metrics.jsonl"))]
     train = {r["iteration"]: (r["lm_loss"], r["grad_norm"]) for r in rows if r["kind"] == "train"}
     times = [float(m) for m in re.findall(r"elapsed time per iteration \(ms\): ([0-9.]+)", log)]
-    rec = RECOVERED.search(log)
+    recs = RECOVERED.findall(log)
     ettr = ETTR.search(log)
     logs = LOGS.findall(log.split("[moc] upstream logs:")[-1].splitlines()[0]) if \
         "[moc] upstream logs:" in log else []
     return {"train": train, "iter_ms": statistics.median(times[2:] or times),
             "loop_ms": sum(times),
-            "recovery_s": float(rec.group(1)) if rec else None,
-            "how": rec.group(2) if rec else None, "ettr": float(ettr.group(1)) if ettr else None,
+            "recovery_s": statistics.mean(float(r[0]) for r in recs) if recs else None,
+            "recoveries": len(recs), "how": sorted({r[1] for r in recs}),
+            "ettr": float(ettr.group(1)) if ettr else None,
             "log_mib": max((float(m) for _, m, _ in logs), default=0.0),
             "log_peak_mib": max((float(p) for _, _, p in logs), default=0.0)}
 
 
-def _replayed(opts) -> int:
-    """Steps replayed after a loss at the top of ``--fail-at``: from the start of the
+def _replayed(opts, fail_at: int) -> int:
+    """Steps replayed after a loss at the top of step ``fail_at``: from the start of the
     newest complete window (frames from step 1 on) to the last finished step."""
-    done = opts.fail_at - 1
+    done = fail_at - 1
     complete = (done // opts.window) * opts.window  # the last frame of a complete window
     return done - (complete - opts.window + 1)
 
 
 def main(argv=None) -> int:
     opts = build_parser().parse_args(argv)
-    if opts.fail_at <= opts.window or opts.fail_at > opts.iters:
-        print("error: --fail-at must be after the first window (> --window) and at most --iters",
-              file=sys.stderr)
+    if any(f <= opts.window or f > opts.iters for f in opts.fail_at):
+        print("error: every --fail-at must be after the first window (> --window) and at "
+              "most --iters", file=sys.stderr)
         return 2
     try:
         out, created = prepare_out_dir(opts.out_dir, "moc-localized-bench-")
@@ -146,9 +149,8 @@ def main(argv=None) -> int:
     command = shlex.join(getattr(sys, "orig_argv", [sys.executable] + sys.argv))
     from deepspeed_ext.planning import pipeline as pm
     table = [["PP", "failed stage", "steps replayed", "localized s", "global s", "speedup",
-              "model speedup",
-              "ETTR localized", "ETTR global", "iter ms plain", "iter ms logged", "log MiB/stage",
-              "exact"]]
+              "model speedup", "ETTR no failure", "ETTR localized", "ETTR global",
+              "iter ms plain", "iter ms logged", "log MiB/stage", "exact"]]
     results = []
     for stages in opts.stages:
         runs = {job: _run(opts, stages, data, out, job) for job in JOBS}
@@ -160,11 +162,14 @@ def main(argv=None) -> int:
         useful = opts.iters * runs["logged"]["iter_ms"]
         for run in runs.values():
             run["loop_ettr"] = useful / run["loop_ms"]
-        row = {"stages": stages, "failed_stage": stages // 2, "replayed": _replayed(opts),
+        row = {"stages": stages, "failed_stage": stages // 2,
+               "replayed": statistics.mean(_replayed(opts, f) for f in opts.fail_at),
+               "recoveries": (loc["recoveries"], glo["recoveries"]),
                "localized_s": loc["recovery_s"], "global_s": glo["recovery_s"],
                "ettr_localized": loc["loop_ettr"], "ettr_global": glo["loop_ettr"],
                "ettr_logged": runs["logged"]["loop_ettr"],
                "trainer_ettr": {j: runs[j]["ettr"] for j in JOBS},
+               "loop_s": {j: runs[j]["loop_ms"] / 1e3 for j in JOBS},
                "iter_ms_plain": runs["plain"]["iter_ms"], "iter_ms_logged": runs["logged"]["iter_ms"],
                "log_mib": runs["logged"]["log_mib"], "log_peak_mib": runs["logged"]["log_peak_mib"],
                "exact": exact, "how": (loc["how"], glo["how"])}
@@ -172,10 +177,10 @@ def main(argv=None) -> int:
                                     runs["logged"]["iter_ms"] / 1e3)
         row["model_speedup"] = pm.replay_step_s(model, False) / pm.replay_step_s(model, True)
         results.append(row)
-        table.append([str(stages), str(row["failed_stage"]), str(row["replayed"]),
+        table.append([str(stages), str(row["failed_stage"]), f"{row['replayed']:g}",
                       f"{loc['recovery_s']:.2f}",
                       f"{glo['recovery_s']:.2f}", f"{glo['recovery_s'] / loc['recovery_s']:.2f}x",
-                      f"{row['model_speedup']:.2f}x",
+                      f"{row['model_speedup']:.2f}x", f"{runs['logged']['loop_ettr']:.3f}",
                       f"{loc['loop_ettr']:.3f}", f"{glo['loop_ettr']:.3f}", f"{row['iter_ms_plain']:.0f}",
                       f"{row['iter_ms_logged']:.0f}", f"{row['log_peak_mib']:.2f}",
                       "yes" if exact else "NO"])
@@ -184,13 +189,16 @@ def main(argv=None) -> int:
     print(f"machine: {os.cpu_count()} CPU cores, {platform.platform()}, {versions()}")
     print(f"model: {opts.stages} stages x 1 MoE layer (4 experts), hidden {opts.hidden}, "
           f"seq {opts.seq}, {opts.micro_batches} micro-batches of {opts.micro_batch}; W = "
-          f"{opts.window}; the stage is lost at the top of step {opts.fail_at}")
+          f"{opts.window}; {opts.iters} steps; the stage is lost at the top of steps "
+          f"{', '.join(map(str, opts.fail_at))}")
     print_aligned(table)
     print("model speedup: moc-plan pipeline's (deepspeed_ext/planning/pipeline.py), the "
           "1F1B bubble a stage replaying alone saves, (M + P - 1) / M, one device per stage.")
-    print("localized/global s: fault to the end of the replay (every rank waits); ETTR: the "
+    print("localized/global s: per failure (the mean), fault to the end of the replay "
+          "(every rank waits); steps replayed: per failure; ETTR: the "
           "training loop's (the fault-free logged job's median step x steps over the sum of "
-          "the job's logged step times, the recovery inside one; start-up excluded); log "
+          "the job's logged step times, the recovery inside one; start-up excluded; 'no "
+          "failure' is that job's own, the noise floor of the measure); log "
           "MiB: the most one stage's upstream log held; exact: the failed jobs' losses and "
           "gradient norms equal the logged job's to the bit.")
     if opts.json:
