@@ -90,7 +90,9 @@ class UpstreamLog:
         class's instruction map, so the two sends are replaced in a per-engine copy of it."""
         from deepspeed.runtime.pipe import schedule
         engine = self.engine
-        table = dict(type(engine)._INSTRUCTION_MAP)
+        if "_INSTRUCTION_MAP" not in vars(engine):  # another log may have made one already
+            engine._INSTRUCTION_MAP = dict(type(engine)._INSTRUCTION_MAP)
+        table = engine._INSTRUCTION_MAP
         send_activations = table[schedule.SendActivation]
         send_grads = table[schedule.SendGrad]
         log = self
@@ -107,9 +109,8 @@ class UpstreamLog:
                                        if torch.is_tensor(t) and t.grad is not None))
             send_grads(eng, buffer_id)
 
-        table[schedule.SendActivation] = logged_send_activations
-        table[schedule.SendGrad] = logged_send_grads
-        engine._INSTRUCTION_MAP = table  # this engine's only: the class's stays DeepSpeed's
+        table[schedule.SendActivation] = logged_send_activations  # this engine's table
+        table[schedule.SendGrad] = logged_send_grads  # only: the class's stays DeepSpeed's
         run_schedule = engine._exec_schedule
 
         def logged_schedule(pipe_schedule):
