@@ -150,6 +150,10 @@ class UpstreamLog:
         self.peak_bytes = max(self.peak_bytes, self.bytes)
 
     def _host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        # GPU: the copy runs beside the next compute, so the tensor must not be written in
+        # place before it ends. DeepSpeed's sends are fresh tensors each micro-batch (a
+        # forward's outputs, the .grad of a cloned input), freed rather than reused:
+        # record_stream keeps the allocator from handing their memory out early.
         tensor = tensor.detach()
         if tensor.device.type != "cuda":
             return tensor.clone()

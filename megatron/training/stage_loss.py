@@ -111,7 +111,20 @@ class StageLoss:
                if done.localized else f"global: every stage replayed iterations "
                f"{done.window_start + 1}..{iteration - 1} ({done.why})")
         self.log(f"[moc] recovered in {done.seconds:.2f} s, {how}")
+        self._record(done)
         return done
+
+    def _record(self, done: Recovered) -> None:
+        """Rank 0: a ``recovery`` event in ``--moc-event-file`` (the ETTR line counts them)."""
+        path = getattr(self.args, "moc_event_file", None)
+        if not path or dist.get_rank() != 0:
+            return
+        from megatron.training.events import EventLog
+        EventLog(path).append({
+            "kind": "recovery", "iteration": done.window_start,
+            "source": "localized in place" if done.localized else "global in place",
+            "load_s": done.seconds, "plt": 0.0, "iterations_lost": done.iteration - 1 - done.window_start,
+            "stages": done.stages, "why": done.why, "failure": f"lose-stage at {done.iteration}"})
 
     def _lose_state(self) -> None:
         """This rank's weights, fp32 masters, moments and logs are gone."""

@@ -192,6 +192,9 @@ def test_a_stage_that_loses_its_state_recovers_in_place_to_the_bit(runs, corpus,
                     f"MiB (peak {line.split('peak ')[2].split(')')[0]}) per rank; iterations 4..6 "
                     f"kept (4 = two windows)"), line
     assert runs_out["faults"][0] == runs_out["reference"][0]
+    events = [json.loads(x) for x in open(tmp_path / "faults" / "moc-events.jsonl")]
+    assert [(e["source"], e["iteration"], e["iterations_lost"]) for e in events
+            if e["kind"] == "recovery"] == [("localized in place", 1, 2), ("global in place", 3, 2)]
     assert runs_out["reference"][0] != runs[2][0]  # the dropout masks count
 
 

@@ -45,3 +45,20 @@ def test_log_sizes():
     assert log_capacity_bytes(640, 6) == 7 * 640
     with pytest.raises(ValueError, match="retain_iterations must be >= 1"):
         UpstreamLog(engine=None, retain_iterations=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_sends_are_copied_to_pinned_memory_on_a_side_stream():
+    """A send on the GPU: its host copy is pinned, made on the log's own stream after the
+    compute that produced the tensor, and equal to what was sent even when the tensor is
+    freed at once and its memory wanted by the next micro-batch (the allocator must not
+    hand it out before the copy ran: ``record_stream``)."""
+    log = UpstreamLog(engine=None, retain_iterations=1)
+    log.begin(1)
+    sent = torch.arange(1 << 20, dtype=torch.float32, device="cuda") * 2  # queued compute
+    log.record(ACTIVATION, sent)
+    del sent
+    torch.empty(1 << 20, dtype=torch.float32, device="cuda").fill_(-1)  # the next one
+    got = log.get(1, 0, ACTIVATION)[0]
+    assert got.is_pinned() and got.device.type == "cpu"
+    assert torch.equal(got, torch.arange(1 << 20, dtype=torch.float32) * 2)
