@@ -17,9 +17,9 @@ The collectives inside the stage (data- and expert-parallel reductions, the expe
 all-to-alls, ZeRO's all-gathers) run for real: every data-parallel rank of the failed
 stage replays together.
 
-Who calls what, in order: every rank calls :func:`newest_window` and
-:func:`gather_replay_inputs` (one ``all_gather_object`` each on the metadata group: the
-window every rank holds, and the survivors' logs); the failed stage's ranks restore their
+Who calls what, in order: every rank calls :func:`newest_window` (one
+``all_gather_object`` on the metadata group: the window every rank holds) and
+:func:`gather_replay_inputs` (the survivors' logs, pairwise); the failed stage's ranks restore their
 window's first frame (:func:`restore_window`) and call :meth:`StageReplay.step` once per
 step to replay, in order, applying the window's later frames after their steps
 (``Replay.apply``); every rank then meets in a barrier (the survivors wait there).
@@ -95,11 +95,42 @@ def _neighbour(engine, stage: int) -> int:
     return engine.grid.stage_to_global(stage_id=stage)
 
 
+def _offers(engine, failed_stage: int, steps, upstream: UpstreamLog, cross: CrossStageLog,
+            failed: Sequence[int], holders) -> List[Tuple[int, str, tuple, torch.Tensor]]:
+    """What this surviving rank sends to the failed stage's ranks, in order:
+    ``(destination, kind, key, tensor)`` with ``kind`` activation, gradient or collective
+    (key ``(step, micro-batch, index)`` or ``(step, group, call, 0)``)."""
+    stage, out = engine.stage_id, []
+    direction = {failed_stage - 1: ACTIVATION, failed_stage + 1: GRADIENT}.get(stage)
+    if direction is not None:
+        dest = _neighbour(engine, failed_stage)
+        upstream.sync()
+        for key in sorted((k for k in upstream.entries if k.iteration in steps
+                           and k.direction == direction),
+                          key=lambda k: (k.iteration, k.micro_batch)):
+            for index, tensor in enumerate(upstream.entries[key]):
+                out.append((dest, direction, (key.iteration, key.micro_batch, index), tensor))
+    import torch.distributed as dist
+    me = dist.get_rank()
+    for (step, group), values in sorted(cross.entries.items()):
+        if step not in steps or me != min(holders.get(group, (me,))):
+            continue  # one survivor of each group hands its results over
+        for dest in (r for r in failed if r in group):
+            for call, tensor in enumerate(values):
+                out.append((dest, "collective", (step, group, call, 0), tensor))
+    return out
+
+
 def gather_replay_inputs(engine, failed_stage: int, iterations: Sequence[int],
                          upstream: UpstreamLog, cross: CrossStageLog) -> Optional[ReplayInputs]:
     """Every rank: the survivors hand the failed stage's ranks their logs of
-    ``iterations`` (one ``all_gather_object`` on the metadata group); returns this rank's
-    :class:`ReplayInputs` on the failed stage, None elsewhere.
+    ``iterations``; returns this rank's :class:`ReplayInputs` on the failed stage, None
+    elsewhere.
+
+    Two phases on the metadata group: one ``all_gather_object`` of what each rank holds
+    and will send (keys, shapes, dtypes: small), then the tensors themselves, pairwise
+    (``isend``/``irecv``, neighbour to neighbour; every collective group's results from
+    one survivor of it): a rank receives only what it replays, and no tensor is pickled.
 
     Raises:
         KeyError: a neighbour lacks a step or micro-batch (its log was freed or lost); the
@@ -107,30 +138,48 @@ def gather_replay_inputs(engine, failed_stage: int, iterations: Sequence[int],
     """
     import torch.distributed as dist
     from deepspeed_ext.runtime.groups import metadata_group
-    stage = engine.stage_id
-    steps = set(iterations)
-    offer = None
-    if stage != failed_stage:
-        upstream.sync()
-        logs = {(k.iteration, k.micro_batch, k.direction): v for k, v in upstream.entries.items()
-                if k.iteration in steps}
-        offer = (stage, logs, {slot: v for slot, v in cross.entries.items() if slot[0] in steps})
+    stage, steps = engine.stage_id, set(iterations)
+    held = sorted({group for step, group in cross.entries if step in steps}) \
+        if stage != failed_stage else []
     every: List = [None] * dist.get_world_size()
-    dist.all_gather_object(every, offer, group=metadata_group())
+    dist.all_gather_object(every, (stage, held), group=metadata_group())
+    failed = [r for r, (s, _) in enumerate(every) if s == failed_stage]
+    holders: Dict[GroupKey, List[int]] = {}
+    for r, (_, groups) in enumerate(every):
+        for group in groups:
+            holders.setdefault(tuple(group), []).append(r)
+    offers = (_offers(engine, failed_stage, steps, upstream, cross, failed, holders)
+              if stage != failed_stage else [])
+    plans: List = [None] * dist.get_world_size()
+    dist.all_gather_object(plans, [(d, kind, key, tuple(t.shape), str(t.dtype).split(".")[-1])
+                                   for d, kind, key, t in offers], group=metadata_group())
+    works = [dist.isend(t.contiguous(), d, group=metadata_group()) for d, _, _, t in offers]
+    rank, received = dist.get_rank(), []
+    for source, plan in enumerate(plans):
+        for dest, kind, key, shape, dtype in plan:
+            if dest == rank:
+                buf = torch.empty(shape, dtype=getattr(torch, dtype))
+                works.append(dist.irecv(buf, source, group=metadata_group()))
+                received.append((kind, key, buf))
+    for work in works:
+        work.wait()
     if stage != failed_stage:
         return None
-    rank, out = dist.get_rank(), ReplayInputs()
-    for source, item in enumerate(every):
-        if item is None:
-            continue
-        their_stage, logs, results = item
-        if their_stage == failed_stage - 1 and source == _neighbour(engine, their_stage):
-            out.activations = {(i, m): v for (i, m, d), v in logs.items() if d == ACTIVATION}
-        if their_stage == failed_stage + 1 and source == _neighbour(engine, their_stage):
-            out.gradients = {(i, m): v for (i, m, d), v in logs.items() if d == GRADIENT}
-        for slot, values in results.items():
-            if rank in slot[1]:
-                out.collectives.setdefault(slot, values)  # every member kept the same
+    return _assemble(engine, failed_stage, steps, received)
+
+
+def _assemble(engine, failed_stage: int, steps, received) -> ReplayInputs:
+    out = ReplayInputs()
+    parts: Dict[Tuple[str, tuple], Dict[int, torch.Tensor]] = {}
+    for kind, key, tensor in received:
+        if kind == "collective":
+            step, group, call, _ = key
+            out.collectives.setdefault((step, tuple(group)), []).append(tensor)
+        else:
+            parts.setdefault((kind, tuple(key[:2])), {})[key[2]] = tensor
+    for (kind, (step, micro)), tensors in parts.items():
+        target = out.activations if kind == ACTIVATION else out.gradients
+        target[(step, micro)] = tuple(tensors[i] for i in sorted(tensors))
     micro = engine.micro_batches
     needs = ([("activations", failed_stage - 1)] if failed_stage > 0 else []) + \
         ([("gradients", failed_stage + 1)] if failed_stage < engine.num_stages - 1 else [])
