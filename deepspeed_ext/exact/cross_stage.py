@@ -112,12 +112,6 @@ class CrossStageLog:
 
     # -- reading, replaying, freeing --------------------------------------------------
 
-    def for_group(self, key: GroupKey, iterations) -> Dict[Tuple[int, GroupKey], List[torch.Tensor]]:
-        """This rank's results over group ``key`` in ``iterations`` (what a replaying
-        member of the group needs from a survivor)."""
-        wanted = set(iterations)
-        return {slot: v for slot, v in self.entries.items() if slot[1] == key and slot[0] in wanted}
-
     @contextlib.contextmanager
     def replaying(self, results: Dict[Tuple[int, GroupKey], List[torch.Tensor]],
                   iteration: int) -> Iterator[None]:

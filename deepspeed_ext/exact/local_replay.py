@@ -19,9 +19,10 @@ stage replays together.
 
 Who calls what, in order: every rank calls :func:`newest_window` (one
 ``all_gather_object`` on the metadata group: the window every rank holds) and
-:func:`gather_replay_inputs` (the survivors' logs, pairwise); the failed stage's ranks restore their
-window's first frame (:func:`restore_window`) and call :meth:`StageReplay.step` once per
-step to replay, in order, applying the window's later frames after their steps
+:func:`gather_replay_inputs` (the survivors' logs, pairwise); the failed stage's ranks load
+their frames (:func:`load_window`, no collectives), every rank agrees that they could,
+the failed stage's ranks restore the window's first frame (``exact.recovery.start_replay``)
+and call :meth:`StageReplay.step` once per step to replay, in order, applying the window's later frames after their steps
 (``Replay.apply``); every rank then meets in a barrier (the survivors wait there).
 """
 
@@ -61,32 +62,21 @@ def newest_window(exact):
     return agree_window(every)
 
 
-def restore_window(exact, found):
-    """This rank (the ranks of a stage together: ZeRO's all-gather of the weights): load
-    and check its frames of window ``found``, restore the engine to the window's first
-    frame (counters, optimizer scalars, the first group's fp32 state, every compute
-    weight). Returns the :class:`~deepspeed_ext.exact.replay.Replay` that applies the
-    later frames, and the first frame's objects (``client_state``, ``rng``).
+def load_window(exact, found):
+    """This rank alone, no collectives: load and check its frames of window ``found``
+    (memory first, then storage); for ``exact.recovery.start_replay`` once every
+    replaying rank succeeded.
 
     Raises:
-        RuntimeError: a frame is missing or fails its checks.
+        RuntimeError: this rank holds no frame of the window; or what
+            ``Recovery.load_checked`` raises for a damaged one.
     """
-    from deepspeed_ext.exact.replay import Replay, check_window, load_frame, restore_objects
-    from deepspeed_ext.policy import window as win
     roots = exact.recovery.available_frames(exact.save_dir)
-    frames = {}
-    for f in range(found.start, found.start + found.window):
-        if f not in roots:
-            raise RuntimeError(f"rank {exact.rank} holds no frame {f} of the window at {found.start}")
-        frames[f] = load_frame(roots[f][1], f, exact.rank)
-    schedule = win.Schedule(found.window, tuple(tuple(g) for g in found.groups))
-    check_window(exact.index, found.start, schedule, {f: t for f, (t, _) in frames.items()})
-    replay = Replay(found.start, schedule, {f: t for f, (t, _) in frames.items()})
-    objects = frames[found.start][1]
-    restore_objects(exact.engine, objects)
-    exact.index.forget_fragments()  # moments may have just been created
-    replay.apply(found.start, exact.index, exact.engine)
-    return replay, objects
+    window = range(found.start, found.start + found.window)
+    missing = [f for f in window if f not in roots]
+    if missing:
+        raise RuntimeError(f"rank {exact.rank} holds no frame {missing} of the window at {found.start}")
+    return exact.recovery.load_checked(found, {f: roots[f][1] for f in window})
 
 
 def _neighbour(engine, stage: int) -> int:
@@ -100,6 +90,7 @@ def _offers(engine, failed_stage: int, steps, upstream: UpstreamLog, cross: Cros
     """What this surviving rank sends to the failed stage's ranks, in order:
     ``(destination, kind, key, tensor)`` with ``kind`` activation, gradient or collective
     (key ``(step, micro-batch, index)`` or ``(step, group, call, 0)``)."""
+    import torch.distributed as dist
     stage, out = engine.stage_id, []
     direction = {failed_stage - 1: ACTIVATION, failed_stage + 1: GRADIENT}.get(stage)
     if direction is not None:
@@ -110,7 +101,6 @@ def _offers(engine, failed_stage: int, steps, upstream: UpstreamLog, cross: Cros
                           key=lambda k: (k.iteration, k.micro_batch)):
             for index, tensor in enumerate(upstream.entries[key]):
                 out.append((dest, direction, (key.iteration, key.micro_batch, index), tensor))
-    import torch.distributed as dist
     me = dist.get_rank()
     for (step, group), values in sorted(cross.entries.items()):
         if step not in steps or me != min(holders.get(group, (me,))):

@@ -114,7 +114,7 @@ class Recovery:
                                    f"({record.get('layout')}, this run {self.layout})")
             window = range(found.start, found.start + found.window)
             sources = {"memory" if mine[f][1] != load_dir else "storage" for f in window}
-            frames = self._load_checked(found, {f: mine[f][1] for f in window},
+            frames = self.load_checked(found, {f: mine[f][1] for f in window},
                                         check_client_state)
         except Exception as e:
             error = f"rank {self.rank}: {type(e).__name__}: {e}"
@@ -126,10 +126,12 @@ class Recovery:
         return (found, frames, [set(src) for _, src in outcomes],
                 [e for e, _ in outcomes if e is not None])
 
-    def _load_checked(self, found: WindowOnDisk, roots: Dict[int, str],
-                      check_client_state) -> Dict[int, Any]:
-        """This rank alone: load its frames of ``found`` (frame -> the root it is read
-        from) and check them; raises on any problem. Returns frame -> (tensors, objects)."""
+    def load_checked(self, found: WindowOnDisk, roots: Dict[int, str],
+                     check_client_state=None) -> Dict[int, Any]:
+        """This rank alone, no collectives: load its frames of ``found`` (frame -> the
+        root it is read from) and check them; raises on any problem (the caller agrees
+        on the ranks' outcomes before anything collective). Returns frame -> (tensors,
+        objects)."""
         frames = {f: load_frame(root, f, self.rank) for f, root in roots.items()}
         schedule = win.Schedule(found.window, tuple(tuple(g) for g in found.groups))
         # Checked before the outcome exchange, without touching the engine (a failed
@@ -149,13 +151,9 @@ class Recovery:
         """Every rank, once every rank loaded its frames of ``found``: restore the first
         frame into the engine, apply it, and arm the replay (then one barrier, in
         :meth:`drop_frames_from` or here); returns the replay and the frame's objects."""
-        schedule = win.Schedule(found.window, tuple(tuple(g) for g in found.groups))
-        replay = Replay(found.start, schedule, {f: t for f, (t, _) in frames.items()})
         objects = frames[found.start][1]
         self.index.popularity = {(l, e): n for l, e, n in objects.get("popularity", [])}
-        restore_objects(self.engine, objects)
-        self.index.forget_fragments()  # moments may have just been created
-        replay.apply(found.start, self.index, self.engine)
+        replay, objects = self.start_replay(found, frames)
         if os.path.abspath(load_dir) == os.path.abspath(self.save_dir):
             self.drop_frames_from(load_dir, replay.end)  # the incomplete window after it
         else:  # replaying another run's frames (moc-ckpt densify): leave them as they are
@@ -165,6 +163,20 @@ class Recovery:
                  f"{found.start} loaded from {self.last_source} in "
                  f"{time.perf_counter() - start:.2f} s; replaying iterations "
                  f"{found.start + 1}..{replay.end} to rebuild the exact state")
+        return replay, objects
+
+    def start_replay(self, found: WindowOnDisk, frames) -> Tuple[Replay, Dict[str, Any]]:
+        """The ranks replaying, together (ZeRO's all-gather of the weights), once every
+        one loaded and checked its frames (:meth:`load_checked`): restore the window's
+        first frame into the engine (counters, optimizer scalars, the first group's fp32
+        state, every compute weight). Returns the replay that applies the later frames,
+        and the first frame's objects."""
+        schedule = win.Schedule(found.window, tuple(tuple(g) for g in found.groups))
+        replay = Replay(found.start, schedule, {f: t for f, (t, _) in frames.items()})
+        objects = frames[found.start][1]
+        restore_objects(self.engine, objects)
+        self.index.forget_fragments()  # moments may have just been created
+        replay.apply(found.start, self.index, self.engine)
         return replay, objects
 
     def available_frames(self, load_dir: str,

@@ -37,8 +37,7 @@ def pipe_train_step(engine, batches: Iterator,
     ``[num_moe_layers, num_experts]`` (its stage's rows; the trainer sums them over the
     world, as without a pipeline)."""
     from megatron.model.gpt_moe_pipe import take_gate_counts
-    take_gate_counts(engine.module, num_experts, engine.device)  # drop evaluation's
-    engine.train_batch(batches)
+    engine.train_batch(batches)  # (evaluation's forwards count nothing: eval mode)
     cross = getattr(engine, "moc_cross", None)
     if cross is not None:
         cross.end_step()

@@ -164,8 +164,9 @@ class StageLoss:
             dist.all_gather_object(every, why, group=metadata_group())
             why = next((w for w in every if w), "")  # one decision for every rank
         replaying = bool(why) or engine.stage_id in failed
+        frames = self._load_agreed(found, replaying)
         if replaying:
-            replay, objects = self._restore(found)
+            replay, objects = self._restore(found, frames)
             consumed = int(objects["client_state"]["consumed_train_samples"])
             rng = get_rng_state()
             data = self.batches_from(consumed)
@@ -183,11 +184,35 @@ class StageLoss:
         dist.barrier(group=metadata_group())  # the other stages wait here
         return Recovered(iteration, failed, not why, found.start, time.perf_counter() - began, why)
 
-    def _restore(self, found):
+    def _load_agreed(self, found, replaying: bool):
+        """Every rank: the replaying ranks load and check their frames of ``found`` (no
+        collectives), and every rank learns whether all could before anything collective:
+        a rank failing alone would leave the others waiting in ZeRO's all-gather or the
+        barrier. Returns this rank's frames (None when it does not replay).
+
+        Raises:
+            RuntimeError: on every rank, naming each rank's problem.
+        """
+        from deepspeed_ext.exact.local_replay import load_window
+        from deepspeed_ext.runtime.groups import metadata_group
+        frames, error = None, None
+        if replaying:
+            try:
+                frames = load_window(self.exact, found)
+            except Exception as e:  # reported on every rank below
+                error = f"rank {dist.get_rank()}: {type(e).__name__}: {e}"
+        every: List = [None] * dist.get_world_size()
+        dist.all_gather_object(every, error, group=metadata_group())
+        errors = [e for e in every if e]
+        if errors:
+            raise RuntimeError(f"in-place recovery cannot restore the window of frames at "
+                               f"{found.start}: {'; '.join(errors)}")
+        return frames
+
+    def _restore(self, found, frames):
         """The window's first frame into this rank's engine, and the trainer's scheduler
         to that frame's step."""
-        from deepspeed_ext.exact.local_replay import restore_window
-        replay, objects = restore_window(self.exact, found)
+        replay, objects = self.exact.recovery.start_replay(found, frames)
         # megatron.core's scheduler loads by stepping from where it is: from 0 here, or it
         # would land at the loss's step plus the frame's
         self.scheduler.num_steps = 0

@@ -691,7 +691,8 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
     if exact is not None:
         try:
             exact.start(state.iteration, _exact_client_state(state, scheduler))
-        except MemoryError as e:  # the same on every rank: the figures are all-reduced
+            _size_upstream_log(engine, args, exact)  # a fixed --moc-window: before training
+        except (MemoryError, ConfigError) as e:  # the same on every rank: the figures are all-reduced
             exact.close()  # bad input, not a failure: no keeper and memory left behind
             raise ConfigError(str(e)) from None
     while (state.iteration < args.train_iters

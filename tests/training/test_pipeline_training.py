@@ -206,8 +206,35 @@ def test_a_stage_that_loses_its_state_recovers_in_place_to_the_bit(runs, corpus,
       "2", "--enable-expert-tensor-parallelism"], "tensor and pipeline parallelism together"),
     (["--pipeline-model-parallel-size", "3", "--zero-stage", "1"],
      "world size \\(4\\) must be divisible by --pipeline-model-parallel-size \\(3\\)"),
+    (["--moc-checkpoint", "--moc-upstream-logging"],
+     "--moc-upstream-logging needs --moc-mode exact .* and --pipeline-model-parallel-size > 1"),
+    (["--moc-checkpoint", "--moc-mode", "exact", "--moc-fault", "lose-stage@3:rank=0"],
+     "--moc-fault lose-stage needs --pipeline-model-parallel-size > 1 and --moc-mode exact"),
 ])
 def test_what_pipeline_parallelism_does_not_support_is_refused(extra, needle):
     from tests.training.refusals import refusal
     # 8 ranks with tensor parallelism: a stage of 4 holds T 2 x EP 2
     assert re.search(needle, refusal(extra, 8 if "--tensor-model-parallel-size" in extra else 4))
+
+
+def test_an_upstream_log_over_its_budget_is_refused_naming_the_flags():
+    """Checked before training (a fixed --moc-window) or once the window is chosen: 4
+    stages, 8 micro-batches of 4 x 128 tokens of hidden 1024 in bf16 put about 16 MiB a
+    step on a middle stage (activations and gradients, 1 MiB each per micro-batch), 112
+    MiB for two windows of 3 and the step being logged."""
+    import argparse
+    from types import SimpleNamespace
+
+    from megatron.training.errors import ConfigError
+    from megatron.training.pipeline import check_upstream_log
+    log = SimpleNamespace(retain_iterations=2, engine=SimpleNamespace())
+    args = argparse.Namespace(micro_batch_size=4, seq_length=128, hidden_size=1024, fp16=False,
+                              bf16=True, pipeline_model_parallel_size=4,
+                              gradient_accumulation_steps=8, moc_upstream_log_gb=0.1)
+    with pytest.raises(ConfigError, match=r"takes 0\.110 GiB of host memory, over "
+                                          r"--moc-upstream-log-gb 0\.1; raise it, or lower "
+                                          r"--moc-window, --micro-batch-size"):
+        check_upstream_log(log, args, 3)
+    args.moc_upstream_log_gb = 0.2
+    check_upstream_log(log, args, 3)
+    assert log.retain_iterations == 6
