@@ -83,7 +83,7 @@ def _group_ranks(param: torch.nn.Parameter, pipe: Optional[PipelinePlace]) -> Tu
         group = groups._get_expert_data_parallel_group(param.group_name)
         return tuple(sorted(dist.get_process_group_ranks(group)))
     if pipe is not None:
-        return pipe.data_group
+        return pipe.stage_ranks
     return tuple(range(dist.get_world_size()))
 
 
@@ -111,9 +111,11 @@ def tensor_parallel_place(engine) -> Optional[TensorParallelPlace]:
     size = mpu.get_tensor_model_parallel_world_size()
     if size == 1:
         return None
+    # A pipeline engine's mpu is its grid, which names the tensor-parallel group "slice".
+    group = getattr(mpu, "get_tensor_model_parallel_group", None) or mpu.get_slice_parallel_group
     return TensorParallelPlace(
         rank=mpu.get_tensor_model_parallel_rank(), size=size,
-        group=tuple(sorted(dist.get_process_group_ranks(mpu.get_tensor_model_parallel_group()))),
+        group=tuple(sorted(dist.get_process_group_ranks(group()))),
         data_group=tuple(sorted(dist.get_process_group_ranks(mpu.get_data_parallel_group()))))
 
 
@@ -385,20 +387,19 @@ def describe_local_state(engine, naming: ExpertNaming, with_moments: bool = True
             so one large tensor does not fall on one rank.
 
     On a pipeline stage the names are the whole model's (``naming.stage``), a non-expert
-    parameter's replicas are the stage's data-parallel ranks, and a save leaves out the
+    parameter's replicas are the stage's ranks (those of its tensor-parallel part, under
+    tensor parallelism), and a save leaves out the
     copies of tied modules that an earlier stage holds too (it saves them; a load fills
     every copy).
 
     Raises:
         ValueError: low-precision training without ZeRO, whose master weights are not
-            reachable through fragment maps; a pipeline with tensor parallelism.
+            reachable through fragment maps.
     """
     import torch.distributed as dist
     fragments: List[LocalFragment] = []
     partitioned, rank = is_partitioned(engine), dist.get_rank()
     tp, pipe = tensor_parallel_place(engine), pipeline_place(engine)
-    if tp is not None and pipe is not None:
-        raise ValueError("MoC checkpoints of a pipeline with tensor parallelism are not supported yet")
     opt, groups = base_optimizer(engine), {}
     for local_name, param in engine.module.named_parameters():
         copy, tied = _tied_copy(pipe, local_name, param, for_save, partitioned)

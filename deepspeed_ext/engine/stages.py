@@ -54,13 +54,18 @@ class PipelinePlace:
     """Pipeline stages P (> 1)."""
     data_group: Tuple[int, ...]
     """Global ranks of the stage that hold the same layers (its data-parallel group)."""
+    stage_ranks: Tuple[int, ...]
+    """Every global rank of the stage (its data-parallel group times its tensor-parallel
+    ranks)."""
     replicated: FrozenSet[str]
     """Local names of the parameters this rank holds as a replica of an earlier stage's
     (a tied module's copy on a later stage): that stage saves them."""
     tied: Dict[str, Tuple[int, ...]] = field(default_factory=dict)
     """Local name of each tied weight (kept equal on every stage holding it: DeepSpeed
-    sums its gradients over them) -> every rank of those stages. Its fp32 weights can be
-    read for a save from any of them, which spreads the writes over the stages."""
+    sums its gradients over them) -> every rank of those stages with this rank's
+    tensor-parallel rank (the word embedding is split by vocabulary over the
+    tensor-parallel ranks). Its fp32 weights can be read for a save from any of them,
+    which spreads the writes over the stages."""
 
 
 def pipeline_place(engine) -> Optional[PipelinePlace]:
@@ -73,14 +78,20 @@ def pipeline_place(engine) -> Optional[PipelinePlace]:
     replicated = frozenset(name for name, p in module.named_parameters()
                            if getattr(p, "ds_pipe_replicated", False))
     topo = module.topology()
+    # Under tensor parallelism only the same tensor-parallel rank of another stage holds
+    # the same part of a tied weight (DeepSpeed ties each "model" coordinate apart).
+    same_part = ({"model": topo.get_coord(grid.get_global_rank()).model}
+                 if "model" in topo.get_axis_names() else {})
     tied: Dict[str, Tuple[int, ...]] = {}
     for key, comm in getattr(module, "tied_comms", {}).items():
         stages = {topo.get_coord(r).pipe for r in comm["ranks"]}
-        holders = tuple(sorted(r for s in stages for r in topo.filter_match(pipe=s)))
+        holders = tuple(sorted(r for s in stages for r in topo.filter_match(pipe=s, **same_part)))
         for attr in comm["weight_attr"]:  # only these are kept equal (the rest of the
             tied[f"tied_modules.{key}.{attr}"] = holders  # module gets no gradient there)
-    return PipelinePlace(stage=grid.get_stage_id(), stages=grid.pipe_parallel_size,
+    stage = grid.get_stage_id()
+    return PipelinePlace(stage=stage, stages=grid.pipe_parallel_size,
                          data_group=tuple(sorted(grid.get_data_parallel_group_ranks())),
+                         stage_ranks=tuple(sorted(topo.filter_match(pipe=stage))),
                          replicated=replicated, tied=tied)
 
 

@@ -22,6 +22,13 @@ pipeline layers:
 
 Experts: the expert-parallel groups are ``ep`` consecutive ranks of one stage (DeepSpeed's
 groups with a pipeline), so a rank's expert-parallel rank is ``rank % ep``.
+
+With tensor parallelism (T > 1) the layers are the same megatron-core ones as
+``GPTMoEModel``'s (the vocabulary of the tied embedding and head split too, the loss the
+vocab-parallel cross entropy), and the module is given DeepSpeed's pipe x data x model
+topology, whose order (the tensor-parallel ranks innermost, the stage outermost) is
+megatron-core's: its tensor-parallel groups, which the layers use, are the grid's
+"model" groups.
 """
 
 from typing import List
@@ -30,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megatron.model import tensor_parallel as tp
 from megatron.model.config import GPTMoEConfig
 from megatron.model.gpt_moe import (TransformerLayer, expert_global_name, init_parameter,
                                     layer_norm)
@@ -47,7 +55,9 @@ class EmbeddingPipe(nn.Module):
 
     def __init__(self, config: GPTMoEConfig):
         super().__init__()
-        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.tensor_parallel = config.tensor_model_parallel_size > 1
+        self.word_embeddings = tp.embedding(config.vocab_size, config.hidden_size,
+                                            config.tensor_model_parallel_size)
         self.position_embeddings = (nn.Embedding(config.max_position_embeddings, config.hidden_size)
                                     if config.position_embedding_type == "learned_absolute" else None)
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
@@ -64,8 +74,11 @@ class EmbeddingPipe(nn.Module):
 
 
 def head_forward(embedding: EmbeddingPipe, inputs):
-    """The output head: logits of the tied word embedding, and the aux loss."""
+    """The output head: logits of the tied word embedding (this rank's vocabulary slice
+    under tensor parallelism), and the aux loss."""
     x, aux = inputs
+    if embedding.tensor_parallel:
+        return tp.parallel_logits(x, embedding.word_embeddings.weight), aux
     return F.linear(x, embedding.word_embeddings.weight), aux
 
 
@@ -135,12 +148,16 @@ class PipeLoss:
 
     def __init__(self, config: GPTMoEConfig):
         self.coeff = config.moe_loss_coeff
+        self.tensor_parallel = config.tensor_model_parallel_size > 1
         self._parts = None
 
     def __call__(self, outputs, targets):
         (logits, aux), (labels, loss_mask) = outputs, targets
-        losses = F.cross_entropy(logits.float().view(-1, logits.size(-1)), labels.reshape(-1),
-                                 reduction="none")
+        if self.tensor_parallel:  # logits of this rank's vocabulary slice
+            losses = tp.parallel_cross_entropy(logits.float(), labels).reshape(-1)
+        else:
+            losses = F.cross_entropy(logits.float().view(-1, logits.size(-1)),
+                                     labels.reshape(-1), reduction="none")
         mask = loss_mask.reshape(-1).float()
         lm_loss = (losses * mask).sum() / mask.sum().clamp(min=1.0)
         aux = aux.sum()
@@ -171,19 +188,36 @@ def pipe_layers(config: GPTMoEConfig) -> List:
 
 def build_pipe_model(config: GPTMoEConfig, stages: int, ep_rank: int):
     """The ``PipelineModule`` of this rank's stage, initialised as ``GPTMoEModel`` would be.
-    Every rank calls it after ``init_process_group`` (DeepSpeed's pipeline groups).
+    Every rank calls it after ``init_process_group`` (DeepSpeed's pipeline groups) and,
+    with tensor parallelism, after megatron-core's ``initialize_model_parallel``.
 
     Raises:
-        ValueError: tensor parallelism with a pipeline (not supported yet).
+        ValueError: a stage without an MoE layer; megatron-core's tensor-parallel size
+            not the config's.
     """
+    import torch.distributed as dist
     from deepspeed.pipe import PipelineModule
-    if config.tensor_model_parallel_size > 1:
-        raise ValueError("pipeline parallelism with tensor parallelism is not supported yet")
-    module = PipelineModule(layers=pipe_layers(config), num_stages=stages,
-                            loss_fn=PipeLoss(config),
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+    size = config.tensor_model_parallel_size
+    tp_rank, tp_size = tp.tp_rank_and_size() if size > 1 else (0, 1)
+    if tp_size != size:
+        raise ValueError(f"tensor_model_parallel_size {size}, but megatron-core's "
+                         f"parallel_state has {tp_size}: initialise it first")
+    topology = None
+    if size > 1:
+        if config.num_experts > 1:
+            tp.allow_flat_gathers_on_gloo()  # DeepSpeed's MoE token gathers over the TP group
+        topology = PipeModelDataParallelTopology(
+            num_pp=stages, num_mp=size, num_dp=dist.get_world_size() // (stages * size))
+    module = PipelineModule(layers=pipe_layers(config), num_stages=None if topology else stages,
+                            topology=topology, loss_fn=PipeLoss(config),
                             partition_method="type:TransformerLayerPipe")
     check_stages_hold_experts(config, module.parts)
-    init_pipe_weights(module, config, ep_rank)
+    if size > 1:  # the same marks as GPTMoEModel's (checkpoints, the gradient norm)
+        tp.mark_partition_views(module, size, config.enable_expert_tensor_parallelism)
+        if not config.enable_expert_tensor_parallelism:
+            tp.mark_replicated_experts(module)
+    init_pipe_weights(module, config, ep_rank, tp_rank)
     from deepspeed_ext.engine.stages import STAGE_NAMING_ATTR
     setattr(module, STAGE_NAMING_ATTR, stage_naming(module, config))
     return module
@@ -237,9 +271,11 @@ def check_stages_hold_experts(config: GPTMoEConfig, parts) -> None:
                 f"--pipeline-model-parallel-size")
 
 
-def init_pipe_weights(module: nn.Module, config: GPTMoEConfig, ep_rank: int) -> List[str]:
-    """Initialise every parameter of this stage's layers by its ``GPTMoEModel`` name;
-    returns those names (the tied embedding once)."""
+def init_pipe_weights(module: nn.Module, config: GPTMoEConfig, ep_rank: int,
+                      tp_rank: int = 0) -> List[str]:
+    """Initialise every parameter of this stage's layers by its ``GPTMoEModel`` name (the
+    slice of tensor-parallel rank ``tp_rank``); returns those names (the tied embedding
+    once)."""
     names = []
     for sub in module.modules():  # each module once, the tied embedding too
         prefix = getattr(sub, "global_prefix", None)
@@ -249,6 +285,6 @@ def init_pipe_weights(module: nn.Module, config: GPTMoEConfig, ep_rank: int) -> 
             if isinstance(sub, FinalNormPipe):
                 local = FinalNormPipe.global_name(local)
             name = expert_global_name(prefix + local, ep_rank, config.num_local_experts)
-            init_parameter(config, name, param)
+            init_parameter(config, name, param, tp_rank)
             names.append(name)
     return names

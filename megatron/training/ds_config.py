@@ -55,7 +55,25 @@ def build_ds_config(args: argparse.Namespace) -> Dict:
         config["bf16"] = {"enabled": True}
     if args.fp16:
         config["fp16"] = _fp16_section(args)
+    _pipeline_section(args, config, None)
     return config
+
+
+def _pipeline_section(args: argparse.Namespace, config: Dict, path: Optional[str]) -> None:
+    """With tensor and pipeline parallelism, DeepSpeed's pipeline engine splits what a
+    stage sends over the tensor-parallel ranks by default (``pipeline.pipe_partitioned``,
+    ``grad_partitioned``), which it does not support with MoE layers: they are set off,
+    and a ``--deepspeed_config`` file (``path``) that sets them on is refused."""
+    if (getattr(args, "pipeline_model_parallel_size", 1) < 2
+            or getattr(args, "tensor_model_parallel_size", 1) < 2):
+        return
+    section = config.setdefault("pipeline", {})
+    for key in ("pipe_partitioned", "grad_partitioned"):
+        if path is not None and section.get(key):
+            raise ConfigError(f"pipeline.{key} = true in --deepspeed_config {path}: DeepSpeed's "
+                              "pipeline engine does not split what stages send over the "
+                              "tensor-parallel ranks with MoE layers; set it false")
+        section[key] = False
 
 
 def _fp16_section(args: argparse.Namespace) -> Dict:
@@ -171,6 +189,7 @@ def _from_file(args: argparse.Namespace) -> Dict:
         config[key] = value
     _fill_given_flags(args, config)
     _drop_legacy_curriculum(path, config)
+    _pipeline_section(args, config, path)
     return config
 
 

@@ -2,8 +2,8 @@
 they say nothing else.
 
 Megatron-DeepSpeed's MoE example scripts (``examples_deepspeed/MoE/ds_pretrain_gpt_*``)
-pass flags for features this trainer has in one form only: no tensor or pipeline
-parallelism, memory-mapped indexed datasets, separate MoE parameter groups. They are
+pass flags for features this trainer has in one form only: no sequence parallelism,
+memory-mapped indexed datasets, separate MoE parameter groups. They are
 accepted with that value, and any other value is refused here (on every rank, before any
 collective) with a message naming the flag and what is supported. docs/megatron-deepspeed.md
 maps each of their flags to ours.
@@ -54,7 +54,8 @@ def add_megatron_compat_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="Pipeline stages (DeepSpeed's pipeline engine; ZeRO stage 0/1, every "
                         "stage must hold an MoE layer; MoC checkpoints of every kind load under "
-                        "another size; not yet with tensor parallelism).")
+                        "another size; with --tensor-model-parallel-size too, DeepSpeed's MoE dispatch "
+                        "only).")
     g.add_argument("--no-pipeline-parallel", action="store_true",
                    help="Accepted: the model is never pipelined.")
     g.add_argument("--data-impl", default="mmap", choices=DATA_IMPLS,
@@ -145,13 +146,16 @@ def _check_pipeline(args: argparse.Namespace) -> None:
         raise ConfigError(f"--pipeline-model-parallel-size {stages} with --zero-stage "
                           f"{args.zero_stage}: DeepSpeed's pipeline engine supports ZeRO stage 0 or "
                           "1 only; pass --zero-stage 1")
-    for flag, value, why in (
-            ("--tensor-model-parallel-size", getattr(args, "tensor_model_parallel_size", 1) > 1,
-             "tensor and pipeline parallelism together are not supported yet"),
-            ("--checkpoint-activations", getattr(args, "checkpoint_activations", False),
-             "activation checkpointing inside pipeline stages is not supported yet")):
-        if value:
-            raise ConfigError(f"--pipeline-model-parallel-size {stages} with {flag}: {why}")
+    if getattr(args, "checkpoint_activations", False):
+        raise ConfigError(f"--pipeline-model-parallel-size {stages} with --checkpoint-activations: "
+                          "activation checkpointing inside pipeline stages is not supported yet")
+    schedule = getattr(args, "moe_schedule", "deepspeed")
+    if schedule != "deepspeed":
+        # Setting a schedule up is a collective per MoE layer of the whole world, and
+        # stages hold different numbers of MoE layers: the stages would wait on each other.
+        raise ConfigError(f"--pipeline-model-parallel-size {stages} with --moe-schedule "
+                          f"{schedule}: Parm's schedules are not supported inside pipeline "
+                          "stages yet; drop the flag (DeepSpeed's dispatch runs)")
 
 
 def _check_tensor_parallel(args: argparse.Namespace) -> None:

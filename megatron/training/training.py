@@ -128,12 +128,15 @@ def initialize_distributed(args: argparse.Namespace) -> None:
     init_metadata_group(timeout)
     if getattr(args, "tensor_model_parallel_size", 1) > 1:
         # megatron-core's tensor- and data-parallel groups (consecutive ranks share the
-        # layers: megatron/training/parallel_layout.py), before the model is built.
+        # layers: megatron/training/parallel_layout.py), before the model is built. With
+        # a pipeline, its stages too: megatron-core's order (stage outermost) is that of
+        # DeepSpeed's pipeline topology, so both name the same data-parallel groups.
         from megatron.data._compat import quiet_core_import
         with quiet_core_import():
             from megatron.core import parallel_state
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=args.tensor_model_parallel_size,
+            pipeline_model_parallel_size=getattr(args, "pipeline_model_parallel_size", 1),
             distributed_timeout_minutes=args.distributed_timeout_minutes)
 
 
@@ -209,8 +212,8 @@ def setup_model_and_optimizer(args: argparse.Namespace):
     optimizer = torch.optim.AdamW(_param_groups(model, args.weight_decay), lr=args.lr,
                                   betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
                                   foreach=False)
-    mpu = None
-    if config.tensor_model_parallel_size > 1:
+    mpu = None  # a pipeline's groups come from its module's grid
+    if config.tensor_model_parallel_size > 1 and stages == 1:
         from megatron.training.mpu import CoreMPU
         mpu = CoreMPU()
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,

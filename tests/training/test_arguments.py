@@ -137,6 +137,25 @@ def test_deepspeed_config_file_must_agree(tmp_path):
     assert cfg["train_batch_size"] == 4 and cfg["zero_optimization"]["stage"] == 1
 
 
+def test_tensor_and_pipeline_parallelism_send_whole_activations(tmp_path):
+    """With T and P > 1, DeepSpeed's pipeline engine would split what a stage sends over
+    the tensor-parallel ranks (its default), which it does not support with MoE: the
+    config sets it off, and a --deepspeed_config file that sets it on is refused by
+    key. Without tensor parallelism the section is left alone."""
+    flags = BASE + ["--num-experts", "2", "--pipeline-model-parallel-size", "2",
+                    "--zero-stage", "1"]
+    assert "pipeline" not in build_ds_config(validate_args(parse_args(flags), world_size=2))
+    flags += ["--tensor-model-parallel-size", "2", "--enable-expert-tensor-parallelism"]
+    cfg = build_ds_config(validate_args(parse_args(flags), world_size=4))
+    assert cfg["pipeline"] == {"pipe_partitioned": False, "grad_partitioned": False}
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"zero_optimization": {"stage": 1}, "pipeline": {"grad_partitioned": true}}')
+    args = validate_args(parse_args(flags + ["--deepspeed_config", str(ds)]), world_size=4)
+    with pytest.raises(ConfigError, match=r"pipeline.grad_partitioned = true in --deepspeed_config "
+                                          r".*ds.json: .* set it false"):
+        build_ds_config(args)
+
+
 def test_padded_vocab():
     assert padded_vocab_size(257, 128) == 384
     assert padded_vocab_size(256, 128) == 256
