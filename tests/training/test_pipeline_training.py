@@ -90,13 +90,15 @@ def test_pipeline_stages_with_tensor_parallelism_train_as_one(runs):
     _close(runs["tp"][0], runs[1][0], 1e-5)
 
 
-def test_moc_checkpoints_of_pipeline_stages(runs):
+def test_moc_checkpoints_of_pipeline_stages(runs, tmp_path):
     """The PP = 2 run's checkpoints hold the whole model under ``GPTMoEModel``'s names,
     as the PP = 1 run's do: the same tensors, the tied word embedding once; each stage's
     MoE layers keep their own ordinals (the stages' experts would collide otherwise);
     the 4 ranks write a balanced share (max/mean under 1.1: the tied embedding's weights
     written by either stage holding it; measured 1.05, 1.13 without); the gate counts of
-    both stages reach the token ledger and the PEC policy, which saved the same experts."""
+    both stages reach the token ledger and the PEC policy, which saved the same experts.
+    The same for PP = 2 x TP = 2, whose tensor-parallel parts are written whole, and which
+    ``moc-ckpt consolidate`` turns into the whole model."""
     from deepspeed_ext.store.reader import CheckpointReader
     balance = [float(line.split("max/mean ")[1].split(")")[0])
                for line in runs[2][1].splitlines() if line.startswith("[moc] saved")]
@@ -121,6 +123,18 @@ def test_moc_checkpoints_of_pipeline_stages(runs):
             assert versions1 == versions2
             if tag == "global_step6":  # K = 2: two experts of each layer from step 3
                 assert [step for step, _ in versions2.values()].count(3) == 4, versions2
+    # ``moc-ckpt consolidate`` (the same reader, through the command once): PP 2 x TP 2's
+    # step 6 as the whole model, every tensor of PP = 1's
+    from safetensors.torch import load_file
+    out = tmp_path / "tp.safetensors"
+    subprocess.run([os.path.join(os.path.dirname(os.sys.executable), "moc-ckpt"), "consolidate",
+                    str(runs["tp"][2]), "--tag", "global_step6", "--out", str(out), "--optimizer"],
+                   check=True, capture_output=True, cwd=REPO)
+    consolidated = load_file(str(out))
+    assert len(consolidated) == len(tensors1)
+    for (name, kind), value in tensors1.items():
+        torch.testing.assert_close(consolidated[name if kind == "fp32" else f"{name}.{kind}"],
+                                   value, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_moc_checkpoints_load_under_another_pipeline_size(runs, corpus, tmp_path):
