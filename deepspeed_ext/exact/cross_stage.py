@@ -32,14 +32,17 @@ class CrossStageLog:
     """A rank's results of the all-reduces it shares with other pipeline stages.
 
     Args:
-        engine: a DeepSpeed ``PipelineEngine``.
-        stage_ranks: global ranks of this rank's stage (every data-parallel rank of it).
+        engine: a DeepSpeed ``PipelineEngine`` with more than one stage.
         retain_iterations: steps kept (as the upstream log's).
     """
 
-    def __init__(self, engine, stage_ranks: Tuple[int, ...], retain_iterations: int):
+    def __init__(self, engine, retain_iterations: int):
+        from deepspeed_ext.engine.stages import pipeline_place
         self.engine = engine
-        self.stage_ranks = frozenset(stage_ranks)
+        # Every rank of the stage, its tensor-parallel ranks too: a group among them (an
+        # expert-parallel pair, say) replays with this rank; taken for one across stages,
+        # its all-reduce would be looked up in logs no other stage keeps.
+        self.stage_ranks = frozenset(pipeline_place(engine).stage_ranks)
         self.retain_iterations = retain_iterations
         self.entries: Dict[Tuple[int, GroupKey], List[torch.Tensor]] = {}
         """(step, group) -> that step's all-reduce results over the group, in call order."""

@@ -248,11 +248,8 @@ class StageReplay:
             eng.grad_layer = [t.to(eng.device).clone() for t in sent]
 
     def _send_activations(self, eng, buffer_id):
-        self.upstream.record(ACTIVATION, eng.pipe_buffers["outputs"][buffer_id])
+        self.upstream.record_send(eng, ACTIVATION, buffer_id)
 
     def _send_grads(self, eng, buffer_id):
-        inputs = eng.pipe_buffers["inputs"][buffer_id]
-        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-        self.upstream.record(GRADIENT, tuple(t.grad for t in inputs
-                                             if torch.is_tensor(t) and t.grad is not None))
+        self.upstream.record_send(eng, GRADIENT, buffer_id)
         eng.pipe_buffers["inputs"][buffer_id] = None  # as the real send frees it

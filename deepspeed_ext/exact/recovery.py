@@ -115,7 +115,7 @@ class Recovery:
             window = range(found.start, found.start + found.window)
             sources = {"memory" if mine[f][1] != load_dir else "storage" for f in window}
             frames = self.load_checked(found, {f: mine[f][1] for f in window},
-                                        check_client_state)
+                                       check_client_state)
         except Exception as e:
             error = f"rank {self.rank}: {type(e).__name__}: {e}"
             frames = {}

@@ -98,15 +98,11 @@ class UpstreamLog:
         log = self
 
         def logged_send_activations(eng, buffer_id):
-            log.record(ACTIVATION, eng.pipe_buffers["outputs"][buffer_id])
+            log.record_send(eng, ACTIVATION, buffer_id)
             send_activations(eng, buffer_id)
 
         def logged_send_grads(eng, buffer_id):
-            # before the send, which frees the input buffer
-            inputs = eng.pipe_buffers["inputs"][buffer_id]
-            inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-            log.record(GRADIENT, tuple(t.grad for t in inputs
-                                       if torch.is_tensor(t) and t.grad is not None))
+            log.record_send(eng, GRADIENT, buffer_id)  # before the send frees the inputs
             send_grads(eng, buffer_id)
 
         table[schedule.SendActivation] = logged_send_activations  # this engine's table
@@ -134,6 +130,17 @@ class UpstreamLog:
             self.free_before(self._iteration - self.retain_iterations + 1)
         self._iteration = None
 
+    def record_send(self, engine, direction: str, buffer_id: int) -> None:
+        """Keep what ``engine``'s ``SendActivation`` (its outputs) or ``SendGrad`` (its
+        inputs' gradients) of pipeline buffer ``buffer_id`` sends, before it is sent."""
+        if direction == ACTIVATION:
+            self.record(ACTIVATION, engine.pipe_buffers["outputs"][buffer_id])
+            return
+        inputs = engine.pipe_buffers["inputs"][buffer_id]
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        self.record(GRADIENT, tuple(t.grad for t in inputs
+                                    if torch.is_tensor(t) and t.grad is not None))
+
     def record(self, direction: str, tensors) -> None:
         """Keep a host copy of one send (called by the hooks, in send order)."""
         if self._iteration is None:
@@ -144,9 +151,9 @@ class UpstreamLog:
         copies = tuple(self._host_copy(t) for t in tensors)
         old = self.entries.pop(key, None)  # a step logged again (a replay) replaces it
         if old is not None:
-            self.bytes -= sum(t.numel() * t.element_size() for t in old)
+            self.bytes -= _nbytes(old)
         self.entries[key] = copies
-        self.bytes += sum(t.numel() * t.element_size() for t in copies)
+        self.bytes += _nbytes(copies)
         self.peak_bytes = max(self.peak_bytes, self.bytes)
 
     def _host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -202,4 +209,8 @@ class UpstreamLog:
     def free_before(self, iteration: int) -> None:
         """Drop every step before ``iteration``."""
         for key in [k for k in self.entries if k.iteration < iteration]:
-            self.bytes -= sum(t.numel() * t.element_size() for t in self.entries.pop(key))
+            self.bytes -= _nbytes(self.entries.pop(key))
+
+
+def _nbytes(tensors: Tuple[torch.Tensor, ...]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -79,8 +79,7 @@ def attach_upstream_log(engine, args: argparse.Namespace):
     log.attach()
     # the all-reduces across stages (tied gradients, the norm): a stage replaying alone
     # takes their results from the others (megatron/training/stage_loss.py)
-    engine.moc_cross = CrossStageLog(engine, tuple(engine.grid.get_data_parallel_group_ranks()),
-                                     retain)
+    engine.moc_cross = CrossStageLog(engine, retain)
     engine.moc_cross.attach()
     return log
 

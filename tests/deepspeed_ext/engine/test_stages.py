@@ -8,39 +8,12 @@ from deepspeed.runtime.pipe.topology import (PipeDataParallelTopology,
 from torch import nn
 
 from deepspeed_ext.engine.stages import pipeline_place
-
-
-class _Stage(nn.Module):
-    """A stage's module as DeepSpeed's PipelineModule shows it to pipeline_place: its
-    parameters (the tied embedding's under ``tied_modules``), topology and tie groups."""
-
-    def __init__(self, topo):
-        super().__init__()
-        self.tied_modules = nn.ModuleDict({"embed": nn.Embedding(4, 2)})
-        self.mlp = nn.Linear(2, 2)
-        self._topo = topo
-        # the embedding tied between the first and the last stage, over every other axis
-        ranks = [r for r in range(topo.world_size())
-                 if topo.get_coord(r).pipe in (0, topo.get_dim("pipe") - 1)]
-        self.tied_comms = {"embed": {"ranks": ranks, "weight_attr": ["weight"]}}
-
-    def topology(self):
-        return self._topo
-
-
-def _engine(topo, rank):
-    coord = topo.get_coord(rank)
-    data_group = topo.filter_match(pipe=coord.pipe, **({"model": coord.model}
-                                                       if "model" in topo.get_axis_names() else {}))
-    grid = SimpleNamespace(pipe_parallel_size=topo.get_dim("pipe"),
-                           get_stage_id=lambda: coord.pipe, get_global_rank=lambda: rank,
-                           get_data_parallel_group_ranks=lambda: data_group)
-    return SimpleNamespace(grid=grid, module=_Stage(topo))
+from tests.deepspeed_ext.fake_pipeline import fake_pipeline_engine
 
 
 def test_a_stage_without_tensor_parallelism_is_its_data_parallel_ranks():
     # PP 2 x DP 2: stage 1 is ranks 2 and 3
-    place = pipeline_place(_engine(PipeDataParallelTopology(num_pp=2, num_dp=2), 3))
+    place = pipeline_place(fake_pipeline_engine(PipeDataParallelTopology(num_pp=2, num_dp=2), 3))
     assert (place.stage, place.stages) == (1, 2)
     assert place.data_group == place.stage_ranks == (2, 3)
     assert place.tied == {"tied_modules.embed.weight": (0, 1, 2, 3)}
@@ -51,13 +24,13 @@ def test_with_tensor_parallelism_a_tied_part_is_held_by_the_same_tensor_parallel
     tensor-parallel rank 1; the word embedding is split by vocabulary, so only the ranks of
     tensor-parallel rank 1 on both stages hold rank 5's part (a write plan that gave it to
     rank 4 would store the other half of the vocabulary under rank 5's offsets)."""
-    place = pipeline_place(_engine(PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2), 5))
+    topo = PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2)
+    place = pipeline_place(fake_pipeline_engine(topo, 5))
     assert place.stage == 1 and place.data_group == (5, 7)
     assert place.stage_ranks == (4, 5, 6, 7)
     assert place.tied == {"tied_modules.embed.weight": (1, 3, 5, 7)}
 
 
 def test_no_pipeline_no_place():
-    engine = _engine(PipeDataParallelTopology(num_pp=1, num_dp=2), 0)
-    assert pipeline_place(engine) is None
+    assert pipeline_place(fake_pipeline_engine(PipeDataParallelTopology(num_pp=1, num_dp=2), 0)) is None
     assert pipeline_place(SimpleNamespace(module=nn.Linear(1, 1))) is None

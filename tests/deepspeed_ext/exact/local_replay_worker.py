@@ -98,7 +98,7 @@ def main():
     stage, dp_rank = engine.stage_id, engine.grid.get_data_parallel_id()
     upstream = UpstreamLog(engine, retain_iterations=4)
     upstream.attach()
-    cross = CrossStageLog(engine, tuple(engine.grid.get_data_parallel_group_ranks()), 4)
+    cross = CrossStageLog(engine, 4)
     cross.attach()
     saved, results, losses = {}, [], []
     for failed, (start, end) in ((1, (2, 4)), (0, (4, 6))):
