@@ -206,15 +206,16 @@ def _replay(args: argparse.Namespace, world_size: int, start: int, end: int,
             script_and_flags: List[str], source: str) -> int:
     """Run the replay of iterations ``start + 1 .. end`` (print it only, with
     ``--dry-run``) and check that it left checkpoint ``global_step{end}`` in ``--out``."""
-    # Memory of its own: with the run's --moc-shm-dir the replay would attach to that
-    # job's keeper, prefer its memory frames over the storage window chosen here, and
-    # delete that memory at its end while the job may still be restarting.
-    shm = tempfile.mkdtemp(prefix="moc-densify-",
-                           dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     # -P: the launcher does not import from the current directory (which may be the
     # checkpoint's); the workers import from the script's directory, this project's.
     safe_path = ["-P"] if sys.version_info >= (3, 11) else []
     launcher = replay_launcher(world_size, args.hostfile, safe_path)
+    # Memory of its own: with the run's --moc-shm-dir the replay would attach to that
+    # job's keeper, prefer its memory frames over the storage window chosen here, and
+    # delete that memory at its end while the job may still be restarting. Made after the
+    # launcher's checks: a refused --hostfile or GPU count left it behind in /dev/shm.
+    shm = tempfile.mkdtemp(prefix="moc-densify-",
+                           dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     if args.hostfile is not None:
         # Other hosts create the directory themselves (the trainer makes its own
         # --moc-shm-dir private); this host's copy goes in the finally below.

@@ -499,13 +499,22 @@ def test_densify_refuses_a_hostfile_that_does_not_fit_the_frames(tmp_path, repla
 def test_densify_on_one_host_refuses_more_ranks_than_its_gpus(tmp_path, replays, capsys,
                                                               monkeypatch):
     """4 ranks' frames on a host with 2 GPUs: NCCL would refuse two ranks on one device
-    at the first collective; densify says so up front and names --hostfile."""
+    at the first collective; densify says so up front and names --hostfile, and leaves
+    no directory behind (the replay's shared-memory one was made before the check, and
+    every refused densify left one in /dev/shm)."""
+    import tempfile
+
     import torch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    made = []
+    real_mkdtemp = tempfile.mkdtemp
+    monkeypatch.setattr(tempfile, "mkdtemp",
+                        lambda *a, **k: made.append(real_mkdtemp(*a, **k)) or made[-1])
     _frames(tmp_path / "ckpt", ["pretrain_gpt_moe.py", "--num-layers", "2"], world=4)
     argv = ["densify", str(tmp_path / "ckpt"), "--out", str(tmp_path / "dense")]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert "4 ranks" in err and "2 GPU(s)" in err and "--hostfile" in err, err
     assert replays == []
+    assert [d for d in made if os.path.exists(d)] == []
