@@ -18,6 +18,7 @@ from torch import nn
 
 from megatron.model import tensor_parallel as tp
 from megatron.model.config import GPTMoEConfig
+from megatron.model.moe_capacity import pad_capacity
 
 EXPERTS_KEY = "deepspeed_moe.experts.deepspeed_experts."
 
@@ -122,6 +123,10 @@ class TransformerLayer(nn.Module):
                 use_rts=False,  # random token selection would make the gate depend on RNG draws
                 enable_expert_tensor_parallelism=config.enable_expert_tensor_parallelism,
             )
+            # The layer splits each expert's capacity slots over the tensor-parallel
+            # ranks and stopped on a capacity T does not divide (an odd largest expert
+            # count without token dropping): padded here (megatron.model.moe_capacity).
+            pad_capacity(self.mlp.deepspeed_moe.gate, config.tensor_model_parallel_size)
         else:
             self.mlp = MLP(config, config.tensor_model_parallel_size)
 

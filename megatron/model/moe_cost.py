@@ -16,6 +16,7 @@ tensor-parallel ranks.
 """
 
 import math
+import struct
 from dataclasses import dataclass
 from typing import Dict, Mapping
 
@@ -96,13 +97,25 @@ class LayerShape:
         return self.experts * self.capacity * self.hidden * self.bytes_per_element
 
 
+def _float32(x: float) -> float:
+    """``x`` rounded to the nearest float32."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
 def capacity_of(tokens: int, experts: int, topk: int, capacity_factor: float,
-                min_capacity: int, drop_tokens: bool) -> int:
-    """Slots per expert as DeepSpeed 0.19's gate sizes them; without token dropping the
-    largest expert count, estimated as the mean ``tokens * topk / experts``."""
+                min_capacity: int, drop_tokens: bool, tensor_parallel: int = 1) -> int:
+    """Slots per expert as DeepSpeed 0.19's gate sizes them, rounded up to a multiple of
+    ``tensor_parallel`` as the model pads them (``megatron.model.moe_capacity``). With
+    token dropping the gate computes ``ceil(tokens / experts * capacity_factor * topk)``
+    in float32 (float64 differs: 25 tokens, 2 experts, factor 1.2 give 15 in float64, 16
+    in DeepSpeed); without, it takes the largest expert count, estimated here as the mean
+    ``tokens * topk / experts``."""
     if not drop_tokens:
-        return max(1, math.ceil(tokens * topk / experts))
-    return max(math.ceil(tokens / experts * capacity_factor * topk), min_capacity)
+        capacity = max(1, math.ceil(tokens * topk / experts))
+    else:
+        product = _float32(_float32(tokens / experts) * _float32(capacity_factor * topk))
+        capacity = max(math.ceil(product), min_capacity)
+    return -(-capacity // tensor_parallel) * tensor_parallel
 
 
 def predict(schedule: str, shape: LayerShape, links: GroupLinks) -> float:

@@ -1,6 +1,7 @@
 """Megatron-style console lines, a JSON-lines metrics file, optional TensorBoard and W&B."""
 
 import json
+import logging
 import math
 import os
 import sys
@@ -22,6 +23,22 @@ def print_rank_0(message: str) -> None:
     """Print on global rank 0 only, flushed, so launcher logs interleave sensibly."""
     if rank() == 0:
         print(message, flush=True)
+
+
+def show_model_lines(global_rank: int) -> None:
+    """Put the model's log lines (``megatron.model``'s loggers: the MoE capacity padding,
+    say) on this rank's console, as bare messages: INFO on rank 0, warnings elsewhere
+    (every rank builds the same model, so one copy of a line is enough). Every rank calls
+    it once at start-up. Without it a rank, which configures no logging, showed only
+    warnings, and only in ``logging``'s last-resort format. Nothing is added where the
+    program gave the root or ``megatron`` logger a handler of its own."""
+    model = logging.getLogger("megatron.model")
+    if logging.getLogger().handlers or logging.getLogger("megatron").handlers or model.handlers:
+        return
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    model.addHandler(handler)
+    model.setLevel(logging.INFO if global_rank == 0 else logging.WARNING)
 
 
 def timestamp() -> str:
@@ -141,8 +158,3 @@ class MetricsWriter:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.close()
-
-
-def fatal(message: str) -> None:
-    """Print an error line on stderr (every rank)."""
-    print(f"error: {message}", file=sys.stderr, flush=True)

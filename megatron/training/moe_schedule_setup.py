@@ -95,11 +95,11 @@ def _read_costs(path: str) -> GroupLinks:
 def layer_shape(args) -> LayerShape:
     """The shape every MoE layer of the trainer's model moves per micro-batch."""
     tokens = args.micro_batch_size * args.seq_length
+    tp = getattr(args, "tensor_model_parallel_size", 1)
     capacity = capacity_of(tokens, args.num_experts, args.topk, args.moe_train_capacity_factor,
-                           args.moe_min_capacity, not args.disable_moe_token_dropping)
+                           args.moe_min_capacity, not args.disable_moe_token_dropping, tp)
     return LayerShape(experts=args.num_experts, capacity=capacity, hidden=args.hidden_size,
-                      ep=args.moe_expert_parallel_size,
-                      tp=getattr(args, "tensor_model_parallel_size", 1),
+                      ep=args.moe_expert_parallel_size, tp=tp,
                       bytes_per_element=2 if (args.fp16 or args.bf16) else 4)
 
 

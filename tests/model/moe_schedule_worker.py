@@ -18,9 +18,11 @@ import torch.distributed as dist  # noqa: E402
 
 def _inputs(moe, place, drop):
     """(tokens, loss weights), the same on the tensor-parallel pair. Without token dropping
-    the capacity is the largest expert count, which DeepSpeed 0.19 splits over the pair
-    without padding it (its drop_tokens asserts divisibility): draw until it is even on
-    every expert-parallel group (the gate's all-reduce makes the capacity agree)."""
+    the capacity is the largest expert count over the expert-parallel group (the gate
+    all-reduces it), which the layer splits over the pair: draw until it is odd, the case
+    the model pads to a multiple of T (megatron.model.moe_capacity)."""
+    from megatron.model.moe_capacity import capacity_padding
+    padding = capacity_padding(moe.deepspeed_moe.gate)
     for attempt in range(50):
         gen = torch.Generator().manual_seed(10 + 100 * attempt + place.dp_rank)
         x = torch.randn(2, 16, 32, generator=gen)
@@ -28,12 +30,12 @@ def _inputs(moe, place, drop):
         if drop:
             return x, probe
         torch.manual_seed(1234 + place.dp_rank)
-        capacity = int(moe.deepspeed_moe.gate(x.reshape(-1, 32), None, True, False)[1])
-        even = torch.tensor([int(capacity % 2 == 0)])
-        dist.all_reduce(even, op=dist.ReduceOp.MIN)
-        if even.item():
+        moe.deepspeed_moe.gate(x.reshape(-1, 32), None, True, False)
+        odd = torch.tensor([padding.last[0] % 2])  # the gate's own capacity, not the padded one
+        dist.all_reduce(odd, op=dist.ReduceOp.MIN)  # every rank takes the same draw
+        if odd.item():
             return x, probe
-    raise RuntimeError("no input with an even capacity in 50 draws")
+    raise RuntimeError("no input with an odd capacity in 50 draws")
 
 
 def main():
@@ -54,6 +56,7 @@ def main():
     groups.mpu = CoreMPU()
     from megatron.model.config import GPTMoEConfig
     from megatron.model.gpt_moe import GPTMoEModel
+    from megatron.model.moe_capacity import capacity_padding
     from megatron.model.moe_schedules import SCHEDULES, install_schedules
     from megatron.training.parallel_layout import build_layout
     place = build_layout(dist.get_world_size(), 2, ep).place(dist.get_rank())
@@ -82,6 +85,7 @@ def main():
                 routes = moe.deepspeed_moe.gate(x.reshape(-1, 32), None, True, False)[3]
                 results[(topk, drop, schedule)] = {
                     "out": out.detach(), "l_aux": l_aux.detach(), "counts": counts,
+                    "capacity": capacity_padding(moe.deepspeed_moe.gate).last,
                     "dropped": int((routes < 0).sum()),
                     "x_grad": inp.grad,
                     "grads": {n: p.grad for n, p in moe.named_parameters()}}

@@ -1,6 +1,9 @@
 """The alpha-beta cost model of the MoE schedules (megatron/model/moe_cost.py)."""
 
+import itertools
+
 import pytest
+import torch
 
 from megatron.model.moe_cost import (GroupLinks, LayerShape, Link, capacity_of, choose,
                                      predict)
@@ -67,3 +70,25 @@ def test_capacity_as_deepspeeds_gate_sizes_it():
     assert capacity_of(64, 8, 2, 1.0, 4, True) == 16
     assert capacity_of(64, 8, 1, 0.25, 4, True) == 4
     assert capacity_of(64, 8, 2, 1.0, 4, False) == 16  # no dropping: the mean count
+
+
+def test_capacity_is_what_the_padded_gate_returns():
+    """With token dropping, capacity_of is the capacity DeepSpeed 0.19's gate returns on
+    the model's padding (megatron/model/moe_capacity.py), float32 rounding included (25
+    tokens, 2 experts, factor 1.2: 16, where float64 gives 15), for T = 1, 2 and 4."""
+    from deepspeed.moe.sharded_moe import TopKGate
+
+    from megatron.model.moe_capacity import pad_capacity
+    assert capacity_of(25, 2, 1, 1.2, 4, True) == 16
+    assert capacity_of(64, 8, 2, 1.0, 4, False, 4) == 16 and capacity_of(72, 8, 1, 1.0, 4, False, 2) == 10
+    checked = 0
+    for experts, topk, factor, tp in itertools.product((2, 4, 8), (1, 2), (1.0, 1.2, 1.3), (1, 2, 4)):
+        gate = TopKGate(16, experts, k=topk, capacity_factor=factor, min_capacity=4,
+                        drop_tokens=True, use_rts=False)
+        pad_capacity(gate, tp)
+        for tokens in (25, 45, 64, 72):
+            got = int(gate(torch.randn(tokens, 16), None, True, False)[1])
+            assert capacity_of(tokens, experts, topk, factor, 4, True, tp) == got, \
+                (tokens, experts, topk, factor, tp, got)
+            checked += got % 2 == 1
+    assert checked > 0  # odd capacities among them (T = 1)

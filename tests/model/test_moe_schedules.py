@@ -26,7 +26,10 @@ def test_every_schedule_computes_deepspeeds_outputs_and_gradients(tmp_path, ep):
       (float32; measured 1.4e-7).
 
     Drops happen where they should: with drop_tokens the capacity factor 0.5 drops
-    routes (top-1 and top-2), without it none."""
+    routes (top-1 and top-2), without it none. Without drops the tokens are drawn so that
+    the gate's capacity (the largest expert count) is odd: every schedule runs on it
+    padded to the next multiple of T = 2 (megatron/model/moe_capacity.py); T = 1 is
+    compared in tests/model/test_tensor_parallel.py."""
     nproc = 2 * ep
     results = run_ranks(nproc, [str(tmp_path), str(ep)], script="tests/model/moe_schedule_worker.py",
                         timeout=240)
@@ -37,6 +40,9 @@ def test_every_schedule_computes_deepspeeds_outputs_and_gradients(tmp_path, ep):
         for (topk, drop, schedule), got in runs.items():
             want = runs[(topk, drop, "deepspeed")]
             assert (got["dropped"] > 0) == drop, (topk, drop, got["dropped"])
+            gates_capacity, capacity = got["capacity"]
+            if not drop:
+                assert gates_capacity % 2 == 1 and capacity == gates_capacity + 1, got["capacity"]
             assert torch.equal(got["counts"], want["counts"])
             pairs = [("out", got["out"], want["out"]), ("l_aux", got["l_aux"], want["l_aux"]),
                      ("x_grad", got["x_grad"], want["x_grad"])]

@@ -70,79 +70,114 @@ def test_two_ranks_compute_the_loss_and_gradients_of_the_whole_model(tmp_path):
         assert any("dense_4h_to_h.bias" in n for n in r["replicated"])
 
 
+def _worker_runs(tmp_path, topk, layouts):
+    """Run tests/model/tp_moe_worker.py for each ``(T, ranks, extra args)``: ``{T: [each
+    rank's saved record]}``."""
+    out = {}
+    for size, nproc, extra in layouts:
+        where = tmp_path / f"t{size}"
+        where.mkdir()
+        results = run_ranks(nproc, [str(where), str(size), str(topk)] + extra,
+                            script="tests/model/tp_moe_worker.py", timeout=180)
+        assert all(r.returncode == 0 for r in results), describe(results)
+        out[size] = [torch.load(where / f"rank{r}.pt", weights_only=True) for r in range(nproc)]
+    return out
+
+
+def _odd_capacity_checked(drop, topk, ref_run, run, expert_tp):
+    """Without token dropping the tokens were drawn so that the capacity the gate sizes
+    (the largest expert count) is odd: T = 1 runs on it, T = 2 pads it to the next even
+    number (megatron/model/moe_capacity.py; with replicated experts DeepSpeed's gate pads
+    it itself). Returns True when the run was such a case."""
+    if drop:  # a static capacity (8 with top-1, 16 with top-2): even, nothing to pad
+        assert run["capacity"][0] == run["capacity"][1] == 8 * topk, run["capacity"]
+        return False
+    largest = ref_run["largest_count"]
+    assert largest % 2 == 1 and run["largest_count"] == largest, (largest, run["largest_count"])
+    assert ref_run["capacity"] is None  # T = 1: no padding installed
+    if expert_tp:  # the gate's all-reduced capacity (over both data shards), then padded
+        assert run["capacity"] == (largest, largest + 1), run["capacity"]
+    assert run["capacity"][1] % 2 == 0
+    return True
+
+
 @pytest.mark.parametrize("topk", [1, 2])
 def test_moe_layers_with_expert_tensor_parallelism_match_one_rank_per_layer(tmp_path, topk):
     """T = 2 x E = 2 on 4 ranks (experts split over the tensor-parallel pair, DeepSpeed's
     expert sharding) against T = 1 x E = 2 on 2 ranks, data-parallel rank d reading the
     same tokens in both: every loss, routing count and gradient (a slice of the T = 1
-    one) agrees within 1e-5 of its scale; only float32 summation order differs."""
+    one) agrees within 1e-5 of its scale; only float32 summation order differs. With
+    token dropping and without it (on an odd capacity, which T = 2 pads), under every
+    MoE schedule (DeepSpeed's, Parm's S1 and S2)."""
+    from megatron.model.moe_schedules import SCHEDULES
     from megatron.model.tensor_parallel import split_of
-    for size, nproc in ((1, 2), (2, 4)):
-        out = tmp_path / f"t{size}"
-        out.mkdir()
-        results = run_ranks(nproc, [str(out), str(size), str(topk)],
-                            script="tests/model/tp_moe_worker.py", timeout=180)
-        assert all(r.returncode == 0 for r in results), describe(results)
-    ref = {d: torch.load(tmp_path / "t1" / f"rank{d}.pt", weights_only=True) for d in range(2)}
-    split_names = 0
-    for r in range(4):
-        got = torch.load(tmp_path / "t2" / f"rank{r}.pt", weights_only=True)
+    runs = _worker_runs(tmp_path, topk, ((1, 2, []), (2, 4, [])))
+    ref = {r["dp_rank"]: r for r in runs[1]}
+    split_names = odd = 0
+    for got in runs[2]:
         want = ref[got["dp_rank"]]
         assert got["ep_rank"] == want["ep_rank"]
-        assert torch.allclose(got["loss"], want["loss"], rtol=1e-5, atol=0), (got["loss"], want["loss"])
-        assert torch.allclose(got["aux"], want["aux"], rtol=1e-5, atol=0)
-        assert torch.equal(got["counts"], want["counts"])  # the same routing, token for token
-        assert got["grads"].keys() == want["grads"].keys()
-        for name, grad in got["grads"].items():
-            split = split_of(got["local_names"][name], tuple(grad.shape), 2, expert_tp=True)
-            full = want["grads"][name]
-            expected = split.slice(full, got["tp_rank"], 2) if split else full
-            split_names += split is not None
-            assert got["marked"][name] == (split is not None), name
-            scale = full.abs().max().item()
-            assert (grad - expected).abs().max().item() <= 1e-5 * max(scale, 1e-12), name
-    assert split_names > 4 * 10  # attention, MLP, embedding and every expert's MLP split
+        assert sorted(got["runs"]) == sorted((drop, s) for drop in (False, True) for s in SCHEDULES)
+        for (drop, schedule), run in got["runs"].items():
+            case = (drop, schedule)
+            ref_run = want["runs"][(drop, "deepspeed")]
+            odd += _odd_capacity_checked(drop, topk, ref_run, run, expert_tp=True)
+            assert torch.allclose(run["loss"], ref_run["loss"], rtol=1e-5, atol=0), case
+            assert torch.allclose(run["aux"], ref_run["aux"], rtol=1e-5, atol=0), case
+            assert torch.equal(run["counts"], ref_run["counts"]), case  # the same routing
+            assert run["grads"].keys() == ref_run["grads"].keys()
+            for name, grad in run["grads"].items():
+                split = split_of(got["local_names"][name], tuple(grad.shape), 2, expert_tp=True)
+                full = ref_run["grads"][name]
+                expected = split.slice(full, got["tp_rank"], 2) if split else full
+                split_names += split is not None
+                assert got["marked"][name] == (split is not None), name
+                scale = full.abs().max().item()
+                assert (grad - expected).abs().max().item() <= 1e-5 * max(scale, 1e-12), (case, name)
+    assert odd == 4 * len(SCHEDULES)  # every rank, every schedule, without token dropping
+    assert split_names > 4 * 6 * 10  # attention, MLP, embedding and every expert's MLP split
 
 
 @pytest.mark.parametrize("topk", [1, 2])
 def test_moe_layers_with_replicated_experts_match_one_rank_per_layer(tmp_path, topk):
     """T = 2 x E = 2 on 4 ranks with experts replicated over the tensor-parallel pair
     (DeepSpeed's world-ordered expert groups: the pair's two ranks hold different
-    experts, each gets the pair's capacity shares) against T = 1 x E = 2 on 2 ranks:
-    losses and routing agree; split tensors' gradients are slices of T = 1's; an expert's
-    gradient summed over the ranks holding it (what its data-parallel all-reduce adds)
-    is T = 1's summed the same way, within 1e-5 of its scale. Experts are whole and
-    marked ``model_parallel`` only (DeepSpeed's norm then counts them on every rank)."""
+    experts, each gets the pair's capacity shares) against T = 1 x E = 2 on 2 ranks, with
+    token dropping and without it (on an odd capacity): losses and routing agree; split
+    tensors' gradients are slices of T = 1's; an expert's gradient summed over the ranks
+    holding it (what its data-parallel all-reduce adds) is T = 1's summed the same way,
+    within 1e-5 of its scale. Experts are whole and marked ``model_parallel`` only
+    (DeepSpeed's norm then counts them on every rank)."""
     from megatron.model.tensor_parallel import split_of
-    for size, nproc, extra in ((1, 2, []), (2, 4, ["replicated"])):
-        out = tmp_path / f"t{size}"
-        out.mkdir()
-        results = run_ranks(nproc, [str(out), str(size), str(topk)] + extra,
-                            script="tests/model/tp_moe_worker.py", timeout=180)
-        assert all(r.returncode == 0 for r in results), describe(results)
-    ref = [torch.load(tmp_path / "t1" / f"rank{d}.pt", weights_only=True) for d in range(2)]
-    got = [torch.load(tmp_path / "t2" / f"rank{r}.pt", weights_only=True) for r in range(4)]
+    runs = _worker_runs(tmp_path, topk, ((1, 2, []), (2, 4, ["replicated"])))
+    ref, got = runs[1], runs[2]
     assert [g["ep_rank"] for g in got] == [0, 1, 0, 1]  # the pair holds both halves
 
-    def summed(ranks, name):
-        return sum(r["grads"][name] for r in ranks if name in r["grads"])
+    def summed(ranks, case, name):
+        return sum(r["runs"][case]["grads"][name] for r in ranks
+                   if name in r["runs"][case]["grads"])
 
-    experts = 0
+    experts = odd = 0
     for g in got:
         want = ref[g["dp_rank"]]
-        assert torch.allclose(g["loss"], want["loss"], rtol=1e-5, atol=0)
-        assert torch.equal(g["counts"], want["counts"])
-        for name, grad in g["grads"].items():
-            if "deepspeed_experts" in name:
-                experts += 1
-                assert g["model_parallel"][name] and not g["marked"][name], name
-                full = summed(ref, name)
-                diff = (summed(got, name) - full).abs().max().item()
-                assert diff <= 1e-5 * max(full.abs().max().item(), 1e-12), name
-                continue
-            split = split_of(g["local_names"][name], tuple(grad.shape), 2, expert_tp=False)
-            full = want["grads"][name]
-            expected = split.slice(full, g["tp_rank"], 2) if split else full
-            scale = max(full.abs().max().item(), 1e-12)
-            assert (grad - expected).abs().max().item() <= 1e-5 * scale, name
-    assert experts == 4 * 2 * 4  # 4 ranks x 2 local experts x 4 tensors each
+        assert sorted(g["runs"]) == [(False, "deepspeed"), (True, "deepspeed")]
+        for case, run in g["runs"].items():
+            ref_run = want["runs"][case]
+            odd += _odd_capacity_checked(case[0], topk, ref_run, run, expert_tp=False)
+            assert torch.allclose(run["loss"], ref_run["loss"], rtol=1e-5, atol=0), case
+            assert torch.equal(run["counts"], ref_run["counts"]), case
+            for name, grad in run["grads"].items():
+                if "deepspeed_experts" in name:
+                    experts += 1
+                    assert g["model_parallel"][name] and not g["marked"][name], name
+                    full = summed(ref, case, name)
+                    diff = (summed(got, case, name) - full).abs().max().item()
+                    assert diff <= 1e-5 * max(full.abs().max().item(), 1e-12), (case, name)
+                    continue
+                split = split_of(g["local_names"][name], tuple(grad.shape), 2, expert_tp=False)
+                full = ref_run["grads"][name]
+                expected = split.slice(full, g["tp_rank"], 2) if split else full
+                scale = max(full.abs().max().item(), 1e-12)
+                assert (grad - expected).abs().max().item() <= 1e-5 * scale, (case, name)
+    assert odd == 4  # every rank, without token dropping
+    assert experts == 2 * 4 * 2 * 4  # 2 cases x 4 ranks x 2 local experts x 4 tensors each

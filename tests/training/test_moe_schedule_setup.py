@@ -28,3 +28,6 @@ def test_layer_shape_from_the_trainer_flags():
     # 64 tokens, 4 experts, top-2: 32 slots; bf16 activations
     assert (shape.experts, shape.capacity, shape.hidden, shape.ep, shape.tp,
             shape.bytes_per_element) == (4, 32, 64, 2, 2, 2)
+    # top-1 at factor 1.3: the gate's 21 slots, padded to 22 for the tensor-parallel pair
+    args.topk, args.moe_train_capacity_factor = 1, 1.3
+    assert layer_shape(args).capacity == 22
