@@ -1,6 +1,9 @@
 """Typed configuration of MoC checkpointing."""
 
 from dataclasses import dataclass
+from typing import Optional
+
+from deepspeed_ext.format.vocab import PaddedVocab
 
 
 @dataclass
@@ -62,6 +65,12 @@ class MoCConfig:
     """Parity pieces per erasure group; 1 (XOR) (``--moc-ec-parity``)."""
     redundancy_interval: int = 1
     """Protect every N-th snapshot in the peers' memory (``--moc-redundancy-interval``)."""
+    padded_vocab: Optional[PaddedVocab] = None
+    """The model's tensors whose rows are a padded vocabulary, and how many rows hold
+    tokens (the trainer sets it from its tokenizer and its padded vocabulary size): saved
+    with each checkpoint, and a load under another padding (another tensor-parallel size)
+    trims or adds padding rows (:mod:`deepspeed_ext.format.vocab`). None: such a load is
+    refused."""
 
     def __post_init__(self):
         if self.pec_k < 0:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from deepspeed_ext.config import MoCConfig
 from deepspeed_ext.engine.rng import common_state, set_rng_state
 from deepspeed_ext.engine.stages import STAGE_NAMING_ATTR, pipeline_place
+from deepspeed_ext.format.vocab import OBJECTS_KEY
 from deepspeed_ext.runtime.groups import metadata_group
 from deepspeed_ext.runtime.log import rank_zero_lines
 from deepspeed_ext.state import (ExpertNaming, LocalFragment, expert_naming, loss_scaler_state,
@@ -186,7 +187,10 @@ class CheckpointSession:
                                  if getattr(engine, "lr_scheduler", None) is not None else None),
                 "loss_scaler": loss_scaler_state(engine),
                 "pec_policy": self.policy.state_dict() if self.policy is not None else None,
-                "token_ledger": self.ledger.state_dict() if self.ledger is not None else None}
+                "token_ledger": self.ledger.state_dict() if self.ledger is not None else None,
+                # which rows hold tokens: a load under another padding keeps those only
+                OBJECTS_KEY: (self.config.padded_vocab.to_record()
+                              if self.config.padded_vocab is not None else None)}
 
     def layout_record(self, world: int, zero_stage: int) -> Dict[str, int]:
         """The manifest's layout record."""

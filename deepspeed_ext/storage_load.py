@@ -61,7 +61,9 @@ class StorageLoad:
         if found is None:
             _log(f"no MoC checkpoint in {load_dir}")
             return None, None
-        chosen, objects, ses.expert_versions_loaded = found
+        chosen, objects, ses.expert_versions_loaded, rows = found
+        if rows is not None:
+            _log(rows.describe())
         ses.account_recovery(objects, ses.expert_versions_loaded)
         refresh_compute_weights(ses.engine)
         ses.previous = (load_dir, chosen)
@@ -73,7 +75,7 @@ class StorageLoad:
     def _read_first_usable(self, load_dir: str, tag: Optional[str], load_optimizer_states: bool,
                            load_lr_scheduler_states: bool):
         """Every rank: read the newest checkpoint no rank found damaged (or ``tag``);
-        ``(tag, objects, expert versions)``, or None when there is none."""
+        ``(tag, objects, expert versions, row plan)``, or None when there is none."""
         described: List = []
 
         def fragments(moments=None):
@@ -165,11 +167,14 @@ class StorageLoad:
         in the collective after the exchange.
 
         Returns:
-            ``(True, (objects, expert versions))``, or ``(False, (kind, message))`` with
-            kind ``damaged`` for a file that failed its checks, else ``error``.
+            ``(True, (objects, expert versions, row plan))`` (the
+            :class:`~deepspeed_ext.format.vocab.RowPlan` of the padded vocabulary, None
+            when its rows are as saved), or ``(False, (kind, message))`` with kind
+            ``damaged`` for a file that failed its checks, else ``error``.
         """
         from deepspeed_ext.format.errors import CheckpointError
-        from deepspeed_ext.store.reader import CheckpointReader, check_saved_shape
+        from deepspeed_ext.format.vocab import OBJECTS_KEY
+        from deepspeed_ext.store.reader import CheckpointReader, check_saved_shape, vocab_plan
         try:
             # Rank 0 checked the structure while choosing; each rank checks the bytes it
             # reads, so no rank hashes (or opens) the whole checkpoint alone.
@@ -178,14 +183,17 @@ class StorageLoad:
                                   check_structure=False, resolution=resolution) as reader, \
                     torch.no_grad():
                 objects = reader.objects()  # first: which moments the fragments include
+                # The same plan on every rank (the same checkpoint): all or none refuse.
+                plan = vocab_plan(reader, self.session.config.padded_vocab,
+                                  objects.get(OBJECTS_KEY))
                 for frag in fragments(MomentPresence.from_record(objects.get("optimizer_moments"))):
-                    check_saved_shape(reader, frag, load_dir, chosen)
+                    rows = check_saved_shape(reader, frag, load_dir, chosen, plan)
                     data = reader.read(frag.name, frag.kind, frag.offset, frag.length,
-                                       split=frag.split)
+                                       split=frag.split, rows=rows)
                     frag.tensor.copy_(data.to(device=frag.tensor.device, dtype=frag.tensor.dtype))
                 versions = {k: v[0] for k, v in reader.expert_versions().items()}
             restore(objects)
-            return True, (objects, versions)
+            return True, (objects, versions, plan)
         except CheckpointError as e:
             traceback.print_exc()
             return False, ("damaged", str(e))

@@ -37,6 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output .safetensors file")
     p.add_argument("--optimizer", action="store_true",
                    help="also write every other kind (exp_avg, exp_avg_sq) as '<name>.<kind>'")
+    p.add_argument("--padded-vocab-size", type=int, default=None, metavar="N",
+                   help="write the padded-vocabulary tensors (word embedding, output layer) "
+                        "with N rows: padding rows trimmed or zero rows added, for another "
+                        "tensor-parallel size's padding; N = the vocabulary size: its token "
+                        "rows only (default: as saved)")
     p.set_defaults(func=cmd_consolidate)
     p = sub.add_parser(
         "densify", help="replay exact-mode frames into a checkpoint at the end of their "

@@ -33,6 +33,7 @@ from deepspeed_ext.format.fragment_reader import FragmentReader
 from deepspeed_ext.format.manifest import Manifest
 from deepspeed_ext.format.naming import tensor_key
 from deepspeed_ext.format.splits import TensorSplit, convert, same_order
+from deepspeed_ext.format.vocab import PaddedVocab, RowPlan, fit_rows, plan_rows
 from deepspeed_ext.format.objects import OBJECTS_FILE, decode, read_objects_file, tensor_keys
 from deepspeed_ext.format.storage import FileRecord, verify_file
 from deepspeed_ext.runtime.outcomes import MoCCheckpointError
@@ -250,18 +251,21 @@ class CheckpointReader:
 
     # ---------------------------------------------------------------------- reads
     def read(self, name: str, kind: str, start: int = 0, length: Optional[int] = None,
-             out: Optional[torch.Tensor] = None,
-             split: Optional[TensorSplit] = None) -> torch.Tensor:
+             out: Optional[torch.Tensor] = None, split: Optional[TensorSplit] = None,
+             rows: Optional[int] = None) -> torch.Tensor:
         """Elements ``[start, start + length)`` of the flattened global tensor, in the
-        order of ``split`` (None: row-major).
+        order of ``split`` (None: row-major); with ``rows``, of the tensor with its first
+        dimension trimmed or extended with zero rows to ``rows``
+        (:func:`deepspeed_ext.format.vocab.fit_rows`: a padded vocabulary loaded under
+        another padding).
 
         When the checkpoint stored the tensor in that order (saved by the same
         tensor-parallel split, or whole and read whole), reads only the byte ranges of
         the fragments that overlap the range. Otherwise (a load under another
-        tensor-parallel size) it reads the whole tensor once, re-orders it
-        (:func:`deepspeed_ext.format.splits.convert`) and keeps it for the next range of
-        the same tensor and order. Either way from the checkpoint that holds the tensor's
-        newest version.
+        tensor-parallel size, or other ``rows``) it reads the whole tensor once, re-orders
+        it (:func:`deepspeed_ext.format.splits.convert`), fits its rows, and keeps it for
+        the next range of the same tensor, order and rows. Either way from the checkpoint
+        that holds the tensor's newest version.
 
         Args:
             name, kind: the tensor.
@@ -271,6 +275,7 @@ class CheckpointReader:
                 (e.g. a slice of the rank's flat ZeRO partition); returned.
             split: the order to read in: a tensor-parallel rank's split, whose part ``p``
                 is elements ``[p * part_numel, (p + 1) * part_numel)``.
+            rows: the first dimension to read the tensor with (None: as saved).
 
         Raises:
             KeyError: no such tensor.
@@ -280,7 +285,12 @@ class CheckpointReader:
                 cannot be read.
         """
         rt = self._resolved(name, kind)
-        numel = rt.entry.numel
+        shape = tuple(rt.entry.shape)
+        if rows is not None and (not shape or type(rows) is not int or rows < 1):
+            raise ValueError(f"{name}|{kind}: cannot read a tensor of shape {list(shape)} "
+                             f"with {rows!r} rows")
+        rows = None if rows is None or rows == shape[0] else rows
+        numel = rt.entry.numel if rows is None else rt.entry.numel // shape[0] * rows
         if length is None:
             length = numel - start
         if start < 0 or length < 0 or start + length > numel:
@@ -292,14 +302,27 @@ class CheckpointReader:
         elif out.dim() != 1 or out.numel() != length or out.dtype != dtype:
             raise ValueError(f"{name}|{kind}: out must be 1-D {dtype} with {length} elements, "
                              f"got {tuple(out.shape)} {out.dtype}")
-        if same_order(rt.entry.split, split):
+        if rows is None and same_order(rt.entry.split, split):
             return self._read_stored(rt, name, kind, start, length, out)
-        key = (rt.tag, name, kind, split)
+        return out.copy_(self._whole(rt, name, kind, split, rows).narrow(0, start, length))
+
+    def _whole(self, rt: ResolvedTensor, name: str, kind: str, split: Optional[TensorSplit],
+               rows: Optional[int]) -> torch.Tensor:
+        """The whole tensor in ``split``'s order with ``rows`` rows (None: as saved), kept
+        for the next range of it (one whole tensor at a time)."""
+        key = (rt.tag, name, kind, split, rows)
         if self._reordered is None or self._reordered[0] != key:
-            self._reordered = None  # one whole tensor kept at a time
-            stored = self._read_stored(rt, name, kind, 0, numel, torch.empty(numel, dtype=dtype))
-            self._reordered = (key, convert(stored, rt.entry.split, split))
-        return out.copy_(self._reordered[1].narrow(0, start, length))
+            self._reordered = None
+            numel = rt.entry.numel
+            stored = self._read_stored(rt, name, kind, 0, numel,
+                                       torch.empty(numel, dtype=dtype_from_name(rt.entry.dtype)))
+            if rows is None:
+                whole = convert(stored, rt.entry.split, split)
+            else:
+                fitted = fit_rows(convert(stored, rt.entry.split, None).view(rt.entry.shape), rows)
+                whole = convert(fitted.view(-1), None, split)
+            self._reordered = (key, whole)
+        return self._reordered[1]
 
     def _read_stored(self, rt: ResolvedTensor, name: str, kind: str, start: int, length: int,
                      out: torch.Tensor) -> torch.Tensor:
@@ -320,10 +343,13 @@ class CheckpointReader:
             i += 1
         return out
 
-    def read_full(self, name: str, kind: str) -> torch.Tensor:
-        """The whole tensor in its global shape (a split one re-assembled)."""
-        rt = self._resolved(name, kind)
-        return self.read(name, kind).view(rt.entry.shape)
+    def read_full(self, name: str, kind: str, rows: Optional[int] = None) -> torch.Tensor:
+        """The whole tensor in its global shape (a split one re-assembled), with ``rows``
+        rows if given (see :meth:`read`)."""
+        shape = tuple(self._resolved(name, kind).entry.shape)
+        if rows is not None:
+            shape = (rows,) + shape[1:]
+        return self.read(name, kind, rows=rows).view(shape)
 
     def objects(self) -> Any:
         """The decoded ``objects.json`` of this checkpoint; None when it has none."""
@@ -381,21 +407,59 @@ class CheckpointReader:
         self.close()
 
 
-def check_saved_shape(reader: CheckpointReader, frag, load_dir: str, tag: str) -> None:
+def check_saved_shape(reader: CheckpointReader, frag, load_dir: str, tag: str,
+                      plan: Optional[RowPlan] = None) -> Optional[int]:
     """Refuse a tensor saved with another shape: reads go by flat element ranges, so a
     smaller model (say, another --ffn-hidden-size) would load the first elements of each
     saved tensor, laid out wrongly, without an error (the trainer's check of the saved
-    arguments is skipped when it falls back past a damaged newest checkpoint).
+    arguments is skipped when it falls back past a damaged newest checkpoint). A tensor
+    of ``plan`` (:func:`deepspeed_ext.format.vocab.plan_rows`) must have the plan's saved
+    rows and the model's other dimensions.
 
     ``frag`` is the rank's fragment (:class:`deepspeed_ext.state.LocalFragment`: its
     ``name``, ``kind`` and ``shape`` are read).
+
+    Returns:
+        The ``rows`` to :meth:`CheckpointReader.read` the fragment with (None: as saved).
 
     Raises:
         MoCCheckpointError: naming the tensor and both shapes.
     """
     saved = tuple(reader.info(frag.name, frag.kind).shape)
+    fitted = plan is not None and frag.name in plan.names
+    if fitted and (tuple(frag.shape[:1]) != (plan.rows,) or saved != plan.saved_shape(frag.shape)):
+        raise MoCCheckpointError(
+            f"{os.path.join(load_dir, tag)}: {frag.name} ({frag.kind}) was saved with shape "
+            f"{list(saved)}, this model's is {list(frag.shape)}: only its vocabulary rows "
+            f"may differ ({plan.saved_rows} saved, {plan.rows} described by the model)")
+    if fitted:
+        return plan.rows
     if saved != tuple(frag.shape):
         raise MoCCheckpointError(
             f"{os.path.join(load_dir, tag)}: {frag.name} ({frag.kind}) was saved with shape "
             f"{list(saved)}, this model's is {list(frag.shape)}: the checkpoint belongs to "
             f"another model configuration (compare the model flags with the run that saved it)")
+
+
+def vocab_plan(reader: CheckpointReader, model: Optional[PaddedVocab],
+               saved_record: Any) -> Optional[RowPlan]:
+    """What loading ``reader``'s checkpoint into the model ``model`` describes does with
+    the padded-vocabulary rows (:func:`deepspeed_ext.format.vocab.plan_rows`); None:
+    nothing to fit. ``saved_record``: the checkpoint objects'
+    :data:`~deepspeed_ext.format.vocab.OBJECTS_KEY` entry (None when absent).
+
+    Every loading rank calls it with the same checkpoint (no collective), and
+    ``moc-ckpt consolidate --padded-vocab-size``.
+
+    Raises:
+        VocabMismatch: see :func:`~deepspeed_ext.format.vocab.plan_rows`.
+        ValueError: a malformed record.
+    """
+    if model is None:
+        return None
+    saved_rows: Dict[str, int] = {}
+    for name, kind in reader.keys():  # one kind's rows; check_saved_shape checks each
+        if name in model.names and name not in saved_rows:
+            shape = reader.info(name, kind).shape
+            saved_rows[name] = shape[0] if shape else 0
+    return plan_rows(model, PaddedVocab.from_record(saved_record), saved_rows)

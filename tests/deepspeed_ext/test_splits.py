@@ -66,7 +66,7 @@ def test_malformed_splits_are_refused_naming_the_field(record, needle):
     assert "tensors['w|fp32'].split" in str(err.value)
 
 
-def _save_split_checkpoint(save_dir, full, split, parts_per_fragment=2):
+def save_split_checkpoint(save_dir, full, split, parts_per_fragment=2):
     """Save tensor ``w`` as ``split.parts`` tensor-parallel ranks would under ZeRO: each
     part cut into ``parts_per_fragment`` partitions, every partition from its own rank."""
     tag_dir = prepare_checkpoint_dir(str(save_dir), "global_step1")
@@ -95,7 +95,7 @@ def test_a_checkpoint_of_two_parts_reads_whole_as_two_and_as_four(tmp_path):
     shape, view, dim = CASES[2]  # the QKV layout, split along an inner dimension
     full = torch.randn(shape)
     two = TensorSplit(view, dim, 2)
-    manifest = _save_split_checkpoint(tmp_path, full, two)
+    manifest = save_split_checkpoint(tmp_path, full, two)
     # An older MoC (version 2) would read the part-major order as row-major: refused there.
     assert manifest.version == mf.SPLIT_VERSION
     on_disk = json.load(open(tmp_path / "global_step1" / mf.MANIFEST_FILE))
@@ -116,7 +116,7 @@ def test_a_checkpoint_of_two_parts_reads_whole_as_two_and_as_four(tmp_path):
 
 def test_a_split_tensor_in_a_version_2_manifest_is_a_problem(tmp_path):
     shape, view, dim = CASES[0]
-    manifest = _save_split_checkpoint(tmp_path, torch.randn(shape), TensorSplit(view, dim, 2))
+    manifest = save_split_checkpoint(tmp_path, torch.randn(shape), TensorSplit(view, dim, 2))
     manifest.version = 2
     assert any("is split, which version 2 manifests cannot say" in p for p in manifest.validate())
     # a split that does not hold the tensor's elements

@@ -174,28 +174,32 @@ def _elastic(tmp_path, corpus, extra):
 
 
 def test_a_pipeline_run_recovers_from_the_peers_memory_to_the_bit(runs, corpus, tmp_path):
-    """PP = 2 on 4 ranks, two-level snapshots every step replicated to the other node's
-    keeper (2 ranks per node: node 0 is stage 0); node 0 loses its memory at the top of
-    step 5 and torchrun's restart rebuilds stage 0's snapshots from stage 1's node. Every
-    loss and gradient norm equals the run that never failed, to the bit. (Exact mode's
-    replay under a pipeline, in place, is the next test; after a restart it is the same
-    replay, from frames the restart finds in memory.)"""
+    """PP = 2 x TP = 2 on 4 ranks, two-level snapshots every step replicated to the other
+    node's keeper (2 ranks per node: node 0 is stage 0's tensor-parallel pair); node 0
+    loses its memory at the top of step 5 and torchrun's restart rebuilds stage 0's
+    snapshots, split tensors included, from stage 1's node. Every loss and gradient norm
+    equals the run that never failed (the fixture's PP 2 x TP 2 run, whose exact mode
+    changes no value), to the bit. One run for both layouts: the peers' rebuild under
+    tensor parallelism alone had its own 4-rank test, and under a pipeline alone another.
+    (Exact mode's replay under a pipeline, in place, is the next test; after a restart it
+    is the same replay, from frames the restart finds in memory.)"""
     shm = new_shm_dir()
     try:
         got, log, events = _elastic(tmp_path, corpus, [
             "--save-interval", "3", "--moc-two-level", "--moc-snapshot-interval", "1",
             "--moc-persist-interval", "3", "--moc-shm-dir", shm, "--moc-redundancy",
-            "replicate", "--moc-ranks-per-node", "2", "--moc-fault", "lose-memory@5:rank=0"])
+            "replicate", "--moc-ranks-per-node", "2", "--moc-fault", "lose-memory@5:rank=0",
+            *TP_PP[2:6]])
     finally:
         stop_keepers(shm)
-    assert "from the peers' memory" in log
+    assert "from the peers' memory" in log and "tensor-parallel 2" in log
     recoveries = [(e["source"], e["iteration"]) for e in events if e["kind"] == "recovery"]
     # step 4's copy to the peers runs beside step 5: on a busy machine node 0 can lose
     # its memory before it lands, and the restart takes step 3's (then replays step 4):
     # the same losses either way
     assert len(recoveries) == 1 and recoveries[0][0] == "memory+peers", events
     assert recoveries[0][1] in (3, 4), events
-    assert got == runs[2][0]
+    assert got == runs["tp"][0]
 
 
 def test_a_stage_that_loses_its_state_recovers_in_place_to_the_bit(runs, corpus, tmp_path):
