@@ -47,7 +47,7 @@ from deepspeed_ext.format.objects import OBJECTS_FILE
 from deepspeed_ext.format.storage import SMALL_RECORD_MAX_BYTES, atomic_write_json, read_json
 from deepspeed_ext.runtime.log import log_line
 from deepspeed_ext.runtime.retry import Backoff, poll_until
-from deepspeed_ext.store.claims import CLAIM_NAME, CommitError, check_claim, read_claim
+from deepspeed_ext.store.claims import CLAIM_NAME, CommitError, Superseded, check_claim, read_claim
 from deepspeed_ext.store.latest import advance_latest
 from deepspeed_ext.store.locking import locked_dir
 from deepspeed_ext.store.retention import retain_unless_superseded
@@ -59,6 +59,12 @@ REPORT_MAX_BYTES = 256 << 20
 """Largest report read: a rank's report lists its fragments, never more than the whole
 manifest (:data:`~deepspeed_ext.format.manifest.MANIFEST_MAX_BYTES`) holds."""
 
+
+
+class MarkedFailed(Superseded):
+    """The save was marked failed (its failure record names its claim) before its
+    committer got to the manifest: a training process gave it up when its node's keeper
+    died (:func:`fail_unless_committed`). The committer writes nothing, as when superseded."""
 
 
 def report_name(rank: int) -> str:
@@ -110,7 +116,8 @@ def wait_for_reports(tag_dir: str, world_size: int, timeout_s: float,
             round and required in every report (None: no check).
 
     Raises:
-        Superseded: ``tag_dir`` lost ``claim`` (checked before the reports are read).
+        Superseded: ``tag_dir`` lost ``claim`` (checked before the reports are read), or
+            was marked failed (:class:`MarkedFailed`).
         CommitError: a rank reported an error (its message is included), or some
             reports were still missing after ``timeout_s`` (the ranks are named: their
             storage is slow or the process died).
@@ -119,6 +126,9 @@ def wait_for_reports(tag_dir: str, world_size: int, timeout_s: float,
 
     def attempt() -> Optional[List[Dict[str, Any]]]:
         check_claim(tag_dir, claim)
+        # A save given up meanwhile: its committer (run in a training process since its
+        # keeper died) would otherwise wait for the lost shares until the timeout.
+        _raise_if_marked_failed(tag_dir, claim)
         for rank in range(world_size):
             if rank in reports:
                 continue
@@ -193,7 +203,8 @@ def commit_checkpoint(save_dir: str, tag: str, step: int, layout: Mapping[str, A
             checkpoint (:func:`~deepspeed_ext.store.latest.advance_latest`).
 
     Raises:
-        Superseded: ``claim`` is no longer the directory's; nothing was written.
+        Superseded: ``claim`` is no longer the directory's, or the save was marked failed
+            (:class:`MarkedFailed`); nothing was written.
     """
     if log is None:
         log = lambda line: log_line(logger, line)  # noqa: E731
@@ -209,9 +220,7 @@ def commit_checkpoint(save_dir: str, tag: str, step: int, layout: Mapping[str, A
                                  extra_files=extra_files,
                                  extra={"pec_k": pec_k, "pec_scope": pec_scope,
                                         "attempt_started": attempt_started})
-    with locked_dir(save_dir):  # a new claim cannot land between the check and the write
-        check_claim(os.path.join(save_dir, tag), claim)
-        write_manifest(os.path.join(save_dir, tag), manifest)
+    _write_manifest_if_ours(save_dir, tag, manifest, claim)
     if save_latest:
         try:
             why = advance_latest(save_dir, tag, attempt_started, step)
@@ -225,6 +234,18 @@ def commit_checkpoint(save_dir: str, tag: str, step: int, layout: Mapping[str, A
             log(f"WARNING: {tag} (step {step}) committed; {why}")
     if keep:
         _retain_after_commit(save_dir, tag, keep, attempt_started, log)
+
+
+def _write_manifest_if_ours(save_dir: str, tag: str, manifest, claim: Optional[str]) -> None:
+    """The manifest, unless the save lost ``claim`` or was marked failed. Under the lock,
+    neither a new claim nor a failure record (:func:`fail_unless_committed`) can land
+    between the checks and the write: a save that a training process gave up must not be
+    committed after all behind the back of the ranks that settled it as failed."""
+    tag_dir = os.path.join(save_dir, tag)
+    with locked_dir(save_dir):
+        check_claim(tag_dir, claim)
+        _raise_if_marked_failed(tag_dir, claim)
+        write_manifest(tag_dir, manifest)
 
 
 def _retain_after_commit(save_dir: str, tag: str, keep: int, attempt_started: Optional[float],
@@ -283,6 +304,30 @@ FAILURE_MAX_BYTES = SMALL_RECORD_MAX_BYTES
 def write_failure(tag_dir: str, message: str, claim: Optional[str] = None) -> None:
     """The committer gave up: say why, so that every rank's wait can end and report it."""
     atomic_write_json(os.path.join(tag_dir, FAILURE_NAME), {"error": message, "claim": claim})
+
+
+def fail_unless_committed(tag_dir: str, message: str, claim: Optional[str] = None) -> bool:
+    """Rank 0, giving up a save whose node keeper died: write its failure record unless
+    its manifest is there already. Under the lock :func:`commit_checkpoint` writes the
+    manifest under, so the save ends one way only, even with its committer still running
+    in this process. Returns whether the save is now marked failed."""
+    with locked_dir(os.path.dirname(tag_dir)):
+        if fs.exists(os.path.join(tag_dir, MANIFEST_FILE)):
+            return False
+        write_failure(tag_dir, message, claim=claim)
+        return True
+
+
+def _raise_if_marked_failed(tag_dir: str, claim: Optional[str]) -> None:
+    """Raise :class:`MarkedFailed` when ``tag_dir`` holds a failure record of ``claim``."""
+    try:
+        record = read_json(os.path.join(tag_dir, FAILURE_NAME), FAILURE_MAX_BYTES)
+    except FileNotFoundError:
+        return
+    except (OSError, CheckpointError):  # unreadable: commit_outcome reports it as failed
+        record = {"error": "unreadable failure record", "claim": claim}
+    if isinstance(record, dict) and not _foreign(record, claim):
+        raise MarkedFailed(f"{tag_dir} was marked failed ({record.get('error')}); not committing")
 
 
 def commit_outcome(tag_dir: str, world_size: int, claim: Optional[str] = None) -> Optional[tuple]:

@@ -165,20 +165,39 @@ class TwoLevel:
         this job asked for is still writing. Joins the copy, waits for the pending persist,
         then persists the newest snapshot if it was not (see
         :meth:`Persister.persist_newest`) and waits for that; any rank's failure is raised
-        on every rank. Last, also when it raises, :meth:`KeeperHandOver.drain`
-        (rank-local, no collective)."""
+        on every rank. A pending persist that failed only because a keeper died with it
+        is not raised: every rank settles it as failed and persists the newest snapshot
+        from this process (:meth:`_redo_lost_persist`). Last, also when it raises,
+        :meth:`KeeperHandOver.drain` (rank-local, no collective)."""
         snap = self.snapshotter
         try:
             snap.join_copy()
             ok, message = snap.copy_error is None, snap.copy_error
             snap.copy_error = None
-            outcomes = self.persister.wait_pending(ok, message)
-            raise_if_failed(outcomes, "MoC two-level wait")
+            outcomes, lost_with_keeper = self.persister.wait_pending(ok, message)
+            if lost_with_keeper:
+                self._redo_lost_persist()
+            else:
+                raise_if_failed(outcomes, "MoC two-level wait")
             if snap.last is not None and not snap.last.persisted:
                 ok, message = self.persister.persist_newest(snap.last)
-                raise_if_failed(self.persister.wait_pending(ok, message), "MoC two-level wait")
+                raise_if_failed(self.persister.wait_pending(ok, message)[0],
+                                "MoC two-level wait")
         finally:
             self.handover.drain()
+
+    def _redo_lost_persist(self) -> None:
+        """Every rank (the same decision everywhere, from the wait's outcome exchange): the
+        pending persist died with a keeper. The newest snapshot is that persist's, or a
+        later one kept in memory only: it is marked not persisted, so the wait persists
+        it from this process. This rank's own writes of the lost persist end first (they
+        stand down on its failure record), so that none of them lands in the directory
+        the redo prepares again."""
+        _log("a keeper died with the pending persist: persisting the newest snapshot from "
+             "the training processes instead")
+        self.handover.join_local_persists()
+        if self.snapshotter.last is not None:
+            self.snapshotter.last.persisted = False
 
     def load(self, load_dir: str, tag: Optional[str], load_optimizer_states: bool,
              load_lr_scheduler_states: bool, from_memory: bool = True):

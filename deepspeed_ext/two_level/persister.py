@@ -253,10 +253,18 @@ class Persister:
              f"the previous checkpoint, and its experts will be saved again")
         self.place.session.undo_mark_saved(persist.policy_before, persist.selected)
 
-    def wait_pending(self, ok: bool, message) -> list:
-        """Every rank: wait for the pending persist's commit (or failure); settle it;
-        return every rank's (ok, message) (one outcome exchange)."""
+    def wait_pending(self, ok: bool, message) -> Tuple[list, bool]:
+        """Every rank: wait for the pending persist's commit (or failure); settle it.
+
+        Returns:
+            Every rank's ``(ok, message)`` (one outcome exchange), and whether the pending
+            persist failed only because a keeper died with it (some rank's
+            ``keeper_lost``, no rank's snapshot copy failed): then it is settled as failed
+            on every rank, and the caller persists the newest snapshot in process instead
+            of raising (the snapshot is still in memory; only its writer died).
+        """
         cfg = self.place.cfg
+        copied = ok
         if self.pending is not None and ok:
             tag_dir = os.path.join(self.pending.save_dir, self.pending.tag)
 
@@ -275,7 +283,13 @@ class Persister:
                                f"{cfg.commit_timeout_s:.0f} s (--moc-commit-timeout)")
 
             ok, message = poll_until(poll, cfg.commit_timeout_s, COMMIT_POLL_BACKOFF, timed_out)
-        outcomes = all_outcomes(ok, message)
+        lost = copied and self.pending is not None and self.pending.keeper_lost
+        gathered = all_outcomes(ok, (message, copied, lost))
+        outcomes = [(o, m) for o, (m, _, _) in gathered]
+        failed = not all(o for o, _ in outcomes)
+        lost_with_keeper = failed and any(l for _, (_, _, l) in gathered) \
+            and all(c for _, (_, c, _) in gathered)
         if self.pending is not None:
-            self.settle([all(o for o, _ in outcomes), "see the rank errors"])
-        return outcomes
+            self.settle([not failed, next((f"rank {r}: {m}" for r, (o, m) in enumerate(outcomes)
+                                           if not o), None)])
+        return outcomes, lost_with_keeper

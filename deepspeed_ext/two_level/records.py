@@ -73,6 +73,9 @@ class PendingPersist:
     """Persisted by this process (its keeper was gone), not by the keeper."""
     claim: Optional[str]
     started: float = field(default_factory=time.monotonic)
+    keeper_lost: bool = False
+    """This rank's keeper died while it was pending: it ends as failed (a wait persists
+    the newest snapshot in process instead of raising)."""
 
 
 @dataclass

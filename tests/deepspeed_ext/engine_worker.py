@@ -27,7 +27,11 @@ import torch.distributed as dist  # noqa: E402
 from megatron.training.arguments import (moc_config_from_args, padded_vocab_size,  # noqa: E402
                                          parse_args, validate_args)
 from deepspeed_ext.engine.rng import set_seed  # noqa: E402
+from deepspeed_ext.keeper.persist import HANG_PERSIST_ENV  # noqa: E402
 from megatron.training.training import initialize_distributed, setup_model_and_optimizer  # noqa: E402
+
+HUNG_KEEPER_STEP = None
+"""MOC_FAULT_HANG_PERSIST_STEP as the keeper got it (see main)."""
 
 BASE = ["--config", "configs/tiny.yaml", "--data-path", "unused", "--lr-warmup-iters", "0",
         "--hidden-dropout", "0",
@@ -58,9 +62,9 @@ def _train(engine, args, start, stop, save_dir, states=None):
             engine.save_checkpoint(save_dir, client_state={"step": step + 1})
             if states is not None:
                 states[step + 1] = _state(engine)
+            _kill_keeper_at(engine, step + 1)
             if str(step + 1) in os.environ.get("MOC_TEST_WAIT_AFTER_STEP", "").split(","):
                 engine.moc.wait()  # that step is committed: the next snapshot persists
-            _kill_keeper_at(engine, step + 1)
     return losses
 
 
@@ -81,13 +85,20 @@ def _state(engine):
 
 def _kill_keeper_at(engine, step):
     """MOC_TEST_KILL_KEEPER_STEP: once that step's snapshot is copied (and its persist
-    handed to the keeper), the first rank of each node SIGKILLs its node's keeper."""
+    handed to the keeper), the first rank of each node SIGKILLs its node's keeper; with
+    MOC_FAULT_HANG_PERSIST_STEP at that step, only once the keeper hangs in the middle
+    of that step's persist (a rank's file written, its report not)."""
     two_level = engine.moc.two_level
     if os.environ.get("MOC_TEST_KILL_KEEPER_STEP") != str(step) or not two_level.first_of_node:
         return
     import time
-    from deepspeed_ext.keeper import is_dead, request
+    from deepspeed_ext.keeper import LOG_NAME, is_dead, request
     two_level.join_copy()
+    if HUNG_KEEPER_STEP == str(step):
+        log, deadline = os.path.join(two_level.node_dir, LOG_NAME), time.monotonic() + 60
+        while f"'s file of global_step{step}" not in open(log).read():  # persist.py's line
+            assert time.monotonic() < deadline, "the keeper never hung in the persist"
+            time.sleep(0.01)
     os.kill(request(two_level.node_dir, {"op": "ping"})["pid"], 9)
     deadline = time.monotonic() + 30
     while not is_dead(two_level.node_dir):  # until the kernel has closed its socket
@@ -307,10 +318,16 @@ def main():
     validate_args(args, int(os.environ["WORLD_SIZE"]))
     initialize_distributed(args)
     set_seed(args.seed)
-    args.padded_vocab_size = padded_vocab_size(257, args.make_vocab_size_divisible_by)
+    args.true_vocab_size = 257  # the trainer's byte-level tokenizer, as training.py sets it
+    args.padded_vocab_size = padded_vocab_size(257, args.make_vocab_size_divisible_by,
+                                               args.tensor_model_parallel_size)
     engine, _ = setup_model_and_optimizer(args)
     from deepspeed_ext import enable_moc_checkpointing
     enable_moc_checkpointing(engine, moc_config_from_args(args))
+    # The keeper, started now, inherits the hang; this process, which persists in
+    # process once its keeper is gone, does not (as the trainer arms its keeper's faults).
+    global HUNG_KEEPER_STEP
+    HUNG_KEEPER_STEP = os.environ.pop(HANG_PERSIST_ENV, None)
     _inject_save_failure(engine)
     _inject_restore_failure()
     _inject_describe_failure()
@@ -346,7 +363,7 @@ def main():
             result["manifests_read_by_load"] = list(manifests)
             result["loaded"] = path
             result["client_state"] = client
-            start = client["step"]
+            start = client["step"] if "step" in client else client["iteration"]  # the trainer's
             result["state_after_load"] = _state(engine)  # a collective: every rank calls it
             recovery = engine.moc.last_recovery
             result["recovery"] = recovery.to_json() if recovery is not None else None

@@ -486,17 +486,17 @@ def test_a_damaged_snapshot_is_not_persisted(tmp_path):
     assert not out.exists()
 
 
-def _commit_of(tmp_path, tag, attempt_started, timeout_s=60.0):
-    """A keeper commit job of a one-rank save ``tag`` (its directory made)."""
+def _commit_of(tmp_path, tag, attempt_started, timeout_s=60.0, claim=None, world_size=1):
+    """A keeper commit job of a save ``tag`` of ``world_size`` ranks (its directory made)."""
     from deepspeed_ext.jobs import PersistJob
     os.makedirs(tmp_path / tag, exist_ok=True)
     return PersistJob.from_json({
-        "save_dir": str(tmp_path), "tag": tag, "claim": None, "step": 1, "rank": 0,
+        "save_dir": str(tmp_path), "tag": tag, "claim": claim, "step": 1, "rank": 0,
         "image": str(tmp_path / "unused.img"), "entries": [], "keys": None, "specs": [],
         "commit": {"step": 1, "previous_tag": None, "selected": None, "pec_k": None,
                    "save_latest": True, "keep": 0, "timeout_s": timeout_s,
                    "attempt_started": attempt_started,
-                   "layout": {"world_size": 1, "ep_size": 1, "zero_stage": 2,
+                   "layout": {"world_size": world_size, "ep_size": 1, "zero_stage": 2,
                               "num_moe_layers": 0, "num_experts": 0}}})
 
 
@@ -559,6 +559,43 @@ def test_a_commit_whose_reports_arrive_after_a_shutdown_writes_nothing(tmp_path,
     old.join(30)
     assert not old.is_alive() and finished == []
     assert not (tmp_path / "global_step3" / commit.FAILURE_NAME).exists()
+
+
+def test_a_save_given_up_with_its_keeper_is_never_committed(tmp_path):
+    """A rank whose node keeper died marks the pending save failed
+    (``fail_unless_committed``) while its committer, run in that process since the
+    keeper's death, still waits for a report that died with the keeper: the committer
+    stops at the failure record (not at its 60 s timeout) and writes nothing. A
+    committer whose reports were all in when the record landed writes no manifest
+    either (before, the save could be committed behind the back of the ranks that had
+    settled it as failed). A committed save is not marked failed."""
+    from deepspeed_ext.store import commit, prepare
+    from deepspeed_ext.store.claims import read_claim
+    from tests.deepspeed_ext.commit_helpers import commit_two_ranks, write_share
+    save_dir, tag = str(tmp_path), "global_step2"
+    tag_dir = prepare.prepare_checkpoint_dir(save_dir, tag)
+    claim = read_claim(tag_dir)
+    write_share(save_dir, tag, 0, 1.0)  # rank 1's share died with the keeper
+    logged = []
+    committer = threading.Thread(target=keeper.commit_job, args=(
+        _commit_of(tmp_path, tag, None, claim=claim, world_size=2), tag_dir, logged.append))
+    committer.start()
+    assert commit.fail_unless_committed(tag_dir, "the keeper of node 0 died", claim)
+    committer.join(30)
+    assert not committer.is_alive() and "was marked failed" in logged[0], logged
+    write_share(save_dir, tag, 1, 1.0)
+    shares = [json.load(open(os.path.join(tag_dir, commit.report_name(r))))["payload"]
+              for r in range(2)]
+    layout = {"world_size": 2, "ep_size": 1, "zero_stage": 2, "num_moe_layers": 0,
+              "num_experts": 0}
+    with pytest.raises(commit.MarkedFailed):
+        commit.commit_checkpoint(save_dir, tag, 2, layout, shares, None, None, None, True, 0,
+                                 claim=claim)
+    assert not os.path.exists(os.path.join(tag_dir, "manifest.json"))
+    assert commit.commit_outcome(tag_dir, 2, claim) == (False, "the keeper of node 0 died")
+    commit_two_ranks(save_dir, "global_step4", 4, 2.0)
+    assert not commit.fail_unless_committed(os.path.join(save_dir, "global_step4"), "late")
+    assert commit.commit_outcome(os.path.join(save_dir, "global_step4"), 2) == (True, None)
 
 
 _SLOW_EXIT_KEEPER = r"""

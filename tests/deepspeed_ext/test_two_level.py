@@ -13,6 +13,8 @@ import pytest
 
 from deepspeed_ext.format.naming import ITERATION_FILE
 from deepspeed_ext.job_identity import RUN_ID_FILE
+from deepspeed_ext.keeper import HANG_PERSIST_ENV
+from deepspeed_ext.two_level.handover import LATE_HAND_OVER_ENV
 from tests.deepspeed_ext.two_level_runs import WORKER
 from tests.deepspeed_ext.two_level_runs import flags as _flags
 from tests.deepspeed_ext.two_level_runs import keeper_pid as _keeper_pid
@@ -309,27 +311,66 @@ def test_sigkill_during_persist_keeps_previous_latest(tmp_path):
         stop_keepers(shm)
 
 
+def _keeper_dies_mid_persist(tmp_path, shm, ckpt, step, iters, waits):
+    """A job of two ranks on one node persisting every snapshot, whose keeper dies in the
+    middle of step ``step``'s persist: it hangs after writing rank 1's file, before its
+    report, and is killed there; rank 0 hands its share over only after that
+    (MOC_FAULT_LATE_HAND_OVER, as a loaded machine did) and writes it, and the commit,
+    itself. ``waits``: the steps a wait follows. Returns every rank's output."""
+    flags = _flags(shm, 2, 2, ["--moc-persist-interval", "1"])
+    _, results = _run(tmp_path, "run", 2, "train-save", flags + [
+        "--train-iters", str(iters), "--save", ckpt, "--save-interval", "1"],
+        env={"MOC_TEST_KILL_KEEPER_STEP": str(step), "MOC_TEST_WAIT_AFTER_STEP": waits,
+             HANG_PERSIST_ENV: str(step), LATE_HAND_OVER_ENV: f"0@{step}"})
+    return "".join(r.output for r in results)
+
+
 def test_keeper_killed_training_goes_on_persisting_in_process(tmp_path):
-    """The keeper dies after step 2's snapshot: every rank says so once, the pending persist
-    ends as failed instead of blocking later ones, steps 3 and 4 are persisted by the
-    training processes, the run ends normally and leaves no shared memory."""
+    """The keeper dies in the middle of step 2's persist, rank 1's share with it, while
+    rank 0 writes its own (:func:`_keeper_dies_mid_persist`). Every rank says so once; the
+    pending persist ends as failed at step 3's snapshot, whatever the speed (before, rank
+    0's view depended on whether rank 1 had written its error report yet: "still running"
+    left step 3 in memory only, and the wait after it raised "the keeper of node 0 died
+    while persisting global_step2"); steps 3 and 4 are persisted by the training
+    processes, the run ends normally and leaves no shared memory."""
     shm, ckpt = new_shm_dir(), str(tmp_path / "ckpt")
     try:
-        flags = _flags(shm, 2, 2, ["--moc-persist-interval", "1"])
-        _, results = _run(tmp_path, "run", 2, "train-save", flags + [
-            "--train-iters", "4", "--save", ckpt, "--save-interval", "1"],
-            # Waiting after step 3 too: without it, on a loaded machine, step 3's in-process
-            # persist can still be running at step 4 (which then stays in memory until the
-            # end), and the test would not show that both are persisted by the processes.
-            env={"MOC_TEST_KILL_KEEPER_STEP": "2", "MOC_TEST_WAIT_AFTER_STEP": "1,3"})
-        output = "".join(r.output for r in results)
+        # Waiting after step 3 too: without it, on a loaded machine, step 3's in-process
+        # persist can still be running at step 4 (which then stays in memory until the
+        # end), and the test would not show that both are persisted by the processes.
+        output = _keeper_dies_mid_persist(tmp_path, shm, ckpt, 2, 4, "1,3")
         for rank in range(2):
             assert output.count(f"rank {rank}: WARNING: the keeper of node 0 is gone") == 1, output
+        # the interleaving: rank 0's share written by rank 0, rank 1's lost with the keeper
+        assert "rank 0: WARNING: the keeper of node 0 is gone (it did not take the persist " \
+               "of global_step2)" in output
+        assert "rank 1: WARNING: the keeper of node 0 is gone (it stopped answering" in output
+        assert "persisting global_step2 failed" in output
         assert "still running; this snapshot stays in memory only" not in output
         assert "before returning from wait" not in output  # step 4 persisted when it was taken
+        assert not os.path.exists(os.path.join(ckpt, "global_step2", "manifest.json"))
         assert _verify(ckpt, "global_step3") == []
         assert _latest(ckpt) == "global_step4"
         assert _verify(ckpt, "global_step4") == []
+        assert not os.path.exists(shm), os.listdir(shm)
+    finally:
+        stop_keepers(shm)
+
+
+def test_a_wait_persists_in_process_what_died_with_the_keeper(tmp_path):
+    """The keeper dies in the middle of step 1's persist (:func:`_keeper_dies_mid_persist`)
+    and a wait comes next, with no snapshot between: the wait settles the persist as
+    failed on every rank and persists step 1 from the training processes instead of
+    raising "MoC two-level wait failed ... the keeper of node 0 died while persisting
+    global_step1"."""
+    shm, ckpt = new_shm_dir(), str(tmp_path / "ckpt")
+    try:
+        output = _keeper_dies_mid_persist(tmp_path, shm, ckpt, 1, 1, "1")
+        assert "a keeper died with the pending persist: persisting the newest snapshot" in output
+        assert output.count("persisting the newest snapshot global_step1 (step 1) before "
+                            "returning from wait") == 1, output
+        assert _latest(ckpt) == "global_step1"
+        assert _verify(ckpt, "global_step1") == []
         assert not os.path.exists(shm), os.listdir(shm)
     finally:
         stop_keepers(shm)
