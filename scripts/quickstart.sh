@@ -4,8 +4,9 @@
 #   2. turn a real corpus every machine with Python has -- the standard library's own
 #      source files -- into an indexed dataset (byte-level tokens);
 #   3. train configs/small.yaml on 2 CPU ranks (ZeRO-2, 8 experts, expert-parallel 2;
-#      where torch sees GPUs, on one GPU per rank unless DS_ACCELERATOR=cpu: its
-#      "[quickstart] device:" line says which)
+#      where torch sees a GPU for every rank, on one GPU per rank unless
+#      DS_ACCELERATOR=cpu; with fewer GPUs than ranks, on the CPU: its
+#      "[quickstart] device:" line says which and why)
 #      with the deepspeed launcher and MoC two-level checkpointing: a snapshot of every
 #      iteration into the node keeper's shared memory, every 10th persisted to storage
 #      with 2 of the 8 experts per MoE layer (partial experts checkpointing); exit half
@@ -26,24 +27,31 @@ DATA_PREFIX="data/stdlib"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 
 # Where the ranks run: DeepSpeed's accelerator, CUDA (rank r on cuda:r) when torch sees a
-# GPU, unless DS_ACCELERATOR names another (DS_ACCELERATOR=cpu: CPU ranks on a GPU host).
+# GPU for every rank, unless DS_ACCELERATOR names another (DS_ACCELERATOR=cpu: CPU ranks
+# on a GPU host). With fewer GPUs than ranks (a one-GPU workstation) the ranks run on the
+# CPU, as on a machine without a GPU: the same job as there.
 GPUS_SEEN="$(python -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)')"
 case "${DS_ACCELERATOR:-}" in
     '' | cuda)
-        if [ "$GPUS_SEEN" -gt 0 ]; then
+        if [ "$GPUS_SEEN" -ge "$RANKS" ]; then
             DEVICE=GPU
             WHY="one per rank, cuda:0-$((RANKS - 1)) of the $GPUS_SEEN torch sees;"
             WHY+=" DS_ACCELERATOR=cpu for CPU ranks"
+        elif [ "$GPUS_SEEN" -gt 0 ] && [ -z "${DS_ACCELERATOR:-}" ]; then
+            export DS_ACCELERATOR=cpu
+            DEVICE=CPU
+            WHY="$RANKS ranks and torch sees $GPUS_SEEN GPU$([ "$GPUS_SEEN" = 1 ] || echo s): the"
+            WHY+=" ranks run on the CPU, DS_ACCELERATOR=cpu; with a GPU per rank they use GPUs"
+        elif [ "$GPUS_SEEN" -gt 0 ]; then
+            echo "error: DS_ACCELERATOR=cuda with $RANKS ranks needs $RANKS GPUs and torch" \
+                 "sees $GPUS_SEEN: DS_ACCELERATOR=cpu (or unset) runs them on the CPU" >&2
+            exit 2
         else
             DEVICE=CPU WHY="torch.cuda.is_available(): False"
         fi ;;
     *) DEVICE="${DS_ACCELERATOR^^}" WHY="DS_ACCELERATOR=$DS_ACCELERATOR" ;;
 esac
 echo "[quickstart] device: $DEVICE ($WHY)"
-if [ "$DEVICE" = GPU ] && [ "$GPUS_SEEN" -lt "$RANKS" ]; then
-    echo "error: $RANKS ranks need $RANKS GPUs and torch sees $GPUS_SEEN: run with DS_ACCELERATOR=cpu" >&2
-    exit 2
-fi
 
 if [ ! -f "${DATA_PREFIX}_text_document.idx" ]; then
     STDLIB="$(python -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')"

@@ -189,8 +189,10 @@ class cuda:
 """
 
 FAKE_LAUNCHER = """#!/usr/bin/env bash
-# records its arguments; writes the metrics and checkpoint directory the script reads
+# records its arguments and DS_ACCELERATOR; writes the metrics and checkpoint directory
+# the script reads
 printf '%s\\n' "$*" >> "$STATE/launches"
+printf '%s\\n' "${DS_ACCELERATOR-unset}" >> "$STATE/accelerators"
 while [ $# -gt 0 ]; do
     case "$1" in
         --metrics-file) echo '{"kind": "train", "lm_loss": 5.0, "iteration": 1}' >> "$2" ;;
@@ -218,26 +220,48 @@ def _quickstart(tmp_path, **env):
                           text=True, timeout=60, env=_clean_env(
                               FAKE_BIN=str(fake_bin), FAKE_PY=str(fake_py), STATE=str(state),
                               QUICKSTART_DIR=str(tmp_path / "run"), **env))
-    launches = (state / "launches").read_text().splitlines() if (state / "launches").exists() else []
-    return proc, launches
+    launches, accelerators = ((state / name).read_text().splitlines()
+                              if (state / name).exists() else []
+                              for name in ("launches", "accelerators"))
+    return proc, launches, accelerators
 
 
 @pytest.mark.parametrize("gpus, accelerator, device", [
-    ("0", None, "CPU"), ("2", None, "GPU"), ("2", "cpu", "CPU")])
+    ("0", None, "CPU"), ("2", None, "GPU"), ("2", "cpu", "CPU"), ("4", "cuda", "GPU")])
 def test_quickstart_says_which_device_its_ranks_use(tmp_path, gpus, accelerator, device):
     env = {"FAKE_GPUS": gpus, **({"DS_ACCELERATOR": accelerator} if accelerator else {})}
-    proc, launches = _quickstart(tmp_path, **env)
+    proc, launches, accelerators = _quickstart(tmp_path, **env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"[quickstart] device: {device} (" in proc.stdout
     assert f"of 200 on 2 {device} ranks, then stopping" in proc.stdout
     if device == "GPU":
-        assert "cuda:0-1" in proc.stdout
-    # the same launches whatever the device
+        assert f"cuda:0-1 of the {gpus} torch sees" in proc.stdout
+    # the same launches whatever the device, with the caller's DS_ACCELERATOR
     assert [line.split()[:4] for line in launches] == [
         ["--num_gpus", "2", "--master_port", "29561"]] * 2
+    assert accelerators == [accelerator or "unset"] * 2
 
 
-def test_quickstart_refuses_more_ranks_than_gpus(tmp_path):
-    proc, launches = _quickstart(tmp_path, FAKE_GPUS="1")
+@pytest.mark.parametrize("gpus, ranks", [("1", None), ("2", "4")])
+def test_quickstart_with_fewer_gpus_than_ranks_runs_them_on_the_cpu(tmp_path, gpus, ranks):
+    """A one-GPU workstation (2 ranks, 1 GPU): the quickstart's job, unchanged, on CPU ranks
+    (the CPU job is the one whose resumed losses are checked bitwise), and one line says
+    so; before, it stopped with an error."""
+    env = {"FAKE_GPUS": gpus, **({"QUICKSTART_RANKS": ranks} if ranks else {})}
+    ranks = ranks or "2"
+    proc, launches, accelerators = _quickstart(tmp_path, **env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    plural = "" if gpus == "1" else "s"
+    assert (f"[quickstart] device: CPU ({ranks} ranks and torch sees {gpus} GPU{plural}: the "
+            "ranks run on the CPU, DS_ACCELERATOR=cpu; with a GPU per rank they use GPUs)\n"
+            in proc.stdout), proc.stdout
+    assert f"on {ranks} CPU ranks, then stopping" in proc.stdout
+    assert [line.split()[:2] for line in launches] == [["--num_gpus", ranks]] * 2
+    assert accelerators == ["cpu"] * 2  # the launcher and its ranks get the CPU accelerator
+
+
+def test_quickstart_refuses_cuda_asked_for_with_fewer_gpus_than_ranks(tmp_path):
+    proc, launches, _ = _quickstart(tmp_path, FAKE_GPUS="1", DS_ACCELERATOR="cuda")
     assert proc.returncode == 2 and not launches
-    assert "2 ranks need 2 GPUs and torch sees 1: run with DS_ACCELERATOR=cpu" in proc.stderr
+    assert ("error: DS_ACCELERATOR=cuda with 2 ranks needs 2 GPUs and torch sees 1: "
+            "DS_ACCELERATOR=cpu (or unset) runs them on the CPU") in proc.stderr

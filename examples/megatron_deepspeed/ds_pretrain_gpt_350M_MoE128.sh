@@ -2,9 +2,9 @@
 # Megatron-DeepSpeed's examples_deepspeed/MoE/ds_pretrain_gpt_350M_MoE128.sh, for this
 # trainer (pretrain_gpt_moe.py), plus --moc-checkpoint.
 #
-# The flags are upstream's, unchanged: the same megatron_options, data_options and
-# deepspeed_options lists, built the same way (docs/megatron-deepspeed.md maps each one),
-# fp16 included (DeepSpeed runs it on CPU too).
+# The flags are upstream's: the same megatron_options, data_options and deepspeed_options
+# lists, built the same way (docs/megatron-deepspeed.md maps each one), in upstream's fp16
+# by default; PRECISION=bf16 or PRECISION=fp32 for a device without fp16 (precision.sh).
 # Changed are only values, to fit a 2-core CPU machine with 2 ranks, and paths:
 #   model      NUM_LAYERS 24 -> 4, HIDDEN_SIZE 1024 -> 32, NUM_ATTN_HEADS 16 -> 4,
 #              SEQ_LEN 2048 -> 32, EP_SIZE (experts) 128 -> 8
@@ -82,6 +82,7 @@ SAVE_INTERVAL=2
 INIT_STD=0.014
 ACTIVATION_CHECKPOINT="true"
 ZERO_STAGE=1
+source "${DIR}/precision.sh"  # PRECISION: fp16 (upstream's), bf16 or fp32
 TENSORBOARD=${TENSORBOARD:-auto}
 if [ "${TENSORBOARD}" = "auto" ]; then
     if "${PYTHON}" -c "import tensorboard" 2>/dev/null; then TENSORBOARD="true"; else TENSORBOARD="false"; fi
@@ -144,7 +145,7 @@ megatron_options=" \
         --clip-grad 1.0 \
         --hysteresis 2 \
         --num-workers 0 \
-        --fp16 \
+        ${PRECISION_FLAG} \
         --load ${CHECKPOINT_PATH} \
         --save ${CHECKPOINT_PATH} \
         --moc-checkpoint"
@@ -180,8 +181,8 @@ sed "s/CONFIG_BATCH_SIZE/${GLOBAL_BATCH_SIZE}/" ${template_json} \
     | sed "s/LOG_INTERVAL/${LOG_INTERVAL}/" \
     | sed "s/ZERO_STAGE/${ZERO_STAGE}/" \
     | sed "s/PRESCALE_GRAD/true/" \
-    | sed "s/CONFIG_FP16_ENABLED/true/" \
-    | sed "s/CONFIG_BF16_ENABLED/false/" \
+    | sed "s/CONFIG_FP16_ENABLED/${FP16_ENABLED}/" \
+    | sed "s/CONFIG_BF16_ENABLED/${BF16_ENABLED}/" \
     | sed "s/CONFIG_CL_ENABLED/${CL_ENABLED}/" \
     | sed "s/CONFIG_CL_MIN/${CL_START_SEQLEN}/" \
     | sed "s/CONFIG_CL_MAX/${SEQ_LEN}/" \

@@ -8,14 +8,13 @@ optimizer step, and one small all-reduce of the losses.
 """
 
 import argparse
-import collections
 import functools
 import math
 import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -27,7 +26,8 @@ from megatron.training.arguments import (moc_config_from_args, model_config_from
 from megatron.training.ds_config import build_ds_config
 from megatron.training.errors import ConfigError
 from megatron.training.log import (MetricsWriter, eval_log_line, is_nan_iteration,
-                                   print_rank_0, throughput, timestamp, training_log_line)
+                                   print_rank_0, show_model_lines, throughput, timestamp,
+                                   training_log_line)
 from megatron.training.tb_tags import (Position, interval_scalars, training_scalars,
                                        validation_scalars)
 from megatron.training.wandb_log import open_wandb
@@ -98,6 +98,10 @@ def initialize_distributed(args: argparse.Namespace) -> None:
     """Create the process group through DeepSpeed's accelerator (NCCL on CUDA, gloo on CPU).
 
     A plain ``python pretrain_gpt_moe.py`` run gets single-rank defaults.
+
+    Raises:
+        ConfigError: ``--fp16``/``--bf16`` this rank's device cannot run, before the
+            rendezvous (:func:`megatron.training.precision.check_precision`).
     """
     import deepspeed
     from datetime import timedelta
@@ -113,6 +117,11 @@ def initialize_distributed(args: argparse.Namespace) -> None:
     accel = get_accelerator()
     if accel.device_name() != "cpu":
         accel.set_device(int(os.environ["LOCAL_RANK"]))
+    # Before the rendezvous, on this rank's device (CUDA answers for the current one):
+    # DeepSpeed's engine refused an unsupported --fp16/--bf16 only after the data and
+    # model were built, with a ValueError traceback on every rank.
+    from megatron.training.precision import check_precision
+    check_precision(args, accel)
     timeout = timedelta(minutes=args.distributed_timeout_minutes)
     # Before init_distributed, which JIT-built DeepSpeed's unused CPU shared-memory op in
     # every rank: a rank killed in that build left a lock file every later start waited
@@ -126,6 +135,7 @@ def initialize_distributed(args: argparse.Namespace) -> None:
     # (deepspeed_ext.runtime.groups), before any of them runs.
     from deepspeed_ext.runtime.groups import init_metadata_group
     init_metadata_group(timeout)
+    show_model_lines(dist.get_rank())
     if getattr(args, "tensor_model_parallel_size", 1) > 1:
         # megatron-core's tensor- and data-parallel groups (consecutive ranks share the
         # layers: megatron/training/parallel_layout.py), before the model is built. With
@@ -194,10 +204,6 @@ def setup_model_and_optimizer(args: argparse.Namespace):
     from megatron.training.lr_schedule import build_scheduler  # megatron.core's, first
     import_deferring_compile(*DEEPSPEED_COMPILING_MODULES)
     from megatron.model.gpt_moe import GPTMoEModel
-    from deepspeed.accelerator import get_accelerator
-    if args.fp16 and not get_accelerator().is_fp16_supported():
-        raise ConfigError(f"--fp16 is not supported on this {get_accelerator().device_name()} "
-                          "device; use --bf16 or full precision")
     config = model_config_from_args(args)
     place = _place(args)
     stages = getattr(args, "pipeline_model_parallel_size", 1)
@@ -394,6 +400,8 @@ def pretrain(args: argparse.Namespace, extra_setup=None) -> TrainResult:
         tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file, args.merge_file)
         args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                                                    getattr(args, "tensor_model_parallel_size", 1))
+        # Saved with the arguments: which rows hold tokens when a load meets another padding.
+        args.true_vocab_size = tokenizer.vocab_size
         # Data before the model: a missing or unusable --data-path stops the job before
         # the (slow) engine set-up.
         datasets = build_train_valid_test_datasets(args, tokenizer)
@@ -509,7 +517,7 @@ def _progress_recorder(args: argparse.Namespace):
     from megatron.training.recovery import progress_path
     recorder = Progress(progress_path(args.moc_event_file))
     run_id = f"{socket.gethostname()}:{os.getpid()}:{int(time.time())}"
-    return lambda iteration: recorder.record(iteration, run_id)
+    return lambda iteration, loop: recorder.record(iteration, run_id, loop.record())
 
 
 def _fault_injector(args: argparse.Namespace, engine):
@@ -687,10 +695,9 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
     watch.ready(state.iteration)
     if injector is not None:
         injector.training_starts()
-    from megatron.training.recovery import record_start, report_ettr
+    from megatron.training.recovery import LoopTime, record_start, report_ettr
     record_start(args, state.iteration)
-    iter_s: Deque[float] = collections.deque(maxlen=1000)  # the ETTR's median: recent ones
-    last_top = None
+    loop_time = LoopTime()  # after the start event: the ETTR's measured iteration time
     if exact is not None:
         try:
             exact.start(state.iteration, _exact_client_state(state, scheduler))
@@ -706,9 +713,7 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
             stage_loss.before_iteration(state.iteration + 1)
         watch.beat(state.iteration + 1)
         top = time.perf_counter()
-        if last_top is not None:
-            iter_s.append(top - last_top)
-        last_top = top
+        loop_time.top(top)
         stats = train_step(engine, train_iter, args)
         # The tokens consumed once this iteration counts (a token schedule's position).
         scheduler.step(1, token_num=(state.consumed_train_samples + args.global_batch_size)
@@ -729,7 +734,7 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
         if exact is not None:  # replaying: the next frame's weights, before any evaluation
             exact.after_step(state.iteration)
         if progress is not None:
-            progress(state.iteration)
+            progress(state.iteration, loop_time)
         skipped_total += int(stats.skipped)
         nan_total += int(is_nan_iteration(stats.skipped, stats.lm_loss, stats.moe_aux_loss))
         window.append(stats)
@@ -814,6 +819,7 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
         if args.exit_interval and state.iteration % args.exit_interval == 0:
             print_rank_0(f"> exiting at iteration {state.iteration} (--exit-interval {args.exit_interval})")
             break
+    loop_time.stop(time.perf_counter())
     watch.stop()
     if getattr(engine, "moc_upstream", None) is not None:
         from megatron.training.pipeline import report_upstream_log
@@ -830,7 +836,7 @@ def _train_loop(args, engine, scheduler, state, train_iter, valid_iter, writer,
         # The last save is committed (or its failure raised) and, with two-level
         # checkpointing, the node's keeper stopped and its shared memory freed.
         engine.moc.shutdown()
-    ettr = report_ettr(args, state.iteration, iter_s)
+    ettr = report_ettr(args, state.iteration, loop_time)
     if ettr is not None:
         writer.write("moc", state.iteration, {"ettr": ettr["ettr"]})
     done = ("done" if state.iteration >= args.train_iters

@@ -1,10 +1,13 @@
 """Megatron-DeepSpeed's MoE example scripts (examples/megatron_deepspeed/, scaled down):
 their argument lists parse and validate, the flags that restate what we do accept only
 the value we support, a --deepspeed_config file may not contradict a flag, PR-MoE is
-refused by name, and one script trains end to end on 2 ranks with --moc-checkpoint."""
+refused by name, and one script trains end to end on 2 ranks with --moc-checkpoint: in
+upstream's fp16 where DeepSpeed's accelerator has it, else in bf16 or fp32 (PRECISION=),
+with the fp16-only checks skipped and the reason given."""
 
 import importlib.util
 import json
+import math
 import os
 import re
 import subprocess
@@ -19,6 +22,7 @@ from megatron.training.ds_config import build_ds_config
 from megatron.training.errors import ConfigError
 from tests.data.test_tokenizer import write_gpt2_files
 from tests.launch import REPO, free_port
+from tests.precision import missing_reason, skip_without
 
 EXAMPLES = os.path.join(REPO, "examples", "megatron_deepspeed")
 SCRIPTS = ["ds_pretrain_gpt_125M_MoE64.sh", "ds_pretrain_gpt_350M_MoE128.sh",
@@ -73,6 +77,31 @@ def test_example_scripts_parse_and_validate(script, tmp_path, tensorboard_import
     config = build_ds_config(args)
     assert "curriculum_learning" not in config  # upstream's disabled legacy section dropped
     assert config["fp16"]["enabled"] is True and config["zero_optimization"]["stage"] == 1
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_precision_switches_the_flag_and_the_config_sections(script, precision, tmp_path):
+    """PRECISION=bf16/fp32, for a device without fp16: the flag and the DeepSpeed config's
+    fp16/bf16 sections change together (a file left at fp16 would be refused as a
+    conflict), nothing else does."""
+    fp16_argv = script_argv(script, tmp_path / "fp16", TENSORBOARD="false")
+    argv = script_argv(script, tmp_path, PRECISION=precision, TENSORBOARD="false")
+    assert "--fp16" not in argv and ("--bf16" in argv) == (precision == "bf16")
+    assert ([a for a in fp16_argv if a != "--fp16"]
+            == [a.replace(str(tmp_path), str(tmp_path / "fp16")) for a in argv if a != "--bf16"])
+    args = validate_args(parse_args(argv), world_size=2)
+    assert (args.fp16, args.bf16) == (False, precision == "bf16")
+    config = build_ds_config(args)
+    assert config["fp16"]["enabled"] is False
+    assert config["bf16"]["enabled"] is (precision == "bf16")
+
+
+def test_an_unknown_precision_is_refused_by_the_script(tmp_path):
+    proc = subprocess.run(["bash", os.path.join(EXAMPLES, SCRIPTS[0])], capture_output=True,
+                          text=True, env=_script_env(tmp_path, PRECISION="fp8"), timeout=60)
+    assert proc.returncode == 2
+    assert "PRECISION must be fp16, bf16 or fp32, not fp8" in proc.stderr
 
 
 def _ds_file(tmp_path, **sections):
@@ -169,26 +198,64 @@ def bpe_corpus(tmp_path_factory):
     return prefix + "_text_document", vocab, merges
 
 
-def test_the_125M_script_trains_on_two_ranks_with_moc(bpe_corpus, tmp_path):
-    """The one multi-rank run: the scaled 125M script, fp16 on CPU, token schedule and
-    token stop, activation checkpointing, --exit-duration-in-mins's all-reduce every
-    iteration, MoC checkpoints."""
+def _precision_here() -> str:
+    """The precision the 125M run trains in here: upstream's fp16 where this machine has
+    it, else bf16, else fp32 (the trainer refuses what the device lacks)."""
+    if not missing_reason("fp16"):
+        return "fp16"
+    return "fp32" if missing_reason("bf16") else "bf16"
+
+
+@pytest.fixture(scope="module")
+def script_run(bpe_corpus, tmp_path_factory):
+    """The scaled 125M script run once on 2 ranks (PRECISION as :func:`_precision_here`
+    picks): the precision, the launcher's exit code and output, the training log and the
+    output directory."""
     data, vocab, merges = bpe_corpus
-    env = _script_env(tmp_path, data, vocab, merges, MASTER_PORT=str(free_port()),
+    precision = _precision_here()
+    out = tmp_path_factory.mktemp("script_125M")
+    env = _script_env(out, data, vocab, merges, MASTER_PORT=str(free_port()),
                       TENSORBOARD="false", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-                      PYTHONPATH=REPO)
+                      PYTHONPATH=REPO, PRECISION=precision)
     proc = subprocess.run(["bash", os.path.join(EXAMPLES, SCRIPTS[0])], capture_output=True,
                           text=True, env=env, timeout=300)
-    logs = list((tmp_path / "log").iterdir())
+    logs = list((out / "log").iterdir())
     log = logs[0].read_text() if logs else ""
+    return precision, proc, log, out
+
+
+def _loss_scales(log):
+    return [float(x) for x in re.findall(r"loss scale: (\S+) \|", log)]
+
+
+def test_the_125M_script_trains_on_two_ranks_with_moc(script_run):
+    """The one multi-rank run: the scaled 125M script, token schedule and token stop,
+    activation checkpointing, --exit-duration-in-mins's all-reduce every iteration, MoC
+    checkpoints; in fp16 where the device has it, else in bf16 or fp32 (the next test
+    checks what only fp16 has)."""
+    precision, proc, log, out = script_run
     assert proc.returncode == 0, proc.stdout[-2000:] + log[-5000:]
     assert "training from iteration 0 to 12 or 1024 tokens" in log
     assert "training done at iteration 4 (32 samples)" in log  # --train-tokens stopped it
-    assert "ZeRO stage 1" in log and "fp16" in log
+    assert re.search(rf"ZeRO stage 1, .*, {precision}\n", log), log[-3000:]
     assert "MoC checkpointing on" in log
     lrs = [float(x) for x in re.findall(r"learning rate: (\S+) \|", log)]
     assert lrs[0] == pytest.approx(4.5e-4)   # warm-up: 256 tokens, one iteration
     assert lrs[-1] == pytest.approx(4.5e-6)  # decayed to --min-lr at 1024 tokens
-    ckpt = next((tmp_path / "checkpoint").iterdir())
+    if precision != "fp16":  # ZeRO's optimizer logs a scale of 1 without fp16
+        assert _loss_scales(log) == [1.0] * 4, log[-3000:]
+    ckpt = next((out / "checkpoint").iterdir())
     assert (ckpt / "latest").read_text().strip() == "global_step4"
     assert (ckpt / "global_step4" / "manifest.json").exists()
+
+
+def test_the_125M_script_trains_in_upstreams_fp16(script_run):
+    """Upstream's precision: fp16 with its config's dynamic loss scale, 2^11 at first
+    (hysteresis 2: one overflow does not lower it yet)."""
+    precision, proc, log, _ = script_run
+    skip_without("fp16", f"the test above trained the 125M script in {precision} "
+                 f"(PRECISION={precision}) and checked the rest")
+    assert proc.returncode == 0, proc.stdout[-2000:] + log[-5000:]
+    scales = _loss_scales(log)
+    assert len(scales) == 4 and scales[0] == 2048.0, log[-3000:]
+    assert all(1.0 < s <= 2048.0 and math.log2(s).is_integer() for s in scales), scales
