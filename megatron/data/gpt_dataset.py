@@ -71,8 +71,10 @@ def _as_float(text: str) -> Optional[float]:
         return None
 
 
-def parse_data_path(data_path) -> Tuple[List[str], Optional[List[float]]]:
-    """Parse Megatron's ``--data-path`` list into ``(prefixes, weights)``.
+def parse_data_path(data_path,
+                    flag: str = "--data-path") -> Tuple[List[str], Optional[List[float]]]:
+    """Parse Megatron's ``--data-path`` list (or that of ``flag``, e.g.
+    ``--train-data-path``) into ``(prefixes, weights)``.
 
     Accepted forms: ``[prefix]``; ``[w1, prefix1, w2, prefix2, ...]`` (a weighted
     blend; weights are positive numbers, normalized later); ``[prefix1, prefix2, ...]``
@@ -80,13 +82,13 @@ def parse_data_path(data_path) -> Tuple[List[str], Optional[List[float]]]:
     A string is split on whitespace.
     """
     if data_path is None:
-        raise ConfigError("--data-path is required (a preprocessed data prefix, without .bin/.idx)")
+        raise ConfigError(f"{flag} is required (a preprocessed data prefix, without .bin/.idx)")
     if isinstance(data_path, str):
         items = data_path.split()
     else:
         items = [str(item) for item in data_path]
     if not items or any(not item.strip() for item in items):
-        raise ConfigError(f"--data-path must list one or more data prefixes, got {data_path!r}")
+        raise ConfigError(f"{flag} must list one or more data prefixes, got {data_path!r}")
 
     if len(items) == 1:
         return items, None
@@ -98,7 +100,7 @@ def parse_data_path(data_path) -> Tuple[List[str], Optional[List[float]]]:
             weight = float(raw_weight)
             if not math.isfinite(weight) or weight <= 0.0:
                 raise ConfigError(
-                    f"--data-path: weight {raw_weight!r} for {prefix} must be a positive number "
+                    f"{flag}: weight {raw_weight!r} for {prefix} must be a positive number "
                     "(drop the prefix instead of giving it weight 0)"
                 )
             weights.append(weight)
@@ -109,7 +111,7 @@ def parse_data_path(data_path) -> Tuple[List[str], Optional[List[float]]]:
     if not any(numeric):
         return items, None
     raise ConfigError(
-        "--data-path: expected PREFIX, PREFIX PREFIX ..., or WEIGHT PREFIX WEIGHT PREFIX ...; "
+        f"{flag}: expected PREFIX, PREFIX PREFIX ..., or WEIGHT PREFIX WEIGHT PREFIX ...; "
         f"got {' '.join(items)!r}"
     )
 
@@ -170,7 +172,7 @@ def default_cache_path(prefixes: Sequence[str]) -> str:
 # ------------------------------------------------------------------------ validation
 
 
-def _check_prefix_files(prefix: str) -> None:
+def _check_prefix_files(prefix: str, flag: str = "--data-path") -> None:
     for path in (prefix + ".bin", prefix + ".idx"):
         if os.path.isfile(path):
             continue
@@ -179,10 +181,10 @@ def _check_prefix_files(prefix: str) -> None:
             hint = f" (give the prefix without the extension: {prefix[:-4]})"
         elif os.path.isfile(prefix + "_text_document.bin"):
             hint = f" (did you mean {prefix}_text_document?)"
-        raise ConfigError(f"--data-path: missing file {path}{hint}")
+        raise ConfigError(f"{flag}: missing file {path}{hint}")
     for path in (prefix + ".bin", prefix + ".idx"):
         if not os.access(path, os.R_OK):
-            raise ConfigError(f"--data-path: cannot read {path}")
+            raise ConfigError(f"{flag}: cannot read {path}")
 
 
 def _split_ranges(num_documents: int, split_matrix) -> List[Optional[Tuple[int, int]]]:
@@ -201,25 +203,31 @@ def _split_ranges(num_documents: int, split_matrix) -> List[Optional[Tuple[int, 
     return ranges
 
 
-def _check_prefix_contents(prefix: str, tokenizer, split_matrix) -> None:
+def _check_prefix_contents(prefix: str, tokenizer, split_matrix,
+                           flag: str = "--data-path") -> None:
+    """The index and data files of ``prefix`` (named by ``flag``) agree and fit the
+    tokenizer; each split of ``split_matrix`` (None: the file is used whole) gets tokens."""
     idx_path, bin_path = prefix + ".idx", prefix + ".bin"
     try:
         dataset = IndexedDataset(prefix, multimodal=False, mmap=True)
     except (AssertionError, ValueError, OSError, KeyError, IndexError) as err:
         raise ConfigError(
-            f"--data-path: {idx_path} is not a readable Megatron index file ({err})"
+            f"{flag}: {idx_path} is not a readable Megatron index file ({err})"
         ) from None
     try:
         lengths = dataset.sequence_lengths
         count = int(lengths.shape[0])
         if count == 0:
-            raise ConfigError(f"--data-path: {prefix} contains no documents")
+            raise ConfigError(f"{flag}: {prefix} contains no documents")
+        if split_matrix is None and int(numpy.sum(lengths, dtype=numpy.int64)) == 0:
+            raise ConfigError(f"{flag}: {prefix} contains only empty documents (megatron.core "
+                              "would loop forever on it)")
         itemsize = numpy.dtype(dataset.index.dtype).itemsize
         expected_bytes = int(dataset.index.sequence_pointers[-1]) + int(lengths[-1]) * itemsize
         actual_bytes = os.path.getsize(bin_path)
         if expected_bytes != actual_bytes:
             raise ConfigError(
-                f"--data-path: {bin_path} has {actual_bytes} bytes but {idx_path} describes "
+                f"{flag}: {bin_path} has {actual_bytes} bytes but {idx_path} describes "
                 f"{expected_bytes}; the pair comes from different or interrupted preprocessing "
                 "runs, preprocess the data again"
             )
@@ -234,11 +242,11 @@ def _check_prefix_contents(prefix: str, tokenizer, split_matrix) -> None:
                 del tokens
             if max_token >= tokenizer.vocab_size:
                 raise ConfigError(
-                    f"--data-path: {bin_path} contains token id {max_token}, but "
+                    f"{flag}: {bin_path} contains token id {max_token}, but "
                     f"--tokenizer-type {getattr(tokenizer, 'tokenizer_type', '?')} has only "
                     f"{tokenizer.vocab_size} ids; was the data preprocessed with another tokenizer?"
                 )
-        for name, bounds in zip(SPLIT_NAMES, _split_ranges(count, split_matrix)):
+        for name, bounds in zip(SPLIT_NAMES, _split_ranges(count, split_matrix or ())):
             if bounds is None:
                 continue
             begin, end = bounds
@@ -360,8 +368,12 @@ class _Builder(BlendedMegatronDatasetBuilder):
 
 
 def _validate(args, tokenizer):
-    prefixes, weights = parse_data_path(args.data_path)
-    split, _ = parse_split(getattr(args, "split", "969,30,1"))
+    separate = separate_blends(args)
+    if separate is None:
+        prefixes, weights = parse_data_path(args.data_path)
+        split, _ = parse_split(getattr(args, "split", "969,30,1"))
+    else:
+        prefixes = separate[0][0]
     sizes = get_split_sizes(args)
     seq_length = check_int(args.seq_length, "--seq-length", minimum=1)
     seed = check_int(args.seed, "--seed", minimum=0)
@@ -370,15 +382,48 @@ def _validate(args, tokenizer):
 
     cache_arg = getattr(args, "data_cache_path", None)
     cache_path = os.path.abspath(cache_arg) if cache_arg else default_cache_path(prefixes)
+    # Splits nobody will draw from (0 samples, e.g. --eval-iters 0) are not built:
+    # a tiny corpus could give them no documents, on which megatron.core loops forever.
+    if separate is None:
+        for prefix in prefixes:
+            _check_prefix_files(prefix)
+        config = _gpt_config(args, seq_length, seed, cache_path, tokenizer,
+                             blend=(prefixes, weights), split=split)
+        config.split_matrix = [
+            bookends if size > 0 else None for bookends, size in zip(config.split_matrix, sizes)
+        ]
+        for prefix in prefixes:
+            _check_prefix_contents(prefix, tokenizer, config.split_matrix)
+    else:
+        used = [blend if size > 0 else None for blend, size in zip(separate, sizes)]
+        for name, blend in zip(SPLIT_NAMES, used):
+            for prefix in blend[0] if blend else ():
+                _check_prefix_files(prefix, f"--{name}-data-path")
+                _check_prefix_contents(prefix, tokenizer, None, f"--{name}-data-path")
+        config = _gpt_config(args, seq_length, seed, cache_path, tokenizer,
+                             blend_per_split=used)
+        config.split_matrix = [(0.0, 1.0) if blend else None for blend in used]
+    _prepare_cache_dir(cache_path, explicit=bool(cache_arg))
+    return config, sizes
 
-    for prefix in prefixes:
-        _check_prefix_files(prefix)
 
-    config = GPTDatasetConfig(
+def separate_blends(args) -> Optional[List[Optional[Tuple[List[str], Optional[List[float]]]]]]:
+    """Megatron-DeepSpeed's separate datasets: the ``(prefixes, weights)`` of
+    ``--train-data-path``, ``--valid-data-path`` and ``--test-data-path`` (None for one not
+    given), each used whole; None when the run reads ``--data-path`` and ``--split``."""
+    paths = [getattr(args, f"{name}_data_path", None) for name in SPLIT_NAMES]
+    if not paths[0]:
+        return None
+    return [parse_data_path(path, f"--{name}-data-path") if path else None
+            for name, path in zip(SPLIT_NAMES, paths)]
+
+
+def _gpt_config(args, seq_length, seed, cache_path, tokenizer, **source) -> GPTDatasetConfig:
+    """megatron.core's dataset config; ``source``: ``blend`` and ``split``, or
+    ``blend_per_split``."""
+    return GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
-        blend=(prefixes, weights),
-        split=split,
         path_to_cache=cache_path,
         tokenizer=tokenizer,
         reset_position_ids=bool(getattr(args, "reset_position_ids", False)),
@@ -387,26 +432,21 @@ def _validate(args, tokenizer):
         create_attention_mask=False,
         mmap_bin_files=True,
         num_dataset_builder_threads=1,
+        **source,
     )
-    # Splits nobody will draw from (0 samples, e.g. --eval-iters 0) are not built:
-    # a tiny corpus could give them no documents, on which megatron.core loops forever.
-    config.split_matrix = [
-        bookends if size > 0 else None for bookends, size in zip(config.split_matrix, sizes)
-    ]
-    for prefix in prefixes:
-        _check_prefix_contents(prefix, tokenizer, config.split_matrix)
-    _prepare_cache_dir(cache_path, explicit=bool(cache_arg))
-    return config, sizes
 
 
 def build_train_valid_test_datasets(
     args, tokenizer, is_built_on_rank: Optional[Callable[[], bool]] = None
 ):
-    """Build ``(train, valid, test)`` GPT datasets; an entry is None for a split of
-    ``--split`` weight 0 or of size 0.
+    """Build ``(train, valid, test)`` GPT datasets from ``--data-path`` carved by
+    ``--split``, or from ``--train-data-path``/``--valid-data-path``/``--test-data-path``
+    each used whole; an entry is None for a split of ``--split`` weight 0, without its
+    path, or of size 0.
 
     Args:
-        args: namespace with ``data_path``, ``split``, ``seq_length``, ``seed``,
+        args: namespace with ``data_path`` (or ``train_data_path`` and optionally
+            ``valid_data_path``, ``test_data_path``), ``split``, ``seq_length``, ``seed``,
             ``micro_batch_size``, ``global_batch_size``, ``train_iters``,
             ``eval_interval``, ``eval_iters``, and optionally ``data_cache_path``,
             ``reset_position_ids``, ``reset_attention_mask``, ``eod_mask_loss``.
@@ -431,7 +471,10 @@ def build_train_valid_test_datasets(
 
     for name, bookends, size in zip(SPLIT_NAMES, config.split_matrix, sizes):
         if bookends is None and size > 0:
-            logger.warning("--split gives the %s split weight 0: no %s dataset", name, name)
+            if config.blend_per_split:
+                logger.warning("no --%s-data-path: no %s dataset", name, name)
+            else:
+                logger.warning("--split gives the %s split weight 0: no %s dataset", name, name)
 
     builder = _Builder(GPTDataset, sizes, is_built_on_rank or (lambda: True), config)
     train, valid, test = builder.build()

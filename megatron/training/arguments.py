@@ -18,8 +18,9 @@ from deepspeed_ext.keeper import SUN_PATH_MAX as UNIX_SOCKET_PATH_MAX
 from megatron.training.errors import ConfigError
 from megatron.training.parallel_layout import build_layout
 from megatron.training.megatron_compat import (NumExpertsAction, add_megatron_compat_args,
+                                               add_unsupported_args, add_upstream_switch_args,
                                                check_megatron_compat, given_flags,
-                                               infer_tokenizer)
+                                               infer_tokenizer, print_ignored_flag_notes)
 
 # UNIX_SOCKET_PATH_MAX (107 bytes: ``sockaddr_un.sun_path`` holds 108 with its NUL): a
 # node's keeper listens on :func:`keeper_socket_path`, so ``--moc-shm-dir`` must leave
@@ -44,7 +45,34 @@ class _Parser(argparse.ArgumentParser):
     """
 
     def error(self, message):
+        if message.startswith("unrecognized arguments:"):
+            message += self._suggestions(message.split(":", 1)[1].split())
         raise ConfigError(message)
+
+    def _suggestions(self, tokens: Sequence[str]) -> str:
+        """For unknown flags: the closest known ones, and where every flag is listed."""
+        import difflib
+        known = [opt for action in self._actions for opt in action.option_strings]
+        hints = []
+        for token in tokens:
+            if token.startswith("--"):
+                close = difflib.get_close_matches(token.split("=", 1)[0], known, n=1)
+                hints += [f"{token}: did you mean {close[0]}?"] if close else []
+        return ("; " + "; ".join(hints) if hints else "") + \
+            " (every flag: pretrain_gpt_moe.py --help, or docs/flags.md)"
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with each flag's default after its help, where there is one to show:
+    not for switches (off unless given), flags without a value (None, ``[]``) or help
+    that already says what the default is."""
+
+    def _get_help_string(self, action):
+        default = action.default
+        if (isinstance(default, bool) or default is None or default == []
+                or "default" in (action.help or "")):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -57,7 +85,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-position-embeddings", type=int,
                    help="Position table size; default: --seq-length.")
     g.add_argument("--position-embedding-type", default="learned_absolute",
-                   choices=["learned_absolute", "rope"], help="Learned absolute or rotary positions.")
+                   choices=["learned_absolute", "rope"],
+                   help="A learned position table, or rope: a rotary embedding over whole heads "
+                        "(base 10000, adjacent pairs of dimensions rotated).")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="Pad the vocabulary to a multiple of this.")
     g.add_argument("--init-method-std", type=float, default=0.02, help="Std of the normal weight init.")
@@ -168,7 +198,10 @@ def _add_moc_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moc-pec-k", type=int, default=0,
                    help="Experts saved per MoE layer per checkpoint; 0: all.")
     g.add_argument("--moc-pec-policy", default="sequential", choices=["sequential", "load-aware"],
-                   help="Which experts a partial checkpoint saves.")
+                   help="Which experts a partial checkpoint saves: sequential rotates through "
+                        "each MoE layer's experts (staggered across layers and expert-parallel "
+                        "ranks); load-aware takes, per layer, those with the most tokens routed "
+                        "to them since their last save.")
     g.add_argument("--moc-pec-scope", default="wo", choices=["wo", "w", "o"],
                    help="What a partial checkpoint leaves out of the experts it does not "
                         "select (the MoC paper's variants): wo both weights and optimizer "
@@ -205,8 +238,8 @@ def _add_moc_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moc-k-snapshot", type=int, default=0,
                    help="Experts per MoE layer in each in-memory snapshot; 0: all.")
     g.add_argument("--moc-k-persist", type=int, default=None,
-                   help="Experts per MoE layer persisted to storage (same as --moc-pec-k; "
-                        "at most --moc-k-snapshot).")
+                   help="Experts per MoE layer persisted to storage (default: --moc-pec-k, "
+                        "which it replaces; at most --moc-k-snapshot).")
     g.add_argument("--moc-snapshot-interval", type=int, default=0,
                    help="Iterations between snapshots with --moc-two-level; 0: --save-interval.")
     g.add_argument("--moc-persist-interval", type=int, default=1,
@@ -233,9 +266,11 @@ def _add_moc_args(p: argparse.ArgumentParser) -> None:
                         "its CPU cost divided by N; a lost node resumes at most N-1 "
                         "snapshots further back).")
     g.add_argument("--moc-shm-dir", default=None,
-                   help="Shared-memory directory of the snapshots (two-level) or frames "
-                        "(exact mode); default: derived from "
-                        "--save under /dev/shm (stable across restarts of one job).")
+                   help="Shared-memory directory of the job: one node<N>/ per node with its "
+                        "keeper's socket and, by mode, the ranks' snapshot slots and the peers' "
+                        "copies (--moc-two-level) or the frames of the recent windows (--moc-mode "
+                        "exact); default: derived from --save under /dev/shm (stable across "
+                        "restarts of one job).")
     g.add_argument("--moc-host-memory-gb", type=float, default=0.0,
                    help="Host memory one rank's snapshot slots (--moc-two-level) or a window of "
                         "frames (--moc-mode exact) may use; 0: unchecked.")
@@ -265,8 +300,16 @@ def _add_moc_args(p: argparse.ArgumentParser) -> None:
 def _add_data_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+",
-                   help="Indexed dataset prefix, or 'w1 prefix1 w2 prefix2 ...' for a blend (required).")
-    g.add_argument("--split", default="969,30,1", help="Train,valid,test proportions.")
+                   help="Indexed dataset prefix, or 'w1 prefix1 w2 prefix2 ...' for a blend "
+                        "(required, unless --train-data-path is given).")
+    g.add_argument("--split", default="969,30,1",
+                   help="Train,valid,test proportions of the --data-path documents.")
+    for name, use in (("train", "training set, instead of --data-path and --split"),
+                      ("valid", "validation set, with --train-data-path (else none)"),
+                      ("test", "test set, with --train-data-path (else none)")):
+        g.add_argument(f"--{name}-data-path", nargs="+",
+                       help=f"The {use}: a prefix or a weighted blend as for --data-path, each "
+                            "dataset used whole (Megatron-DeepSpeed's separate datasets).")
     g.add_argument("--tokenizer-type", default="ByteLevelTokenizer",
                    help="ByteLevelTokenizer, or GPT2BPETokenizer with --vocab-file and --merge-file.")
     g.add_argument("--vocab-file", help="Tokenizer vocabulary file (GPT-2 vocab.json); without "
@@ -328,7 +371,9 @@ def _add_deepspeed_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``pretrain_gpt_moe.py``; extension modules may add groups to it."""
     p = _Parser(prog="pretrain_gpt_moe.py", description="GPT-MoE pretraining on DeepSpeed.",
-                allow_abbrev=False)
+                usage="%(prog)s [--config FILE.yaml] [flag value ...]  (every flag: below, "
+                      "or docs/flags.md)",
+                allow_abbrev=False, formatter_class=_HelpFormatter)
     p.add_argument("--config", action="append",
                    help="YAML file whose keys are flag names; repeatable (later files win); "
                         "flags win over all of them.")
@@ -336,7 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     from megatron.training.monitor import add_monitor_args
     for add in (_add_model_args, _add_moe_args, _add_training_args, _add_checkpoint_args,
                 _add_moc_args, add_monitor_args, add_fault_args, _add_data_args,
-                _add_logging_args, _add_deepspeed_args, add_megatron_compat_args):
+                _add_logging_args, _add_deepspeed_args, add_megatron_compat_args,
+                add_upstream_switch_args, add_unsupported_args):
         add(p)
     return p
 
@@ -646,7 +692,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         ConfigError: naming the flag to fix.
     """
     _require(args, ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                    "micro_batch_size", "train_iters", "lr", "data_path"))
+                    "micro_batch_size", "train_iters", "lr"))
+    _check_data_paths(args)
     _check_positive(args, ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                            "micro_batch_size", "global_batch_size", "train_iters", "num_experts",
                            "moe_expert_parallel_size", "expert_interval", "log_interval",
@@ -783,7 +830,23 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                           ("--attention-dropout", args.attention_dropout)):
         if not 0.0 <= dropout < 1.0:
             raise ConfigError(f"{flag} must be in [0, 1), got {dropout}")
+    print_ignored_flag_notes(args)
     return args
+
+
+def _check_data_paths(args: argparse.Namespace) -> None:
+    """One source of data: --data-path (carved by --split), or Megatron-DeepSpeed's
+    separate --train-data-path/--valid-data-path/--test-data-path."""
+    separate = [f"--{name}-data-path" for name in ("train", "valid", "test")
+                if getattr(args, f"{name}_data_path", None)]
+    if args.data_path is None and not separate:
+        raise ConfigError("--data-path is required (a flag, or the key 'data-path' in "
+                          "--config), or --train-data-path for separate datasets")
+    if args.data_path is not None and separate:
+        raise ConfigError(f"--data-path and {'/'.join(separate)} both name the data: give "
+                          "--data-path (split by --split) or separate datasets, not both")
+    if separate and "--train-data-path" not in separate:
+        raise ConfigError(f"{'/'.join(separate)} needs --train-data-path (the training set)")
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel_size: int = 1) -> int:
@@ -808,7 +871,25 @@ def moc_config_from_args(args: argparse.Namespace):
                      host_memory_gb=args.moc_host_memory_gb, redundancy=args.moc_redundancy,
                      replicas=args.moc_replicas, ec_data=args.moc_ec_data,
                      ec_parity=args.moc_ec_parity,
-                     redundancy_interval=args.moc_redundancy_interval)
+                     redundancy_interval=args.moc_redundancy_interval,
+                     padded_vocab=padded_vocab_from_args(args))
+
+
+VOCAB_TENSORS = ("word_embeddings.weight",)
+"""The model's tensors whose rows are the padded vocabulary: the word embedding, which is
+also the output layer (tied)."""
+
+
+def padded_vocab_from_args(args: argparse.Namespace):
+    """The :class:`deepspeed_ext.format.vocab.PaddedVocab` of the model (a MoC load under
+    another padding trims or adds its padding rows); None while the tokenizer's size
+    (``args.true_vocab_size``, set beside ``args.padded_vocab_size`` once the tokenizer is
+    built) is not known."""
+    from deepspeed_ext.format.vocab import PaddedVocab
+    real = getattr(args, "true_vocab_size", None)
+    if real is None or getattr(args, "padded_vocab_size", None) is None:
+        return None
+    return PaddedVocab(VOCAB_TENSORS, args.padded_vocab_size, real)
 
 
 def model_config_from_args(args: argparse.Namespace):

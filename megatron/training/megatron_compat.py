@@ -7,10 +7,17 @@ memory-mapped indexed datasets, separate MoE parameter groups. They are
 accepted with that value, and any other value is refused here (on every rank, before any
 collective) with a message naming the flag and what is supported. docs/megatron-deepspeed.md
 maps each of their flags to ours.
+
+Their scripts also pass switches that have nothing to switch here (fused kernels this
+model does not have, the communication backend DeepSpeed picks): those are accepted, and
+rank 0 prints one line per flag saying so (:func:`ignored_flag_notes`). Options that
+change the model's architecture (SwiGLU, RMSNorm, grouped-query attention, upstream's
+rotary embedding, untied or bias-free layers) are refused until the model has them.
 """
 
 import argparse
-from typing import Iterable, Optional, Sequence
+import os
+from typing import Iterable, List, Optional, Sequence
 
 from megatron.training.errors import ConfigError
 
@@ -64,6 +71,181 @@ def add_megatron_compat_args(p: argparse.ArgumentParser) -> None:
                    help="Accepted: expert parameters always get their own optimizer groups.")
 
 
+def add_upstream_switch_args(p: argparse.ArgumentParser) -> None:
+    """Megatron-DeepSpeed switches that change nothing in this trainer (rank 0 prints one
+    line each at the start saying why: :func:`print_ignored_flag_notes`)."""
+    g = p.add_argument_group("Megatron-DeepSpeed switches with nothing to switch here "
+                             "(accepted; rank 0 prints one line each saying why)")
+    g.add_argument("--distributed-backend", choices=DISTRIBUTED_BACKENDS, default=None,
+                   help="Ignored, as Megatron-DeepSpeed ignores it: the backend is DeepSpeed's "
+                        "accelerator's (nccl on CUDA; gloo on CPU, ccl with oneCCL's bindings).")
+    for flags, dest in FLASH_ATTENTION_SWITCHES:
+        g.add_argument(*flags, dest=dest, action="store_true",
+                       help="Ignored: attention always runs in torch's "
+                            "scaled_dot_product_attention, which picks a flash kernel where the "
+                            "device, dtype and head size allow.")
+    for flag, what in FUSION_SWITCHES:
+        g.add_argument(flag, action="store_true", help=f"Ignored: {what}.")
+    g.add_argument("--use-cpu-initialization", action="store_true",
+                   help="Ignored: weights are always initialized on the CPU (DeepSpeed then "
+                        "moves the model to the device).")
+
+
+def add_unsupported_args(p: argparse.ArgumentParser) -> None:
+    """Megatron-DeepSpeed's options for what this trainer does not have (yet), accepted
+    only where they describe what it does (refused by :func:`check_unsupported_options`)."""
+    g = p.add_argument_group("Megatron-DeepSpeed options this trainer does not have (refused "
+                             "unless they describe what it does)")
+    g.add_argument("--rampup-batch-size", nargs="*", default=None, metavar="N",
+                   help="Refused: the global batch size is fixed for the run.")
+    g.add_argument("--mlp-type", choices=("standard", "residual"), default="standard",
+                   help="standard only; residual (PR-MoE's Residual MoE) is refused.")
+    g.add_argument("--normalization", choices=("layernorm", "rmsnorm"), default="layernorm",
+                   help="layernorm only; rmsnorm is refused.")
+    g.add_argument("--num-key-value-heads", type=int, default=None,
+                   help="Equal to --num-attention-heads only; other values (grouped-query "
+                        "attention) are refused.")
+    g.add_argument("--rotary-percent", type=float, default=1.0,
+                   help="1.0 only (--position-embedding-type rope rotates whole heads).")
+    for flag, _ in UNSUPPORTED_MODEL_SWITCHES:
+        g.add_argument(flag, action="store_true", help="Refused: not supported yet.")
+
+
+DISTRIBUTED_BACKENDS = ("nccl", "gloo", "ccl", "hccl")
+"""``--distributed-backend`` values: Megatron-DeepSpeed's choices."""
+
+FLASH_ATTENTION_SWITCHES = ((("--use-flash-attn", "--use-flash-attn-v1"), "use_flash_attn_v1"),
+                            (("--use-flash-attn-v2",), "use_flash_attn_v2"))
+"""Megatron-DeepSpeed's FlashAttention switches (option strings, ``dest``)."""
+
+FUSION_SWITCHES = (
+    ("--no-gradient-accumulation-fusion",
+     "gradient accumulation is never fused into the weight-gradient GEMMs here (no APEX "
+     "kernel; megatron-core's layers run with the fusion off)"),
+    ("--no-masked-softmax-fusion",
+     "nothing to switch off here: attention is torch's scaled_dot_product_attention, not "
+     "Megatron's fused scale-mask-softmax kernel"),
+    ("--no-bias-gelu-fusion",
+     "nothing to switch off here (no fused kernel): the MLP's bias and GeLU are separate "
+     "torch ops"),
+    ("--no-bias-dropout-fusion",
+     "nothing to switch off here (no fused kernel): bias, dropout and the residual add are "
+     "separate torch ops"),
+)
+"""Megatron-DeepSpeed's ``--no-*-fusion`` switches and why each changes nothing here."""
+
+UNSUPPORTED_MODEL_SWITCHES = (
+    ("--swiglu", "not supported yet: the dense MLP and the experts use GeLU; drop the flag to "
+                 "train with GeLU"),
+    ("--use-rotary-position-embeddings",
+     "not supported yet: upstream's rotary embedding rotates the two halves of each head. "
+     "--position-embedding-type rope is a rotary embedding over whole heads (base 10000, no "
+     "learned position table) that rotates adjacent pairs of dimensions instead: the same "
+     "model family up to a fixed permutation of the query and key features, not upstream's "
+     "layout (its checkpoints would not match); pass --position-embedding-type rope instead, "
+     "and drop --no-position-embedding if the script passes it"),
+    ("--untie-embeddings-and-output-weights",
+     "not supported yet: the output layer shares the input embedding's weights; drop the flag"),
+    ("--disable-bias-linear",
+     "not supported yet: the linear layers have biases; drop the flag to train with them"),
+    ("--group-query-attention",
+     "not supported yet: grouped-query attention (this is Megatron-LM's switch; "
+     "Megatron-DeepSpeed's is --num-key-value-heads); drop the flag"),
+)
+"""Architecture switches the model does not have, and the message refusing each."""
+
+
+def check_unsupported_options(args: argparse.Namespace) -> None:
+    """Refuse Megatron-DeepSpeed's options that describe another model or a batch-size
+    ramp-up (every rank, before any collective).
+
+    Raises:
+        ConfigError: naming the flag, saying it is not supported yet and what to do.
+    """
+    for flag, why in UNSUPPORTED_MODEL_SWITCHES:
+        if getattr(args, _dest(flag), False):
+            raise ConfigError(f"{flag}: {why}")
+    if getattr(args, "mlp_type", "standard") == "residual":
+        raise ConfigError("--mlp-type residual: Residual MoE (PR-MoE's dense MLP beside each "
+                          "MoE layer's experts) is not supported; drop the flag or pass "
+                          "--mlp-type standard")
+    if getattr(args, "normalization", "layernorm") == "rmsnorm":
+        raise ConfigError("--normalization rmsnorm: not supported yet: every layer uses "
+                          "LayerNorm; drop the flag or pass --normalization layernorm")
+    kv_heads = getattr(args, "num_key_value_heads", None)
+    heads = getattr(args, "num_attention_heads", None)
+    if kv_heads is not None and kv_heads != heads:
+        raise ConfigError(f"--num-key-value-heads {kv_heads} with --num-attention-heads {heads}: "
+                          "not supported yet: grouped-query attention (key/value heads shared "
+                          "by groups of query heads); drop the flag, or give it the number of "
+                          "attention heads (every head with its own keys and values)")
+    percent = getattr(args, "rotary_percent", 1.0)
+    if percent != 1.0:
+        raise ConfigError(f"--rotary-percent {percent:g}: not supported yet: a rotary "
+                          "embedding over part of each head; --position-embedding-type rope "
+                          "rotates whole heads (--rotary-percent 1.0)")
+    ramp = getattr(args, "rampup_batch_size", None)
+    if ramp is not None:
+        raise ConfigError(f"--rampup-batch-size {' '.join(ramp)}: batch-size ramp-up is not "
+                          "supported: the global batch size is fixed for the run (DeepSpeed's "
+                          "train_batch_size), and the run length is --train-iters (Megatron-"
+                          "DeepSpeed accepts the ramp-up only with --train-samples); drop the "
+                          "flag to train at --global-batch-size from the start")
+
+
+def ignored_flag_notes(args: argparse.Namespace) -> List[str]:
+    """One line per given Megatron-DeepSpeed switch that changes nothing here, saying why
+    (pure; :func:`print_ignored_flag_notes` prints them)."""
+    notes = []
+    backend = getattr(args, "distributed_backend", None)
+    if backend is not None:
+        notes.append(f"--distributed-backend {backend}: the backend is DeepSpeed's "
+                     "accelerator's (nccl on CUDA; gloo on CPU, ccl with oneCCL's bindings), "
+                     "as in Megatron-DeepSpeed, which does not read this flag either; ignored")
+    for flags, dest in FLASH_ATTENTION_SWITCHES:
+        if getattr(args, dest, False):
+            notes.append(_flash_attention_note(flags[0], args))
+    for flag, what in FUSION_SWITCHES:
+        if getattr(args, _dest(flag), False):
+            notes.append(f"{flag}: {what}; ignored")
+    if getattr(args, "train_data_path", None) and was_given(args, "split"):
+        notes.append(f"--split {args.split}: --train-data-path (--valid-data-path, "
+                     "--test-data-path) each name a dataset used whole, as in Megatron-DeepSpeed, "
+                     "which ignores --split with them too; ignored")
+    if getattr(args, "use_cpu_initialization", False):
+        notes.append("--use-cpu-initialization: weights are always initialized on the CPU here "
+                     "(DeepSpeed then moves the model to the device); ignored")
+    return notes
+
+
+def _flash_attention_note(flag: str, args: argparse.Namespace) -> str:
+    note = (f"{flag}: nothing to switch on here: attention always runs in torch's "
+            "scaled_dot_product_attention, which uses FlashAttention-2 on CUDA for fp16/bf16 "
+            "where the head size allows (else its memory-efficient or math kernel) and its "
+            "flash kernel on CPU")
+    if getattr(args, "deterministic", False) or getattr(args, "moc_mode", "pec") == "exact":
+        note += ("; on CUDA, --deterministic (implied there by --moc-mode exact) restricts it "
+                 "to the math kernel")
+    return note + "; ignored"
+
+
+def print_ignored_flag_notes(args: argparse.Namespace) -> None:
+    """Print :func:`ignored_flag_notes` on rank 0, once per run: ``validate_args`` runs
+    before and after the process group exists, so the rank is the launcher's ``RANK``,
+    and the notes are kept in ``args.ignored_flag_notes`` (the second call prints
+    nothing)."""
+    if getattr(args, "ignored_flag_notes", None) is not None:
+        return
+    args.ignored_flag_notes = ignored_flag_notes(args)
+    if os.environ.get("RANK", "0") == "0":
+        for note in args.ignored_flag_notes:
+            print(f"> {note}", flush=True)
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
 def check_megatron_compat(args: argparse.Namespace) -> None:
     """Refuse the values of the compatibility flags this trainer does not support.
 
@@ -72,6 +254,7 @@ def check_megatron_compat(args: argparse.Namespace) -> None:
     """
     _check_pipeline(args)
     _check_tensor_parallel(args)
+    check_unsupported_options(args)
     queue = getattr(args, "tensorboard_queue_size", None)
     if queue is not None and queue < 1:
         raise ConfigError(f"--tensorboard-queue-size must be >= 1, got {queue}")

@@ -1,12 +1,15 @@
 """Flags, YAML configs, precedence and the bad-input checks of validate_args."""
 
+import os
+import re
 import textwrap
 
 import pytest
 
-from megatron.training.arguments import parse_args, padded_vocab_size, validate_args
+from megatron.training.arguments import build_parser, parse_args, padded_vocab_size, validate_args
 from megatron.training.ds_config import build_ds_config
 from megatron.training.errors import ConfigError
+from tests.launch import REPO
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "4", "--lr", "1e-3",
@@ -293,3 +296,36 @@ def test_keeper_socket_path_limit_is_public():
     check_keeper_socket_path(LONG_DIR, 9)
     with pytest.raises(ConfigError, match="108 bytes, and a Unix socket path holds at most 107"):
         check_keeper_socket_path(LONG_DIR, 10)
+
+
+FLAG_ROW = re.compile(r"^\| (`--[^|]+`) \| ([^|]*) \| (.*) \|$")
+
+
+def _doc_default(action) -> str:
+    """How docs/flags.md writes a flag's default: `off` for a switch, nothing for no value."""
+    if action.nargs == 0 and isinstance(action.default, bool):
+        return "`off`"
+    return "" if action.default in (None, []) else f"`{action.default}`"
+
+
+def test_flags_page_shows_each_default_and_choice_of_the_parser():
+    """docs/flags.md's default column is the parser's, and a flag with a fixed set of values
+    names each of them (test_readme checks that every flag has a row)."""
+    rows = {}
+    with open(os.path.join(REPO, "docs", "flags.md")) as f:
+        for line in f:
+            match = FLAG_ROW.match(line.rstrip("\n"))
+            for flag in re.findall(r"`(--[^`]+)`", match.group(1)) if match else ():
+                rows[flag] = (match.group(2).strip(), line)
+    wrong = []
+    for action in build_parser()._actions:
+        flag = action.option_strings[-1] if action.option_strings else None
+        if flag in (None, "--help") or flag not in rows:
+            continue
+        default, line = rows[flag]
+        if default != _doc_default(action):
+            wrong.append(f"{flag}: default {default!r}, the parser's {_doc_default(action)!r}")
+        wrong += [f"{flag}: choice {choice} not named" for choice in action.choices or ()
+                  if f"`{choice}`" not in line]
+    assert len(rows) > 100, "no flag rows found in docs/flags.md"
+    assert not wrong, wrong
