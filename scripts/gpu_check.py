@@ -735,7 +735,7 @@ def main(argv=None) -> int:
           f"in {total:.0f} s; summary {' and '.join(paths)}", flush=True)
     logs = os.path.join(os.environ["OUT"], "gpu_check_logs.txt") if os.environ.get("OUT") else None
     if logs and mode not in ("dry-run", "no-cuda"):
-        with open(logs, "w") as f:  # every check's log, in one file ($OUT takes 8 files)
+        with open(logs, "w") as f:  # every check's log, in one file beside the summary
             for path in sorted(glob.glob(os.path.join(args.work, "*.log"))):
                 f.write(f"===== {os.path.basename(path)}\n{tail(path, 400)}\n")
     return 1 if final == FAIL else 0

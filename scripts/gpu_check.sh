@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Check MoC's CUDA paths on one GPU in under 8 minutes: install the project's dependencies
-# offline from .gpu_wheels/ (made here by scripts/gpu_wheels.sh and carried with the
-# working tree), then run scripts/gpu_check.py's six checks, each under a time cap: the
+# offline from .gpu_wheels/ (made by scripts/gpu_wheels.sh on a machine that reaches PyPI
+# and copied over with the repository), then run scripts/gpu_check.py's six checks, each under a time cap: the
 # CUDA unit tests, what 2 ranks sharing the GPU can use, snapshot bandwidth against a
 # pinned copy, a crash recovered from memory with bitwise losses, an exact-mode replay,
 # and the checkpoint stall against DeepSpeed's save_checkpoint. Prints one PASS/FAIL/SKIP
@@ -42,7 +42,7 @@ mkdir -p "$WORK"
 LOG="$WORK/install.log"
 
 # The commit: from git where the checkout has it, else the one gpu_wheels.sh recorded
-# (the device tool's copy of the working tree has no .git).
+# (a copy of the repository made without its .git directory has no commit of its own).
 COMMIT="$(git -C "$REPO" rev-parse HEAD 2>/dev/null || true)"
 if [ -n "$COMMIT" ] && [ -n "$(git -C "$REPO" status --porcelain --untracked-files=no 2>/dev/null)" ]; then
     COMMIT="$COMMIT (+ uncommitted changes)"
@@ -80,7 +80,7 @@ if [ "$DRY" = 0 ]; then
         install_status=PASS install_reason="already importable, nothing installed"
     elif [ ! -f "$WHEELS/requirements.txt" ]; then
         install_status=FAIL
-        install_reason="no $WHEELS/requirements.txt: run scripts/gpu_wheels.sh where pip reaches PyPI, and carry .gpu_wheels"
+        install_reason="no $WHEELS/requirements.txt: run scripts/gpu_wheels.sh where pip reaches PyPI and copy .gpu_wheels/ here with the repository"
     else
         before="$(torch_id)"
         if ! install_offline; then

@@ -8,7 +8,8 @@
 #
 #   bash scripts/gpu_wheels.sh [DIR]        # DIR defaults to .gpu_wheels
 #
-# Then, with the device tool: carry [".gpu_wheels"] and run `bash scripts/gpu_check.sh`.
+# Then copy the repository with .gpu_wheels/ to the GPU machine and run
+# `bash scripts/gpu_check.sh` there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST="${1:-.gpu_wheels}"

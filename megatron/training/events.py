@@ -74,13 +74,16 @@ class Progress:
         self._tmp = f"{path}.tmp.{os.getpid()}"
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
-    def record(self, iteration: int, run_id: str) -> None:
+    def record(self, iteration: int, run_id: str, loop: Optional[Dict] = None) -> None:
+        """``loop``: the run's measured iteration time so far
+        (:meth:`megatron.training.recovery.LoopTime.record`), for a restart's ETTR."""
         with open(self._tmp, "w", encoding="utf-8") as f:
-            json.dump({"iteration": iteration, "time": time.time(), "run": run_id}, f)
+            json.dump({"iteration": iteration, "time": time.time(), "run": run_id,
+                       "loop": loop}, f)
         os.replace(self._tmp, self.path)
 
     def read(self) -> Optional[Dict]:
-        """``{"iteration", "time", "run"}`` of the last record, or None."""
+        """``{"iteration", "time", "run", "loop"}`` of the last record, or None."""
         try:
             with open(self.path, encoding="utf-8") as f:
                 data = json.load(f)

@@ -18,7 +18,7 @@ import argparse
 import os
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
 import torch.distributed as dist
 
@@ -135,6 +135,7 @@ def _rank0_report(moc, args, iteration: int, load_s: float) -> RecoveryReport:
                  "iterations_lost": report.iterations_lost,
                  "seconds_since_progress": report.seconds_since_progress,
                  "failed_run": progress.get("run") if progress else None,
+                 "failed_run_loop": progress.get("loop") if progress else None,
                  "failure": report.failure,
                  "restart": restart_count(args),
                  "loss": loss.to_json() if loss is not None else None}
@@ -151,36 +152,98 @@ def record_start(args: argparse.Namespace, iteration: int) -> None:
                                           "iteration": iteration})
 
 
-def report_ettr(args: argparse.Namespace, iteration: int,
-                iter_s: Sequence[float]) -> Optional[Dict]:
-    """Rank 0, after the loop: the job's effective training time ratio so far.
+class LoopTime:
+    """This attempt's training iterations as the ETTR counts them; rank 0 keeps it, in
+    O(1) memory: how many ran, and the seconds they took, each from its start to the next
+    one's start (its evaluation and checkpoint saves included), the last one to the end of
+    the loop. Iterations run back to back, so that sum is the time from the first one's
+    start to the last one's end. ``now`` values are ``time.perf_counter()`` readings."""
 
-    ``ETTR = (iterations gained since the job's first attempt started x this attempt's
-    median iteration time) / wall time since then``. The median includes what
-    checkpointing costs per iteration, so this figure counts what failures cost
-    (restarts, loads, replayed and lost iterations), not checkpoint overhead; the
-    benchmark's ETTR divides by the fault-free run's iteration time instead. Logged,
-    appended as an ``ettr`` event and returned; None without an event file or before
-    any measured iteration.
+    def __init__(self) -> None:
+        self.started = time.time()
+        """Wall clock when this attempt's loop began (a failed run's record says whether
+        it belongs to the job a later ETTR reports on)."""
+        self.iterations = 0
+        self._first: Optional[float] = None
+        self._end: Optional[float] = None
+
+    def top(self, now: float) -> None:
+        """An iteration starts."""
+        if self._first is None:
+            self._first = now
+        self.iterations += 1
+        self._end = None
+
+    def stop(self, now: float) -> None:
+        """The loop has ended: the last iteration's time ends here."""
+        self._end = now
+
+    def seconds(self, now: Optional[float] = None) -> float:
+        """The measured iterations' time so far (up to ``now`` while the loop runs)."""
+        if self._first is None:
+            return 0.0
+        end = self._end if self._end is not None else (
+            time.perf_counter() if now is None else now)
+        return end - self._first
+
+    def record(self, now: Optional[float] = None) -> Dict:
+        """What the progress record keeps of this attempt (a restart's ETTR reads it)."""
+        return {"started": self.started, "iterations": self.iterations,
+                "seconds": self.seconds(now)}
+
+
+def ettr_figures(events: List[Dict], iteration: int, attempt: Dict,
+                 now: float) -> Optional[Dict]:
+    """The job's effective training time ratio at ``iteration`` (a pure function of the
+    event file's records; rank 0's :func:`report_ettr` and tests call it).
+
+    ``ETTR = counted iteration time / wall time since the job's first attempt started``.
+    Iteration time is measured (:class:`LoopTime`): this attempt's (``attempt``, a
+    :meth:`LoopTime.record`) and that of the failed attempts of the job before it (the
+    ``failed_run_loop`` their recoveries copied from the progress record). Iterations a
+    failure lost were run twice; of the ``run`` iterations measured, the ``gained`` ones
+    count: ``counted = measured x min(gained, run) / run``. The measured spans lie apart
+    inside the wall time, so the ratio cannot pass 1 however iteration times vary (a
+    count times a median could). It charges restarts, loads and lost iterations, not the
+    per-iteration cost of checkpointing (inside iteration time). None before any
+    iteration, or without a ``start`` event of the job's first attempt.
     """
-    if not getattr(args, "moc_event_file", None) or dist.get_rank() != 0 or not iter_s:
+    starts = [e for e in events if e.get("kind") == "start" and e.get("restart") == 0]
+    if not starts or not attempt.get("iterations"):
+        return None
+    since = float(starts[-1]["time"])
+    recoveries = [e for e in events
+                  if e.get("kind") == "recovery" and float(e.get("time", 0)) >= since]
+    failed = {e["failed_run"]: e["failed_run_loop"] for e in recoveries
+              if e.get("failed_run") and isinstance(e.get("failed_run_loop"), dict)
+              and float(e["failed_run_loop"].get("started", 0)) >= since}
+    loops = list(failed.values()) + [attempt]
+    run = sum(int(loop["iterations"]) for loop in loops)
+    measured = sum(float(loop["seconds"]) for loop in loops)
+    gained = iteration - int(starts[-1]["iteration"])
+    counted = measured * max(0, min(gained, run)) / run
+    wall = now - since
+    return {"kind": "ettr", "ettr": counted / wall if wall > 0 else None,
+            "iterations": gained, "iterations_run": run, "measured_s": measured,
+            "counted_s": counted, "wall_s": wall, "recoveries": len(recoveries)}
+
+
+def report_ettr(args: argparse.Namespace, iteration: int, loop: LoopTime) -> Optional[Dict]:
+    """Rank 0, after the loop: the job's ETTR so far (:func:`ettr_figures`), logged,
+    appended as an ``ettr`` event and returned; None on other ranks, without an event
+    file or before any iteration."""
+    if not getattr(args, "moc_event_file", None) or dist.get_rank() != 0:
         return None
     log = EventLog(args.moc_event_file)
-    starts = [e for e in log.read("start") if e.get("restart") == 0]
-    if not starts:
+    event = ettr_figures(log.read(), iteration, loop.record(), time.time())
+    if event is None or event["ettr"] is None:
         return None
-    first = starts[-1]
-    wall = time.time() - float(first["time"])
-    median = sorted(iter_s)[len(iter_s) // 2]
-    gained = iteration - int(first["iteration"])
-    ettr = gained * median / wall if wall > 0 else None
-    event = {"kind": "ettr", "ettr": ettr, "iterations": gained, "median_iter_s": median,
-             "wall_s": wall, "recoveries": len([e for e in log.read("recovery")
-                                                if float(e.get("time", 0)) >= float(first["time"])])}
     log.append(event)
-    print_rank_0(f"[moc] ETTR {ettr:.3f}: {gained} iterations x {median * 1e3:.1f} ms (this run's "
-                 f"median) over {wall:.1f} s since the job started, {event['recoveries']} "
-                 f"recovery(ies)")
+    print_rank_0(f"[moc] ETTR {event['ettr']:.3f}: {event['counted_s']:.1f} s of iteration "
+                 f"time counted over {event['wall_s']:.1f} s since the job started "
+                 f"({event['iterations']} iterations gained of {event['iterations_run']} run, "
+                 f"{event['measured_s']:.1f} s measured, each from its start to the next "
+                 f"one's), {event['recoveries']} recovery(ies)")
     return event
 
 

@@ -87,3 +87,64 @@ def test_restart_count_comes_from_the_flag_before_the_environment(monkeypatch):
     assert restart_count(parse_args(BASE + ["--moc-restart-count", "5"])) == 5
     with pytest.raises(ConfigError, match="--moc-restart-count must be >= 0"):
         validate_args(parse_args(BASE + ["--moc-restart-count", "-1"]), 1)
+
+
+def _timed_loop(iteration_s):
+    """A LoopTime fed iterations that took ``iteration_s`` seconds each, back to back
+    from t = 100 (perf_counter readings), and stopped after the last."""
+    from megatron.training.recovery import LoopTime
+    loop, now = LoopTime(), 100.0
+    for s in iteration_s:
+        loop.top(now)
+        now += s
+    loop.stop(now)
+    return loop
+
+
+def test_ettr_counts_measured_iteration_time_and_never_passes_1():
+    """Varying iteration times: six slow ones and four fast ones. A count times the
+    median (1.0 s x 10 = 10 s) claimed more than the 6.04 s the loop took (the old line
+    said ETTR 1.53 here); the sum of the measured times cannot."""
+    from megatron.training.recovery import ettr_figures
+    times = [0.01, 1.0, 0.01, 1.0, 1.0, 0.01, 1.0, 1.0, 0.01, 1.0]
+    loop = _timed_loop(times)
+    assert loop.iterations == 10 and loop.seconds() == pytest.approx(sum(times))
+    start = {"kind": "start", "restart": 0, "iteration": 100, "time": 1000.0}
+    wall_end = 1000.0 + sum(times) + 0.5  # the loop plus half a second around it
+    figures = ettr_figures([start], 110, loop.record(), wall_end)
+    assert figures["measured_s"] == pytest.approx(6.04)
+    assert figures["counted_s"] == pytest.approx(6.04)
+    assert figures["ettr"] == pytest.approx(6.04 / 6.54) and figures["ettr"] < 1
+    assert figures["iterations"] == figures["iterations_run"] == 10
+    # no start event of the job's first attempt, or no iteration yet: nothing to report
+    assert ettr_figures([dict(start, restart=1)], 110, loop.record(), wall_end) is None
+    assert ettr_figures([start], 100, _timed_loop([]).record(), wall_end) is None
+
+
+def test_ettr_of_a_restarted_job_counts_only_the_iterations_gained():
+    """Attempt 0 ran iterations 0-12 in 12 s (measured) and crashed; attempt 1 resumed at
+    8 (4 iterations lost) and ran 8-16 with slower iterations, 8 of them in 16 s. Of the
+    20 iterations run, 16 were gained: 16/20 of the 28 s measured count. The failed run's
+    record reaches the ETTR through its recovery event; a run of an earlier job (its loop
+    began before this job's first start) and a second copy of one run do not count."""
+    from megatron.training.recovery import ettr_figures
+    events = [
+        {"kind": "start", "restart": 0, "iteration": 0, "time": 1000.0},
+        {"kind": "recovery", "time": 1015.0, "iteration": 8, "failed_run": "h:1:1",
+         "failed_run_loop": {"started": 1000.1, "iterations": 12, "seconds": 12.0}},
+        {"kind": "recovery", "time": 1016.0, "iteration": 8, "failed_run": "h:1:1",
+         "failed_run_loop": {"started": 1000.1, "iterations": 12, "seconds": 12.0}},
+        {"kind": "recovery", "time": 1016.5, "iteration": 8, "failed_run": "h:0:0",
+         "failed_run_loop": {"started": 900.0, "iterations": 50, "seconds": 50.0}},
+        {"kind": "start", "restart": 1, "iteration": 8, "time": 1017.0},
+    ]
+    attempt = _timed_loop([2.0] * 8).record()
+    figures = ettr_figures(events, 16, attempt, 1034.0)
+    assert figures["iterations"] == 16 and figures["iterations_run"] == 20
+    assert figures["measured_s"] == pytest.approx(28.0)
+    assert figures["counted_s"] == pytest.approx(28.0 * 16 / 20)
+    assert figures["ettr"] == pytest.approx(22.4 / 34.0) and figures["recoveries"] == 3
+    # every iteration run twice or more at wildly different speeds: still at most 1
+    for seconds in (0.001, 5.0, 16.9):
+        attempt = dict(attempt, seconds=seconds)
+        assert ettr_figures(events, 16, attempt, 1017.0 + seconds)["ettr"] <= 1
