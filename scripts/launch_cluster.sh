@@ -7,7 +7,14 @@
 # first NODES hosts, GPUS_PER_NODE ranks on each. DATA_PATH an indexed dataset prefix
 # (tools/preprocess_data.py); CONFIG a YAML under configs/. Extra flags go to
 # pretrain_gpt_moe.py and win over the YAML (e.g. --save /ckpt --load /ckpt).
-# The repository and its .venv must be at the same path on every node.
+# The repository and its .venv must be at the same path on every node. Relative paths
+# are taken from the repository root.
+#
+# Tokenizer files: a config that selects GPT2BPETokenizer (configs/gpt-125m-8e.yaml,
+# configs/gpt-350m-16e.yaml) needs GPT-2's vocab.json and merges.txt, the files the data
+# was tokenized with, as extra flags: --vocab-file FILE --merge-file FILE. The trainer's
+# flags are parsed here before anything is launched: a flag it refuses, or a tokenizer
+# without its files, stops the launch with "error: ..." and exit status 2.
 #
 # MASTER_ADDR, MASTER_PORT: where rank 0 (on the first host used) listens, given to the
 # launcher when set; without MASTER_ADDR DeepSpeed takes the first address `hostname -I`
@@ -28,9 +35,13 @@
 # hosts of HOSTFILE without them (keep spare hosts in the hostfile so that NODES remain;
 # with fewer the world size shrinks, which MoC checkpoints load on). RESTART_DELAY
 # seconds between attempts (10). DEEPSPEED: the launcher command (default: deepspeed).
+#
+# One node (NODES=1): DeepSpeed starts every rank on this machine whatever host the
+# hostfile names, so the launch skips DeepSpeed's ssh check and rank 0 listens on 127.0.0.1
+# (MASTER_ADDR overrides): no passwordless ssh to this machine is needed.
 set -euo pipefail
 if [ $# -lt 6 ]; then
-    sed -n '2,30p' "$0" >&2
+    sed -n '2,41p' "$0" >&2
     exit 2
 fi
 HOSTFILE="$1"; DATA_PATH="$2"; CONFIG="$3"; NODES="$4"; GPUS="$5"; EP="$6"; shift 6
@@ -45,6 +56,10 @@ done
 MAX_RESTARTS="${MAX_RESTARTS:-0}"
 # shellcheck disable=SC1091  # the project's venv, made by scripts/setup_env.sh
 [ -x .venv/bin/python ] && source .venv/bin/activate
+
+# The trainer's flags, checked once here: a flag it refuses, or a tokenizer without its
+# files, would otherwise stop every rank of every node after the launch.
+python -m megatron.training.launch_check "$CONFIG" "$DATA_PATH" "$EP" "$@" || exit 2
 # TORCH_NCCL_ASYNC_ERROR_HANDLING is the current name (NCCL_ASYNC_ERROR_HANDLING is
 # deprecated); a value given under the old name still counts.
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-${NCCL_ASYNC_ERROR_HANDLING:-1}}"
@@ -158,7 +173,9 @@ while true; do
         hostfile="$WORK/hostfile"
     fi
     master=()
-    if [ -n "${MASTER_ADDR:-}" ]; then
+    if [ "$NODES" = 1 ]; then  # a local launch (see the header)
+        master=(--no_ssh_check --master_addr "${MASTER_ADDR:-127.0.0.1}")
+    elif [ -n "${MASTER_ADDR:-}" ]; then
         if [ "$first" = "$FIRST_HOST" ]; then
             master=(--master_addr "$MASTER_ADDR")
         else
