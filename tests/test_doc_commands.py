@@ -228,6 +228,7 @@ RUN_BY = {
     # docs/testing.md
     "bash scripts/test.sh tests/data -x": THE_SUITE,
     "MOC_TEST_WORKERS=3 bash scripts/test.sh": THE_SUITE,
+    "PYTHONPATH=tests/no_half_precision bash scripts/test.sh": THE_SUITE,
     # docs/two-level.md
     "python pretrain_gpt_moe.py --config configs/tiny.yaml ... --save runs/a/ckpt --load "
     "runs/a/ckpt --moc-checkpoint --moc-two-level --moc-snapshot-interval 1 --moc-k-snapshot 4 "
