@@ -262,12 +262,13 @@ def newest_tag(engine, load_dir: Optional[str]) -> Tuple[Optional[str], Dict]:
 
 def _deepspeed_tag(load_dir: str) -> Tuple[Optional[str], Dict]:
     """Rank 0, ``--moc-checkpoint`` finding no MoC checkpoint: the tag of a DeepSpeed-format
-    checkpoint ``latest`` names (ours from a baseline run, or Megatron-DeepSpeed's) and
-    its meta, marked ``format: deepspeed``; ``(None, {})`` when there is none.
+    checkpoint ``latest`` names (this trainer's, from a run without ``--moc-checkpoint``)
+    and its meta, marked ``format: deepspeed``; ``(None, {})`` when there is none.
 
     Without it, a run brought over with ``--moc-checkpoint --load`` started from scratch.
-    Megatron-DeepSpeed's checkpoints have no ``megatron_meta.json``: their settings are
-    then unchecked here (DeepSpeed's load stops at a mismatching tensor's shape).
+    A checkpoint without ``megatron_meta.json`` (Megatron-DeepSpeed's own) goes unchecked
+    here, and DeepSpeed's load then stops on its parameter names, which are not this
+    model's (``language_model.encoder...``): nothing maps them yet.
     """
     tag = find_latest_tag(load_dir)
     if tag is None or not fs.isfile(os.path.join(load_dir, tag, DEEPSPEED_MODEL_FILE)):
@@ -514,7 +515,7 @@ def load_checkpoint(engine, args: argparse.Namespace, scheduler, exact=None) -> 
     (:class:`deepspeed_ext.exact.ExactSnapshots`) a newer complete window of frames
     wins over the checkpoint: training resumes at its start and replays it. With
     ``--moc-checkpoint`` and no MoC checkpoint under ``--load``, a DeepSpeed-format one
-    (a baseline run's, or Megatron-DeepSpeed's) is loaded through DeepSpeed's own load
+    (a run's without ``--moc-checkpoint``) is loaded through DeepSpeed's own load
     (:func:`_deepspeed_tag`); the next save writes a MoC checkpoint holding every expert.
 
     Raises:
