@@ -210,7 +210,8 @@ RUN_BY = {
     "pip install -e .[bpe]": INSTALL,
     # docs/security.md
     "moc-ckpt verify DIR": "tests/deepspeed_ext/test_cli.py::test_verify_exit_codes",
-    "python benchmarks/two_level_bench.py --checksum-speed": BENCHMARK,
+    "python benchmarks/two_level_bench.py --checksum-speed":
+        "tests/test_doc_commands.py::test_the_single_process_benchmarks_run_as_the_docs_show",
     # docs/tensor-parallel.md
     "torchrun --nproc-per-node 4 pretrain_gpt_moe.py --config configs/tiny.yaml --data-path "
     "PREFIX --tensor-model-parallel-size 2 --enable-expert-tensor-parallelism":
@@ -234,7 +235,8 @@ RUN_BY = {
     "runs/a/ckpt --moc-checkpoint --moc-two-level --moc-snapshot-interval 1 --moc-k-snapshot 4 "
     "--moc-persist-interval 10 --moc-k-persist 1":
         "tests/training/test_pretrain.py::test_two_level_run_and_resume_match_an_uninterrupted_run",
-    "python benchmarks/hostcopy_bench.py": BENCHMARK,
+    "python benchmarks/hostcopy_bench.py":
+        "tests/test_doc_commands.py::test_the_single_process_benchmarks_run_as_the_docs_show",
     "python benchmarks/two_level_bench.py --json two_level.json --plot two_level.png": BENCHMARK,
     "python benchmarks/two_level_bench.py --json two_level.json": BENCHMARK,
     # benchmarks/README.md
@@ -242,7 +244,8 @@ RUN_BY = {
     "python benchmarks/two_level_bench.py [--json FILE] [--plot FILE.png]": BENCHMARK,
     "python benchmarks/exact_bench.py [--out DIR] [--json FILE] [--plot FILE]": BENCHMARK,
     "python benchmarks/redundancy_bench.py [--json FILE] [--plot FILE]": BENCHMARK,
-    "python benchmarks/hostcopy_bench.py [--mib 256] [--json FILE]": BENCHMARK,
+    "python benchmarks/hostcopy_bench.py [--mib 256] [--json FILE]":
+        "tests/test_doc_commands.py::test_the_single_process_benchmarks_run_as_the_docs_show",
 }
 
 
@@ -491,3 +494,23 @@ def test_launch_cluster_trains_the_125m_config_on_localhost(tmp_path):
     assert (ckpt / "latest").read_text().strip() == "global_step2"
     assert (ckpt / "global_step2" / "manifest.json").exists()
     assert glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*") == []
+
+
+def test_the_single_process_benchmarks_run_as_the_docs_show(tmp_path):
+    """The benchmarks that take seconds in one process run as the pages show them (the
+    host copy at 8 MiB instead of 256): each prints its table and exits 0, and the host
+    copy's --json file holds the measured copy. The multi-rank benchmarks take minutes;
+    their flags are parsed by tests/test_readme.py."""
+    env = _env(tmp_path, PYTHONWARNINGS="ignore")
+    checksum = subprocess.run([sys.executable, "benchmarks/two_level_bench.py", "--checksum-speed"],
+                              cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
+    assert checksum.returncode == 0, checksum.stdout + checksum.stderr
+    assert re.search(r"^xxh3_64 +\| +[\d.]+ \|", checksum.stdout, re.MULTILINE), checksum.stdout
+    out = tmp_path / "hostcopy.json"
+    copy = subprocess.run([sys.executable, "benchmarks/hostcopy_bench.py", "--mib", "8",
+                           "--json", str(out)], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert copy.returncode == 0, copy.stdout + copy.stderr
+    assert "moc snapshot into shared memory" in copy.stdout
+    record = json.loads(out.read_text())
+    assert record["bytes"] == 8 << 20 and record["copies"], record
