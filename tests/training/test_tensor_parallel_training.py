@@ -242,7 +242,8 @@ def test_the_trainer_refuses_another_vocabulary_and_names_the_padding_that_match
     tokenizers' flags; a checkpoint DeepSpeed loads, or one that records no vocabulary
     size, needs its own padding, and the message names the flag value that gives it."""
     import argparse
-    from megatron.training.checkpointing import check_compatible, matching_divisor, vocab_refusal
+    from megatron.training.checkpointing import check_compatible
+    from megatron.training.vocab_check import matching_divisor, vocab_refusal
     from megatron.training.errors import ConfigError
     here = argparse.Namespace(padded_vocab_size=264, true_vocab_size=257,
                               make_vocab_size_divisible_by=8, tensor_model_parallel_size=1,
