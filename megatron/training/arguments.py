@@ -20,7 +20,7 @@ from megatron.training.parallel_layout import build_layout
 from megatron.training.megatron_compat import (NumExpertsAction, add_megatron_compat_args,
                                                add_unsupported_args, add_upstream_switch_args,
                                                check_megatron_compat, given_flags,
-                                               infer_tokenizer, print_ignored_flag_notes)
+                                               infer_tokenizer)
 
 # UNIX_SOCKET_PATH_MAX (107 bytes: ``sockaddr_un.sun_path`` holds 108 with its NUL): a
 # node's keeper listens on :func:`keeper_socket_path`, so ``--moc-shm-dir`` must leave
@@ -830,7 +830,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
                           ("--attention-dropout", args.attention_dropout)):
         if not 0.0 <= dropout < 1.0:
             raise ConfigError(f"{flag} must be in [0, 1), got {dropout}")
-    print_ignored_flag_notes(args)
     return args
 
 

@@ -16,7 +16,6 @@ rotary embedding, untied or bias-free layers) are refused until the model has th
 """
 
 import argparse
-import os
 from typing import Iterable, List, Optional, Sequence
 
 from megatron.training.errors import ConfigError
@@ -73,7 +72,7 @@ def add_megatron_compat_args(p: argparse.ArgumentParser) -> None:
 
 def add_upstream_switch_args(p: argparse.ArgumentParser) -> None:
     """Megatron-DeepSpeed switches that change nothing in this trainer (rank 0 prints one
-    line each at the start saying why: :func:`print_ignored_flag_notes`)."""
+    line each at the start saying why: :func:`ignored_flag_notes`)."""
     g = p.add_argument_group("Megatron-DeepSpeed switches with nothing to switch here "
                              "(accepted; rank 0 prints one line each saying why)")
     g.add_argument("--distributed-backend", choices=DISTRIBUTED_BACKENDS, default=None,
@@ -195,7 +194,7 @@ def check_unsupported_options(args: argparse.Namespace) -> None:
 
 def ignored_flag_notes(args: argparse.Namespace) -> List[str]:
     """One line per given Megatron-DeepSpeed switch that changes nothing here, saying why
-    (pure; :func:`print_ignored_flag_notes` prints them)."""
+    (pure; the trainer prints them on rank 0 once the process group exists)."""
     notes = []
     backend = getattr(args, "distributed_backend", None)
     if backend is not None:
@@ -227,19 +226,6 @@ def _flash_attention_note(flag: str, args: argparse.Namespace) -> str:
         note += ("; on CUDA, --deterministic (implied there by --moc-mode exact) restricts it "
                  "to the math kernel")
     return note + "; ignored"
-
-
-def print_ignored_flag_notes(args: argparse.Namespace) -> None:
-    """Print :func:`ignored_flag_notes` on rank 0, once per run: ``validate_args`` runs
-    before and after the process group exists, so the rank is the launcher's ``RANK``,
-    and the notes are kept in ``args.ignored_flag_notes`` (the second call prints
-    nothing)."""
-    if getattr(args, "ignored_flag_notes", None) is not None:
-        return
-    args.ignored_flag_notes = ignored_flag_notes(args)
-    if os.environ.get("RANK", "0") == "0":
-        for note in args.ignored_flag_notes:
-            print(f"> {note}", flush=True)
 
 
 def _dest(flag: str) -> str:

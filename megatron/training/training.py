@@ -25,6 +25,7 @@ from megatron.training.arguments import (moc_config_from_args, model_config_from
                                          padded_vocab_size, validate_args)
 from megatron.training.ds_config import build_ds_config
 from megatron.training.errors import ConfigError
+from megatron.training.megatron_compat import ignored_flag_notes
 from megatron.training.log import (MetricsWriter, eval_log_line, is_nan_iteration,
                                    print_rank_0, show_model_lines, throughput, timestamp,
                                    training_log_line)
@@ -394,6 +395,8 @@ def pretrain(args: argparse.Namespace, extra_setup=None) -> TrainResult:
         startup.phase("process group")
         initialize_distributed(args)
         validate_args(args, dist.get_world_size())
+        for note in ignored_flag_notes(args):  # Megatron-DeepSpeed switches with no effect here
+            print_rank_0(f"> {note}")
         set_seed(args.seed)
         startup.phase("data")
         from megatron.data import build_tokenizer, build_train_valid_test_datasets

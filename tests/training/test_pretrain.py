@@ -75,11 +75,13 @@ def test_torchrun_launch(corpus, tmp_path):
     metrics = tmp_path / "m.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_port", str(free_port()), "pretrain_gpt_moe.py", *TINY, "--data-path", corpus,
-           "--train-iters", "2", "--lr-warmup-iters", "0", "--metrics-file", str(metrics)]
+           "--train-iters", "2", "--lr-warmup-iters", "0", "--metrics-file", str(metrics),
+           "--no-bias-gelu-fusion"]  # a Megatron-DeepSpeed switch: one line, rank 0 only
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert len(_train_losses(metrics)) == 2
+    assert proc.stdout.count("> --no-bias-gelu-fusion: nothing to switch off here") == 1
 
 
 @pytest.fixture(scope="module")
