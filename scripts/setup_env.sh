@@ -16,11 +16,12 @@ _moc_setup_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # The steps run in a bash of their own: a subshell would not do, since bash ignores
 # set -e inside anything run on the left of || or && (`source setup_env.sh || ...`),
 # and a failed pip install would then be stamped as installed.
-MOC_SETUP_ROOT="$_moc_setup_root" bash -c '
+# PYTHON and MOC_TORCH_PIN are passed on even when the caller set them without export.
+MOC_SETUP_ROOT="$_moc_setup_root" PYTHON="${PYTHON:-python3}" \
+    MOC_TORCH_PIN="${MOC_TORCH_PIN:-torch==2.13.0}" bash -c '
     set -euo pipefail
     REPO_ROOT="$MOC_SETUP_ROOT"
-    PYTHON="${PYTHON:-python3}"
-    TORCH_PIN="${MOC_TORCH_PIN:-torch==2.13.0}"
+    TORCH_PIN="$MOC_TORCH_PIN"
     if [ ! -x "$REPO_ROOT/.venv/bin/python" ]; then
         if "$PYTHON" -c "import torch" 2>/dev/null; then
             echo "[setup] torch found in $PYTHON: creating .venv with system site-packages"
