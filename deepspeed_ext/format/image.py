@@ -14,7 +14,10 @@ Layout of a standard safetensors file::
 
 Tensors are ordered by decreasing element size, then by key, so every tensor starts at
 an offset divisible by its element size and can be filled through a typed view of the
-buffer (a misaligned view would fail, or force a copy).
+buffer (a misaligned view would fail, or force a copy). With ``keep_order`` the given
+order is kept within each element size instead of the key order: the fragments of one
+flat source (a ZeRO partition) then sit side by side in the image as in memory, and
+:mod:`deepspeed_ext.format.copy_plan` fills them with one copy.
 """
 
 import functools
@@ -62,19 +65,26 @@ def _itemsize(dtype: str) -> int:
 
 
 def layout_image(tensors: Sequence[Tuple[str, Sequence[int], str]],
-                 metadata: Optional[Mapping[str, str]] = None) -> ImageLayout:
+                 metadata: Optional[Mapping[str, str]] = None,
+                 keep_order: bool = False) -> ImageLayout:
     """Lay out a safetensors file holding ``tensors``; pure, no tensor data needed.
 
     Args:
         tensors: ``(key, shape, dtype name)`` of every tensor, in any order.
         metadata: optional string->string header metadata.
+        keep_order: keep the given order (stably sorted by decreasing element size, which
+            keeps every tensor aligned) instead of the key order; the layout then depends
+            on the order of ``tensors``.
 
     Raises:
         ValueError: a duplicate or reserved key, or a dtype safetensors cannot store.
     """
     if sys.byteorder != "little":  # safetensors stores little-endian bytes
         raise ValueError("MoC images need a little-endian machine")
-    ordered = sorted(tensors, key=lambda t: (-_itemsize(t[2]), t[0]))
+    if keep_order:
+        ordered = sorted(tensors, key=lambda t: -_itemsize(t[2]))  # stable: the given order
+    else:
+        ordered = sorted(tensors, key=lambda t: (-_itemsize(t[2]), t[0]))
     header: Dict[str, object] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -96,10 +106,11 @@ def layout_image(tensors: Sequence[Tuple[str, Sequence[int], str]],
 
 
 def layout_of(tensors: Mapping[str, torch.Tensor],
-              metadata: Optional[Mapping[str, str]] = None) -> ImageLayout:
-    """:func:`layout_image` for actual tensors."""
+              metadata: Optional[Mapping[str, str]] = None,
+              keep_order: bool = False) -> ImageLayout:
+    """:func:`layout_image` for actual tensors (``keep_order``: the mapping's iteration order)."""
     return layout_image([(k, tuple(t.shape), dtype_name(t.dtype)) for k, t in tensors.items()],
-                        metadata)
+                        metadata, keep_order)
 
 
 def fill_image(buffer: torch.Tensor, layout: ImageLayout,
