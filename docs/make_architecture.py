@@ -56,7 +56,7 @@ TOP_LEVEL: Dict[str, str] = {
     "": "facade",  # deepspeed_ext/__init__.py
     "node_layout": "runtime", "private_dir": "runtime",
     "jobs": "keeper", "job_identity": "keeper",  # the keeper's wire format and run binding
-    "peers": "modes", "snapshot": "modes", "state": "modes",
+    "peers": "modes", "snapshot": "modes", "slot_layouts": "modes", "state": "modes",
     # what the facade's two backends share, and the single-level backend itself: the
     # two-level mode imports session and storage_load, so they sit in its band
     "session": "modes", "storage_load": "modes", "single_level": "modes", "config": "modes",

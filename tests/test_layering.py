@@ -37,7 +37,8 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
                 "deepspeed_ext.job_identity")),
     # the backends and what they share
     ("modes", ("deepspeed_ext.two_level", "deepspeed_ext.two_level.*", "deepspeed_ext.exact",
-               "deepspeed_ext.exact.*", "deepspeed_ext.snapshot", "deepspeed_ext.peers",
+               "deepspeed_ext.exact.*", "deepspeed_ext.snapshot", "deepspeed_ext.slot_layouts",
+               "deepspeed_ext.peers",
                "deepspeed_ext.state", "deepspeed_ext.session", "deepspeed_ext.storage_load",
                "deepspeed_ext.single_level", "deepspeed_ext.config")),
     ("facade", ("deepspeed_ext", "deepspeed_ext.checkpointer", "deepspeed_ext.patch")),
