@@ -186,7 +186,7 @@ def _turn(engine, args, opts, rank: int, index: int, mode: str, batch: int) -> d
     out["storage_step"] = int(engine.global_steps)
     again.shutdown()
     # The first checkpointer's threads (its keepers are gone with the shutdown above).
-    two.copier_pool.shutdown(wait=True)
+    two.stages.shutdown()
     if two.redundancy is not None:
         two.redundancy.pool.shutdown(wait=True)
     out["batch"] = batch

@@ -54,6 +54,9 @@ class MoCConfig:
     """A keeper exits when none of its training processes has been alive this long."""
     host_memory_gb: float = 0.0
     """Budget for one rank's snapshot slots; 0: unchecked (``--moc-host-memory-gb``)."""
+    checksum_threads: int = 0
+    """Threads hashing each snapshot's image after its copy, off the step's path; 0: up
+    to 4, half the host's cores (``--moc-checksum-threads``)."""
     redundancy: str = "none"
     """Copies of the snapshots in other nodes' memory: ``none``, ``replicate`` or
     ``erasure`` (``--moc-redundancy``); needs two_level."""
@@ -105,6 +108,9 @@ class MoCConfig:
         if self.redundancy != "none" and not self.two_level:
             raise ValueError(f"--moc-redundancy {self.redundancy} protects two-level snapshots: "
                              "add --moc-two-level")
+        if self.checksum_threads < 0:
+            raise ValueError(f"--moc-checksum-threads must be >= 0 (0: automatic), got "
+                             f"{self.checksum_threads}")
         if self.chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be >= 1, got {self.chunk_bytes}")
 

@@ -12,21 +12,28 @@ forward/backward runs. How the bytes move depends on where the state lives:
 * **CPU** (no GPU, or ZeRO-Offload): there is nothing to queue; the copy itself runs on
   the snapshot's background thread (``copy_`` releases the GIL).
 
-Order, per snapshot (the training process, main thread then copy thread)::
+A snapshot's image is copied by a cached copy plan (:mod:`deepspeed_ext.format.copy_plan`):
+a few large copies per parameter group, not one per fragment.
 
-    copier.register(buffer)                      # once per mapping (CUDA only)
-    event = copier.launch(buffer, layout, tensors)  # CUDA: queued, returns at once; CPU: None
-    ... background thread: copier.finish(event, buffer, layout, tensors)  # CPU copies here
+Order, per snapshot (the training process; :mod:`deepspeed_ext.two_level.stages`)::
+
+    copier.register(buffer)                   # once per mapping, at start-up (CUDA only)
+    CUDA: copy = copier.launch_plan(buffer, layout, plan, tensors)  # save call: queued
+          copier.order_after(copy)            # the optimizer step: its stream waits
+          copier.wait_host(copy)              # seal thread: before the checksum
+    CPU:  copier.copy_plan(buffer, layout, plan, tensors)  # copy thread; the step joins it
 """
 
 import ctypes
 import logging
 import time
-from typing import Callable, Dict, List, Mapping, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
 from deepspeed_ext.format import memsum
+from deepspeed_ext.format.copy_plan import CopyPlan, run_copies
 from deepspeed_ext.format.image import ImageLayout, fill_image
 
 logger = logging.getLogger(__name__)
@@ -91,6 +98,22 @@ def _clear_cuda_error() -> bool:
         except (OSError, AttributeError):
             continue
     return False
+
+
+@dataclass
+class DeviceCopy:
+    """A snapshot's copies queued on the side stream (CUDA)."""
+
+    started: Any
+    """``torch.cuda.Event`` recorded before the first copy (timing)."""
+    done: Any
+    """``torch.cuda.Event`` that completes with the last copy."""
+    copies: int
+    """``copy_`` calls queued."""
+
+    def seconds(self) -> float:
+        """The copy's time on the side stream (only once ``done`` completed)."""
+        return self.started.elapsed_time(self.done) / 1e3
 
 
 CUDA_HOST_REGISTER_PORTABLE = 1
@@ -184,6 +207,55 @@ class HostCopier:
             event = torch.cuda.Event(blocking=True)
             event.record(self.stream)
         return event
+
+    def launch_plan(self, buffer: torch.Tensor, layout: ImageLayout, plan: CopyPlan,
+                    tensors: Mapping[str, torch.Tensor]) -> DeviceCopy:
+        """Save call (main thread), CUDA only: queue the image's copies by ``plan`` on
+        the side stream, behind everything queued so far on the compute stream.
+
+        Returns:
+            The queued copy; the optimizer step orders itself after it
+            (:meth:`order_after`), the seal thread waits for it (:meth:`wait_host`).
+        """
+        # Without this wait the side stream could read the tensors before the optimizer
+        # step that produced them has run: a snapshot mixing two steps' bytes.
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+        with torch.cuda.stream(self.stream), torch.no_grad():
+            started = torch.cuda.Event(enable_timing=True)
+            started.record(self.stream)
+            copies = run_copies(buffer, layout, plan, tensors, non_blocking=True)
+            # Blocking: the seal thread that waits for it sleeps instead of spinning a
+            # core for the whole copy.
+            done = torch.cuda.Event(enable_timing=True, blocking=True)
+            done.record(self.stream)
+        return DeviceCopy(started, done, copies)
+
+    def order_after(self, copy: DeviceCopy) -> Tuple[Any, Any]:
+        """The optimizer step (main thread), CUDA only: the compute stream waits for the
+        copy's last event before the optimizer overwrites the tensors; the host does not
+        wait. Returns timing events recorded on the compute stream before and after that
+        wait (their distance is the device's wait)."""
+        stream = torch.cuda.current_stream(self.stream.device)
+        before = torch.cuda.Event(enable_timing=True)
+        before.record(stream)
+        stream.wait_event(copy.done)
+        after = torch.cuda.Event(enable_timing=True)
+        after.record(stream)
+        return before, after
+
+    def wait_host(self, copy: DeviceCopy) -> None:
+        """Seal thread, CUDA only: block until the copy's bytes are in host memory."""
+        # On the fragments' device: a CUDA call from a thread with no current device
+        # would set up a context on GPU 0 for every rank of the node.
+        with torch.cuda.device(self.stream.device):
+            copy.done.synchronize()
+
+    @staticmethod
+    def copy_plan(buffer: torch.Tensor, layout: ImageLayout, plan: CopyPlan,
+                  tensors: Mapping[str, torch.Tensor]) -> int:
+        """Copy thread, CPU state: copy the image by ``plan`` now; returns the copies."""
+        with torch.no_grad():
+            return run_copies(buffer, layout, plan, tensors)
 
     def finish(self, event, buffer: torch.Tensor, layout: ImageLayout,
                tensors: Mapping[str, torch.Tensor], checksum: bool = False) -> Optional[str]:

@@ -6,8 +6,9 @@ Every rank calls them, in the same order.
 
 ``save`` (a snapshot), per rank:
 
-1. joins the previous snapshot's copy (normally finished long before: the wrapped
-   ``engine.step`` waits for it before the optimizer touches the tensors);
+1. waits for the previous snapshot's copy (normally finished long before: the wrapped
+   ``engine.step`` waits for it, and for nothing else, before the optimizer touches the
+   tensors);
 2. only if this snapshot is due for storage (every ``persist_interval``-th): one small
    collective (:class:`deepspeed_ext.runtime.exchange.Exchanger`) of (copy errors, rank 0's view
    of the previous persist, every rank's RNG state). A failed copy is raised on every
@@ -18,13 +19,15 @@ Every rank calls them, in the same order.
 3. picks the experts: ``k_snapshot`` per MoE layer for memory (sequential rotation),
    plus, when persisting, the PEC policy's ``pec_k`` for storage (always also in the
    snapshot);
-4. hands a long-lived thread the copy of every fragment this rank needs to restore itself
-   into a free slot (:mod:`deepspeed_ext.snapshot`; on CUDA the copy is queued on a side
-   stream, :mod:`deepspeed_ext.engine.hostcopy`); the thread marks the slot complete and hands it
-   to the keeper for persistence (:func:`deepspeed_ext.keeper.run_persist_job`), which
-   commits through report files (:mod:`deepspeed_ext.store.commit`), no collective.
+4. copies every fragment this rank needs to restore itself into a free slot (one not
+   being sealed; every slot was prepared at start-up, :mod:`deepspeed_ext.snapshot`) by
+   a cached copy plan (on CUDA queued on a side stream, :mod:`deepspeed_ext.engine.hostcopy`;
+   on CPU on a copy thread). Then a seal thread, off the step's path
+   (:mod:`~deepspeed_ext.two_level.stages`), checksums the image, marks the slot complete
+   and hands it to the keeper for persistence (:func:`deepspeed_ext.keeper.run_persist_job`),
+   which commits through report files (:mod:`deepspeed_ext.store.commit`), no collective.
 
-``wait`` (every rank): joins the copy, waits for the pending persist, and persists the
+``wait`` (every rank): joins the copies and seals, waits for the pending persist, and persists the
 newest snapshot if it was not (gathering the RNG states it lacks), so that the end of a
 job never frees state that storage does not have.
 
@@ -43,6 +46,7 @@ The package's modules, one collaborator each:
 * :mod:`~deepspeed_ext.two_level.budget`: the node's home, the memory budget, the keeper's start;
 * :mod:`~deepspeed_ext.two_level.layouts`: fragments, specs and image layouts, cached;
 * :mod:`~deepspeed_ext.two_level.snapshotter`: snapshots into the slots (``save``);
+* :mod:`~deepspeed_ext.two_level.stages`: a snapshot's copy and seal, on their threads;
 * :mod:`~deepspeed_ext.two_level.persister`: persists, their directory, outcome and wait;
 * :mod:`~deepspeed_ext.two_level.handover`: jobs to the keeper, in-process persists, drain;
 * :mod:`~deepspeed_ext.two_level.recovery`: ``load`` from memory or storage, the overlay;

@@ -1,10 +1,16 @@
 """What a snapshot holds and how its bytes are laid out, cached between snapshots
 (:mod:`deepspeed_ext.two_level`): describing hundreds of fragments, their manifest
-specs and the image layout took milliseconds of every save call."""
+specs, the image layout and its copy plan took milliseconds of every save call.
+
+Cached per state (the fragments, until a load replaces the tensors), per set of
+snapshotted experts (which fragments, in the order of their sources: ZeRO's flat
+partitions) and per layout (the image, its metadata entries, the copy plan and the id
+under which its static metadata is published once)."""
 
 import hashlib
 import json
-from typing import Any, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
 import torch
 
@@ -22,6 +28,31 @@ def layout_signature(fragments, world: int) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+@dataclass(frozen=True)
+class ExpertSetContent:
+    """The fragments of one set of snapshotted experts, in the order of their sources."""
+
+    tensors: Dict[str, torch.Tensor]
+    """Fragment key -> tensor (never modified: the save call copies it before adding
+    the objects' tensors)."""
+    specs: Dict[str, Dict[str, Any]]
+    """Fragment key -> manifest spec."""
+
+
+@dataclass(frozen=True)
+class CachedLayout:
+    """One snapshot layout: the image, its metadata entries, its copy plan, its id."""
+
+    image: Any
+    """:class:`deepspeed_ext.format.image.ImageLayout`."""
+    entries: List[Dict[str, Any]]
+    """The image's records as the slot metadata holds them (shared, never modified)."""
+    plan: Any
+    """:class:`deepspeed_ext.format.copy_plan.CopyPlan` of the image."""
+    layout_id: str
+    """Names the static metadata (entries, specs) published once for this layout."""
+
+
 class SnapshotLayouts:
     """This rank's fragments, their specs and image layouts, described once per state."""
 
@@ -31,8 +62,10 @@ class SnapshotLayouts:
         self._specs: Dict[tuple, Dict[str, Any]] = {}
         self._described: Optional[tuple] = None
         """(state identity, fragments, signature, rows) of the last snapshot (:meth:`fragments`)."""
-        self._layouts: Dict[tuple, tuple] = {}
-        """(keys, shapes, dtypes) -> (image layout, metadata entries) (:meth:`layout`)."""
+        self._contents: Dict[Optional[FrozenSet], ExpertSetContent] = {}
+        """Snapshotted experts -> their fragments (:meth:`content`)."""
+        self._layouts: Dict[tuple, CachedLayout] = {}
+        """(experts, object keys/shapes/dtypes) -> layout (:meth:`layout`)."""
 
     def signature(self, fragments) -> str:
         """:func:`layout_signature` of ``fragments`` in this world."""
@@ -43,6 +76,8 @@ class SnapshotLayouts:
         would keep the old tensors alive (on a GPU, a second copy of the moments) until
         the next snapshot."""
         self._described = None
+        self._contents.clear()
+        self._layouts.clear()
 
     def fragments(self) -> Tuple[list, str, list]:
         """This rank's fragments (fp32 master and moments), their signature, and per
@@ -59,23 +94,50 @@ class SnapshotLayouts:
             rows = [(f.key, f.tensor, tuple(f.expert) if f.expert is not None else None,
                      self.spec(f)) for f in fragments]
             self._described = (identity, fragments, self.signature(fragments), rows)
+            # The cached contents and plans point into the replaced tensors.
+            self._contents.clear()
+            self._layouts.clear()
         return self._described[1:]
 
-    def layout(self, tensors: Dict[str, torch.Tensor]) -> Tuple[Any, List[Dict[str, Any]]]:
-        """The image layout of ``tensors`` and its metadata entries, computed once per
-        set of keys, shapes and dtypes (the same every snapshot unless K's expert choice
-        or the layout changes). The entries are shared by the snapshots' metadata and
-        never modified."""
+    def content(self, rows, union: Optional[FrozenSet]) -> ExpertSetContent:
+        """The fragments of ``rows`` (:meth:`fragments`) a snapshot of the experts
+        ``union`` holds (None: no MoE, all of them), in source order, with their specs;
+        built once per expert set."""
+        from deepspeed_ext.format.copy_plan import source_order
+        hit = self._contents.get(union)
+        if hit is None:
+            chosen = {key: (tensor, spec) for key, tensor, expert, spec in rows
+                      if expert is None or union is None or expert in union}
+            order = source_order({key: tensor for key, (tensor, _) in chosen.items()})
+            hit = ExpertSetContent(tensors={key: chosen[key][0] for key in order},
+                                   specs={key: chosen[key][1] for key in order})
+            if len(self._contents) >= LAYOUT_CACHE:  # bounded: e.g. K's rotation of experts
+                self._contents.clear()
+            self._contents[union] = hit
+        return hit
+
+    def layout(self, union: Optional[FrozenSet], content: ExpertSetContent,
+               tensors: Dict[str, torch.Tensor],
+               object_tensors: Dict[str, torch.Tensor]) -> CachedLayout:
+        """The layout of a snapshot of ``content`` (the expert set ``union``) plus the
+        objects' tensors, ``tensors`` being both together: computed once per expert set
+        and object shapes (the same every snapshot unless the experts or the objects'
+        shapes change). The image keeps the fragments in source order, so that its copy
+        plan is a few large copies per parameter group."""
+        from deepspeed_ext.format.copy_plan import plan_copies
         from deepspeed_ext.format.image import layout_of
-        key = tuple((k, tuple(t.shape), t.dtype) for k, t in tensors.items())
+        key = (union, tuple((k, tuple(t.shape), t.dtype) for k, t in object_tensors.items()))
         hit = self._layouts.get(key)
         if hit is None:
-            layout = layout_of(tensors)
-            entries = [{"key": e.key, "dtype": e.dtype, "shape": list(e.shape),
-                        "start": e.start, "nbytes": e.nbytes} for e in layout.entries]
+            image = layout_of(tensors, keep_order=True)
+            entries = [e.to_json() for e in image.entries]
+            static = json.dumps([entries, content.specs], sort_keys=True,
+                                separators=(",", ":"))
+            hit = CachedLayout(image=image, entries=entries, plan=plan_copies(image, tensors),
+                               layout_id=hashlib.sha256(static.encode()).hexdigest()[:24])
             if len(self._layouts) >= LAYOUT_CACHE:  # bounded: e.g. K's rotation of experts
                 self._layouts.clear()
-            hit = self._layouts[key] = (layout, entries)
+            self._layouts[key] = hit
         return hit
 
     def spec(self, frag) -> Dict[str, Any]:

@@ -17,7 +17,7 @@ from deepspeed_ext.runtime.outcomes import MoCCheckpointError, raise_if_failed
 from deepspeed_ext.session import CheckpointSession
 from deepspeed_ext.snapshot import SLOTS
 from deepspeed_ext.storage_load import StorageLoad
-from deepspeed_ext.two_level.budget import check_memory_budget, start_keeper
+from deepspeed_ext.two_level.budget import check_memory_budget, prepare_slots, start_keeper
 from deepspeed_ext.two_level.handover import KeeperHandOver
 from deepspeed_ext.two_level.layouts import SnapshotLayouts
 from deepspeed_ext.two_level.persister import Persister
@@ -76,6 +76,9 @@ class TwoLevel:
         check_memory_budget(place, frags)
         start_keeper(place)
         self.layouts = SnapshotLayouts(session, place.world)
+        self.prepare_s = prepare_slots(place, self.layouts.fragments()[0])
+        """Seconds the start-up took to make every slot ready (sized, allocated, mapped and,
+        on CUDA, page-locked), so that no snapshot maps or registers memory in training."""
         self.handover = KeeperHandOver(place)
         self.persister = Persister(place, self.handover)
         self.snapshotter = Snapshotter(place, self.layouts, self.persister, self.handover)
@@ -100,10 +103,13 @@ class TwoLevel:
                           doc="The peers' redundancy (None: ``--moc-redundancy none``).")
     budget_bytes = property(lambda self: self.place.budget_bytes,
                             doc="Shared memory this rank's slots may take.")
-    copier_pool = property(lambda self: self.snapshotter.copier_pool,
-                           doc="The snapshot copy thread's pool.")
+    stages = property(lambda self: self.snapshotter.stages,
+                      doc="The copy and seal threads of the snapshots.")
     stall_s = property(lambda self: self.snapshotter.stall_s,
                        doc="Seconds ``engine.step`` waited for each snapshot copy.")
+    timings = property(lambda self: self.snapshotter.stages.settled_timings(),
+                       doc="Where each recent snapshot's time went (``SnapshotTiming``, oldest "
+                           "first; final once ``sealed``).")
     redundancy_wait_s = property(lambda self: self.snapshotter.redundancy_wait_s,
                                  doc="Seconds snapshots waited for a slot still being protected.")
     keeper_gone = property(lambda self: self.handover.keeper_gone,
@@ -141,7 +147,7 @@ class TwoLevel:
         return self.recovery.load_exchanger
 
     def join_copy(self) -> None:
-        """This rank: wait for the snapshot copy in flight."""
+        """This rank: wait for the snapshots in flight, copied and sealed."""
         self.snapshotter.join_copy()
 
     def note_exact_replay(self, where: str) -> None:
@@ -172,8 +178,8 @@ class TwoLevel:
         snap = self.snapshotter
         try:
             snap.join_copy()
-            ok, message = snap.copy_error is None, snap.copy_error
-            snap.copy_error = None
+            message = snap.take_copy_error()
+            ok = message is None
             outcomes, lost_with_keeper = self.persister.wait_pending(ok, message)
             if lost_with_keeper:
                 self._redo_lost_persist()
@@ -217,7 +223,7 @@ class TwoLevel:
             self.wait()
             persisted = True
         finally:
-            self.snapshotter.copier_pool.shutdown(wait=True)
+            self.snapshotter.stages.shutdown()
             self.handover.sender_pool.shutdown(wait=True)
             place.copier.unregister_all()  # CUDA: no copy is in flight any more
             if place.redundancy is not None:

@@ -102,3 +102,45 @@ class SnapshotPlan:
     """Experts the persist saves."""
     policy_before: Any = None
     claim: Optional[str] = None
+    started: bool = False
+    """Its copy and seal were handed to the stages' threads."""
+
+
+@dataclass
+class SnapshotTiming:
+    """Where one snapshot's time went, stage by stage (``TwoLevel.timings``).
+
+    The save call's thread fills the first fields, the copy thread ``copy_s`` (and on
+    CPU ``copies``), the optimizer step's hook ``host_wait_s``/``device_wait_s``, the seal
+    thread the rest. Benchmarks read them once the snapshot is sealed (``sealed``);
+    nothing in training depends on them.
+    """
+
+    step: int
+    persist: bool
+    """Whether this snapshot was handed to the keeper for storage."""
+    nbytes: int = 0
+    """Bytes of the image copied into the slot."""
+    copies: int = 0
+    """``copy_`` calls that moved the image (a few per parameter group with a cached plan)."""
+    save_s: float = 0.0
+    """The save call, start to return (includes ``slot_wait_s``)."""
+    slot_wait_s: float = 0.0
+    """Part of the save call spent waiting for a slot (every slot busy: the oldest seal,
+    a persist, or the peers' redundancy)."""
+    host_wait_s: float = 0.0
+    """The optimizer step's host wait for the copy (CPU: the end of the fill; CUDA: 0, the
+    compute stream waits on the copy's event instead)."""
+    device_wait_s: Optional[float] = None
+    """CUDA: how long the compute stream waited for the copy's event (CUDA events);
+    None on CPU."""
+    copy_s: float = 0.0
+    """The copy itself (CPU: the fill on the copy thread; CUDA: the side stream's events)."""
+    checksum_s: float = 0.0
+    """The seal's checksum of the image."""
+    checksum_threads: int = 0
+    """Threads the checksum used."""
+    publish_s: float = 0.0
+    """The seal's metadata write (and hand-over of the persist job)."""
+    sealed: bool = False
+    """Set last, once every other field is final."""

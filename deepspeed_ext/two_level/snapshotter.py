@@ -1,17 +1,18 @@
 """Snapshots into this rank's shared-memory slots (:mod:`deepspeed_ext.two_level`).
 
-:meth:`Snapshotter.save`, every rank, in order: joins the previous copy; only for a
-snapshot due for storage, one small collective (:class:`deepspeed_ext.runtime.exchange.Exchanger`)
-of copy errors, rank 0's view of the previous persist and of the new directory, and every
-rank's RNG state; picks the experts; then hands the copy into a free slot to a
-long-lived thread, which publishes the slot and hands its persist job to the keeper
-(:class:`deepspeed_ext.two_level.handover.KeeperHandOver`)."""
+:meth:`Snapshotter.save`, every rank, in order: waits for the previous copy (normally
+long done: the optimizer step waited for it); only for a snapshot due for storage, one
+small collective (:class:`deepspeed_ext.runtime.exchange.Exchanger`) of copy errors, rank
+0's view of the previous persist and of the new directory, and every rank's RNG state;
+picks the experts; then picks a free slot (not one still being sealed) and hands the
+snapshot to its two stages (:mod:`deepspeed_ext.two_level.stages`): the copy, which the
+next optimizer step waits for, and the seal (checksum, publish, the persist job to the
+keeper through :class:`deepspeed_ext.two_level.handover.KeeperHandOver`), which it does
+not."""
 
 import logging
 import time
 import traceback
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import replace
 from typing import Callable, List, Optional, Tuple
 
 from deepspeed_ext.engine.rng import get_rng_state
@@ -21,7 +22,9 @@ from deepspeed_ext.runtime.outcomes import raise_if_failed
 from deepspeed_ext.two_level.handover import KeeperHandOver
 from deepspeed_ext.two_level.layouts import SnapshotLayouts
 from deepspeed_ext.two_level.persister import Persister
-from deepspeed_ext.two_level.records import NewestSnapshot, RankPlace, SnapshotPlan
+from deepspeed_ext.two_level.records import (NewestSnapshot, RankPlace, SnapshotPlan,
+                                             SnapshotTiming)
+from deepspeed_ext.two_level.stages import SnapshotStages, SnapshotWork
 
 logger = logging.getLogger(__name__)
 _log = rank_zero_lines(logger)
@@ -47,14 +50,10 @@ class Snapshotter:
             self.snap_policy = make_policy("sequential", layout, min(k, layout.num_experts))
         self.count = 0
         self.fault_hook: Optional[Callable[[int], None]] = None
-        """Fault injection: called by the copy thread with the step once a snapshot's bytes
+        """Fault injection: called by the seal thread with the step once a snapshot's bytes
         are copied, before the slot is published as complete."""
-        # One long-lived copy thread: starting a thread per snapshot made the save call
-        # wait up to a GIL switch interval (5 ms) for the new thread to start.
-        self.copier_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moc-snapshot")
-        self.copy_job: Optional[Future] = None
-        """The running snapshot copy (on ``copier_pool``), joined before the next step."""
-        self.copy_error: Optional[str] = None
+        self.stages = SnapshotStages(place, handover.submit, lambda: self.fault_hook)
+        """The copy and seal of the snapshots taken (:mod:`deepspeed_ext.two_level.stages`)."""
         self.stall_s: List[float] = []
         self.last: Optional[NewestSnapshot] = None
         """The newest snapshot: its slot, metadata, write pieces, and whether it was persisted."""
@@ -65,21 +64,29 @@ class Snapshotter:
         """Seconds snapshots waited for a slot still being protected (redundancy slower
         than the snapshots)."""
 
+    @property
+    def copy_error(self) -> Optional[str]:
+        """This rank's first copy or seal error not yet reported."""
+        return self.stages.error
+
+    def take_copy_error(self) -> Optional[str]:
+        """This rank's first copy or seal error not yet reported, and forget it."""
+        return self.stages.take_error()
+
     # -- the stall point ---------------------------------------------------------
 
     def wrap_step(self) -> None:
-        """Once, at start-up: ``engine.step`` joins the copy in flight before the optimizer
-        touches the tensors (and records how long it waited in :attr:`stall_s`)."""
+        """Once, at start-up: ``engine.step`` waits for the copy in flight (only the copy,
+        not its seal) before the optimizer touches the tensors, and records how long the
+        host waited in :attr:`stall_s`."""
         from deepspeed_ext.engine.hostcopy import wait_before_step
-        wait_before_step(self.place.session.engine, lambda: self.copy_job is not None,
-                         self.join_copy, self.stall_s)
+        wait_before_step(self.place.session.engine, self.stages.copy_pending,
+                         self.stages.wait_copied, self.stall_s)
 
     def join_copy(self) -> None:
-        """This rank: wait for the snapshot copy in flight (its errors are recorded, not
-        raised)."""
-        if self.copy_job is not None:
-            self.copy_job.result()  # _copy records its errors; it does not raise
-            self.copy_job = None
+        """This rank: wait for every snapshot in flight, copied and sealed (its errors are
+        recorded, not raised)."""
+        self.stages.join()
 
     # -- snapshot ------------------------------------------------------------------
 
@@ -88,7 +95,9 @@ class Snapshotter:
         rank failed after the exchange (raised on every rank at the next due snapshot or
         wait), True otherwise."""
         start = time.perf_counter()
-        self.join_copy()
+        # The previous copy must be done before this one is planned (a save without an
+        # optimizer step in between); its seal may go on.
+        self.stages.wait_copied()
         step = int(self.place.session.engine.global_steps)
         plan = SnapshotPlan(save_dir=save_dir, tag=tag or f"global_step{step}", step=step,
                             save_latest=save_latest, start=start,
@@ -138,8 +147,8 @@ class Snapshotter:
         # The one collective of a snapshot due for storage: copy errors, rank 0's view
         # of the pending persist and of the new directory, and every rank's RNG state
         # (the persist's objects).
-        gathered = self.exchanger.exchange((self.copy_error, view, plan.rng_state, prepared))
-        self.copy_error = None
+        gathered = self.exchanger.exchange((self.take_copy_error(), view, plan.rng_state,
+                                            prepared))
         raise_if_failed([(error is None, error) for error, _, _, _ in gathered],
                          "MoC snapshot copy")
         plan.rng_states = [rng for _, _, rng, _ in gathered]
@@ -163,7 +172,7 @@ class Snapshotter:
             ses.policy.mark_saved(plan.persist_sel, plan.step)
 
     def _fill_slot(self, plan: SnapshotPlan, client_state, signature, rows, pieces) -> None:
-        """This rank: lay the snapshot out in a free slot and start its copy."""
+        """This rank: lay the snapshot out in a free slot and start its copy and seal."""
         from deepspeed_ext.format.objects import encode
         place = self.place
         objects = place.session.objects(client_state)
@@ -171,18 +180,17 @@ class Snapshotter:
         objects["snapshot_policy"] = (self.snap_policy.state_dict()
                                       if self.snap_policy is not None else None)
         tree, object_tensors = encode(objects)
-        tensors, specs = {}, {}
-        for key, tensor, expert, spec in rows:
-            if expert is None or plan.union is None or expert in plan.union:
-                tensors[key] = tensor
-                specs[key] = spec
+        content = self.layouts.content(rows, plan.union)
+        tensors = dict(content.tensors)
         tensors.update(object_tensors)
-        layout, entries = self.layouts.layout(tensors)
-        slot = self._free_slot()
+        cached = self.layouts.layout(plan.union, content, tensors, object_tensors)
+        timing = SnapshotTiming(step=plan.step, persist=plan.persist)
+        slot = self._free_slot(timing)
         place.slots.invalidate(slot)
-        buffer = place.slots.buffer(slot, layout.nbytes)
-        meta = {"step": plan.step, "tag": plan.tag, "signature": signature, "entries": entries,
-                "specs": specs, "experts": sorted(plan.union) if plan.union is not None else None,
+        buffer = place.slots.buffer(slot, cached.image.nbytes)
+        meta = {"step": plan.step, "tag": plan.tag, "signature": signature,
+                "entries": cached.entries, "specs": content.specs,
+                "experts": sorted(plan.union) if plan.union is not None else None,
                 "objects_tree": tree, "run_id": place.run_id}
         self.last = NewestSnapshot(slot=slot, meta=meta, pieces=pieces, save_dir=plan.save_dir,
                                    save_latest=plan.save_latest,
@@ -191,18 +199,19 @@ class Snapshotter:
         job = self.persister.persist_job(
             self.last, plan.persist_sel if plan.union is not None else None,
             plan.policy_before, plan.claim) if plan.persist else None
-        # CUDA: the copies are queued on a side stream now (microseconds); the thread
-        # only waits for them. CPU: the thread does the copy.
-        event = place.copier.launch(buffer, layout, tensors)
         # Every rank protects the same snapshots (the count is the same everywhere), so
         # the peers' messages pair up.
         protect = self._protects_this_one()
-        self.copy_job = self.copier_pool.submit(self._copy, slot, event, buffer, layout,
-                                                tensors, meta, job, protect)
+        self.stages.start(SnapshotWork(slot=slot, buffer=buffer, layout=cached.image,
+                                       plan=cached.plan, tensors=tensors, meta=meta,
+                                       layout_id=cached.layout_id, job=job, protect=protect,
+                                       timing=timing))
+        plan.started = True
         if protect:
             self.protected = (slot, plan.step)
+        timing.save_s = time.perf_counter() - plan.start
         if plan.persist or self.count == 1:  # a line per snapshot would flood per-iteration runs
-            self._log_snapshot(plan, layout)
+            self._log_snapshot(plan, cached.image)
 
     def _protects_this_one(self) -> bool:
         """Whether the redundancy protects the snapshot being taken (the same on every rank)."""
@@ -225,30 +234,38 @@ class Snapshotter:
         collective. Recorded like a copy error instead, and raised on every rank at the
         next persisted snapshot or wait(). Called inside the ``except`` clause."""
         traceback.print_exc()
-        if self.copy_job is None and self._protects_this_one():
-            # The copy thread never started, so it will not take part in this
+        if not plan.started and self._protects_this_one():
+            # The seal thread never got it, so it will not take part in this
             # snapshot's protection: do it here, or the peers' messages stop pairing.
             self.place.redundancy.protect(plan.step, -1, None, None)
-        self.copy_error = f"snapshot {plan.tag}: {type(e).__name__}: {e}"
+        error = f"snapshot {plan.tag}: {type(e).__name__}: {e}"
+        self.stages.record_error(error)
         logger.warning(
-            f"[moc] rank {self.place.rank}: WARNING: {self.copy_error} (raised on every rank at "
+            f"[moc] rank {self.place.rank}: WARNING: {error} (raised on every rank at "
             f"the next persisted snapshot)")
 
-    def _free_slot(self) -> int:
-        """A slot for the next snapshot that neither the keeper nor the redundancy thread
-        still reads, nor holds the snapshot erasure coding needs to rebuild a lost node
-        (:meth:`_kept_for_rebuild`); waits for the redundancy only when no other slot is
-        free, and gives up the kept snapshot only when even that leaves none."""
+    def _free_slot(self, timing: SnapshotTiming) -> int:
+        """A slot for the next snapshot that is not being sealed, that neither the keeper
+        nor the redundancy thread still reads, and that does not hold the snapshot
+        erasure coding needs to rebuild a lost node (:meth:`_kept_for_rebuild`). Waits
+        for the oldest seal, then for the redundancy, only while no slot is free (the
+        waits go to ``timing.slot_wait_s``), and gives up the kept snapshot only when even
+        that leaves none."""
         place = self.place
-        busy = place.redundancy.busy_slots() if place.redundancy is not None else set()
         keep = self._kept_for_rebuild()
-        try:
-            return place.slots.choose(exclude=busy | keep)
-        except RuntimeError:
-            pass
+        while True:
+            busy = place.redundancy.busy_slots() if place.redundancy is not None else set()
+            sealing = self.stages.sealing()
+            try:
+                return place.slots.choose(exclude=busy | keep | sealing)
+            except RuntimeError:
+                if not sealing:
+                    break
+            timing.slot_wait_s += self.stages.wait_oldest_seal()
         if busy:
             waited = place.redundancy.wait_slots()
             self.redundancy_wait_s += waited
+            timing.slot_wait_s += waited
             _log(f"WARNING: the next snapshot waited {waited:.3f} s for the redundancy of an "
                  f"earlier one (snapshots come faster than peers receive them: snapshot less "
                  f"often, or use --moc-redundancy erasure, which sends less)")
@@ -279,29 +296,3 @@ class Snapshotter:
         slot, step = self.protected
         meta = place.slots.meta(slot)
         return {slot} if meta is not None and meta["step"] == step else set()
-
-    def _copy(self, slot, event, buffer, layout, tensors, meta, job, protect=False) -> None:
-        """Copy thread: fill the slot, mark it complete, hand it to the keeper and to the
-        redundancy thread."""
-        place = self.place
-        published = False
-        try:
-            # The checksum: recovery and the keeper check it before using the bytes (a bit
-            # flipped in memory must neither be loaded nor persisted under a fresh SHA-256).
-            meta["checksum"] = place.copier.finish(event, buffer, layout, tensors, checksum=True)
-            if self.fault_hook is not None:  # fault injection: die with the slot filled
-                self.fault_hook(meta["step"])  # but not yet published as complete
-            place.slots.publish(slot, meta)
-            published = True
-            if job is not None:
-                job = replace(job, checksum=meta["checksum"],
-                              done_marker=place.slots.persist_marker(slot))
-                self.handover.submit(job)
-        except Exception as e:
-            traceback.print_exc()
-            # Keep the first error: it may be reported only at a later persist or wait.
-            self.copy_error = self.copy_error or f"{type(e).__name__}: {e}"
-        finally:
-            if protect:  # every rank, even after a failed copy: the peers pair up
-                image = buffer if published else None
-                place.redundancy.protect(meta["step"], slot, image, meta if published else None)

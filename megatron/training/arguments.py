@@ -274,6 +274,9 @@ def _add_moc_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moc-host-memory-gb", type=float, default=0.0,
                    help="Host memory one rank's snapshot slots (--moc-two-level) or a window of "
                         "frames (--moc-mode exact) may use; 0: unchecked.")
+    g.add_argument("--moc-checksum-threads", type=int, default=0,
+                   help="--moc-two-level: threads hashing each snapshot's image after its copy, "
+                        "off the optimizer step's path; 0: up to 4, half the host's cores.")
     g.add_argument("--moc-dynamic-k", action="store_true",
                    help="After each recovery, double the experts per checkpoint (up to all) "
                         "while the accumulated proportion of lost tokens exceeds "
@@ -656,7 +659,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
                                  ("moc_persist_interval", 1, ""),
                                  ("moc_ranks_per_node", 0, " (0: the launcher's count)"),
                                  ("moc_redundancy_interval", 1, ""),
-                                 ("moc_restart_count", 0, "")):
+                                 ("moc_restart_count", 0, ""),
+                                 ("moc_checksum_threads", 0, " (0: automatic)")):
         value = getattr(args, name)
         if value is not None and value < least:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= {least}{meaning}, "
@@ -867,7 +871,8 @@ def moc_config_from_args(args: argparse.Namespace):
                      k_snapshot=args.moc_k_snapshot, persist_interval=args.moc_persist_interval,
                      shm_dir=shm_dir, save_dir=args.save or args.load or "",
                      ranks_per_node=args.moc_ranks_per_node,
-                     host_memory_gb=args.moc_host_memory_gb, redundancy=args.moc_redundancy,
+                     host_memory_gb=args.moc_host_memory_gb,
+                     checksum_threads=args.moc_checksum_threads, redundancy=args.moc_redundancy,
                      replicas=args.moc_replicas, ec_data=args.moc_ec_data,
                      ec_parity=args.moc_ec_parity,
                      redundancy_interval=args.moc_redundancy_interval,

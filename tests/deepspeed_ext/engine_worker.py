@@ -9,7 +9,8 @@ ACTION is ``describe`` (write this rank's fragment metadata), ``train-save`` (tr
 MoC), ``load-train-save`` (load from ``--load``, then the same) or ``load-resave``
 (load, then save at once under the tag ``resaved`` into ``--save``) or
 ``snapshot-identity`` (two-level snapshots after the optimizer's moments were replaced
-by new tensors) or ``reload-memory`` (two-level: train on past a snapshot, then load it
+by new tensors) or ``stages`` (a snapshot's copy and seal, the seal held at a gate) or
+``reload-memory`` (two-level: train on past a snapshot, then load it
 back in the same process) or ``early-save`` (a save while the optimizer has no moments,
 as before the first fp16 step that does not overflow). Each rank writes
 ``OUT_DIR/rank<R>.json`` with what the test checks.
@@ -253,6 +254,76 @@ def _snapshot_identity(engine, args):
     return out
 
 
+def _gated_checksum():
+    """Hold every memory checksum until the returned event is set (the seal thread waits
+    for it; the training thread must not)."""
+    import threading
+    from deepspeed_ext.format import memsum
+    gate, real = threading.Event(), memsum.digest
+
+    def gated(*a, **k):
+        gate.wait()
+        return real(*a, **k)
+    memsum.digest = gated
+    return gate
+
+
+def _stages(engine, args):
+    """The copy and seal stages (``deepspeed_ext.two_level.stages``), with the seal's
+    checksum held at a gate: the optimizer step waits for the copy only; a slot is
+    published only once sealed, with the right checksum; a save waits for a seal only
+    when no slot is free, and that wait is its slot wait; slots are mapped once at
+    start-up whatever the expert set; the per-snapshot metadata file is small."""
+    import threading
+    from deepspeed_ext.format import memsum
+    from deepspeed_ext.snapshot import SlotImage
+    two, out = engine.moc.two_level, {}
+    out["maps_at_start"], out["slots"] = two.slots.maps_created, two.place.num_slots
+    _train(engine, args, 0, 1, None)
+    engine.save_checkpoint(args.save)  # step 1, sealed: the newest complete snapshot
+    engine.moc.wait()  # and persisted (the first snapshot is due), so no slot is busy
+    _train(engine, args, 1, 2, None)
+    gate = _gated_checksum()
+    engine.save_checkpoint(args.save)  # A (step 2): copied, its seal held at the gate
+    slot_a, state_a = two.last.slot, _state(engine)
+    _train(engine, args, 2, 3, None)   # the wrapped step must not wait for A's seal
+    out["step_returned_with_gate_closed"] = not gate.is_set()
+    out["unsealed_not_published"] = two.slots.meta(slot_a) is None
+    engine.save_checkpoint(args.save)  # B (step 3): a slot is free, no wait for A's seal
+    timing_b = two.timings[-1]
+    out["b_slot_wait_s"], out["b_returned_with_gate_closed"] = timing_b.slot_wait_s, not gate.is_set()
+    _train(engine, args, 3, 4, None)
+    threading.Timer(0.5, gate.set).start()
+    engine.save_checkpoint(args.save)  # C (step 4): step 1 newest complete, A and B
+    # sealing: no free slot, so it waits for A's seal
+    out["c_slot_wait_s"] = two.timings[-1].slot_wait_s
+    two.join_copy()
+    meta = two.slots.meta(slot_a)
+    image = SlotImage(two.slots.image_path(slot_a))
+    entries = {e["key"]: e for e in meta["entries"]}
+    out["a_step"] = meta["step"]
+    with open(two.slots.image_path(slot_a), "rb") as f:
+        data = f.read(max(e["start"] + e["nbytes"] for e in entries.values()))
+    out["a_checksum_matches"] = memsum.verify(data, meta["checksum"]) is None
+    out["a_checksum_is_chunked"] = meta["checksum"].split(":")[0] == memsum.default_algorithm()
+    from deepspeed_ext.state import describe_local_state
+    frags = [f for f in describe_local_state(engine, engine.moc.naming) if f.key in entries]
+    out["a_holds_step_2_state"] = all(
+        image.read(entries[f.key]).tolist()
+        == state_a[f"{f.name}|{f.kind}"][f.offset:f.offset + f.length] for f in frags)
+    image.close()
+    timings = two.timings
+    out["sealed"] = all(t.sealed for t in timings)
+    out["copies"] = [t.copies for t in timings]
+    out["fragments"] = len(entries)
+    out["maps_after"], out["grown"] = two.slots.maps_created, two.slots.grown
+    out["experts"] = sorted({tuple(two.slots.meta(i)["experts"] or [])
+                             for i, _ in two.slots.complete()})
+    out["slot_json_bytes"] = max(os.path.getsize(os.path.join(two.slots.dir, f"slot{i}.json"))
+                                 for i, _ in two.slots.complete())
+    return out
+
+
 def _reload_memory(engine, args):
     """Snapshot every step for 3 steps, train 2 more without, then load in the same
     process (the moments exist: the load describes the state once): the state must be
@@ -345,6 +416,8 @@ def main():
         result.update(_snapshot_identity(engine, args))
     elif action == "reload-memory":
         result.update(_reload_memory(engine, args))
+    elif action == "stages":
+        result.update(_stages(engine, args))
     elif action == "early-save":
         result.update(_early_save(engine, args))
     elif action == "save-reload-resave":

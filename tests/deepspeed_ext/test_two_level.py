@@ -72,7 +72,7 @@ def test_a_snapshot_damaged_in_memory_is_not_recovered(tmp_path):
         _crashed_after_3(tmp_path, flags, ckpt)
         rank1 = os.path.join(shm, "node0", "rank00001")
         held = {json.load(open(os.path.join(rank1, n)))["step"]: n[:-len(".json")]
-                for n in os.listdir(rank1) if n.endswith(".json")}
+                for n in os.listdir(rank1) if n.startswith("slot") and n.endswith(".json")}
         assert 2 in held and 3 in held, held
         with open(os.path.join(rank1, held[3] + ".img"), "r+b") as f:
             f.seek(4096 + 3)
@@ -107,7 +107,7 @@ def test_storage_newer_than_every_ranks_memory_wins(tmp_path):
         rank1 = os.path.join(shm, "node0", "rank00001")
         held = {}
         for name in os.listdir(rank1):
-            if name.endswith(".json"):
+            if name.startswith("slot") and name.endswith(".json"):
                 held[json.load(open(os.path.join(rank1, name)))["step"]] = name
         assert 4 in held and 3 in held, held  # steps 3 and 4 in memory on both ranks
         os.remove(os.path.join(rank1, held[4]))
@@ -256,7 +256,7 @@ def test_a_job_ending_with_a_failed_persist_keeps_the_snapshots_in_memory(tmp_pa
         assert "leaving them in" in results[0].output, describe(results)
         rank0 = os.path.join(shm, "node0", "rank00000")
         steps = {json.load(open(os.path.join(rank0, n)))["step"]
-                 for n in os.listdir(rank0) if n.endswith(".json")}
+                 for n in os.listdir(rank0) if n.startswith("slot") and n.endswith(".json")}
         assert 2 in steps, steps
         os.kill(_keeper_pid(os.path.join(shm, "node0")), signal.SIGKILL)  # hung in the persist
     finally:
@@ -444,6 +444,36 @@ def test_snapshot_follows_replaced_optimizer_state(tmp_path):
             assert r["changed_after_replace"], r
             assert r["moments_in_snapshot"] > 0, r
             assert r["snapshot_equals_live_state"], r
+    finally:
+        stop_keepers(shm)
+
+
+def test_the_step_waits_for_the_copy_and_a_save_for_a_slot_never_for_a_seal(tmp_path):
+    # The seal's checksum is held at a gate (deepspeed_ext.two_level.stages). The
+    # optimizer step after a snapshot must return while the gate is closed (it waits for
+    # the copy only), the slot stays unpublished until its seal ends, and the checksum
+    # then verifies the bytes of that step's state. The next save finds a free slot and
+    # does not wait; the one after finds none (newest complete, two sealing) and its
+    # wait for the oldest seal is its slot wait. Slots are mapped once, at start-up,
+    # whatever expert set a snapshot holds (--moc-k-snapshot 1 of 4 rotates them), and
+    # each snapshot's own metadata file is small (the layout's is written once).
+    shm = new_shm_dir()
+    try:
+        res, _ = _run(tmp_path, "stages", 1, "stages",
+                      _flags(shm, 1, 1, ["--train-iters", "4", "--moc-k-snapshot", "1",
+                                         "--moc-persist-interval", "100",
+                                         "--save", str(tmp_path / "ckpt")]))
+        r = res[0]
+        assert r["step_returned_with_gate_closed"] and r["unsealed_not_published"], r
+        assert r["b_returned_with_gate_closed"] and r["b_slot_wait_s"] == 0.0, r
+        assert r["c_slot_wait_s"] >= 0.3, r
+        assert r["a_step"] == 2 and r["a_checksum_matches"] and r["a_checksum_is_chunked"], r
+        assert r["a_holds_step_2_state"] and r["sealed"], r
+        assert r["maps_at_start"] == r["maps_after"] == r["slots"] and r["grown"] == 0, r
+        assert len(r["experts"]) >= 2, r  # the snapshots held different expert sets
+        # a few large copies, not one per fragment (the header, a run per flat source)
+        assert max(r["copies"]) < r["fragments"] / 2, r
+        assert r["slot_json_bytes"] < 4096, r
     finally:
         stop_keepers(shm)
 
