@@ -26,7 +26,8 @@ from deepspeed_ext.snapshot import SlotImage
 from deepspeed_ext.store import claims, commit
 from deepspeed_ext.store.latest import extended_tag
 from deepspeed_ext.two_level.handover import KeeperHandOver
-from deepspeed_ext.two_level.records import NewestSnapshot, PendingPersist, RankPlace
+from deepspeed_ext.two_level.records import (NewestSnapshot, PendingPersist, PersistRequest,
+                                             RankPlace)
 
 COMMIT_POLL_BACKOFF = Backoff(first_s=0.01, max_s=0.2)
 """Sleeps between a rank's polls for the pending persist's commit (:meth:`Persister.wait_pending`)."""
@@ -78,49 +79,68 @@ class Persister:
 
     # -- the job ------------------------------------------------------------------------
 
-    def persist_job(self, snap: NewestSnapshot, selected, policy_before,
-                    claim: Optional[str]) -> PersistJob:
-        """This rank's persist job for the snapshot ``snap`` (a ``TwoLevel.last`` record)
-        holding ``selected`` experts on storage (None: no MoE), under rank 0's ``claim``
-        on its directory; records it as the pending persist. The keeper runs it
-        (:func:`keeper.run_persist_job`; its JSON crosses the keeper's socket)."""
-        from deepspeed_ext.policy.plan import build_write_plan
+    def request(self, snap: NewestSnapshot, selected, policy_before,
+                claim: Optional[str]) -> PersistRequest:
+        """Save call (main thread): persist the snapshot ``snap`` (a ``TwoLevel.last``
+        record) holding ``selected`` experts on storage (None: no MoE), under rank 0's
+        ``claim`` on its directory; records it as the pending persist now (the next
+        save's decisions rest on it) and leaves the job's heavy part (the write plan,
+        the layout records) to :meth:`job_for` on the seal thread."""
         place, ses, meta = self.place, self.place.session, snap.meta
-        save_dir, tag, step = snap.save_dir, meta["tag"], meta["step"]
-        plan = build_write_plan(snap.pieces, place.world, selected)
-        keys = list(plan.keys_for(place.rank))
         commit_spec = None
         if place.rank == 0:
             commit_spec = CommitSpec(
-                step=step,
+                step=meta["step"],
                 layout=ses.layout_record(place.world, int(ses.engine.zero_optimization_stage())),
-                previous_tag=extended_tag(ses.previous, save_dir),
+                previous_tag=extended_tag(ses.previous, snap.save_dir),
                 selected=tuple(sorted(selected)) if selected is not None else None,
                 pec_k=ses.policy.k if ses.policy is not None else None,
                 save_latest=snap.save_latest, keep=place.cfg.keep,
                 timeout_s=place.cfg.commit_timeout_s,
                 attempt_started=ses.timeline.attempt_started)
-        job = PersistJob(
+        self.pending = PendingPersist(
+            save_dir=snap.save_dir, tag=meta["tag"],
+            selected=selected if selected is not None else frozenset(),
+            policy_before=policy_before, slot=snap.slot, in_process=self.handover.keeper_gone,
+            claim=claim)
+        return PersistRequest(snap=snap, selected=selected, claim=claim, commit=commit_spec)
+
+    def job_for(self, request: PersistRequest) -> PersistJob:
+        """Seal thread (or the main thread at the end of training): the keeper's job for
+        ``request`` (:func:`keeper.run_persist_job`; its JSON crosses the keeper's
+        socket). Reads only what the save call fixed: the snapshot's pieces, metadata
+        and slot."""
+        from deepspeed_ext.policy.plan import build_write_plan
+        place, snap = self.place, request.snap
+        meta = snap.meta
+        plan = build_write_plan(snap.pieces, place.world, request.selected)
+        keys = list(plan.keys_for(place.rank))
+        return PersistJob(
             image=place.slots.image_path(snap.slot),
             entries=tuple(image_entry_from_json(e) for e in meta["entries"]),
             keys=tuple(keys), specs=tuple(meta["specs"][k] for k in keys if k in meta["specs"]),
-            save_dir=save_dir, tag=tag, step=step, rank=place.rank,
+            save_dir=snap.save_dir, tag=meta["tag"], step=meta["step"], rank=place.rank,
             objects_tree=meta["objects_tree"] if place.rank == 0 else None,
             # the objects' tensors go to their own small file (objects.OBJECTS_TENSOR_FILE)
             object_keys=tuple(snap.object_keys) if place.rank == 0 else (),
             # Every rank's writer holds the claim: a keeper still running this job after
             # a restart re-saved the tag stands down instead of writing this attempt's
             # file (or report) into the new save.
-            claim=claim, run_id=place.run_id,
-            # The image's memory checksum (set by the copy thread once it is known;
+            claim=request.claim, run_id=place.run_id,
+            # The image's memory checksum (set by the seal once it is known;
             # persist_newest's snapshot has it already): the keeper verifies it.
-            checksum=meta.get("checksum"), commit=commit_spec)
-        self.pending = PendingPersist(
-            save_dir=save_dir, tag=tag,
-            selected=selected if selected is not None else frozenset(),
-            policy_before=policy_before, slot=snap.slot, in_process=self.handover.keeper_gone,
-            claim=claim)
-        return job
+            checksum=meta.get("checksum"), commit=request.commit)
+
+    def report_failed(self, request: PersistRequest, why: str) -> None:
+        """Seal thread: this rank's share of ``request`` failed before its job reached
+        the keeper (the slot could not be published, say): its failure report lets
+        rank 0's commit stop now instead of at its timeout."""
+        meta = request.snap.meta
+        try:
+            commit.write_report(os.path.join(request.snap.save_dir, meta["tag"]),
+                                self.place.rank, None, error=why, claim=request.claim)
+        except Exception:  # the commit then fails at its timeout, as it would have
+            traceback.print_exc()
 
     def persist_newest(self, snap: Optional[NewestSnapshot]) -> Tuple[bool, Optional[str]]:
         """Every rank (from ``TwoLevel.wait``, nothing pending): persist the newest
@@ -149,7 +169,8 @@ class Persister:
         if not snap.rng_gathered:  # the same on every rank: a collective is safe here
             snap = self._with_every_rng_state(snap, policy_before, extra)
         try:
-            job = replace(self.persist_job(snap, selected, policy_before, claim), **extra,
+            job = replace(self.job_for(self.request(snap, selected, policy_before, claim)),
+                          **extra,
                           done_marker=self.place.slots.persist_marker(snap.slot))
             _log(f"persisting the newest snapshot {meta['tag']} (step {meta['step']}) before "
                  f"returning from wait")

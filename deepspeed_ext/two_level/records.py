@@ -78,6 +78,20 @@ class PendingPersist:
     the newest snapshot in process instead of raising)."""
 
 
+@dataclass(frozen=True)
+class PersistRequest:
+    """A persist the save call decided; the seal thread builds its keeper job from it
+    (:meth:`deepspeed_ext.two_level.persister.Persister.job_for`)."""
+
+    snap: NewestSnapshot
+    selected: Optional[FrozenSet]
+    """The experts it saves (None: no MoE)."""
+    claim: Optional[str]
+    """Rank 0's claim on the persist's directory."""
+    commit: Any = None
+    """Rank 0: what its keeper commits (:class:`deepspeed_ext.jobs.CommitSpec`); else None."""
+
+
 @dataclass
 class SnapshotPlan:
     """One snapshot as every rank decided it, before its bytes are copied."""

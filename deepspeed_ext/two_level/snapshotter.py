@@ -52,7 +52,8 @@ class Snapshotter:
         self.fault_hook: Optional[Callable[[int], None]] = None
         """Fault injection: called by the seal thread with the step once a snapshot's bytes
         are copied, before the slot is published as complete."""
-        self.stages = SnapshotStages(place, handover.submit, lambda: self.fault_hook)
+        self.stages = SnapshotStages(place, persister, handover.submit,
+                                     lambda: self.fault_hook)
         """The copy and seal of the snapshots taken (:mod:`deepspeed_ext.two_level.stages`)."""
         self.stall_s: List[float] = []
         self.last: Optional[NewestSnapshot] = None
@@ -196,7 +197,7 @@ class Snapshotter:
                                    save_latest=plan.save_latest,
                                    object_keys=list(object_tensors), persisted=plan.persist,
                                    rng_state=plan.rng_state, rng_gathered=plan.want)
-        job = self.persister.persist_job(
+        persist = self.persister.request(
             self.last, plan.persist_sel if plan.union is not None else None,
             plan.policy_before, plan.claim) if plan.persist else None
         # Every rank protects the same snapshots (the count is the same everywhere), so
@@ -204,7 +205,8 @@ class Snapshotter:
         protect = self._protects_this_one()
         self.stages.start(SnapshotWork(slot=slot, buffer=buffer, layout=cached.image,
                                        plan=cached.plan, tensors=tensors, meta=meta,
-                                       layout_id=cached.layout_id, job=job, protect=protect,
+                                       layout_id=cached.layout_id, persist=persist,
+                                       protect=protect,
                                        timing=timing))
         plan.started = True
         if protect:

@@ -38,7 +38,8 @@ from typing import Any, Callable, Deque, Dict, List, Optional, Set, Tuple
 import torch
 
 from deepspeed_ext.format import memsum
-from deepspeed_ext.two_level.records import RankPlace, SnapshotTiming
+from deepspeed_ext.two_level.persister import Persister
+from deepspeed_ext.two_level.records import PersistRequest, RankPlace, SnapshotTiming
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +64,8 @@ class SnapshotWork:
     """The slot's metadata; the seal adds ``checksum``."""
     layout_id: Optional[str]
     """The layout's id: its static metadata is written once (:meth:`SnapshotSlots.publish`)."""
-    job: Any
-    """Its persist job (:class:`deepspeed_ext.jobs.PersistJob`), or None."""
+    persist: Optional[PersistRequest]
+    """Its persist, whose keeper job the seal builds and hands over; None: memory only."""
     protect: bool
     """Whether the peers' redundancy protects it (every rank the same)."""
     timing: SnapshotTiming
@@ -86,14 +87,19 @@ class SnapshotStages:
 
     Args:
         place: this rank's place (its copier, slots, redundancy, config).
+        persister: builds a persist's keeper job on the seal thread (the write plan and
+            layout records cost milliseconds the save call does not pay), and reports
+            a share that never reached the keeper as failed.
         submit_job: hands a sealed snapshot's persist job to the keeper (seal thread).
         fault_hook: returns the fault-injection hook, if any: called on the seal thread
             with the step once the bytes are copied, before the slot is published.
     """
 
-    def __init__(self, place: RankPlace, submit_job: Callable[[Any], None],
+    def __init__(self, place: RankPlace, persister: Persister,
+                 submit_job: Callable[[Any], None],
                  fault_hook: Callable[[], Optional[Callable[[int], None]]]):
         self.place = place
+        self._persister = persister
         self._submit_job = submit_job
         self._fault_hook = fault_hook
         self.threads = memsum.resolve_threads(place.cfg.checksum_threads)
@@ -225,9 +231,11 @@ class SnapshotStages:
         """Seal thread: once the bytes are in the slot, checksum them, mark the slot
         complete, hand the persist job to the keeper and the image to the redundancy."""
         work, place, timing = flight.work, self.place, flight.work.timing
-        published = False
+        published = handed_over = False
         try:
             if not self._copied(flight):
+                if work.persist is not None:
+                    self._persister.report_failed(work.persist, self.error or "copy failed")
                 return
             start = time.perf_counter()
             # Recovery and the keeper check it before using the bytes: a bit flipped in
@@ -242,13 +250,17 @@ class SnapshotStages:
             start = time.perf_counter()
             place.slots.publish(work.slot, work.meta, layout_id=work.layout_id)
             published = True
-            if work.job is not None:
-                self._submit_job(replace(work.job, checksum=work.meta["checksum"],
+            if work.persist is not None:
+                self._submit_job(replace(self._persister.job_for(work.persist),
+                                         checksum=work.meta["checksum"],
                                          done_marker=place.slots.persist_marker(work.slot)))
+                handed_over = True
             timing.publish_s = time.perf_counter() - start
         except Exception as e:
             traceback.print_exc()
             self.record_error(f"{type(e).__name__}: {e}")
+            if work.persist is not None and not handed_over:
+                self._persister.report_failed(work.persist, f"{type(e).__name__}: {e}")
         finally:
             if work.protect:  # every rank, even after a failed copy: the peers pair up
                 place.redundancy.protect(work.meta["step"], work.slot,
