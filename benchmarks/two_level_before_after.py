@@ -5,8 +5,13 @@ A change that touches the snapshot path must show that training did not get slow
 runs ``benchmarks/two_level_bench.py`` (with the arguments after ``--``) from a temporary
 git worktree of ``--before`` and from this working tree, alternating ``--rounds`` times
 (before, after, before, after, ...) so that the machine's drift hits both alike, and
-prints every MoC row's median stall and iteration overhead per round, side by side.
-It asserts nothing.
+prints every MoC row's median stall and iteration overhead per round, side by side, and
+where the snapshot's time went: the median of the step's wait for the snapshot (``moc.stall_s``,
+the part of the stall after the save call, in both trees), of its host wait and of the checksum
+(``TwoLevel.timings``, ``-`` from a tree that records none). When the checksum leaves the
+step's path, the step's wait falls by the checksum's time. It asserts nothing. Both trees
+get the same arguments: give only flags both know, and ``--iters`` explicitly (its
+default went from 20 to 30 with ``--warmup``).
 
     python benchmarks/two_level_before_after.py --before f3db971 --rounds 2 -- \
         --systems moc-full,moc-pec --intervals 1,10
@@ -29,13 +34,52 @@ def run_bench(root: str, args, out_json: str) -> list:
     print(f"$ (cd {root}) {' '.join(command)}", flush=True)
     done = subprocess.run(command, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True)
-    tail = done.stdout.splitlines()[-25:]
+    tail = done.stdout.splitlines()[-60:]  # both tables and the notes
     print("\n".join(tail), flush=True)
     if done.returncode != 0 or not os.path.exists(out_json):
         print(f"run failed (exit {done.returncode})", flush=True)
         return []
     with open(out_json) as f:
         return json.load(f)
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{value * 1e3:.1f}"
+
+
+def cell(row) -> str:
+    """One run's figures for one MoC row: stall median (ms), overhead, then the medians
+    of the step's wait, its host wait and the checksum (ms; ``-`` where not measured)."""
+    if row is None or row.get("stall_s_median") is None:
+        return "failed"
+    overhead = row.get("iter_overhead")
+    stages = row.get("stages_median") or {}
+    return (f"{_ms(row['stall_s_median'])}, "
+            + ("-" if overhead is None else f"{100 * overhead:+.1f} %")
+            + f", {_ms(row.get('wait_s_median'))}, {_ms(stages.get('host_wait'))}, "
+              f"{_ms(stages.get('checksum'))}")
+
+
+def print_side_by_side(before: str, rounds: int, runs: list) -> None:
+    """Every MoC row (system, interval) of any run, one column per run."""
+    print(f"\nbefore = {before}, after = this tree; {rounds} rounds alternated")
+    print("each cell: stall median (ms), iteration overhead, the step's wait median (ms: the "
+          "optimizer step's waits for the snapshot, moc.stall_s, in both trees), host wait median (ms), "
+          "checksum median (ms)")
+    keys = []
+    for run in runs:
+        for row in run["rows"]:
+            key = (row["system"], row.get("interval"))
+            if row["system"].startswith("moc") and key not in keys:
+                keys.append(key)
+    cells = [["system", "every"] + [f"{r['label']} {r['round'] + 1}" for r in runs]]
+    for system, interval in keys:
+        cells.append([system, str(interval)] + [
+            cell(next((r for r in run["rows"] if (r["system"], r.get("interval")) == (system, interval)),
+                      None)) for run in runs])
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+    for row in cells:
+        print(" | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
 
 
 def main() -> int:
@@ -60,27 +104,7 @@ def main() -> int:
     finally:
         subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", worktree],
                        stdout=subprocess.DEVNULL)
-    print(f"\nbefore = {opts.before}, after = this tree; {opts.rounds} rounds alternated")
-    print(f"{'system':<10} {'every':>5} | " + " | ".join(
-        f"{r['label']} {r['round'] + 1}: stall med, overhead" for r in runs))
-    keys = []
-    for run in runs:
-        for row in run["rows"]:
-            key = (row["system"], row.get("interval"))
-            if row["system"].startswith("moc") and key not in keys:
-                keys.append(key)
-    for system, interval in keys:
-        cells = []
-        for run in runs:
-            row = next((r for r in run["rows"] if (r["system"], r.get("interval")) == (system, interval)),
-                       None)
-            if row is None or row.get("stall_s_median") is None:
-                cells.append("failed")
-                continue
-            overhead = row.get("iter_overhead")
-            cells.append(f"{row['stall_s_median'] * 1e3:6.1f} ms, "
-                         + ("-" if overhead is None else f"{100 * overhead:+5.1f} %"))
-        print(f"{system:<10} {interval!s:>5} | " + " | ".join(f"{c:>28}" for c in cells))
+    print_side_by_side(opts.before, opts.rounds, runs)
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump({"before": opts.before, "runs": runs}, f, indent=1)

@@ -5,9 +5,12 @@ One run starts ``--nproc`` local ranks (gloo on CPU, NCCL on GPUs) and builds ON
 DeepSpeed engine, the model and layout of ``checkpoint_bench.py``. The systems then take
 turns on that engine: for each interval in ``--intervals`` and each system, ``--iters``
 training iterations (at least ``--min-saves`` checkpoints' worth, 10 by default) with a
-checkpoint every ``interval`` iterations, into the system's own
-directory. Before the first and after the last turn, ``--iters`` iterations without any
-checkpoint give the reference iteration time. The systems:
+checkpoint every ``interval`` iterations, into the system's own directory, after the
+system's setup and ``--warmup`` iterations with a save (not timed). Each turn sits between
+two references (A/B/A): as many iterations without checkpoints right before it and right
+after the system is closed; its overhead is against the mean of the two. Before the
+first and after the last turn, ``--iters`` iterations without any checkpoint give the
+no-checkpoint row. The systems:
 
 * ``deepspeed``             DeepSpeed's own ``engine.save_checkpoint`` (synchronous);
 * ``deepspeed-decoupled``   DeepSpeed's decoupled checkpoint engine (``"checkpoint":
@@ -27,11 +30,16 @@ Measured per (system, interval): the training-loop stall of each checkpoint (the
 call plus every wait the system imposes before the next optimizer step or save), the
 mean iteration time against the no-checkpoint reference, bytes persisted, host memory
 held for snapshots (where the system has a way to tell), and the time to load the newest
-checkpoint back into the engine (MoC: from memory and from storage). The script prints
-a table (``--json FILE`` writes it, ``--plot FILE.png`` plots the stalls); it asserts
-nothing about the numbers.
+checkpoint back into the engine (MoC: from memory and from storage). For MoC also, per
+rank: the checkpointer's construction and the slot preparation in it (``setup_s``,
+``prepare_s``), and each snapshot's stages (``TwoLevel.timings``: save call, copies, slot
+wait, the step's host and device waits, copy, checksum, publish), with the saves that
+persisted apart from those kept in memory only. The script prints a table and a table of
+MoC's stage medians (``--json FILE`` writes the rows, with every save's stall and stage
+times, ``--plot FILE.png`` plots the stalls); it asserts nothing about the numbers.
 
-    python benchmarks/two_level_bench.py [--iters 20 --intervals 1,10] [--systems a,b]
+    python benchmarks/two_level_bench.py [--iters 30 --intervals 1,10] [--systems a,b]
+                                         [--warmup 3] [--system-iters deepspeed=5]
                                          [--json FILE] [--plot FILE.png] [--out-dir DIR] [--keep]
 """
 
@@ -52,9 +60,10 @@ import checkpoint_bench as cb  # noqa: E402  (the model's flags and their defaul
 from benchlib import host, ranks, tables  # noqa: E402  (the rank helpers)
 from benchlib.model import build_engine  # noqa: E402
 from benchlib.two_level_peers import (BASELINE, SYSTEMS, Bench, make_peer,  # noqa: E402
-                                      parse_intervals, parse_systems, timed_iters)
+                                      parse_intervals, parse_system_iters, parse_systems,
+                                      timed_iters)
 from benchlib.two_level_report import (plot_stalls, print_notes_and_checks,  # noqa: E402
-                                       print_table, table_rows)
+                                       print_stage_table, print_table, table_rows)
 
 REPO = ranks.REPO
 
@@ -62,7 +71,8 @@ REPO = ranks.REPO
 WORKER_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                 "seq_length", "num_experts", "expert_interval", "topk", "micro_batch_size",
                 "train_steps", "zero_stage", "ep", "seed", "iters", "intervals", "systems",
-                "persist_interval", "pec_k_snapshot", "pec_k_persist", "min_saves")
+                "persist_interval", "pec_k_snapshot", "pec_k_persist", "min_saves", "warmup",
+                "system_iters")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,9 +95,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--train-steps", type=int, default=model.train_steps,
                    help="Optimizer steps before the first measurement (so Adam state exists).")
     g = p.add_argument_group("measurement and output")
-    g.add_argument("--iters", type=int, default=20,
+    g.add_argument("--iters", type=int, default=30,
                    help="Timed training iterations per (system, interval) (at least "
                         "--min-saves checkpoints' worth), and of the no-checkpoint rows.")
+    g.add_argument("--warmup", type=int, default=3,
+                   help="Iterations with a save at the start of each turn, not timed (first "
+                        "uses); their saves' stalls are reported on their own.")
+    g.add_argument("--system-iters", default="", metavar="SYSTEM=N,...",
+                   help="Timed iterations (and reference ones) for these systems instead "
+                        "(at least one interval's worth), e.g. deepspeed=5 where its "
+                        "synchronous saves take seconds each.")
+    g.add_argument("--no-recovery", action="store_true",
+                   help="Skip the recovery loads at the end of each turn (they take seconds "
+                        "per GB of state; the saves are measured all the same).")
     g.add_argument("--min-saves", type=int, default=10,
                    help="Checkpoints each turn times at least: a turn runs max(--iters, "
                         "interval x this) timed iterations (and as many reference ones), "
@@ -124,8 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timeout", type=float, default=1200,
                    help="Seconds the ranks may run before they are killed.")
     g.add_argument("--checksum-speed", action="store_true",
-                   help="Only measure the memory checksums (deepspeed_ext.format.memsum) against "
-                        "SHA-256 on one core over 256 MiB, print a table and exit.")
+                   help="Only measure the memory checksums (deepspeed_ext.format.memsum: the "
+                        "one-pass ones and the chunked one on 1, 2 and the default number of "
+                        "threads) against SHA-256 over 1 GiB, print a table and exit.")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--shm-root", help=argparse.SUPPRESS)
     return p
@@ -148,21 +169,28 @@ def _error(e: BaseException) -> str:
     return re.sub(r"\x1b\[[0-9;]*m", "", f"{type(e).__name__}: {e}") + where
 
 
-def checksum_speed(nbytes: int = 256 << 20, repeats: int = 3) -> int:
-    """Print GiB/s of each checksum a snapshot could use (best of ``repeats``)."""
+def checksum_speed(nbytes: int = 1 << 30, repeats: int = 3) -> int:
+    """Print GiB/s of each checksum a snapshot could use (best of ``repeats``): the
+    one-pass ones of earlier versions, the chunked default on 1, 2 and
+    ``memsum.default_threads()`` threads, and storage's SHA-256 (one core)."""
     import hashlib
     sys.path.insert(0, REPO)
     from deepspeed_ext.format import memsum
     data = memoryview(os.urandom(1 << 20) * (nbytes >> 20))
-    rows = [(name, lambda a=name: memsum.digest(data, a)) for name in ("xxh3_64", "crc32")
-            if name != "xxh3_64" or memsum.xxhash is not None]
+    rows = [(f"{name} (one pass)", lambda a=name: memsum.digest(data, a))
+            for name in ("xxh3_64", "crc32") if name != "xxh3_64" or memsum.xxhash is not None]
+    chunked = memsum.default_algorithm()
+    for threads in sorted({1, 2, memsum.default_threads()}):
+        rows.append((f"{chunked} x{threads}",
+                     lambda t=threads: memsum.digest(data, chunked, threads=t)))
     rows.append(("sha256 (storage)", lambda: hashlib.sha256(data).hexdigest()))
-    print(f"checksum over {nbytes >> 20} MiB on one core (best of {repeats})")
-    print(f"{'checksum':<18} | {'GiB/s':>7} | {'ms per 100 MiB':>14}")
+    print(f"checksum over {nbytes >> 20} MiB (best of {repeats}; xN: N threads)")
+    print(f"{'checksum':<22} | {'GiB/s':>7} | {'ms per 100 MiB':>14}")
     for name, run in rows:
         best = min(_timed(run) for _ in range(repeats))
-        print(f"{name:<18} | {nbytes / 2**30 / best:7.2f} | {best / (nbytes / (100 << 20)) * 1e3:14.1f}")
-    print(f"memory snapshots use: {memsum.default_algorithm()}")
+        print(f"{name:<22} | {nbytes / 2**30 / best:7.2f} | {best / (nbytes / (100 << 20)) * 1e3:14.1f}")
+    print(f"memory snapshots use: {chunked}, {memsum.default_threads()} thread(s) by default "
+          f"(--moc-checksum-threads)")
     return 0
 
 
@@ -170,26 +198,33 @@ def checksum_speed(nbytes: int = 256 << 20, repeats: int = 3) -> int:
 
 
 def _run_phase(bench: Bench, system: str, interval: int, save_dir: str) -> dict:
-    """One system's turn (this rank's view). Iterations: as many without checkpoints as
-    the turn times (its own reference: the machine's speed drifts between turns), a
-    warm-up one with a save and a settling one (neither timed), the timed ones
-    (:func:`timed_iters`) saving after every ``interval``-th, and an untimed tail one,
-    whose step still carries the wait the last save imposes. Errors end the turn and are
+    """One system's turn (this rank's view), between two references (A/B/A): as many
+    iterations without checkpoints as the turn times before it and again after the
+    system is closed (the machine's speed drifts between turns and within one). The turn:
+    the system's setup (``startup``: MoC's checkpointer and slot preparation, outside
+    every timed iteration), ``--warmup`` iterations each with a save (first uses; their
+    stalls are reported on their own), a drain and a settling iteration (none timed), the
+    timed ones (:func:`timed_iters`) saving after every ``interval``-th, and an untimed
+    tail one, whose step still carries the wait the last save imposes. Every save record
+    of a timed iteration gets its index there (``iteration``). Errors end the turn and are
     reported, never raised."""
-    out = {"iter_s": [], "records": [], "errors": [], "warmup": None}
+    out = {"iter_s": [], "records": [], "errors": [], "warmup_records": [], "startup": {}}
     peer = None
+    warmups = max(1, bench.opts.warmup)
     if bench.rank == 0:
         os.sync()  # no turn pays for the writeback of an earlier one
     bench.barrier()
     stage = "reference iterations"
+    timed = timed_iters(bench.opts, interval, system)
     try:
-        timed = timed_iters(bench.opts, interval)
         out["ref_iter_s"] = [bench.iteration() for _ in range(timed)]
         stage = "setup"
         peer = make_peer(bench, system, save_dir)
         peer.setup()
-        stage = "warm-up save"
-        bench.iteration(peer, save_tag=f"warmup_step{int(bench.engine.global_steps) + 1}")
+        out["startup"] = peer.startup()
+        for _ in range(warmups):
+            stage = "warm-up save"
+            bench.iteration(peer, save_tag=f"warmup_step{int(bench.engine.global_steps) + 1}")
         stage = "warm-up save reaching storage"
         peer.drain()  # so that no timed iteration pays for the warm-up's background work
         stage = "warm-up"
@@ -199,25 +234,23 @@ def _run_phase(bench: Bench, system: str, interval: int, save_dir: str) -> dict:
             tag = f"global_step{int(bench.engine.global_steps) + 1}" if save else None
             stage = f"save {tag}" if save else f"iteration {i}"
             out["iter_s"].append(bench.iteration(peer, save_tag=tag))
+            if save:
+                peer.records[-1]["iteration"] = i
         stage = "tail iteration"
         bench.iteration(peer)
         stage = "waiting for the last save to reach storage"
         start = time.perf_counter()
         peer.drain()
         out["drain_s"] = time.perf_counter() - start
-        out["records"] = peer.records[1:]
-        out["warmup"] = peer.records[0] if peer.records else None
         stage = "host memory"
         out["host_mem_bytes"] = peer.host_memory_bytes()
-        stage = "recovery"
-        out["recovery"] = peer.recover()
+        if not bench.opts.no_recovery:
+            stage = "recovery"
+            out["recovery"] = peer.recover()
     except Exception as e:  # reported in the table
         traceback.print_exc()
         out["errors"].append(f"{stage}: {_error(e)}")
         out["failed_early"] = stage in ("setup", "warm-up save", "warm-up save reaching storage")
-        if peer is not None:
-            out["records"] = peer.records[1:]
-            out["warmup"] = peer.records[0] if peer.records else None
     finally:
         if peer is not None:
             try:
@@ -227,6 +260,17 @@ def _run_phase(bench: Bench, system: str, interval: int, save_dir: str) -> dict:
                 out["errors"].append(f"close: {_error(e)}")
             if getattr(peer, "note", None):
                 out["note"] = peer.note
+            # After close: MoC attaches its stage times to the records there too.
+            out["warmup_records"] = peer.records[:warmups]
+            out["records"] = peer.records[warmups:]
+    # The reference after: every rank gets here (errors above are caught), so every rank
+    # runs these iterations' collectives, as it runs the next turn's reference.
+    try:
+        bench.iteration()  # settle: the first iteration after a recovery load is slower
+        out["ref_after_iter_s"] = [bench.iteration() for _ in range(timed)]
+    except Exception as e:
+        traceback.print_exc()
+        out["errors"].append(f"reference iterations after the turn: {_error(e)}")
     return out
 
 
@@ -267,7 +311,8 @@ def _worker(opts, rank: int, world: int) -> None:
 
     results = {
         "config": {**config, "gradient_accumulation_steps": args.gradient_accumulation_steps,
-                   "iters": opts.iters, "min_saves": opts.min_saves,
+                   "iters": opts.iters, "min_saves": opts.min_saves, "warmup": opts.warmup,
+                   "system_iters": opts.system_iters,
                    "persist_interval": opts.persist_interval,
                    "pec_k_snapshot": opts.pec_k_snapshot, "pec_k_persist": opts.pec_k_persist},
         "baseline": {}, "phases": [], "current": None,
@@ -296,7 +341,7 @@ def _worker(opts, rank: int, world: int) -> None:
             write_results()
             started = time.perf_counter()
             if system in failed_early:
-                out = {"iter_s": [], "records": [], "warmup": None,
+                out = {"iter_s": [], "records": [], "warmup_records": [], "startup": {},
                        "errors": [f"not run again: {failed_early[system]}"]}
             else:
                 if opts.profile_saves and rank == 0 and system.startswith("moc"):
@@ -359,6 +404,8 @@ def _launch(opts, out_dir: str, shm_root: str) -> tuple:
         argv += ["--" + name.replace("_", "-"), str(getattr(opts, name))]
     if opts.keep:
         argv.append("--keep")
+    if opts.no_recovery:
+        argv.append("--no-recovery")
     if opts.profile_saves:
         argv += ["--profile-saves", os.path.abspath(opts.profile_saves)]
     if opts.profile_recovery:
@@ -394,11 +441,20 @@ def launcher_main(opts) -> int:
         print(f"error: --systems: unknown {', '.join(unknown) or '(none given)'}; known: "
               f"{', '.join(SYSTEMS)}", file=sys.stderr)
         return 2
+    try:
+        own_iters = parse_system_iters(opts.system_iters)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if (opts.nproc < 1 or opts.ep < 1 or opts.iters < 1 or opts.train_steps < 1
             or not intervals or min(intervals) < 1 or opts.persist_interval < 1
-            or opts.min_saves < 1):
-        print("error: --nproc, --ep, --iters, --min-saves, --train-steps, --intervals and "
-              "--persist-interval must be >= 1", file=sys.stderr)
+            or opts.min_saves < 1 or opts.warmup < 1 or min(own_iters.values(), default=1) < 1):
+        print("error: --nproc, --ep, --iters, --min-saves, --warmup, --train-steps, --intervals, "
+              "--persist-interval and every --system-iters count must be >= 1", file=sys.stderr)
+        return 2
+    if set(own_iters) - set(SYSTEMS):
+        print(f"error: --system-iters: unknown {', '.join(sorted(set(own_iters) - set(SYSTEMS)))}; "
+              f"known: {', '.join(SYSTEMS)}", file=sys.stderr)
         return 2
     if opts.nproc % opts.ep or opts.num_experts % opts.ep:
         print(f"error: --nproc ({opts.nproc}) and --num-experts ({opts.num_experts}) must be "
@@ -431,17 +487,22 @@ def launcher_main(opts) -> int:
           f"K_snapshot = {opts.pec_k_snapshot}, K_persist = {opts.pec_k_persist}, both persisting "
           f"every {opts.persist_interval}th snapshot; deepspeed-decoupled / -writer-sync: "
           f"checkpoint.writer type {'fast' if _has_accelerator() else 'python'}")
+    own = f" ({opts.system_iters} instead for those)" if opts.system_iters else ""
     print(f"protocol: {opts.train_steps} training steps, then {opts.iters} reference iterations "
-          f"without checkpoints; per interval ({opts.intervals}) and system in turn: 1 warm-up "
-          f"iteration with a save + 1 more, max({opts.iters}, {opts.min_saves} x interval) timed "
-          f"iterations (after as many reference ones), 1 tail iteration; "
-          f"{opts.iters} reference iterations again at the end. Ranks ran {wall:.1f} s.")
+          f"without checkpoints; per interval ({opts.intervals}) and system in turn: as many "
+          f"reference iterations as it times, the system's setup (not timed), {opts.warmup} "
+          f"warm-up iterations with a save + 1 more, max({opts.iters}, {opts.min_saves} x "
+          f"interval){own} timed iterations, 1 tail iteration, "
+          f"{'no recovery, ' if opts.no_recovery else 'the recovery loads, '}the system closed, "
+          f"as many reference iterations again (A/B/A); {opts.iters} reference iterations again "
+          f"at the end. Ranks ran {wall:.1f} s.")
     print()
     rows = table_rows(results, launch_error, opts)
     config.update(nproc=opts.nproc, cpu_cores=os.cpu_count(), command=command)
     for row in rows:
         row["config"] = config
     print_table(rows)
+    print_stage_table(rows)
     print_notes_and_checks(rows, opts)
     if leftover:
         print(f"\nMoC keepers still held snapshots after the ranks ended ({', '.join(leftover)}); "

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Check MoC's CUDA paths on one GPU in under 8 minutes: install the project's dependencies
+# Check MoC's CUDA paths on one GPU in under 10 minutes: install the project's dependencies
 # offline from .gpu_wheels/ (made by scripts/gpu_wheels.sh on a machine that reaches PyPI
-# and copied over with the repository), then run scripts/gpu_check.py's six checks, each under a time cap: the
+# and copied over with the repository), then run scripts/gpu_check.py's seven checks, each under a time cap: the
 # CUDA unit tests, what 2 ranks sharing the GPU can use, snapshot bandwidth against a
 # pinned copy, a crash recovered from memory with bitwise losses, an exact-mode replay,
-# and the checkpoint stall against DeepSpeed's save_checkpoint. Prints one PASS/FAIL/SKIP
+# the checkpoint stall against DeepSpeed's save_checkpoint with MoC's snapshot stages, and
+# the stall and copy bandwidth of a 9 GB state (checkpoint_stall_large). Prints one PASS/FAIL/SKIP
 # line per check and writes a JSON summary to benchmarks/gpu/<date>-<device>.json and to
 # $OUT when set. Exit 0 unless a check failed.
 #
@@ -31,7 +32,7 @@ while [ $# -gt 0 ]; do
         --reinstall) REINSTALL=1 ;;
         --install-only) INSTALL_ONLY=1 ;;
         --mode|--only|--summary-dir|--budget-s) ARGS+=("$1" "${2:?$1 needs a value}"); shift ;;
-        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
         *) echo "error: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
     shift

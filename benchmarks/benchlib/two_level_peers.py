@@ -89,6 +89,11 @@ class _Peer:
     def host_memory_bytes(self):
         return None
 
+    def startup(self) -> dict:
+        """What setting the system up cost, outside the timed iterations (MoC: building
+        the checkpointer and preparing its slots); empty for the others."""
+        return {}
+
     def close(self):
         pass
 
@@ -323,6 +328,7 @@ class _MoCPeer(_Peer):
         self.k_snapshot, self.k_persist = k_snapshot, k_persist
         self.moc = None
         self.seen = 0
+        self.setup_s = None
 
     def setup(self):
         from deepspeed_ext.checkpointer import MoCCheckpointer
@@ -331,7 +337,29 @@ class _MoCPeer(_Peer):
         shm_dir = os.path.join(opts.shm_root, os.path.basename(self.save_dir))
         config = MoCConfig(pec_k=self.k_persist, two_level=True, k_snapshot=self.k_snapshot,
                            persist_interval=opts.persist_interval, shm_dir=shm_dir)
+        start = time.perf_counter()
         self.moc = MoCCheckpointer(self.bench.engine, config)
+        self.setup_s = time.perf_counter() - start
+
+    def startup(self) -> dict:
+        """``setup_s``: the checkpointer's construction on this rank (its collectives, the
+        keeper's start, the slots); ``prepare_s``: the part of it that prepared the slots
+        (``TwoLevel.prepare_s``; None from a tree that does not measure it)."""
+        two_level = getattr(self.moc, "two_level", None)
+        prepare = getattr(two_level, "prepare_s", None)
+        return {"setup_s": self.setup_s, "prepare_s": None if prepare is None else float(prepare)}
+
+    def _attach_timings(self):
+        """Give each save record its snapshot's stage times (``TwoLevel.timings``, matched
+        by step) once sealed, as a plain dict under ``timing``. A tree whose snapshot path
+        records none leaves the records without (the report shows ``-``)."""
+        import dataclasses
+        timings = list(getattr(getattr(self.moc, "two_level", None), "timings", None) or [])
+        by_step = {int(t.step): t for t in timings if getattr(t, "sealed", False)}
+        for record in self.records:
+            found = by_step.get(record["step"])
+            if found is not None and "timing" not in record:
+                record["timing"] = dataclasses.asdict(found)
 
     def _collect_stalls(self):
         """moc.stall_s gets an entry at each optimizer step that waited for a snapshot's
@@ -356,6 +384,7 @@ class _MoCPeer(_Peer):
     def drain(self):
         self._collect_stalls()
         self.moc.wait()
+        self._attach_timings()  # every snapshot is sealed once the wait returns
 
     def recover(self):
         out = {}
@@ -390,6 +419,7 @@ class _MoCPeer(_Peer):
 
     def close(self):
         if self.moc is not None:
+            self._attach_timings()  # a failed turn: what was sealed before it failed
             self.moc.shutdown()
 
 
@@ -425,7 +455,24 @@ def parse_systems(text: str) -> list:
     return [s.strip() for s in text.split(",") if s.strip()]
 
 
-def timed_iters(opts, interval: int) -> int:
-    """Timed iterations of a turn at ``interval``: ``--iters``, or enough for
-    ``--min-saves`` checkpoints."""
+def parse_system_iters(text: str) -> dict:
+    """``--system-iters``: ``SYSTEM=N,...`` -> ``{SYSTEM: N}`` (ValueError if malformed)."""
+    found = {}
+    for part in (p.strip() for p in (text or "").split(",")):
+        if not part:
+            continue
+        name, sep, count = part.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"--system-iters: {part!r} is not SYSTEM=N")
+        found[name.strip()] = int(count)
+    return found
+
+
+def timed_iters(opts, interval: int, system=None) -> int:
+    """Timed iterations of ``system``'s turn at ``interval``: ``--iters``, or enough for
+    ``--min-saves`` checkpoints; a system named in ``--system-iters`` gets its own count
+    (at least one interval, so that it saves once)."""
+    own = parse_system_iters(getattr(opts, "system_iters", "")).get(system)
+    if own is not None:
+        return max(own, interval)
     return max(opts.iters, interval * opts.min_saves)

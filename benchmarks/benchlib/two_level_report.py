@@ -15,6 +15,112 @@ def _max_per_index(lists: list) -> list:
     return [max(x[i] for x in lists) for i in range(n)]
 
 
+# MoC's snapshot stages: (name in the rows, field of deepspeed_ext.two_level.records.SnapshotTiming).
+STAGES = (("save_call", "save_s"), ("slot_wait", "slot_wait_s"), ("host_wait", "host_wait_s"),
+          ("device_wait", "device_wait_s"), ("copy", "copy_s"), ("checksum", "checksum_s"),
+          ("publish", "publish_s"))
+STAGE_MEDIANS = tuple(name for name, _ in STAGES) + ("copies", "copy_gb_s", "checksum_gb_s",
+                                                       "checksum_threads")
+
+
+def _median(values: list):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _slowest_rate(timings: list, field: str):
+    """GB/s of the slowest rank (``nbytes / field``); None unless every rank has both."""
+    rates = [t["nbytes"] / t[field] / 1e9 for t in timings if t.get(field) and t.get("nbytes")]
+    return min(rates) if rates and len(rates) == len(timings) else None
+
+
+def save_stages(timings: list):
+    """One save's stages over the ranks, from each rank's ``timing`` (a SnapshotTiming as a
+    dict): seconds the max over ranks (None where a rank has none: the device wait on
+    CPU), ``copies`` the most of any rank, GB/s the slowest rank's, ``persist`` rank 0's
+    (every rank decides it alike). None when a rank has no timing (a tree that records
+    none, or a snapshot never sealed)."""
+    if not timings or any(t is None for t in timings):
+        return None
+    out = {}
+    for name, field in STAGES:
+        values = [t.get(field) for t in timings]
+        out[name] = None if any(v is None for v in values) else max(values)
+    out["copies"] = max(int(t.get("copies") or 0) for t in timings)
+    out["nbytes"] = sum(int(t.get("nbytes") or 0) for t in timings)
+    out["copy_gb_s"] = _slowest_rate(timings, "copy_s")
+    out["checksum_gb_s"] = _slowest_rate(timings, "checksum_s")
+    out["checksum_threads"] = max(int(t.get("checksum_threads") or 0) for t in timings)
+    out["persist"] = bool(timings[0].get("persist"))
+    return out
+
+
+def stage_medians(saves: list):
+    """Median of each stage over ``saves`` (:func:`save_stages` dicts); None if none."""
+    saves = [s for s in saves if s is not None]
+    if not saves:
+        return None
+    return {key: _median([s[key] for s in saves]) for key in STAGE_MEDIANS}
+
+
+def _reference(row: dict, per_rank: list) -> None:
+    """The turn's references (A/B/A): the mean of the max over ranks before it and after
+    it; the overhead's reference is the mean of the two (the one there is, if only one)."""
+    means = {}
+    for when, key in (("before", "ref_iter_s"), ("after", "ref_after_iter_s")):
+        times = _max_per_index([out.get(key) or [] for out in per_rank])
+        row[f"ref_iter_s_{when}"] = times
+        means[when] = statistics.mean(times) if times else None
+        row[f"ref_iter_s_mean_{when}"] = means[when]
+    known = [m for m in means.values() if m is not None]
+    if known:
+        row["ref_iter_s_mean"] = statistics.mean(known)
+
+
+def _startup_and_warmup(row: dict, per_rank: list) -> None:
+    """The system's setup (max over ranks; each rank's too) and the warm-up saves' stalls,
+    each the max over ranks, in order, and their stages."""
+    for key in ("setup_s", "prepare_s"):
+        values = [(out.get("startup") or {}).get(key) for out in per_rank]
+        if any(v is not None for v in values):
+            row[f"{key}_per_rank"] = values
+            row[key] = max(v for v in values if v is not None)
+    warm = [out.get("warmup_records") or [] for out in per_rank]
+    n = min((len(w) for w in warm), default=0)
+    if n:
+        row["warmup_stalls_s"] = [max(w[i]["call_s"] + (w[i]["wait_s"] or 0.0) for w in warm)
+                                  for i in range(n)]
+        row["warmup_stall_s"] = max(row["warmup_stalls_s"])
+        row["warmup_save_stages"] = [save_stages([w[i].get("timing") for w in warm])
+                                     for i in range(n)]
+        if row["newest_step"] is None:
+            row["newest_step"] = warm[0][n - 1]["step"]
+
+
+def _split_by_persist(row: dict, records: list, stalls: list, iter_s: list) -> None:
+    """Every save's stages (``save_stages``, raw per rank in ``save_timings``), their
+    medians, and the saves whose snapshot persisted apart from the memory-only ones:
+    stall and stage medians, and the mean time of the iterations they touch (the one that
+    saved and the next, whose step waits for the copy)."""
+    n = len(stalls)
+    row["save_timings"] = [[rec[i].get("timing") for rec in records] for i in range(n)]
+    row["save_stages"] = [save_stages(per) for per in row["save_timings"]]
+    row["stages_median"] = stage_medians(row["save_stages"])
+    if not row["stages_median"]:
+        return
+    touched = set()
+    for i, stages in enumerate(row["save_stages"]):
+        if stages is not None and stages["persist"] and records[0][i].get("iteration") is not None:
+            touched.update({records[0][i]["iteration"], records[0][i]["iteration"] + 1})
+    for label, want in (("persist", True), ("memory_only", False)):
+        picked = [i for i, s in enumerate(row["save_stages"]) if s is not None and s["persist"] == want]
+        row[f"saves_{label}"] = len(picked)
+        row[f"stall_s_median_{label}"] = _median([stalls[i] for i in picked])
+        row[f"stages_median_{label}"] = stage_medians([row["save_stages"][i] for i in picked])
+        times = [t for j, t in enumerate(iter_s) if (j in touched) == want]
+        row[f"iter_s_mean_{label}"] = statistics.mean(times) if times else None
+
+
 def table_rows(results: dict, launch_error: str, opts) -> list:
     """The no-checkpoint reference row, then one row per (system, interval), failed
     ones included with their error."""
@@ -73,21 +179,17 @@ def table_rows(results: dict, launch_error: str, opts) -> list:
                            save_call_s_median_per_rank=[
                                statistics.median(rec[i]["call_s"] for i in range(n))
                                for rec in records])
-            ref_s = _max_per_index([out.get("ref_iter_s") or [] for out in per_rank])
-            if ref_s:
-                row["ref_iter_s_mean"] = statistics.mean(ref_s)
-            if len(iter_s) == timed_iters(opts, interval):
+            _reference(row, per_rank)
+            if len(iter_s) == timed_iters(opts, interval, system):
                 row["iter_s_mean"] = statistics.mean(iter_s)
                 row["iter_s"] = iter_s
                 if row.get("ref_iter_s_mean"):
                     row["iter_overhead"] = row["iter_s_mean"] / row["ref_iter_s_mean"] - 1
-            warm = [out["warmup"] for out in per_rank if out.get("warmup")]
-            if warm:
-                row["warmup_stall_s"] = max(w["call_s"] + (w["wait_s"] or 0.0) for w in warm)
-                if row["newest_step"] is None:
-                    row["newest_step"] = warm[0]["step"]
+            _startup_and_warmup(row, per_rank)
+            if stalls and system.startswith("moc"):
+                _split_by_persist(row, [rec[:n] for rec in records], stalls, iter_s)
             if not stalls and not errors:
-                row["note"] = (f"no checkpoint within the {timed_iters(opts, interval)} timed "
+                row["note"] = (f"no checkpoint within the {timed_iters(opts, interval, system)} timed "
                                f"iterations; recovery "
                                "loaded the warm-up's")
             drains = [out["drain_s"] for out in per_rank if out.get("drain_s") is not None]
@@ -159,6 +261,48 @@ def print_table(rows: list) -> None:
             print(f"{label}: note: {r['note']}")
 
 
+def _ms(value) -> str:
+    return fmt(value, ".1f", 1e-3)
+
+
+def _stage_cells(stages) -> list:
+    """The stage columns of one row (``-`` where not measured)."""
+    if not stages:
+        return ["-"] * 10
+    threads = stages.get("checksum_threads")
+    rate = fmt(stages.get("checksum_gb_s"), ".2f")
+    return [_ms(stages["save_call"]), fmt(stages["copies"], ".0f"), _ms(stages["slot_wait"]),
+            _ms(stages["host_wait"]), _ms(stages["device_wait"]), _ms(stages["copy"]),
+            fmt(stages["copy_gb_s"], ".2f"), _ms(stages["checksum"]),
+            rate + (f" ({threads:.0f})" if threads else ""), _ms(stages["publish"])]
+
+
+def print_stage_table(rows: list) -> None:
+    """MoC's rows: start-up, warm-up stalls, and the median of each snapshot stage over
+    the timed saves (ms), memory-only and persisting saves' stalls apart."""
+    mocs = [r for r in rows if r["system"].startswith("moc") and r["checkpoints"]]
+    if not mocs:
+        return
+    header = ["system", "every", "saves mem/persist", "setup (s)", "prepare (s)",
+              "warm-up stalls (ms)", "save call", "copies", "slot wait", "host wait",
+              "device wait", "copy", "copy GB/s", "checksum", "checksum GB/s (threads)",
+              "publish", "stall mem-only", "stall persist"]
+    table = [header]
+    for r in mocs:
+        split = "-"
+        if r.get("saves_memory_only") is not None:
+            split = f"{r['saves_memory_only']} / {r['saves_persist']}"
+        warm = ", ".join(_ms(v) for v in r.get("warmup_stalls_s") or []) or "-"
+        table.append([r["system"], str(r["interval"]), split, fmt(r.get("setup_s"), ".2f"),
+                      fmt(r.get("prepare_s"), ".2f"), warm] + _stage_cells(r.get("stages_median"))
+                     + [_ms(r.get("stall_s_median_memory_only")),
+                        _ms(r.get("stall_s_median_persist"))])
+    print()
+    print("MoC snapshot stages: medians over the timed saves, ms (each save: the max over ranks; "
+          "GB/s: the slowest rank's)")
+    print_aligned(table)
+
+
 def _ratio_text(a, b, spec=".3f") -> str:
     return "-" if a is None or not b else format(a / b, spec)
 
@@ -172,11 +316,18 @@ def print_notes_and_checks(rows: list, opts) -> None:
     print("       (deepspeed*: the save call; deepspeed-decoupled: + the commit inside the next "
           "engine.step(); dcp-async: + waiting for the staging")
     print("       before the next step and for the previous upload before the next save; moc-*: "
-          "+ moc.stall_s). The warm-up save of each turn is excluded.")
+          "+ moc.stall_s). The warm-up saves of each turn are excluded.")
     print("iter:  mean over the timed iterations of the max over ranks (forward, backward, step, "
-          "save); overhead against the turn's own reference:")
-    print("       the same number of iterations without checkpoints right before the turn "
-          "(the no-checkpoint row: before the first turn and after the last).")
+          "save); overhead against the turn's own reference (A/B/A):")
+    print("       the mean of as many iterations without checkpoints right before the turn and "
+          "right after it (the no-checkpoint row: before the first turn and after the last).")
+    print("stages (MoC): setup = the checkpointer's construction, prepare = its slot preparation "
+          "(both outside the timed iterations); warm-up stalls: the")
+    print("       --warmup saves, not in any median; save call (slot wait: its part waiting for a "
+          "slot); host/device wait: the optimizer step's wait for")
+    print("       the copy (device: CUDA events, - on CPU); copy, checksum, publish: the snapshot's "
+          "stages off the step's path; stall mem-only / persist:")
+    print("       medians of the saves kept in memory and of those also persisted.")
     print("bytes: files under the timed checkpoints' directories once everything is on storage "
           "(`latest`, warm-up and DeepSpeed's zero_to_*.py copies not counted).")
     print("recovery: max over ranks of loading the newest checkpoint into the engine; storage "
