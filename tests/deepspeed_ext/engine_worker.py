@@ -321,7 +321,28 @@ def _stages(engine, args):
                              for i, _ in two.slots.complete()})
     out["slot_json_bytes"] = max(os.path.getsize(os.path.join(two.slots.dir, f"slot{i}.json"))
                                  for i, _ in two.slots.complete())
+    out.update(_whole_state_plan(engine))
     return out
+
+
+def _whole_state_plan(engine):
+    """The copy plan of this rank's whole ZeRO-2 state laid out in source order: how many
+    runs each flat source (fp32 partition, exp_avg, exp_avg_sq per param group) takes."""
+    from deepspeed_ext.format.copy_plan import plan_copies, run_copies, source_order
+    from deepspeed_ext.format.image import layout_of
+    from deepspeed_ext.state import describe_local_state
+    tensors = {f.key: f.tensor for f in describe_local_state(engine, engine.moc.naming)}
+    layout = layout_of({k: tensors[k] for k in source_order(tensors)}, keep_order=True)
+    plan = plan_copies(layout, tensors)
+    buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
+    sources = [tensors[r.keys[0]].untyped_storage().data_ptr() for r in plan.runs]
+    return {"param_groups": len(engine.optimizer.single_partition_of_fp32_groups),
+            "whole_copies": run_copies(buffer, layout, plan, tensors),
+            "runs_per_source": sorted(sources.count(p) for p in set(sources)),
+            "key_order_runs": len(plan_copies(layout_of(tensors), tensors).runs),
+            "whole_read_back": all(
+                torch.equal(buffer[e.start:e.start + e.nbytes].view(tensors[e.key].dtype),
+                            tensors[e.key].detach().reshape(-1)) for e in layout.entries)}
 
 
 def _reload_memory(engine, args):

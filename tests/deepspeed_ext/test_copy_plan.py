@@ -3,9 +3,7 @@ ZeRO partition, an Adam moment), every tensor reads back bitwise, a stale plan f
 to per-entry copies with the right bytes, and the default layout is what it was."""
 
 import json
-import os
 import struct
-import sys
 
 import pytest
 import torch
@@ -14,7 +12,6 @@ from safetensors.torch import load as load_bytes
 
 from deepspeed_ext.format.copy_plan import CopyPlan, plan_copies, run_copies, source_order
 from deepspeed_ext.format.image import fill_image, image_view, layout_image, layout_of
-from tests.launch import describe, run_ranks
 
 KINDS = ("fp32", "exp_avg", "exp_avg_sq")
 
@@ -299,63 +296,8 @@ def test_plan_is_a_plain_record():
         run.start = 0
 
 
-# -- (g) a real ZeRO-2 engine ---------------------------------------------------------
-
-def test_a_zero2_state_fills_with_one_copy_per_flat_partition(tmp_path):
-    # A one-rank ZeRO-2 engine of a tiny GPT-MoE (4 param groups: decay/no-decay x
-    # dense/expert) after one step, in its own process (~4 s): it initialises torch.distributed.
-    results = run_ranks(1, [str(tmp_path)], script="tests/deepspeed_ext/test_copy_plan.py",
-                        timeout=120)
-    assert results[0].returncode == 0, describe(results)
-    out = json.load(open(tmp_path / "zero2.json"))
-    assert out["param_groups"] == 4 and out["fragments"] > 100
-    # One run per flat source: a fp32 partition, exp_avg, exp_avg_sq per param group.
-    assert out["runs_per_source"] == [1] * (3 * out["param_groups"])
-    assert out["copies"] == 1 + 3 * out["param_groups"]
-    assert out["key_order_runs"] > 5 * out["runs"]
-    assert out["mismatched"] == []
-
-
-def _zero2_worker(out_dir):
-    """The engine of the test above: writes what it checks to ``out_dir/zero2.json``."""
-    import deepspeed
-    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
-    from megatron.model.config import GPTMoEConfig
-    from megatron.model.gpt_moe import GPTMoEModel
-    from megatron.training import jit_ops
-    from deepspeed_ext.state import describe_local_state, expert_naming
-    jit_ops.disable_unused_ops()  # as the trainer: no JIT build
-    deepspeed.init_distributed(dist_backend="gloo")
-    torch.manual_seed(0)
-    model = GPTMoEModel(GPTMoEConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
-                                     vocab_size=64, max_position_embeddings=16, num_experts=4,
-                                     topk=2, hidden_dropout=0.0, attention_dropout=0.0))
-    groups = [{"name": "decay", "params": [p for p in model.parameters() if p.dim() > 1]},
-              {"name": "no_decay", "params": [p for p in model.parameters() if p.dim() == 1],
-               "weight_decay": 0.0}]  # as the trainer's, then split into MoE groups for ZeRO
-    optimizer = torch.optim.AdamW(split_params_into_different_moe_groups_for_optimizer(groups),
-                                  lr=1e-3, foreach=False)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config={
-        "train_batch_size": 2, "train_micro_batch_size_per_gpu": 2,
-        "zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": True,
-        "steps_per_print": 10 ** 9})
-    tokens = torch.randint(0, 64, (2, 16))
-    lm, aux, _ = engine(tokens, torch.arange(16).expand(2, 16), tokens)
-    engine.backward(lm + aux)
-    engine.step()  # Adam's moments exist from the first step
-    tensors = {f.key: f.tensor for f in describe_local_state(engine, expert_naming(engine.module))}
-    layout = layout_of({k: tensors[k] for k in source_order(tensors)}, keep_order=True)
-    plan = plan_copies(layout, tensors)
-    buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
-    copies = run_copies(buffer, layout, plan, tensors)
-    back = _read_back(buffer, layout)
-    sources = [tensors[r.keys[0]].untyped_storage().data_ptr() for r in plan.runs]
-    with open(os.path.join(out_dir, "zero2.json"), "w") as f:
-        json.dump({"param_groups": len(engine.optimizer.single_partition_of_fp32_groups),
-                   "fragments": len(tensors), "runs": len(plan.runs), "copies": copies,
-                   "runs_per_source": sorted(sources.count(p) for p in set(sources)),
-                   "key_order_runs": len(plan_copies(layout_of(tensors), tensors).runs),
-                   "mismatched": [k for k, t in tensors.items() if not torch.equal(back[k], t)]}, f)
+# -- (g) a real ZeRO-2 engine: tests/deepspeed_ext/test_two_level.py's stages test plans
+# the whole state of its engine (one run per flat partition), in a process it starts anyway.
 
 
 # -- CUDA: the copies are queued on the caller's stream ------------------------------
@@ -379,6 +321,3 @@ def test_non_blocking_copies_from_cuda():
     assert copies == len(flats) + 1
     _assert_bitwise(_read_back(buffer, layout), tensors)
 
-
-if __name__ == "__main__":
-    _zero2_worker(sys.argv[1])

@@ -473,6 +473,11 @@ def test_the_step_waits_for_the_copy_and_a_save_for_a_slot_never_for_a_seal(tmp_
         assert len(r["experts"]) >= 2, r  # the snapshots held different expert sets
         # a few large copies, not one per fragment (the header, a run per flat source)
         assert max(r["copies"]) < r["fragments"] / 2, r
+        # the whole ZeRO-2 state: one run per flat source (a fp32 partition, exp_avg and
+        # exp_avg_sq per param group), against one per fragment or so in key order
+        assert r["param_groups"] >= 2 and r["runs_per_source"] == [1] * (3 * r["param_groups"]), r
+        assert r["whole_copies"] == 1 + 3 * r["param_groups"] and r["whole_read_back"], r
+        assert r["key_order_runs"] > 5 * 3 * r["param_groups"], r
         assert r["slot_json_bytes"] < 4096, r
     finally:
         stop_keepers(shm)
