@@ -505,7 +505,7 @@ def test_the_single_process_benchmarks_run_as_the_docs_show(tmp_path):
     checksum = subprocess.run([sys.executable, "benchmarks/two_level_bench.py", "--checksum-speed"],
                               cwd=REPO, capture_output=True, text=True, timeout=120, env=env)
     assert checksum.returncode == 0, checksum.stdout + checksum.stderr
-    assert re.search(r"^xxh3_64 +\| +[\d.]+ \|", checksum.stdout, re.MULTILINE), checksum.stdout
+    assert re.search(r"^xxh3_64x16m x1 +\| +[\d.]+ \|", checksum.stdout, re.MULTILINE), checksum.stdout
     out = tmp_path / "hostcopy.json"
     copy = subprocess.run([sys.executable, "benchmarks/hostcopy_bench.py", "--mib", "8",
                            "--json", str(out)], cwd=REPO, capture_output=True, text=True,
