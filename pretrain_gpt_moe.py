@@ -9,6 +9,11 @@ import warnings
 
 from megatron.training.exit import exit_without_teardown
 
+CHECK_REPLAY_FLAGS = "--check-replay-flags"
+"""As the only argument: answer ``moc-ckpt densify``'s JSON request on stdin (which of a
+recorded command's flags a replay may use) and train nothing; not a training flag
+(:mod:`megatron.training.replay_flags`)."""
+
 
 def _quiet_known_warnings() -> None:
     """Drop warnings that libraries print on every rank and that users cannot act on."""
@@ -18,13 +23,17 @@ def _quiet_known_warnings() -> None:
 
 
 def main(argv=None) -> int:
-    """Parse, train, and turn bad input into exit code 2 on every rank.
+    """Parse, train, and turn bad input into exit code 2 on every rank; or, given only
+    :data:`CHECK_REPLAY_FLAGS`, answer densify's flag check.
 
     torch and DeepSpeed are imported after the arguments parse: ``--help`` and a
     mistyped flag answer in a fraction of a second instead of after their imports.
     """
     _quiet_known_warnings()
-    from megatron.training.errors import ConfigError
+    if list(sys.argv[1:] if argv is None else argv) == [CHECK_REPLAY_FLAGS]:
+        from megatron.training.replay_flags import answer
+        return answer(sys.stdin, sys.stdout)
+    from megatron.errors import ConfigError
     try:
         from megatron.training.arguments import parse_args
         args = parse_args(argv)

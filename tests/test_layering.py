@@ -194,3 +194,112 @@ def test_the_picture_draws_the_layers_this_test_enforces():
     misplaced = [(m, drawing.layer_of(m), LAYERS[layer_of(m)][0]) for m in import_graph()
                  if layer_of(m) is None or drawing.layer_of(m) != LAYERS[layer_of(m)][0]]
     assert misplaced == []
+
+
+# ------------------------------------------------- the library below the trainer, and the
+# trainer's own layers: data and model below training
+
+TRAINER_IMPORT_EXCEPTIONS: Dict[str, str] = {
+    "deepspeed_ext/planning/cli.py":
+        "moc-plan's command line reads a training command's flags into the trainer's model "
+        "config (megatron.training.arguments), inside its main function; the planner "
+        "itself imports nothing of the trainer",
+}
+"""Modules of ``deepspeed_ext`` allowed to import ``megatron``, each with its reason. A
+test below fails when an exception is no longer needed."""
+
+LOWER_TRAINER_PACKAGES = ("megatron/data", "megatron/model")
+"""Packages of the trainer below ``megatron.training``: they import nothing of it (a
+shared error type lives in ``megatron.errors``)."""
+
+
+def _module_name(root: str, path: str) -> str:
+    rel = os.path.relpath(path, root)[:-len(".py")].replace(os.sep, ".")
+    return rel[:-len(".__init__")] if rel.endswith(".__init__") else rel
+
+
+def imported_modules(root: str, path: str) -> List[Tuple[int, str]]:
+    """(line, module) for every import in the source file ``path`` under ``root``, at
+    module level or in a function, relative imports resolved (``from x import y`` counts
+    as ``x`` and ``x.y``)."""
+    import ast
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    package = _module_name(root, path).split(".")
+    if not path.endswith("__init__.py"):
+        package = package[:-1]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package[:len(package) - (node.level - 1)]
+                base = ".".join(parts + ([base] if base else []))
+            found += [(node.lineno, base)] + [(node.lineno, f"{base}.{a.name}")
+                                              for a in node.names]
+    return found
+
+
+def imports_of_prefix(root: str, folder: str, prefix: str) -> List[str]:
+    """``"path:line: module"`` for every import of ``prefix`` or a module below it by
+    the source files under ``root/folder``."""
+    out = []
+    for dirpath, _, files in os.walk(os.path.join(root, folder)):
+        for name in sorted(files):
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, name)
+            rel = os.path.relpath(path, root).replace(os.sep, "/")
+            for line, module in imported_modules(root, path):
+                if module == prefix or module.startswith(prefix + "."):
+                    out.append(f"{rel}:{line}: {module}")
+    return sorted(set(out))
+
+
+def trainer_layering_problems(root: str = REPO) -> List[str]:
+    """Imports that break the trainer's layering: ``deepspeed_ext`` importing
+    ``megatron`` (outside :data:`TRAINER_IMPORT_EXCEPTIONS`), ``megatron.data`` or
+    ``megatron.model`` importing ``megatron.training``."""
+    problems = [p for p in imports_of_prefix(root, PACKAGE, "megatron")
+                if p.split(":", 1)[0] not in TRAINER_IMPORT_EXCEPTIONS]
+    for folder in LOWER_TRAINER_PACKAGES:
+        problems += imports_of_prefix(root, folder, "megatron.training")
+    return problems
+
+
+def test_the_library_imports_no_trainer_and_data_and_model_import_no_training():
+    assert trainer_layering_problems() == []
+    for folder in (PACKAGE, *LOWER_TRAINER_PACKAGES):  # the walks really saw the code
+        assert len(imports_of_prefix(REPO, folder, folder.split("/")[0])) > 5, folder
+
+
+def test_every_trainer_import_exception_is_still_needed():
+    """An exception whose module no longer imports the trainer is removed from the list
+    (it would let a new trainer import in that module pass unseen)."""
+    users = {p.split(":", 1)[0] for p in imports_of_prefix(REPO, PACKAGE, "megatron")}
+    assert sorted(set(TRAINER_IMPORT_EXCEPTIONS) - users) == []
+
+
+def test_the_trainer_layering_check_finds_each_kind_of_upward_import(tmp_path):
+    """The check can fail: a library module importing the trainer's parser inside a
+    function (the old densify flag check), a data module importing the training errors
+    with an absolute import and a model module with a relative one."""
+    for folder in ("deepspeed_ext/cli", "megatron/data", "megatron/model", "megatron/training"):
+        (tmp_path / folder).mkdir(parents=True)
+    (tmp_path / "deepspeed_ext" / "cli" / "replay.py").write_text(
+        "import json\n\ndef parser():\n"
+        "    from megatron.training.arguments import build_parser\n    return build_parser()\n")
+    (tmp_path / "deepspeed_ext" / "cli" / "fine.py").write_text("from deepspeed_ext import cli\n")
+    (tmp_path / "megatron" / "data" / "tokenizer.py").write_text(
+        "from megatron.errors import ConfigError\nimport megatron.training.errors\n")
+    (tmp_path / "megatron" / "model" / "gpt.py").write_text(
+        "from ..training import mpu\nfrom ..errors import ConfigError\n")
+    assert trainer_layering_problems(str(tmp_path)) == [
+        "deepspeed_ext/cli/replay.py:4: megatron.training.arguments",
+        "deepspeed_ext/cli/replay.py:4: megatron.training.arguments.build_parser",
+        "megatron/data/tokenizer.py:2: megatron.training.errors",
+        "megatron/model/gpt.py:1: megatron.training",
+        "megatron/model/gpt.py:1: megatron.training.mpu",
+    ]

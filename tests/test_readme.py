@@ -42,8 +42,8 @@ from unittest import mock
 
 import pytest
 
+from megatron.errors import ConfigError
 from megatron.training.arguments import build_parser, parse_args, validate_args
-from megatron.training.errors import ConfigError
 from tests import doc_commands as docs
 from tests.doc_commands import ELIDED, Step
 

@@ -12,8 +12,8 @@ import tempfile
 from typing import List, Optional, Tuple
 
 from deepspeed_ext.cli.common import UsageError, check_dir, stderr
-from deepspeed_ext.cli.replay_flags import (ENTRY_POINT, recorded_command, stored_flags,
-                                            user_flags)
+from deepspeed_ext.cli.replay_flags import (ENTRY_POINT, ReplayCheckUnavailable,
+                                            recorded_command, stored_flags, user_flags)
 from deepspeed_ext.format import fs
 from deepspeed_ext.format.errors import CheckpointError
 from deepspeed_ext.store.latest import read_latest
@@ -133,13 +133,14 @@ def cmd_densify(args: argparse.Namespace) -> int:
     ``args.out``.
 
     The replay runs this project's own ``pretrain_gpt_moe.py`` with the training flags
-    given after ``--``, or else with the flags the frames record, checked (see
-    :func:`~deepspeed_ext.cli.replay_flags.stored_flags`): nothing a checkpoint records is
-    run, or used as a working directory. Run by :func:`deepspeed_ext.cli.main.main`."""
+    given after ``--``, or else with the flags the frames record, checked by that script
+    (see :func:`~deepspeed_ext.cli.replay_flags.stored_flags`): nothing a checkpoint
+    records is run, or used as a working directory. Run by
+    :func:`deepspeed_ext.cli.main.main`."""
     check_dir(args.dir)
     found, end = _newest_window(args.dir)
     script = entry_point()
-    flags, source = _replay_flags(args, found.start)
+    flags, source = _replay_flags(args, found.start, script)
     if os.path.exists(args.out) and os.listdir(args.out):
         raise UsageError(f"--out {args.out} is not empty")
     return _replay(args, found.world_size, found.start, end, [script, *flags], source)
@@ -174,17 +175,21 @@ def _newest_window(save_dir: str):
     return found, end
 
 
-def _replay_flags(args: argparse.Namespace, start: int) -> Tuple[List[str], str]:
+def _replay_flags(args: argparse.Namespace, start: int,
+                  script: str) -> Tuple[List[str], str]:
     """(the training flags to replay with, where they came from): those after ``--``, or
-    else those the window's first frame marker of rank 0 records, checked; notes on
-    stderr of what is left out and of a working directory that differs."""
+    else those the window's first frame marker of rank 0 records, checked by ``script``
+    (this project's entry point); notes on stderr of what is left out and of a working
+    directory that differs."""
     from deepspeed_ext import exact
     if args.train_args is not None:
-        return user_flags(args.train_args), "given after --"
+        return user_flags(args.train_args, script), "given after --"
     marker = os.path.join(exact.frame_dir(args.dir, start), "rank00000.json")
     try:
         command, cwd = recorded_command(exact.read_marker(args.dir, start, 0), marker)
-        flags, left_out = stored_flags(command, marker)
+        flags, left_out = stored_flags(command, marker, script)
+    except ReplayCheckUnavailable:
+        raise  # the entry point failed: other flags would not help
     except UsageError as err:
         raise UsageError(f"{err}. densify runs nothing a checkpoint names and takes "
                          f"only known flags with plain values from it: give the "

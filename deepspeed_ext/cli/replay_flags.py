@@ -1,23 +1,46 @@
 """The training flags densify replays with: those a frame marker records, checked, or
 those the user gives after ``--``.
 
-Nothing a checkpoint records is run: the recorded command must start with this project's
-entry point (dropped), every word is a known ``--flag`` of the trainer's parser with
-plain values, a recorded ``--config`` file is read and checked here (not by the
-replay), and flags that name code are refused. The only module of the library that
-imports the trainer (``megatron``): its argument parser is the list of known flags.
+Nothing a checkpoint records is run. Checked here: a frame marker's command is a list of
+plain words within bounds that starts with this project's entry point (dropped, never
+run). The flags themselves are checked by that entry point, the program the replay will
+run, so that the library never imports the trainer (``megatron``): :func:`ask_trainer`
+runs this project's ``pretrain_gpt_moe.py --check-replay-flags`` with one JSON request on
+stdin and reads its JSON answer. The trainer (``megatron.training.replay_flags``) checks
+that every word is one of its flags with plain values, reads and checks a recorded
+``--config`` file now (not the replay) and replaces it by its flags, refuses flags that
+name code, leaves out fault injection and drops the flags densify sets itself.
+
+The exchange, defined here (the trainer implements it):
+
+- request: ``{"kind": "recorded" | "given", "words": [...], "marker": str,
+  "densify_sets": [...], "max_word_chars": int, "max_config_bytes": int}``;
+- answer, the last line on stdout: exit status 0 and ``{"flags": [...], "left_out":
+  [...], "densify_sets": [...]}``, or exit status 2 and ``{"error": str}``, a message
+  naming the flag and the file to fix.
 """
 
-import argparse
+import json
 import os
 import re
-from typing import Dict, List, Optional, Sequence, Tuple
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
 
 from deepspeed_ext.cli.common import UsageError
 
 ENTRY_POINT = "pretrain_gpt_moe.py"
 """The training script densify replays with: this project's own, beside ``deepspeed_ext/``
 (never one a checkpoint names)."""
+
+CHECK_REPLAY_FLAGS = "--check-replay-flags"
+"""The entry point's only argument when densify asks it to check flags (the trainer's
+``pretrain_gpt_moe.CHECK_REPLAY_FLAGS``; a test checks they agree)."""
+
+CHECK_TIMEOUT_S = 300.0
+"""How long the entry point may take to answer (it imports no torch: well under a
+second); a hung file system does not hang densify."""
 
 _ENTRY_POINT_NAMES = (ENTRY_POINT, "moc-pretrain")
 """What a frame marker's recorded command may start with (dropped, never run): this
@@ -28,35 +51,30 @@ MAX_TOKEN_CHARS = 4096
 """Bounds of a frame marker's recorded command (and of each of its words)."""
 
 MAX_CONFIG_BYTES = 1 << 20
-"""The largest ``--config`` YAML file densify reads from a recorded command."""
+"""The largest ``--config`` YAML file densify has the trainer read from a recorded
+command."""
 
-_DENSIFY_SETS = {"load": "--load", "save": "--save", "moc_shm_dir": "--moc-shm-dir",
-                 "exit_interval": "--exit-interval"}
-"""Flags (by destination) densify sets itself: removed from the recorded ones."""
-
-_NOT_REPLAYED = ("moc_fault", "moc_fault_mtbf", "moc_fault_seed", "local_rank")
-"""Recorded flags densify leaves out: fault injection (a fault would fire again in the
-replay) and the launcher's rank."""
-
-_REFUSED = {"deepspeed_config": "a DeepSpeed config reaches DeepSpeed unchecked and can make "
-                                "it import the Python modules it names"}
-"""Recorded flags (by destination) that name code or what loads code: never taken from a
-checkpoint, only from the user (after ``--``)."""
+DENSIFY_SETS = ("--load", "--save", "--moc-shm-dir", "--exit-interval")
+"""Flags densify sets itself: removed from the recorded ones, refused after ``--``."""
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-_NUMBER = re.compile(r"^-\.?\d")
 
 
-def _training_parser() -> argparse.ArgumentParser:
-    from megatron.training.arguments import build_parser
-    return build_parser()
+class ReplayCheckUnavailable(UsageError):
+    """The entry point gave no answer to the flag check (it failed, or is of another
+    version): not a problem of the flags, so densify does not suggest other ones."""
 
 
-def _long_options(parser: argparse.ArgumentParser) -> Dict[str, argparse.Action]:
-    """The ``--flag`` names of the training parser (not --help), to their action."""
-    return {opt: action for action in parser._actions
-            if not isinstance(action, argparse._HelpAction)
-            for opt in action.option_strings if opt.startswith("--")}
+@dataclass(frozen=True)
+class TrainerAnswer:
+    """The entry point's answer to one request (:func:`ask_trainer`), type-checked."""
+
+    flags: List[str]
+    """The flags to replay with (recorded ones checked, ``--config`` files expanded)."""
+    left_out: List[str]
+    """Names of recorded flags left out that the user should know of."""
+    densify_sets: List[str]
+    """Names of given flags that set what densify sets itself."""
 
 
 def _check_word(word: str, where: str) -> None:
@@ -94,37 +112,11 @@ def recorded_command(record: object, marker: str) -> Tuple[List[str], Optional[s
     return command, cwd
 
 
-def _flag_groups(words: Sequence[str], options: Dict[str, argparse.Action],
-                 where: str) -> List[Tuple[str, argparse.Action, List[str]]]:
-    """``words`` (flags only) as (flag word, its action, its values), checked: every flag
-    a ``--flag`` of the training parser, every value a plain string."""
-    groups: List[Tuple[str, argparse.Action, List[str]]] = []
-    for word in words:
-        if word.startswith("--"):
-            name, eq, value = word.partition("=")
-            action = options.get(name)
-            if action is None:
-                raise UsageError(f"{where}: unknown flag {name!r} ({ENTRY_POINT} has no "
-                                 f"such flag)")
-            groups.append((word, action, [value] if eq else []))
-        elif not groups:
-            raise UsageError(f"{where}: {word!r} where a flag should be")
-        elif word.startswith("-") and not _NUMBER.match(word):
-            raise UsageError(f"{where}: {groups[-1][1].option_strings[0]} has the value "
-                             f"{word!r}, which is no plain value")
-        else:
-            groups[-1][2].append(word)
-    for word, action, values in groups:
-        if action.nargs == 0 and values:
-            raise UsageError(f"{where}: {word.partition('=')[0]} takes no value, but has "
-                             f"{values[0]!r}")
-    return groups
-
-
-def stored_flags(command: List[str], marker: str) -> Tuple[List[str], List[str]]:
+def stored_flags(command: List[str], marker: str, script: str) -> Tuple[List[str], List[str]]:
     """The training flags of a recorded command, to replay with this project's entry
-    point: the leading script dropped, every ``--config`` file replaced by the flags it
-    stands for (read and checked now, not by the replay), densify's own flags removed
+    point ``script``: the leading script dropped, the flags checked by ``script``
+    (:func:`ask_trainer`: every ``--config`` file replaced by the flags it stands for,
+    read and checked now, not by the replay; densify's own flags removed)
     (:func:`deepspeed_ext.cli.densify.cmd_densify` calls it when no flags follow ``--``).
 
     Returns:
@@ -134,30 +126,17 @@ def stored_flags(command: List[str], marker: str) -> Tuple[List[str], List[str]]
         UsageError: naming the flag and the file it came from, for anything that is not
             a known flag with plain values, a flag that names code, or a command that
             starts with something other than this project's entry point.
+        ReplayCheckUnavailable: ``script`` gave no answer.
     """
     where = f"the command recorded in {marker}"
     first = _check_lead(command, where)
-    parser = _training_parser()
-    options = _long_options(parser)
-    from_files: List[str] = []
-    flags: List[str] = []
-    left_out: List[str] = []
-    groups = _flag_groups(command[first:], options, where)
-    for word, action, values in groups:
-        if action.dest != "config":
-            continue
-        if len(values) != 1:
-            raise UsageError(f"{where}: --config takes one file, got {len(values)}")
-        source = f"{values[0]} (--config recorded in {marker})"
-        _keep(_config_groups(values[0], parser, options, marker, source), source,
-              from_files, left_out)
-    _keep([g for g in groups if g[1].dest != "config"], where, flags, left_out)
-    # As pretrain_gpt_moe.py parses them: the files' flags first, the command's win.
-    flags = from_files + flags
-    if len(flags) > MAX_RECORDED_TOKENS:
-        raise UsageError(f"{where}: {len(flags)} words with its --config files (at most "
-                         f"{MAX_RECORDED_TOKENS})")
-    return flags, sorted(set(left_out))
+    answer = ask_trainer(script, "recorded", command[first:], marker)
+    if len(answer.flags) > MAX_RECORDED_TOKENS:
+        raise UsageError(f"{where}: {len(answer.flags)} words with its --config files (at "
+                         f"most {MAX_RECORDED_TOKENS})")
+    for word in answer.flags:  # checked by the trainer already; these reach the replay
+        _check_word(word, where)
+    return answer.flags, sorted(set(answer.left_out))
 
 
 def _check_lead(command: List[str], where: str) -> int:
@@ -176,69 +155,77 @@ def _check_lead(command: List[str], where: str) -> int:
     return first
 
 
-def _config_groups(path: str, parser: argparse.ArgumentParser,
-                   options: Dict[str, argparse.Action], marker: str,
-                   source: str) -> List[Tuple[str, argparse.Action, List[str]]]:
-    """The flags a recorded ``--config`` file stands for, read and checked now (not by
-    the replay), as :func:`_flag_groups` gives them.
+def user_flags(words: List[str], script: str) -> List[str]:
+    """The training flags given after ``--`` (the user vouches for them), checked by
+    ``script`` only for what densify sets itself
+    (:func:`deepspeed_ext.cli.densify.cmd_densify` calls it instead of
+    :func:`stored_flags`).
 
     Raises:
-        UsageError: naming ``path`` and ``marker``: not a regular file, too large, or
-            not a config the trainer reads; or naming ``source``: a word or flag
-            :func:`_check_word` or :func:`_flag_groups` refuses.
+        UsageError: nothing after ``--``, a NUL character, or a flag densify sets.
+        ReplayCheckUnavailable: ``script`` gave no answer.
     """
-    from megatron.training.arguments import yaml_to_argv
-    from megatron.training.errors import ConfigError
-    try:
-        if not os.path.isfile(path):  # not a device or a pipe that never ends
-            raise ConfigError("not a file")
-        if os.path.getsize(path) > MAX_CONFIG_BYTES:
-            raise ConfigError(f"larger than {MAX_CONFIG_BYTES} bytes")
-        file_argv = yaml_to_argv(path, parser)
-    except (ConfigError, OSError, UnicodeDecodeError, RecursionError) as err:
-        hint = ("" if os.path.isabs(path) else
-                f" (a relative path, resolved from the current directory {os.getcwd()})")
-        raise UsageError(f"--config {path}{hint}, recorded in {marker}: {err}") from None
-    for file_word in file_argv:
-        _check_word(file_word, source)
-    return _flag_groups(file_argv, options, source)
-
-
-def _keep(groups: Sequence[Tuple[str, argparse.Action, List[str]]], source: str,
-          out: List[str], left_out: List[str]) -> None:
-    """Append the flags of ``groups`` to replay to ``out``: densify's own dropped, those
-    it never replays named in ``left_out``.
-
-    Raises:
-        UsageError: naming ``source``, for a flag that names code (:data:`_REFUSED`).
-    """
-    for word, action, values in groups:
-        name = word.partition("=")[0]
-        if action.dest in _REFUSED:
-            raise UsageError(f"{source}: {name}: {_REFUSED[action.dest]}, so densify "
-                             f"does not take it from a checkpoint")
-        if action.dest in _DENSIFY_SETS:
-            continue
-        if action.dest in _NOT_REPLAYED:
-            left_out.append(name)
-            continue
-        out += [word, *values]
-
-
-def user_flags(words: List[str]) -> List[str]:
-    """The training flags given after ``--`` (the user vouches for them), checked only
-    for what densify sets itself (:func:`deepspeed_ext.cli.densify.cmd_densify` calls it
-    instead of :func:`stored_flags`)."""
     if not words:
         raise UsageError("nothing after --: give the training flags there, or leave -- out "
                          "to replay with the flags the frames record")
-    options = _long_options(_training_parser())
     for word in words:
         if "\x00" in word:
             raise UsageError(f"after --: {word!r} holds a NUL character")
-        action = options.get(word.partition("=")[0]) if word.startswith("--") else None
-        if action is not None and action.dest in _DENSIFY_SETS:
-            raise UsageError(f"after --: densify sets {', '.join(_DENSIFY_SETS.values())} "
-                             f"itself (--out is the replay's --save); leave "
-                             f"{word.partition('=')[0]} out")
+    clashes = ask_trainer(script, "given", words, marker="").densify_sets
+    if clashes:
+        raise UsageError(f"after --: densify sets {', '.join(DENSIFY_SETS)} itself (--out "
+                         f"is the replay's --save); leave {clashes[0]} out")
     return list(words)
+
+
+def ask_trainer(script: str, kind: str, words: List[str], marker: str) -> TrainerAnswer:
+    """Have this project's entry point ``script`` check ``words`` (``kind`` "recorded":
+    from ``marker``; "given": after ``--``): runs ``python script --check-replay-flags``
+    in the current directory (a relative ``--config`` resolves from there, as in the
+    replay), the request on its stdin.
+
+    Raises:
+        UsageError: the entry point refused the flags (its message, exit status 2).
+        ReplayCheckUnavailable: it did not start, timed out, or gave no valid answer.
+    """
+    request = {"kind": kind, "words": list(words), "marker": marker,
+               "densify_sets": list(DENSIFY_SETS), "max_word_chars": MAX_TOKEN_CHARS,
+               "max_config_bytes": MAX_CONFIG_BYTES}
+    what = f"{script} {CHECK_REPLAY_FLAGS}"
+    try:
+        done = subprocess.run([sys.executable, script, CHECK_REPLAY_FLAGS],
+                              input=json.dumps(request), capture_output=True, text=True,
+                              timeout=CHECK_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise ReplayCheckUnavailable(f"{what} could not check the training flags "
+                                     f"({err})") from None
+    reply = _last_json_line(done.stdout)
+    if done.returncode == 2 and isinstance(reply, dict) and isinstance(reply.get("error"), str):
+        raise UsageError(reply["error"])
+    answer = _typed_answer(reply) if done.returncode == 0 else None
+    if answer is None:
+        tail = ((done.stderr or "").strip() or (done.stdout or "").strip())[-2000:]
+        raise ReplayCheckUnavailable(f"{what} gave no answer to the flag check (exit status "
+                                     f"{done.returncode}){': ' + tail if tail else ''}")
+    return answer
+
+
+def _last_json_line(text: str) -> object:
+    """The JSON value on the last non-empty line of ``text``; None if there is none (a
+    library may print a banner on import before the answer)."""
+    lines = [line for line in (text or "").splitlines() if line.strip()]
+    try:
+        return json.loads(lines[-1]) if lines else None
+    except ValueError:
+        return None
+
+
+def _typed_answer(reply: object) -> Optional[TrainerAnswer]:
+    """``reply`` as a :class:`TrainerAnswer`; None unless each field is a list of
+    strings."""
+    names = ("flags", "left_out", "densify_sets")
+    if not isinstance(reply, dict) or not all(
+            isinstance(reply.get(name), list) and all(isinstance(w, str) for w in reply[name])
+            for name in names):
+        return None
+    return TrainerAnswer(*(list(reply[name]) for name in names))

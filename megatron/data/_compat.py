@@ -45,7 +45,7 @@ def check_int(value, flag, minimum=None):
 
     Bools are rejected (``True`` is an int in Python but never a sensible count).
     """
-    from megatron.training.errors import ConfigError
+    from megatron.errors import ConfigError
 
     if isinstance(value, bool) or not isinstance(value, int):
         # numpy integers and the like are fine as long as they are integral.

@@ -43,7 +43,7 @@ import numpy
 import torch
 
 from megatron.data._compat import check_int, quiet_core_import
-from megatron.training.errors import ConfigError
+from megatron.errors import ConfigError
 
 with quiet_core_import():
     from megatron.core.datasets.blended_dataset import BlendedDataset

@@ -48,7 +48,7 @@ from megatron.data.tokenizer import (
 )
 from megatron.data._preprocess_worker import encode as _encode
 from megatron.data._preprocess_worker import init_worker as _init_worker
-from megatron.training.errors import ConfigError
+from megatron.errors import ConfigError
 
 DEFAULT_INPUT_EXT = ".txt,.jsonl,.json"
 JSON_EXTENSIONS = (".jsonl", ".json")

@@ -48,7 +48,7 @@ from collections import OrderedDict
 from typing import Callable, Iterable, List, Optional
 
 from megatron.data._compat import check_int, quiet_core_import
-from megatron.training.errors import ConfigError
+from megatron.errors import ConfigError
 
 TOKENIZER_TYPES = ("ByteLevelTokenizer", "GPT2BPETokenizer", "NullTokenizer")
 DEFAULT_TOKENIZER_TYPE = "ByteLevelTokenizer"

@@ -4,7 +4,7 @@ Order of precedence: flags on the command line > keys of the ``--config FILE.yam
 files (a later file over an earlier one) > defaults. YAML keys are the flag names without dashes (``num-layers`` or
 ``num_layers``); a nested section is flattened with its name as prefix, so
 ``moc: {pec-k: 1}`` means ``--moc-pec-k 1``. Every problem raises
-:class:`~megatron.training.errors.ConfigError` naming the flag, key or file.
+:class:`~megatron.errors.ConfigError` naming the flag, key or file.
 """
 
 import argparse
@@ -15,7 +15,7 @@ import threading
 from typing import Dict, List, Optional, Sequence
 
 from deepspeed_ext.keeper import SUN_PATH_MAX as UNIX_SOCKET_PATH_MAX
-from megatron.training.errors import ConfigError
+from megatron.errors import ConfigError
 from megatron.training.parallel_layout import build_layout
 from megatron.training.megatron_compat import (NumExpertsAction, add_megatron_compat_args,
                                                add_unsupported_args, add_upstream_switch_args,

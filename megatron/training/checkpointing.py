@@ -26,8 +26,8 @@ from deepspeed_ext.format.storage import (SMALL_RECORD_MAX_BYTES, atomic_write_j
                                           atomic_write_text, read_json)
 from deepspeed_ext.runtime.groups import metadata_group
 from deepspeed_ext.runtime.outcomes import broadcast_outcome
+from megatron.errors import ConfigError
 from megatron.training.arguments import MODEL_SHAPE_ARGS
-from megatron.training.errors import ConfigError
 from megatron.training.log import print_rank_0
 from megatron.training.vocab_check import vocab_refusal
 

@@ -4,7 +4,7 @@ import argparse
 import json
 from typing import Dict, Optional, Tuple
 
-from megatron.training.errors import ConfigError
+from megatron.errors import ConfigError
 from megatron.training.megatron_compat import was_given
 
 # The flags our DeepSpeed config is built from, where a --deepspeed_config file says the

@@ -67,7 +67,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 from deepspeed_ext.keeper.faults import (FAULT_KEY_ENV, FAULT_STATE_ENV, PERSIST_CRASH_ENV,
                                          read_state, record_fired, sigkill_self, state_lock,
                                          write_state)
-from megatron.training.errors import ConfigError
+from megatron.errors import ConfigError
 
 KINDS = ("crash", "raise", "hang", "slow", "slow-compute", "snapshot-crash", "persist-crash",
          "lose-memory", "lose-stage")

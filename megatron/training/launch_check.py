@@ -14,8 +14,8 @@ from typing import List, Optional, Sequence
 
 import yaml
 
+from megatron.errors import ConfigError
 from megatron.training.arguments import parse_args
-from megatron.training.errors import ConfigError
 from megatron.training.megatron_compat import infer_tokenizer
 
 GPT2_FILES = (("--vocab-file", "vocab_file", "vocab.json"),

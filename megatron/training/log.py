@@ -10,7 +10,7 @@ from typing import Dict, List, Optional
 
 import torch.distributed as dist
 
-from megatron.training.errors import ConfigError
+from megatron.errors import ConfigError
 from megatron.training.tb_tags import Scalar
 
 

@@ -18,7 +18,7 @@ rotary embedding, untied or bias-free layers) are refused until the model has th
 import argparse
 from typing import Iterable, List, Optional, Sequence
 
-from megatron.training.errors import ConfigError
+from megatron.errors import ConfigError
 
 DATA_IMPLS = ("mmap", "infer")
 """``--data-impl`` values: Megatron-DeepSpeed's choices; both read our memory-mapped

@@ -14,9 +14,9 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.errors import ConfigError
 from megatron.model.moe_collectives import MoEGroups
 from megatron.model.moe_cost import GroupLinks, LayerShape, Link, capacity_of, choose
-from megatron.training.errors import ConfigError
 
 CALIBRATION_BYTES = (64 << 10, 4 << 20)
 """Per-rank message sizes of the calibration: one dominated by latency, one by bandwidth."""

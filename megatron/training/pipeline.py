@@ -93,7 +93,7 @@ def check_upstream_log(log, args: argparse.Namespace, window: int) -> None:
         ConfigError: naming the flags to change.
     """
     from deepspeed_ext.exact.upstream import log_bytes_per_iteration, log_capacity_bytes
-    from megatron.training.errors import ConfigError
+    from megatron.errors import ConfigError
     log.retain_iterations = 2 * window
     cross = getattr(log.engine, "moc_cross", None)
     if cross is not None:

@@ -11,7 +11,7 @@ built.
 
 import argparse
 
-from megatron.training.errors import ConfigError
+from megatron.errors import ConfigError
 from megatron.training.megatron_compat import was_given
 
 PRECISIONS = ("fp16", "bf16")

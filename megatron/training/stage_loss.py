@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_ext.engine.rng import get_rng_state, set_rng_state
-from megatron.training.errors import ConfigError
+from megatron.errors import ConfigError
 
 KIND = "lose-stage"
 

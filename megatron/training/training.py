@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_ext.engine.rng import set_rng_state, set_seed
+from megatron.errors import ConfigError
 from megatron.training import checkpointing
 from megatron.training.arguments import (moc_config_from_args, model_config_from_args,
                                          padded_vocab_size, validate_args)
 from megatron.training.ds_config import build_ds_config
-from megatron.training.errors import ConfigError
 from megatron.training.megatron_compat import ignored_flag_notes
 from megatron.training.log import (MetricsWriter, eval_log_line, is_nan_iteration,
                                    print_rank_0, show_model_lines, throughput, timestamp,

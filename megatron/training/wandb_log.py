@@ -9,7 +9,7 @@ import argparse
 import os
 from typing import Optional
 
-from megatron.training.errors import ConfigError
+from megatron.errors import ConfigError
 from megatron.training.tb_tags import Scalar
 
 MISSING = "--wandb-project needs the wandb package (pip install wandb, or the project's [wandb] extra)"

@@ -15,7 +15,7 @@ sys.path.insert(0, REPO)
 import torch  # noqa: E402
 
 from megatron.data import build_tokenizer, build_train_valid_test_datasets  # noqa: E402
-from megatron.training.errors import ConfigError  # noqa: E402
+from megatron.errors import ConfigError  # noqa: E402
 
 
 def make_args(data_path, cache):

@@ -21,7 +21,7 @@ from megatron.data import (  # noqa: E402
     build_train_valid_test_datasets,
 )
 from megatron.data.gpt_dataset import get_split_sizes, parse_data_path, parse_split  # noqa: E402
-from megatron.training.errors import ConfigError  # noqa: E402
+from megatron.errors import ConfigError  # noqa: E402
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex".split()
 

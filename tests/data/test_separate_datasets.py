@@ -4,7 +4,7 @@
 import pytest
 
 from megatron.data import build_tokenizer, build_train_valid_test_datasets
-from megatron.training.errors import ConfigError
+from megatron.errors import ConfigError
 from tests.data.test_gpt_dataset import make_args, make_corpus
 
 

@@ -14,7 +14,7 @@ if REPO not in sys.path:
 
 import megatron.data.tokenizer as tokenizer_module  # noqa: E402
 from megatron.data.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
-from megatron.training.errors import ConfigError  # noqa: E402
+from megatron.errors import ConfigError  # noqa: E402
 from tests.launch import fresh_python  # noqa: E402
 
 TEXTS = [

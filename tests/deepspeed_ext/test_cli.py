@@ -12,6 +12,7 @@ from deepspeed_ext.cli import verify as verify_command
 from tests.deepspeed_ext.test_manifest import (KINDS, expert_param, flip_last_byte, rank_file,
                                                no_fsync, three_checkpoints, value)
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 assert no_fsync  # autouse fixture, imported to apply here too
 
 
@@ -135,7 +136,8 @@ def test_main_cli_exits_with_status(ckpt_dir, monkeypatch):
     assert exit_.value.code == 0
 
 
-def test_densify_finds_the_window_behind_a_frame_rank_0_has_not_written(tmp_path, capsys):
+def test_densify_finds_the_window_behind_a_frame_rank_0_has_not_written(tmp_path, capsys,
+                                                                         monkeypatch):
     """After a crash the newest frame on storage often holds only other ranks' markers
     (rank 0's keeper had not copied it yet): densify must still find the complete window
     behind it, and replay it with memory of its own, never the run's --moc-shm-dir."""
@@ -153,6 +155,7 @@ def test_densify_finds_the_window_behind_a_frame_rank_0_has_not_written(tmp_path
     for frame in range(3):
         mark(frame, 0), mark(frame, 1)
     mark(3, 1)  # the newest frame: rank 1's marker only
+    _check_flags_in_process(monkeypatch)
     assert cli.main(["densify", str(save), "--out", str(tmp_path / "dense"), "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "replaying iterations 1..3" in out, out
@@ -200,10 +203,33 @@ def replays(monkeypatch, tmp_path):
             f.write(f"global_step{end}")
         return 0
     monkeypatch.setattr(subprocess, "call", call)
+    _check_flags_in_process(monkeypatch)
     here = tmp_path / "here"
     here.mkdir()
     monkeypatch.chdir(here)
     return calls
+
+
+def _check_flags_in_process(monkeypatch):
+    """The flag check densify asks of this project's own pretrain_gpt_moe.py
+    (``--check-replay-flags``) answered in this process by the same function the program
+    runs, so the densify tests start no process (a stand-in entry point elsewhere, as
+    :func:`fake_entry_point` plants, still runs for real): the request and the answer
+    still cross as the JSON the program reads and writes."""
+    import io
+    import subprocess
+    from deepspeed_ext.cli.replay_flags import CHECK_REPLAY_FLAGS
+    from megatron.training.replay_flags import answer
+    real_run, ours = subprocess.run, os.path.join(REPO, "pretrain_gpt_moe.py")
+
+    def run(cmd, *args, **kwargs):
+        if (len(cmd) == 3 and cmd[2] == CHECK_REPLAY_FLAGS
+                and os.path.abspath(cmd[1]) == os.path.abspath(ours)):
+            out = io.StringIO()
+            status = answer(io.StringIO(kwargs.get("input") or ""), out)
+            return subprocess.CompletedProcess(cmd, status, out.getvalue(), "")
+        return real_run(cmd, *args, **kwargs)
+    monkeypatch.setattr(subprocess, "run", run)
 
 
 def _printed_command(out):
@@ -408,6 +434,135 @@ def test_densify_needs_the_projects_own_entry_point(tmp_path, replays, capsys, m
         err = capsys.readouterr().err
         assert "cannot find this project's pretrain_gpt_moe.py" in err
         assert str(tmp_path / "site") in err
+    assert replays == []
+
+
+# ------------------------------------------- densify: the entry point checks the flags
+
+_FAKE_ENTRY_POINT = """import json, os, sys, time
+here = os.path.dirname(os.path.abspath(__file__))
+with open(os.path.join(here, "request.json"), "w") as f:
+    json.dump({"argv": sys.argv[1:], "request": json.load(sys.stdin)}, f)
+with open(os.path.join(here, "reply.json")) as f:
+    reply = json.load(f)
+time.sleep(reply.get("sleep", 0))
+sys.stdout.write(reply["stdout"])
+sys.stderr.write(reply.get("stderr", ""))
+sys.exit(reply["status"])
+"""
+
+
+@pytest.fixture
+def fake_entry_point(tmp_path, monkeypatch):
+    """A stand-in for this project's pretrain_gpt_moe.py, found by densify beside the
+    package: it records the request it was given (request.json) and answers as the test
+    writes (reply.json: its stdout, stderr and exit status). Returns a function that sets
+    the answer and returns the recorded request after densify ran."""
+    import json
+    import deepspeed_ext
+    site = tmp_path / "site"
+    (site / "deepspeed_ext").mkdir(parents=True)
+    (site / "pretrain_gpt_moe.py").write_text(_FAKE_ENTRY_POINT)
+    monkeypatch.setattr(deepspeed_ext, "__file__", str(site / "deepspeed_ext" / "__init__.py"))
+
+    def answer(stdout, status=0, stderr="", sleep=0):
+        (site / "reply.json").write_text(json.dumps(
+            {"stdout": stdout, "status": status, "stderr": stderr, "sleep": sleep}))
+        return lambda: json.loads((site / "request.json").read_text())
+    return answer
+
+
+def _reply(flags=(), left_out=(), densify_sets=()):
+    import json
+    return json.dumps({"flags": list(flags), "left_out": list(left_out),
+                       "densify_sets": list(densify_sets)}) + "\n"
+
+
+def test_densify_asks_the_entry_point_and_replays_with_its_answer(tmp_path, replays, capsys,
+                                                                  fake_entry_point):
+    """densify sends the recorded flags (the script dropped) with the marker, its own
+    flags and its bounds to ``pretrain_gpt_moe.py --check-replay-flags`` and replays with
+    the flags of the answer's last line (a banner before it is ignored)."""
+    marker = _frames(tmp_path / "ckpt", ["/elsewhere/pretrain_gpt_moe.py", "--num-layers", "2",
+                                         "--moc-fault", "crash@1"])
+    request = fake_entry_point("a banner on import\n" + _reply(["--num-layers", "3"],
+                                                               ["--moc-fault"]))
+    assert cli.main(["densify", str(tmp_path / "ckpt"), "--out", str(tmp_path / "d"),
+                     "--dry-run"]) == 0
+    captured = capsys.readouterr()
+    script, flags = _script_and_flags(_printed_command(captured.out))
+    assert script == str(tmp_path / "site" / "pretrain_gpt_moe.py")
+    assert flags[:3] == ["--num-layers", "3", "--load"]
+    assert "leaving out the recorded --moc-fault" in captured.err
+    assert request() == {"argv": ["--check-replay-flags"], "request": {
+        "kind": "recorded", "words": ["--num-layers", "2", "--moc-fault", "crash@1"],
+        "marker": marker, "densify_sets": ["--load", "--save", "--moc-shm-dir",
+                                           "--exit-interval"],
+        "max_word_chars": cli.MAX_TOKEN_CHARS, "max_config_bytes": cli.MAX_CONFIG_BYTES}}
+    assert replays == []
+
+
+def test_densify_passes_on_the_entry_points_refusal_and_refuses_a_flag_it_sets(
+        tmp_path, replays, capsys, fake_entry_point):
+    _frames(tmp_path / "ckpt", ["pretrain_gpt_moe.py", "--num-layers", "2"])
+    base = ["densify", str(tmp_path / "ckpt"), "--out", str(tmp_path / "d"), "--dry-run"]
+    fake_entry_point('{"error": "the command recorded in M: unknown flag \'--x\'"}\n', 2)
+    assert cli.main(base) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the command recorded in M: unknown flag '--x'. densify ")
+    assert "after --" in err
+    request = fake_entry_point(_reply(["--save", "/x"], densify_sets=["--save"]))
+    assert cli.main(base + ["--", "--save", "/x"]) == 2
+    err = capsys.readouterr().err
+    assert "densify sets --load, --save, --moc-shm-dir, --exit-interval itself" in err
+    assert "leave --save out" in err
+    assert request()["request"]["kind"] == "given"
+    assert request()["request"]["words"] == ["--save", "/x"]
+    assert replays == []
+
+
+@pytest.mark.parametrize("case", ["crash", "no-json", "wrong-types", "status-1-json",
+                                  "timeout"])
+def test_densify_reports_an_entry_point_that_gives_no_answer(tmp_path, replays, capsys,
+                                                             fake_entry_point, monkeypatch,
+                                                             case):
+    """A failing entry point (another version, a broken install) is named, exit 2, with
+    what it printed; densify does not blame the recorded flags, nor replay anything."""
+    from deepspeed_ext.cli import replay_flags
+    _frames(tmp_path / "ckpt", ["pretrain_gpt_moe.py", "--num-layers", "2"])
+    monkeypatch.setattr(replay_flags, "CHECK_TIMEOUT_S", 1.0)
+    fake_entry_point(**{
+        "crash": dict(stdout="", status=1, stderr="ModuleNotFoundError: No module named 'yaml'"),
+        "no-json": dict(stdout="usage: pretrain_gpt_moe.py\n", status=2),
+        "wrong-types": dict(stdout='{"flags": "--num-layers 2", "left_out": [], '
+                                   '"densify_sets": []}\n'),
+        "status-1-json": dict(stdout=_reply(["--num-layers", "2"]), status=1),
+        "timeout": dict(stdout=_reply(), sleep=30),
+    }[case])
+    for extra in ([], ["--", "--num-layers", "2"]):
+        assert cli.main(["densify", str(tmp_path / "ckpt"), "--out", str(tmp_path / "d"),
+                         *extra]) == 2, (case, extra)
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and "--check-replay-flags" in err, err
+        assert ("timed out" in err) if case == "timeout" else ("gave no answer" in err), err
+        assert "No module named 'yaml'" in err or case != "crash"
+        assert "give the training flags after --" not in err
+    assert replays == []
+
+
+def test_densify_checks_the_flags_the_entry_point_answers(tmp_path, replays, capsys,
+                                                          fake_entry_point):
+    """What the entry point answers is checked before it reaches the replay: no control
+    character, no more words than a recorded command may have."""
+    _frames(tmp_path / "ckpt", ["pretrain_gpt_moe.py", "--num-layers", "2"])
+    argv = ["densify", str(tmp_path / "ckpt"), "--out", str(tmp_path / "d"), "--dry-run"]
+    fake_entry_point(_reply(["--data-path", "\x1b[2J"]))
+    assert cli.main(argv) == 2
+    assert "holds a control character" in capsys.readouterr().err
+    fake_entry_point(_reply(["--bf16"] * (cli.MAX_RECORDED_TOKENS + 1)))
+    assert cli.main(argv) == 2
+    assert f"{cli.MAX_RECORDED_TOKENS + 1} words with its --config files" in \
+        capsys.readouterr().err
     assert replays == []
 
 

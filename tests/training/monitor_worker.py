@@ -18,7 +18,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megatron.training import faults, monitor  # noqa: E402
+from megatron.training import faults  # noqa: E402
+from megatron.training.monitor.beats import Heartbeat, default_store  # noqa: E402
+from megatron.training.monitor.config import MonitorConfig  # noqa: E402
+from megatron.training.monitor.watchdog import Watchdog  # noqa: E402
 
 
 def _parse():
@@ -56,9 +59,9 @@ def main():
     a = _parse()
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
-    store = monitor.default_store()
-    config = monitor.MonitorConfig(hang_timeout_s=a.hang_timeout, poll_s=a.poll,
-                                   straggler_window=a.window, straggler_factor=a.factor)
+    store = default_store()
+    config = MonitorConfig(hang_timeout_s=a.hang_timeout, poll_s=a.poll,
+                           straggler_window=a.window, straggler_factor=a.factor)
     injector = faults.FaultInjector([faults.parse_fault(t) for t in a.fault], rank, world,
                                     os.path.join(a.out, "faults.json"))
 
@@ -67,11 +70,11 @@ def main():
             json.dump({"event": event, "detected_at": time.time()}, f)
         watchdog.stop_job(event)
 
-    heartbeat = monitor.Heartbeat(store, rank, window=a.window)
-    watchdog = monitor.Watchdog(store, rank, world, config, on_hang=on_hang,
-                                emit=lambda e: _append_line(os.path.join(a.out, "events.jsonl"), e))
+    heartbeat = Heartbeat(store, rank, window=a.window)
+    watchdog = Watchdog(store, rank, world, config, on_hang=on_hang,
+                        emit=lambda e: _append_line(os.path.join(a.out, "events.jsonl"), e))
     watchdog.start()
-    # The wiring megatron/training/monitor.py's doc prescribes for the training loop.
+    # The wiring docs/monitor.md prescribes for the training loop.
     last_top = free_since = None
     for done in range(a.iters):
         injector.before_iteration(done + 1)  # a slow fault sleeps here, a hang never returns

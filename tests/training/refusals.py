@@ -6,7 +6,7 @@ def refusal(extra, world_size: int) -> str:
     """The ConfigError message ``validate_args`` gives the tiny config plus ``extra`` on
     ``world_size`` ranks ("" when it accepts them)."""
     from megatron.training.arguments import parse_args, validate_args
-    from megatron.training.errors import ConfigError
+    from megatron.errors import ConfigError
     args = parse_args(["--config", "configs/tiny.yaml", "--data-path", "unused", "--save", "x"]
                       + list(extra))
     try:

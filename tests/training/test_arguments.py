@@ -6,9 +6,9 @@ import textwrap
 
 import pytest
 
+from megatron.errors import ConfigError
 from megatron.training.arguments import build_parser, parse_args, padded_vocab_size, validate_args
 from megatron.training.ds_config import build_ds_config
-from megatron.training.errors import ConfigError
 from tests.launch import REPO
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",

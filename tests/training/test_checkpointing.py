@@ -119,7 +119,7 @@ def test_a_load_reads_ours_and_megatron_deepspeeds_client_state(args):
         "iteration": 9, "consumed_train_samples": 7 if args else 0,
         "opt_param_scheduler": {"num_steps": 72},
         "rng_states": [{"python": 1, "numpy": 2, "torch": 3, "cuda": None}]}
-    from megatron.training.errors import ConfigError
+    from megatron.errors import ConfigError
     with pytest.raises(ConfigError, match="no LR scheduler state"):
         resume_fields({"iteration": 1})
 
@@ -216,7 +216,7 @@ def test_a_baseline_latest_must_name_a_tag_inside_load(tmp_path, content):
     what it finds, out of --load. It must be one directory name inside --load; anything
     else stops the run naming the file, before anything is loaded."""
     from megatron.training.checkpointing import find_latest_tag
-    from megatron.training.errors import ConfigError
+    from megatron.errors import ConfigError
     load = tmp_path / "ckpt"
     (load / "global_step5").mkdir(parents=True)
     (tmp_path / "outside").mkdir()
@@ -234,7 +234,7 @@ def test_a_baseline_latest_or_meta_file_is_read_only_up_to_its_cap(tmp_path):
     the file; a good ``latest`` still reads."""
     import types
     from megatron.training import checkpointing as ck
-    from megatron.training.errors import ConfigError
+    from megatron.errors import ConfigError
     load = tmp_path / "ckpt"
     (load / "global_step5").mkdir(parents=True)
     (load / "latest").write_text("global_step5\n")
@@ -244,7 +244,7 @@ def test_a_baseline_latest_or_meta_file_is_read_only_up_to_its_cap(tmp_path):
     # In a child with a memory limit and a deadline: the old code read until memory ran out.
     out = fresh_python("import sys\n"
                        "from megatron.training.checkpointing import find_latest_tag\n"
-                       "from megatron.training.errors import ConfigError\n"
+                       "from megatron.errors import ConfigError\n"
                        "try:\n"
                        "    find_latest_tag(sys.argv[1])\n"
                        "except ConfigError as err:\n"

@@ -5,8 +5,8 @@ import os
 
 import pytest
 
+from megatron.errors import ConfigError
 from megatron.training.arguments import parse_args, validate_args
-from megatron.training.errors import ConfigError
 from megatron.training.events import EventLog, Progress, default_event_file
 from tests.training.test_arguments import BASE
 

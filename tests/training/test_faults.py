@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from megatron.errors import ConfigError
 from megatron.training import faults
-from megatron.training.errors import ConfigError
 from megatron.training.faults import FaultInjector, FaultSpec, InjectedFault, parse_fault
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

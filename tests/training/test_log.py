@@ -11,9 +11,9 @@ from argparse import Namespace
 
 import pytest
 
+from megatron.errors import ConfigError
 from megatron.training import wandb_log
 from megatron.training.arguments import parse_args, validate_args
-from megatron.training.errors import ConfigError
 from megatron.training.log import (MetricsWriter, is_nan_iteration, throughput,
                                    training_log_line)
 from megatron.training.tb_tags import (Position, interval_scalars, training_scalars,

@@ -16,10 +16,10 @@ import sysconfig
 
 import pytest
 
+from megatron.errors import ConfigError
 from megatron.training import arguments
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.ds_config import build_ds_config
-from megatron.training.errors import ConfigError
 from tests.data.test_tokenizer import write_gpt2_files
 from tests.launch import REPO, free_port
 from tests.precision import missing_reason, skip_without

@@ -11,10 +11,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.training import monitor
-from megatron.training.errors import ConfigError
-from megatron.training.monitor import (Beat, Heartbeat, MonitorConfig, Watchdog, find_hang,
-                                       find_stragglers)
+from megatron.errors import ConfigError
+from megatron.training.monitor import watchdog as watchdog_module
+from megatron.training.monitor.beats import Beat, Heartbeat, WindowMedian, heartbeat_key
+from megatron.training.monitor.clock import CollectiveClock, DeviceTimer
+from megatron.training.monitor.config import MonitorConfig, add_monitor_args
+from megatron.training.monitor.exits import EXIT_HANG, EXIT_STRAGGLER
+from megatron.training.monitor.rules import find_hang, find_stragglers
+from megatron.training.monitor.watchdog import Watchdog
 from tests.launch import describe, run_ranks
 
 WORKER = "tests/training/monitor_worker.py"
@@ -41,7 +45,7 @@ def test_config_names_the_flag_of_a_bad_value(kwargs, flag):
 def test_config_from_flags():
     import argparse
     parser = argparse.ArgumentParser()
-    monitor.add_monitor_args(parser)
+    add_monitor_args(parser)
     args = parser.parse_args(["--moc-monitor", "--moc-hang-timeout", "30",
                               "--moc-straggler-action", "stop"])
     config = MonitorConfig.from_args(args)
@@ -52,7 +56,7 @@ def test_config_from_flags():
 # ------------------------------------------------------------------ pure rules
 
 def test_window_median_waits_for_a_full_window():
-    m = monitor.WindowMedian(3)
+    m = WindowMedian(3)
     m.push(1.0)
     m.push(9.0)
     assert m.value is None
@@ -63,7 +67,7 @@ def test_window_median_waits_for_a_full_window():
 
 
 def _beats_from(store, world):
-    return {r: Beat.from_json(r, store.get(monitor.heartbeat_key(r))) for r in range(world)}
+    return {r: Beat.from_json(r, store.get(heartbeat_key(r))) for r in range(world)}
 
 
 def _first_flagged(iter_times, own_times=None, window=5, factor=2.0):
@@ -249,7 +253,7 @@ def test_progress_touches_split_the_timeout_between_phases():
         for d in dogs:
             d.poll_once()
     assert calls["hang"] == []
-    beat = Beat.from_json(0, store.get(monitor.heartbeat_key(0)))
+    beat = Beat.from_json(0, store.get(heartbeat_key(0)))
     assert beat.iteration == 1 and beat.iter_s is None  # a touch is not an iteration
     clock.now += 5.5
     for d in dogs:
@@ -302,8 +306,8 @@ def test_straggler_action_stop_exits_after_every_rank_acknowledged(monkeypatch):
         exits.append(status)
         raise Exited
 
-    monkeypatch.setattr(monitor, "exit_now", exit_now)
-    monkeypatch.setattr(monitor.atexit, "register", lambda f, *a: registered.append(a))
+    monkeypatch.setattr(watchdog_module, "exit_now", exit_now)
+    monkeypatch.setattr(watchdog_module.atexit, "register", lambda f, *a: registered.append(a))
     store.add("moc/ack/straggler", 2)  # the two other ranks detected it already
     dog = Watchdog(store, 0, 3, MonitorConfig(straggler_window=3, straggler_action="stop",
                                               poll_s=1.0), emit=lambda e: None, log=lambda m: None,
@@ -311,7 +315,7 @@ def test_straggler_action_stop_exits_after_every_rank_acknowledged(monkeypatch):
     start = time.monotonic()
     with pytest.raises(Exited):
         dog.poll_once()
-    assert exits == [monitor.EXIT_STRAGGLER] and registered == [(monitor.EXIT_STRAGGLER,)]
+    assert exits == [EXIT_STRAGGLER] and registered == [(EXIT_STRAGGLER,)]
     assert time.monotonic() - start < 1.0  # did not wait out the grace period
 
 
@@ -387,7 +391,7 @@ def test_ranks_blocked_in_a_collective_detect_the_hung_rank(tmp_path, hung, coll
     results = run_ranks(3, ["--out", out, "--fault", f"hang@4:rank={hung}", "--iters", "50",
                             "--collective", collective, "--hang-timeout", str(timeout),
                             "--poll", str(poll)], script=WORKER, timeout=120)
-    assert [r.returncode for r in results] == [monitor.EXIT_HANG] * 3, describe(results)
+    assert [r.returncode for r in results] == [EXIT_HANG] * 3, describe(results)
     latencies = []
     for rank in range(3):
         found = _read_json(os.path.join(out, f"detect-rank{rank}.json"))
@@ -439,23 +443,23 @@ def test_collective_clock_times_outermost_collectives_and_uninstalls(tmp_path, m
     assert dist.get_world_size() == 1
     try:
         original = dist.all_reduce
-        clock = monitor.CollectiveClock().install()
+        clock = CollectiveClock().install()
         assert dist.all_reduce is not original and clock.install() is clock
-        real = monitor.time.perf_counter
+        real = time.perf_counter
         fake = iter([0.0, 0.5, 10.0, 10.25]).__next__  # two outermost calls
-        monkeypatch.setattr(monitor.time, "perf_counter", fake)
+        monkeypatch.setattr(time, "perf_counter", fake)
         dist.all_reduce(torch.ones(3))
         out = [None]
         dist.all_gather_object(out, {"x": 1})
-        monkeypatch.setattr(monitor.time, "perf_counter", real)
+        monkeypatch.setattr(time, "perf_counter", real)
         assert out == [{"x": 1}]
         assert clock.take() == (0.75, 2)
         assert clock.take() == (0.0, 0)
         nested = clock.wrap(lambda: dist.all_reduce(torch.ones(1)))  # wraps a wrapped call
         fake = iter([0.0, 2.0]).__next__  # the inner call must not read the clock
-        monkeypatch.setattr(monitor.time, "perf_counter", fake)
+        monkeypatch.setattr(time, "perf_counter", fake)
         nested()
-        monkeypatch.setattr(monitor.time, "perf_counter", real)
+        monkeypatch.setattr(time, "perf_counter", real)
         assert clock.take() == (2.0, 1)
         time.sleep(0.5)  # outside any collective: not counted
         dist.barrier()  # a one-rank barrier: far below 0.5 s even on a loaded machine
@@ -481,7 +485,7 @@ def one_rank_group(tmp_path):
         dist.destroy_process_group()
 
 
-class _ScriptedDeviceTimer(monitor.DeviceTimer):
+class _ScriptedDeviceTimer(DeviceTimer):
     """A device whose collectives return at once (as NCCL's do) and whose stream times are
     scripted: each mark is the next stamp; every tensor counts as on the device."""
 
@@ -507,15 +511,15 @@ def test_collective_clock_counts_an_async_collectives_wait(one_rank_group, monke
     """gloo, async_op=True: the rank is held by the collective at its launch and at its
     wait(), which comes later; the old clock counted only the launch. The handle is still
     a Work and forwards the rest (is_completed, get_future) to the real one."""
-    clock = monitor.CollectiveClock().install()
+    clock = CollectiveClock().install()
     try:
-        real = monitor.time.perf_counter
+        real = time.perf_counter
         fake = iter([0.0, 0.25, 5.0, 7.0]).__next__  # launch 0.25 s, wait 2 s
-        monkeypatch.setattr(monitor.time, "perf_counter", fake)
+        monkeypatch.setattr(time, "perf_counter", fake)
         t = torch.ones(3)
         work = dist.all_reduce(t, async_op=True)
         work.wait()
-        monkeypatch.setattr(monitor.time, "perf_counter", real)
+        monkeypatch.setattr(time, "perf_counter", real)
         assert isinstance(work, dist.Work) and work.is_completed()
         assert work.get_future().wait()[0].tolist() == [1.0, 1.0, 1.0]
         assert clock.take() == (2.25, 1)
@@ -531,16 +535,16 @@ def test_collective_clock_times_device_collectives_on_the_stream(one_rank_group,
     timer = _ScriptedDeviceTimer([0.0, 3.0,      # all_reduce: the stream waited 3 s in it
                                   5.0, 5.0,      # async launch: the stream does not wait
                                   20.0, 22.5])   # its wait(): the stream waited 2.5 s
-    clock = monitor.CollectiveClock(device_timer=timer).install()
+    clock = CollectiveClock(device_timer=timer).install()
     try:
-        real = monitor.time.perf_counter
-        monkeypatch.setattr(monitor.time, "perf_counter", iter([100.0, 100.25]).__next__)
+        real = time.perf_counter
+        monkeypatch.setattr(time, "perf_counter", iter([100.0, 100.25]).__next__)
         dist.all_reduce(torch.ones(2))
         work = dist.all_reduce(torch.ones(2), async_op=True)
         work.wait()
         out = [None]
         dist.all_gather_object(out, "x")  # no tensor: a host collective (0.25 s)
-        monkeypatch.setattr(monitor.time, "perf_counter", real)
+        monkeypatch.setattr(time, "perf_counter", real)
         assert timer.resolved == []  # nothing waited for the device before the heartbeat
         assert clock.take() == (5.75, 3)
         assert timer.resolved == [(0.0, 3.0), (5.0, 5.0), (20.0, 22.5)]
@@ -559,26 +563,26 @@ def test_a_straggler_means_the_same_on_both_backends(one_rank_group, monkeypatch
     iters, window, iter_s = 5, 3, 0.5
     waits = {0: 0.375, 1: 0.0, 2: 0.375}  # dyadic: exact sums
     store = dist.HashStore()
-    real = monitor.time.perf_counter
+    real = time.perf_counter
     for rank, wait in waits.items():
         if backend == "gloo":
             host = [x for i in range(iters) for x in (10.0 * i, 10.0 * i + wait)]
-            clock = monitor.CollectiveClock()  # CPU tensors: host collectives
+            clock = CollectiveClock()  # CPU tensors: host collectives
         else:
             host = [0.0] * (2 * iters)  # the launch: no time
-            clock = monitor.CollectiveClock(device_timer=_ScriptedDeviceTimer(
+            clock = CollectiveClock(device_timer=_ScriptedDeviceTimer(
                 [x for i in range(iters) for x in (10.0 * i, 10.0 * i + wait)]))
         clock.install()
         hb = Heartbeat(store, rank, window=window)
         try:
-            monkeypatch.setattr(monitor.time, "perf_counter", iter(host).__next__)
+            monkeypatch.setattr(time, "perf_counter", iter(host).__next__)
             for i in range(iters):
                 dist.all_reduce(torch.ones(1))
                 comm_s, calls = clock.take()
                 hb.beat(i + 2, iter_s=iter_s, own_s=iter_s - comm_s, comm_s=comm_s,
                         collectives=calls)
         finally:
-            monkeypatch.setattr(monitor.time, "perf_counter", real)
+            monkeypatch.setattr(time, "perf_counter", real)
             clock.uninstall()
     found = find_stragglers(_beats_from(store, 3), factor=2.0)
     assert found == {1: 4.0}, found
@@ -608,7 +612,7 @@ def test_cuda_event_clock_splits_device_waits_from_compute(one_rank_group):
     end.record()
     end.synchronize()
     busy_s = begin.elapsed_time(end) / 1000.0  # what 200 products take on this device
-    clock = monitor.CollectiveClock().install()
+    clock = CollectiveClock().install()
     try:
         _busy(a, 200)                       # compute queued before the collective
         dist.all_reduce(x, group=group)    # returns once queued (NCCL)

@@ -296,7 +296,7 @@ def test_an_upstream_log_over_its_budget_is_refused_naming_the_flags():
     import argparse
     from types import SimpleNamespace
 
-    from megatron.training.errors import ConfigError
+    from megatron.errors import ConfigError
     from megatron.training.pipeline import check_upstream_log
     log = SimpleNamespace(retain_iterations=2, engine=SimpleNamespace())
     args = argparse.Namespace(micro_batch_size=4, seq_length=128, hidden_size=1024, fp16=False,

@@ -11,8 +11,8 @@ import types
 
 import pytest
 
+from megatron.errors import ConfigError
 from megatron.training.arguments import parse_args, validate_args
-from megatron.training.errors import ConfigError
 from megatron.training.precision import check_precision, supported_precisions
 from tests.launch import run_ranks
 

@@ -244,7 +244,7 @@ def test_the_trainer_refuses_another_vocabulary_and_names_the_padding_that_match
     import argparse
     from megatron.training.checkpointing import check_compatible
     from megatron.training.vocab_check import matching_divisor, vocab_refusal
-    from megatron.training.errors import ConfigError
+    from megatron.errors import ConfigError
     here = argparse.Namespace(padded_vocab_size=264, true_vocab_size=257,
                               make_vocab_size_divisible_by=8, tensor_model_parallel_size=1,
                               tokenizer_type="ByteLevelTokenizer", vocab_file=None,

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from megatron.errors import ConfigError
 from megatron.training.arguments import parse_args, validate_args
-from megatron.training.errors import ConfigError
 from megatron.training.megatron_compat import ignored_flag_notes
 from tests.launch import fresh_python
 

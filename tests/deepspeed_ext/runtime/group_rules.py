@@ -157,7 +157,7 @@ def _project_caller(frame) -> Tuple[str, str]:
     while frame is not None:
         path = os.path.abspath(frame.f_code.co_filename)
         rel = os.path.relpath(path, REPO)
-        if rel == os.path.join("megatron", "training", "monitor.py") and \
+        if rel == os.path.join("megatron", "training", "monitor", "clock.py") and \
                 frame.f_code.co_name == "timed":
             frame = frame.f_back
             continue

@@ -1,8 +1,10 @@
-"""The one error type for bad user input.
+"""The one error type for bad user input, shared by every layer of the trainer.
 
 Every check of flags, YAML keys, data files and tokenizer files raises
 :class:`ConfigError`; the entry point catches it on every rank, prints its one-line
-message and exits with status 2 before any collective could hang.
+message and exits with status 2 before any collective could hang. It lives here, below
+``megatron.data``, ``megatron.model`` and ``megatron.training``, so that the data and
+model layers can raise it without importing the training layer above them.
 """
 
 
