@@ -45,6 +45,8 @@ RUN_BY = {
     "bash scripts/quickstart.sh":
         "tests/test_launch_scripts.py::test_quickstart_says_which_device_its_ranks_use",
     "bash scripts/test.sh": THE_SUITE,
+    "bash scripts/test.sh --fast": "not run: it runs this suite's tests that start no process; "
+                                   "tests/test_markers.py checks the rule that picks them",
     "source scripts/setup_env.sh":
         "tests/test_packaging.py::test_setup_env_leaves_an_interactive_shell_as_it_was",
     "pip install -e .[gpu]": INSTALL,

@@ -98,6 +98,7 @@ def test_without_eod_and_summary(tool, indexed, tmp_path):
     assert [bytes(d).decode("utf-8") for d in docs] == expected
 
 
+@pytest.mark.e2e  # starts worker processes (multiprocessing)
 def test_jsonl_two_keys(tool, indexed, tok, tmp_path):
     records = [
         {"title": "Moby-Dick", "text": PARAGRAPHS[1], "id": 1},
@@ -127,6 +128,7 @@ def test_json_array_file(tool, indexed, tok, tmp_path):
     assert [tok.detokenize(d) for d in docs] == PARAGRAPHS[:3]
 
 
+@pytest.mark.e2e  # starts worker processes (multiprocessing)
 def test_workers_give_identical_output(tool, tmp_path):
     texts = [f"document {i}: " + PARAGRAPHS[i % 4] * (i % 3 + 1) for i in range(300)]
     write_texts(tmp_path / "many", texts)

@@ -142,6 +142,7 @@ def test_data_loader_batches_and_resume():
         assert torch.equal(a["tokens"], b["tokens"])
 
 
+@pytest.mark.e2e  # starts worker processes (multiprocessing)
 def test_data_loader_none_and_workers():
     assert build_pretraining_data_loader(None, 0, 2, 0, 1) is None
     data = FakeGPT(12, 4)
