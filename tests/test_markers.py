@@ -1,5 +1,5 @@
-"""The ``e2e`` marker (tests/conftest.py): the rule marks the tests that start processes and
-leaves the others to ``bash scripts/test.sh --fast``; collection applies it; the guard
+"""The ``e2e`` marker (tests/process_rule.py; set by tests/conftest.py, guarded by
+tests/process_guard.py): the rule marks the tests that start processes and leaves the others to ``bash scripts/test.sh --fast``; collection applies it; the guard
 fails an unmarked test that starts a process.
 
 The rule is checked three ways: on a small made-up repository whose every path to a
@@ -15,8 +15,8 @@ import textwrap
 
 import pytest
 
-from tests.conftest import (GUARD, REPO, RULE, CodeIndex, ProcessGuard, e2e_reason,
-                            static_fixturenames)
+from tests.process_guard import GUARD, ProcessGuard
+from tests.process_rule import REPO, RULE, CodeIndex, e2e_reason, static_fixturenames
 
 # ---------------------------------------------------------------------------------------
 # A made-up repository.
