@@ -45,6 +45,12 @@ RUN_BY = {
     "bash scripts/quickstart.sh":
         "tests/test_launch_scripts.py::test_quickstart_says_which_device_its_ranks_use",
     "bash scripts/test.sh": THE_SUITE,
+    "bash scripts/mutation.sh deepspeed_ext/policy --sample 320 --seed 1":
+        "not run: mutation testing takes 18 min for this sample (docs/testing.md); "
+        "tests/test_readme.py parses its words",
+    "bash scripts/mutation.sh deepspeed_ext/policy --survivors-of "
+    "runs/mutation/deepspeed_ext.policy-sample320-seed1.json":
+        "not run: it reruns the survivors of the run above; tests/test_readme.py parses its words",
     "bash scripts/test.sh --fast": "not run: it runs this suite's tests that start no process; "
                                    "tests/test_markers.py checks the rule that picks them",
     "source scripts/setup_env.sh":

@@ -76,6 +76,7 @@ SHELL_SCRIPTS = {
     "scripts/test.sh": ((0, 0), "pytest"),
     "scripts/gpu_wheels.sh": ((0, 1), None),
     "scripts/gpu_check.sh": ((0, 0), "scripts/gpu_check.py"),
+    "scripts/mutation.sh": ((1, 1), "scripts/mutation.py"),
     "scripts/run_elastic.sh": ((2, 2), "trainer"),
     "scripts/launch_cluster.sh": ((6, 6), "trainer"),
     "scripts/launch_1node_dp8_ep8.sh": ((2, 3), "trainer"),

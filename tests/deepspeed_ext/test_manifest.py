@@ -785,3 +785,16 @@ def test_preparing_a_save_over_the_checkpoint_latest_names_moves_latest_first(tm
     latest.update_latest(save_dir, "global_step10")
     prepare_checkpoint_dir(save_dir, "global_step10", overwrite=True)
     assert read_latest(save_dir) == "global_step5"
+
+
+# Exact covers in any order: none. One element off at either end, overlapping or past the
+# end by one, an empty or a negative fragment: each a problem.
+@pytest.mark.parametrize("spans, numel, problems", [
+    (((3, 4), (0, 3)), 7, []), (((0, 1),), 1, []), ((), 0, []),
+    (((0, 3), (3, 3)), 7, ["[6, 7) are in no fragment"]), (((1, 6),), 7, ["[0, 1) are in no"]),
+    (((0, 4), (3, 4)), 7, ["[3, 4) are in more than one"]), (((0, 7),), 6, ["element 7, past"]),
+    (((0, 7), (7, 0)), 7, ["offset 7 length 0"]), (((-1, 8),), 7, ["offset -1", "[0, 7) are"]),
+])
+def test_coverage_problems_of_fragments_one_element_off(spans, numel, problems):
+    got = mf.coverage_problems([mf.Fragment("r", f"w@{o}", o, n) for o, n in spans], numel)
+    assert len(got) == len(problems) and all(p in g for p, g in zip(problems, got)), got

@@ -146,3 +146,20 @@ def test_should_reorder_only_above_the_threshold():
 def test_should_reorder_rejects_out_of_range(shift, threshold, match):
     with pytest.raises(ValueError, match=match):
         should_reorder(shift, threshold)
+
+
+# --- boundaries found by mutation testing (docs/testing.md) --------------------------------
+
+def test_an_expert_missing_from_popularity_ties_with_a_count_of_zero():
+    # (1, 1) has no count: it ranks as 0, after (0, 0)'s explicit 0 by expert id.
+    popularity = {(0, 0): 0, (0, 1): 5, (1, 0): 5}
+    names = [op.name for op in order_operators(_small_model(), popularity)]
+    assert names == ["a_gate", "b_attn", "e0.0", "e1.1", "e0.1", "e1.0"]
+
+
+def test_popularity_shift_of_more_operators_than_small_int_cache():
+    # 300 operators (a rank of 300 expert shards): lengths past 256 are distinct int
+    # objects in CPython, so an identity test in place of == would refuse them.
+    names = [f"e{i}" for i in range(300)]
+    assert popularity_shift(names, names) == 0.0
+    assert popularity_shift(names, names[::-1]) == 1.0

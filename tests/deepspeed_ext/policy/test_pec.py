@@ -295,3 +295,37 @@ def test_parts_and_scopes():
     for bad in ("", "ow", "W", None):
         with pytest.raises(ValueError, match="--moc-pec-scope must be one of wo, w, o"):
             check_scope(bad)
+
+
+# --- boundaries found by mutation testing (docs/testing.md) --------------------------------
+
+@pytest.mark.parametrize("expert_id", [(-1, 0), (3, 0), (0, -1), (0, 5)])
+def test_expert_ids_one_or_more_past_either_end_are_refused(expert_id):
+    layout = ExpertLayout(num_moe_layers=2, num_experts=4, ep_size=2)
+    with pytest.raises(ValueError, match="outside"):
+        layout.check_expert(expert_id)
+
+
+def test_token_counts_of_more_experts_than_small_int_cache():
+    # 300 experts per layer: lengths past 256 are distinct int objects in CPython, so an
+    # identity test in place of != would refuse every row.
+    layout = ExpertLayout(num_moe_layers=1, num_experts=300, ep_size=1)
+    policy = LoadAwarePolicy(layout, k=1)
+    policy.observe_tokens([[1] * 300])
+    assert policy.unsaved_tokens() == [[1] * 300]
+
+
+@pytest.mark.parametrize("step", [True, 1.5, "3"])
+def test_mark_saved_refuses_a_step_that_is_not_an_int(step):
+    policy = SequentialPolicy(FIG4, k=1)
+    with pytest.raises(ValueError, match="step must be a non-negative int"):
+        policy.mark_saved({(0, 0)}, step)
+    assert policy.checkpoints == 0 and policy.last_saved_steps()[0] == [None, None, None]
+
+
+def test_mark_saved_again_at_the_same_step_is_allowed():
+    # A save retried at the step it failed at records the same version again.
+    policy = SequentialPolicy(FIG4, k=1)
+    policy.mark_saved({(0, 0)}, step=5)
+    policy.mark_saved({(0, 0)}, step=5)
+    assert policy.checkpoints == 2 and policy.last_saved_steps()[0][0] == 5

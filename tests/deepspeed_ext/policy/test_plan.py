@@ -234,3 +234,12 @@ def test_split_piece_and_parse_errors():
         parse_chunk_key("weights", 4)
     with pytest.raises(ValueError, match="not a chunk key"):
         parse_chunk_key("weights#x", 4)
+
+
+# --- boundaries found by mutation testing (docs/testing.md) --------------------------------
+
+@pytest.mark.parametrize("holder", [True, 1.5])
+def test_a_holder_that_is_not_an_int_rank_is_refused(holder):
+    # True would pass a range check as rank 1; 1.5 would index the load list.
+    with pytest.raises(ValueError, match="has holder"):
+        build_write_plan([Piece("a", 1, (0, holder))], 2)

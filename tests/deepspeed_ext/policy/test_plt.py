@@ -107,3 +107,57 @@ def test_dynamic_k_doubles_exactly_when_the_threshold_is_crossed():
             dynamic_k(1, 8, 0.5, bad)
     with pytest.raises(ValueError, match="K must be in 1..8"):
         dynamic_k(9, 8, 0.5, threshold)
+
+
+# --- boundaries found by mutation testing (docs/testing.md) --------------------------------
+
+@pytest.mark.parametrize("layers, experts", [(-1, 4), (2, 0), (-1, 0)])
+def test_ledger_refuses_a_negative_layer_count_or_no_expert(layers, experts):
+    with pytest.raises(ValueError, match=">= 0 MoE layers and >= 1 expert"):
+        TokenLedger(layers, experts)
+
+
+def test_ledger_of_no_moe_layer_or_one_expert_is_fine():
+    assert TokenLedger(0, 1).cumulative == []
+    ledger = TokenLedger(2, 1)
+    ledger.observe([[3], [4]])
+    assert ledger.cumulative == [[3], [4]]
+
+
+@pytest.mark.parametrize("expert_id", [(0, 4), (0, 5), (2, 0), (0, -1)])
+def test_mark_saved_refuses_an_expert_one_or_more_past_the_end(expert_id):
+    ledger = TokenLedger(2, 4)
+    with pytest.raises(ValueError, match="outside"):
+        ledger.mark_saved([expert_id], 1)
+    assert ledger.versions == TokenLedger(2, 4).versions
+
+
+def test_a_save_at_an_older_step_drops_the_abandoned_newer_versions():
+    # After a recovery rolled the run back to step 3, the versions saved at 4 and 5 belong
+    # to the abandoned timeline: the history stays oldest first and ends at the new save.
+    ledger = TokenLedger(1, 1)
+    for step in (2, 4, 5):
+        ledger.observe([[1]])
+        ledger.mark_saved([(0, 0)], step)
+    ledger.mark_saved([(0, 0)], 3)
+    assert ledger.versions == [[[(2, 1), (3, 3)]]]
+
+
+def test_ledger_state_of_a_larger_model_or_extra_versions_is_refused():
+    big = TokenLedger(2, 4)
+    _run(big, {2: ALL})
+    with pytest.raises(ValueError, match="saved for 2 MoE layers x 4 experts"):
+        TokenLedger(1, 4).load_state_dict(big.state_dict())
+    state = big.state_dict()
+    state["versions"].append([[] for _ in range(4)])
+    other = TokenLedger(2, 4)
+    with pytest.raises(ValueError, match="versions are not shaped"):
+        other.load_state_dict(state)
+    assert other == TokenLedger(2, 4)
+
+
+def test_a_count_of_minus_one_is_negative():
+    ledger = TokenLedger(1, 2)
+    with pytest.raises(ValueError, match="negative"):
+        ledger.observe([[0, -1]])
+    assert ledger.cumulative == [[0, 0]]

@@ -670,6 +670,22 @@ def test_plan_erasure_survivor_without_step_is_rebuilt_too():
     assert plan.transfers == tuple(_erasure_expected(1, topo, 2, 6))
 
 
+
+def test_plan_erasure_never_decodes_from_a_stripe_mate_without_its_image():
+    # Every parity of step 5 survives, but two positions of the stripe [0, 1, 2] lack
+    # their own image of it (ranks 1 and 2: evicted, or never completed). One XOR parity
+    # decodes one missing position: rebuilding rank 1 would XOR in chunks of rank 2's
+    # image that no longer exist, and rank 2's from rank 1's; garbage loaded as weights.
+    topo = Topology(3, 1)
+    spec = RedundancySpec("erasure", ec_data=2)
+    holdings = Holdings(own={0: _fs(4, 5), 1: _fs(4), 2: _fs(4)},
+                        parities={r: _fs(4, 5) for r in range(3)})
+    assert rebuild_transfers(1, 5, holdings, topo, spec) is None
+    assert rebuild_transfers(2, 5, holdings, topo, spec) is None
+    plan = plan_rebuild(holdings, topo, spec)
+    assert plan.step == 4 and plan.rebuilt == () and plan.transfers == ()
+    assert "step 5" in plan.why
+
 # --- extra_bytes ----------------------------------------------------------------------------
 
 def test_extra_bytes():
@@ -693,3 +709,42 @@ def test_moc_config_checks_the_redundancy_flags():
         MoCConfig(two_level=True, shm_dir="x", redundancy="erasure", redundancy_interval=0)
     spec = MoCConfig(two_level=True, shm_dir="x", redundancy="erasure", ec_data=3).redundancy_spec()
     assert (spec.mode, spec.ec_data, spec.ec_parity) == ("erasure", 3, 1)
+
+
+# --- boundaries found by mutation testing (docs/testing.md) --------------------------------
+
+def test_describe_a_mode_parsed_from_the_command_line():
+    # A flag's value is a new str object, not the interned literal: compared by identity
+    # ("is") it would describe erasure as none.
+    mode = "".join(["eras", "ure"])
+    assert RedundancySpec(mode, ec_data=3).describe() == "erasure (3 data + 1 XOR parity)"
+
+
+def test_check_layout_replicate_names_the_nodes_needed_for_odd_replicas():
+    with pytest.raises(ValueError, match="--moc-replicas 3 needs at least 4 nodes"):
+        check_layout(RedundancySpec("replicate", replicas=3), Topology(3, 1))
+
+
+def test_padded_chunk_of_a_full_chunk_past_256_bytes_is_a_view():
+    # Sizes past 256 are distinct int objects in CPython: compared by identity, a full
+    # chunk would be copied (twice the memory traffic of every parity).
+    image = torch.zeros(600, dtype=torch.uint8)
+    full = padded_chunk(image, 300, 1)
+    full[0] = 7
+    assert image[300].item() == 7
+
+
+def test_plan_replicate_step_newer_than_every_own_step_gives_no_reason():
+    # Both ranks rebuild step 5 from the other's copy; no newer own step is given up.
+    topo = Topology(2, 1)
+    holdings = Holdings(own={0: _fs(4), 1: _fs(4)},
+                        replicas={1: {0: _fs(5)}, 0: {1: _fs(5)}})
+    plan = plan_rebuild(holdings, topo, RedundancySpec("replicate"))
+    assert plan.step == 5 and plan.rebuilt == (0, 1) and plan.why == ""
+
+
+def test_plan_erasure_why_names_the_group_size():
+    topo = Topology(3, 1)
+    holdings = Holdings(own={0: _fs(3)}, parities={0: _fs(3)})
+    plan = plan_rebuild(holdings, topo, RedundancySpec("erasure", ec_data=2))
+    assert "covers one lost node per group of 3" in plan.why

@@ -316,3 +316,23 @@ def test_choose_window_for_failures_balances_frame_cost_and_replay():
         kwargs = {**dict(iter_s=1.0, hidden_s=0.0, mtbf_s=1.0), **bad}
         with pytest.raises(ValueError):
             choose_window_for_failures(ops, 1.0, **kwargs)
+
+
+# --- boundaries found by mutation testing (docs/testing.md) --------------------------------
+
+def test_choose_window_for_failures_scales_the_frame_cost_by_the_iteration():
+    from deepspeed_ext.policy.window import choose_window_for_failures
+    # The 12 experts above, 2 s iterations, MTBF 8 s: a frame of ceil(12/W) s costs
+    # ceil(12/W) / 2 of the time, a failure 1.5 W * 2 / 8. W=3: 2 + 1.125, W=4: 1.5 + 1.5,
+    # W=6: 1 + 2.25 -> 4 (a frame cost times the iteration instead would pick 6).
+    ops = [Operator(f"e{i}", "expert", (0, i), 100, 0) for i in range(12)]
+    assert choose_window_for_failures(ops, 100.0, 2.0, 0.0, 8.0).window == 4
+
+
+def test_replay_plan_of_a_window_past_256_iterations():
+    # W = 300: positions past 256 are distinct int objects in CPython; compared by
+    # identity, the last step would name a frozen snapshot that does not exist.
+    ordered = [dense_op(f"o{i:03d}", 1, 1) for i in range(300)]
+    steps = replay_plan(build_schedule(ordered, 300), 0, 300)
+    assert [s.frozen_from for s in steps[-2:]] == [298, None]
+    assert steps[-1].frozen == () and steps[-1].stepping == tuple(range(300))
