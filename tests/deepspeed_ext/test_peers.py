@@ -8,6 +8,7 @@ import shutil
 import signal
 import time
 
+from tests.deepspeed_ext.two_level_runs import committed
 from tests.deepspeed_ext.two_level_runs import flags as _flags
 from tests.deepspeed_ext.two_level_runs import keeper_pid as _keeper_pid
 from tests.deepspeed_ext.two_level_runs import run as _run
@@ -28,7 +29,7 @@ def _crash_then_lose(tmp_path, nproc, ep, extra, lost_nodes, steps=STEPS):
     assert all(r.returncode == -signal.SIGKILL for r in results)
     assert "protected" in results[0].output, results[0].output[-3000:]
     deadline = time.monotonic() + 120  # the keepers finish persisting step 1 first
-    while not os.path.exists(os.path.join(ckpt, "global_step1", "manifest.json")):
+    while not committed(ckpt, "global_step1"):
         assert time.monotonic() < deadline, "step 1 was never committed"
         time.sleep(0.1)
     for node in lost_nodes:

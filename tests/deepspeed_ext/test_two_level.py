@@ -15,7 +15,7 @@ from deepspeed_ext.format.naming import ITERATION_FILE
 from deepspeed_ext.job_identity import RUN_ID_FILE
 from deepspeed_ext.keeper import HANG_PERSIST_ENV
 from deepspeed_ext.two_level.handover import LATE_HAND_OVER_ENV
-from tests.deepspeed_ext.two_level_runs import WORKER
+from tests.deepspeed_ext.two_level_runs import WORKER, committed
 from tests.deepspeed_ext.two_level_runs import flags as _flags
 from tests.deepspeed_ext.two_level_runs import keeper_pid as _keeper_pid
 from tests.deepspeed_ext.two_level_runs import run as _run
@@ -130,8 +130,11 @@ def test_failed_memory_recovery_with_nothing_on_storage_stops_every_rank(tmp_pat
     try:
         flags = _flags(shm, 2, 2, ["--moc-persist-interval", "100"])
         _crashed_after_3(tmp_path, flags, ckpt)
-        deadline = time.monotonic() + 120  # the keeper's persist of step 1 lands first
-        while not os.path.exists(os.path.join(ckpt, "global_step1", "manifest.json")):
+        # The keeper's persist of step 1 lands first: wait for the end of its commit
+        # (the manifest, then `latest`); deleting after the manifest alone raced with the
+        # keeper writing `latest` afterwards, which then named a deleted checkpoint.
+        deadline = time.monotonic() + 120
+        while not committed(ckpt, "global_step1"):
             assert time.monotonic() < deadline, "step 1 was never committed"
             time.sleep(0.1)
         # Its checkpoints lost; the snapshots of steps 2-3 are in memory. (The run id
@@ -168,7 +171,7 @@ def test_node_memory_lost_two_level_recovery(tmp_path):
         saved = first[0]["saved_states"]
         # the keepers finish persisting step 1 after the crash; then node 1 dies
         deadline = time.monotonic() + 120
-        while not os.path.exists(os.path.join(ckpt, "global_step1", "manifest.json")):
+        while not committed(ckpt, "global_step1"):
             assert time.monotonic() < deadline, "step 1 was never committed"
             time.sleep(0.1)
         lost = os.path.join(shm, "node1")

@@ -32,3 +32,15 @@ def keeper_pid(node_dir):
     """The pid of the keeper serving ``node_dir``."""
     from deepspeed_ext.keeper import request
     return request(node_dir, {"op": "ping"})["pid"]
+
+
+def committed(ckpt, tag):
+    """Whether the commit of ``tag`` under ``ckpt`` has ended: its manifest, then
+    ``latest`` naming it (a test that deletes or kills once the manifest alone exists
+    races with the keeper writing ``latest`` right after it)."""
+    import os
+    latest = os.path.join(ckpt, "latest")
+    if not os.path.exists(os.path.join(ckpt, tag, "manifest.json")) or not os.path.exists(latest):
+        return False
+    with open(latest) as f:
+        return f.read().strip() == tag
