@@ -14,6 +14,11 @@ CHECK_REPLAY_FLAGS = "--check-replay-flags"
 recorded command's flags a replay may use) and train nothing; not a training flag
 (:mod:`megatron.training.replay_flags`)."""
 
+MODEL_SHAPE = "--model-shape"
+"""As the only argument: answer ``moc-plan``'s JSON request on stdin (the shape of the
+model a training config describes) and train nothing; not a training flag
+(:mod:`megatron.training.model_shape`)."""
+
 
 def _quiet_known_warnings() -> None:
     """Drop warnings that libraries print on every rank and that users cannot act on."""
@@ -24,15 +29,20 @@ def _quiet_known_warnings() -> None:
 
 def main(argv=None) -> int:
     """Parse, train, and turn bad input into exit code 2 on every rank; or, given only
-    :data:`CHECK_REPLAY_FLAGS`, answer densify's flag check.
+    :data:`CHECK_REPLAY_FLAGS`, answer densify's flag check; given only
+    :data:`MODEL_SHAPE`, answer moc-plan's model question.
 
     torch and DeepSpeed are imported after the arguments parse: ``--help`` and a
     mistyped flag answer in a fraction of a second instead of after their imports.
     """
     _quiet_known_warnings()
-    if list(sys.argv[1:] if argv is None else argv) == [CHECK_REPLAY_FLAGS]:
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words == [CHECK_REPLAY_FLAGS]:
         from megatron.training.replay_flags import answer
         return answer(sys.stdin, sys.stdout)
+    if words == [MODEL_SHAPE]:
+        from megatron.training.model_shape import answer as answer_shape
+        return answer_shape(sys.stdin, sys.stdout)
     from megatron.errors import ConfigError
     try:
         from megatron.training.arguments import parse_args

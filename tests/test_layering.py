@@ -199,12 +199,7 @@ def test_the_picture_draws_the_layers_this_test_enforces():
 # ------------------------------------------------- the library below the trainer, and the
 # trainer's own layers: data and model below training
 
-TRAINER_IMPORT_EXCEPTIONS: Dict[str, str] = {
-    "deepspeed_ext/planning/cli.py":
-        "moc-plan's command line reads a training command's flags into the trainer's model "
-        "config (megatron.training.arguments), inside its main function; the planner "
-        "itself imports nothing of the trainer",
-}
+TRAINER_IMPORT_EXCEPTIONS: Dict[str, str] = {}
 """Modules of ``deepspeed_ext`` allowed to import ``megatron``, each with its reason. A
 test below fails when an exception is no longer needed."""
 
@@ -277,9 +272,10 @@ def test_the_library_imports_no_trainer_and_data_and_model_import_no_training():
 
 def test_every_trainer_import_exception_is_still_needed():
     """An exception whose module no longer imports the trainer is removed from the list
-    (it would let a new trainer import in that module pass unseen)."""
+    (it would let a new trainer import in that module pass unseen): the modules that import
+    the trainer are exactly the exceptions (today none)."""
     users = {p.split(":", 1)[0] for p in imports_of_prefix(REPO, PACKAGE, "megatron")}
-    assert sorted(set(TRAINER_IMPORT_EXCEPTIONS) - users) == []
+    assert sorted(users) == sorted(TRAINER_IMPORT_EXCEPTIONS)
 
 
 def test_the_trainer_layering_check_finds_each_kind_of_upward_import(tmp_path):

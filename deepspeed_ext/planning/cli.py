@@ -18,6 +18,7 @@ import importlib.util
 import json
 import math
 import os
+import subprocess
 import sys
 from dataclasses import asdict, fields, replace
 from typing import List, Optional
@@ -26,7 +27,17 @@ from deepspeed_ext.planning import costs as cm
 from deepspeed_ext.planning.search import Constraints, recommend
 from deepspeed_ext.planning.simulate import MAX_FAILURES, load_trace, simulate_many
 
-VOCAB = {"GPT2BPETokenizer": 50257, "ByteLevelTokenizer": 257}
+ENTRY_POINT = "pretrain_gpt_moe.py"
+"""The training script that reads a config into a model shape: this project's own, beside
+``deepspeed_ext/`` (the planner never imports the trainer, ``megatron``)."""
+
+MODEL_SHAPE = "--model-shape"
+"""The entry point's only argument when moc-plan asks it for a model's shape (the
+trainer's ``pretrain_gpt_moe.MODEL_SHAPE``; a test checks they agree)."""
+
+MODEL_SHAPE_TIMEOUT_S = 300.0
+"""How long the entry point may take to answer (it imports torch: seconds); a hung file
+system does not hang moc-plan."""
 
 
 class PlanError(ValueError):
@@ -34,7 +45,11 @@ class PlanError(ValueError):
 
 
 def model_from_config(path: str, ep_override: int = 0, gpus: int = 0) -> cm.ModelShape:
-    """The model of a training YAML config (the trainer's own parser and parameter count).
+    """The model of a training YAML config, as the trainer reads it (its own parser and
+    parameter count): runs this project's ``python pretrain_gpt_moe.py --model-shape`` in
+    the current directory with the request ``{"config", "ep", "gpus"}`` on its stdin and
+    reads its last stdout line, the ModelShape's fields (exit status 0) or ``{"error":
+    message}`` (exit status 2; ``megatron.training.model_shape`` defines the answer).
 
     Args:
         gpus: the data-parallel size (every rank); 0: not checked, and an unset global
@@ -42,58 +57,63 @@ def model_from_config(path: str, ep_override: int = 0, gpus: int = 0) -> cm.Mode
 
     Raises:
         PlanError: the file is missing or is not a model config, or its batch does not
-            split over ``gpus`` ranks (the trainer refuses that too).
+            split over ``gpus`` ranks (the trainer's message); or the entry point is
+            missing or gave no valid answer (naming it).
     """
-    from megatron.model.gpt_moe import count_parameters
-    from megatron.training.arguments import (ConfigError, model_config_from_args,
-                                             padded_vocab_size, parse_args)
-    if not os.path.isfile(path):
+    if not os.path.isfile(path):  # no process started for a mistyped path
         raise PlanError(f"--config: file not found: {path}")
+    script = _entry_point()
+    what = f"{script} {MODEL_SHAPE}"
+    request = json.dumps({"config": path, "ep": ep_override, "gpus": gpus})
     try:
-        args = parse_args(["--config", path, "--data-path", "unused"])
-    except ConfigError as err:
-        raise PlanError(f"--config {path}: {err}") from None
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
-        if getattr(args, name) is None:
-            raise PlanError(f"--config {path}: no {name.replace('_', '-')} (not a model config)")
-    if args.max_position_embeddings is None:
-        args.max_position_embeddings = args.seq_length
-    vocab = VOCAB.get(args.tokenizer_type, 50257)
-    args.padded_vocab_size = padded_vocab_size(vocab, args.make_vocab_size_divisible_by)
-    if ep_override:
-        args.moe_expert_parallel_size = ep_override
-    try:
-        config = model_config_from_args(args)
-    except ValueError as err:
-        raise PlanError(f"--config {path}: {err}") from None
-    counts = count_parameters(config)
-    batch = _global_batch(path, args.global_batch_size, args.micro_batch_size, gpus)
-    return cm.ModelShape(os.path.splitext(os.path.basename(path))[0], counts["non_expert"],
-                         counts["expert"], args.num_experts, len(config.moe_layer_indices),
-                         batch * args.seq_length)
+        done = subprocess.run([sys.executable, script, MODEL_SHAPE], input=request,
+                              capture_output=True, text=True, timeout=MODEL_SHAPE_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise PlanError(f"{what} could not read --config {path} ({err})") from None
+    lines = [line for line in (done.stdout or "").splitlines() if line.strip()]
+    try:  # the last line: a library may print a banner on import before the answer
+        reply = json.loads(lines[-1]) if lines else None
+    except ValueError:
+        reply = None
+    if done.returncode == 2 and isinstance(reply, dict) and isinstance(reply.get("error"), str):
+        raise PlanError(reply["error"])
+    model = _typed_shape(reply) if done.returncode == 0 else None
+    if model is None:
+        tail = ((done.stderr or "").strip() or (done.stdout or "").strip())[-2000:]
+        raise PlanError(f"{what} gave no model shape for --config {path} (exit status "
+                        f"{done.returncode}){': ' + tail if tail else ''}")
+    return model
 
 
-def _global_batch(path: str, global_batch: Optional[int], micro_batch: Optional[int],
-                  gpus: int) -> int:
-    """The global batch the trainer runs with ``gpus`` data-parallel ranks
-    (``megatron.training.arguments.validate_args``: unset, one micro-batch per rank; else
-    a multiple of micro-batch x data-parallel size).
+def _entry_point() -> str:
+    """This project's ``pretrain_gpt_moe.py``: beside the ``deepspeed_ext`` package, in the
+    repository or where pip installed both.
 
     Raises:
-        PlanError: naming the config, its batch flags and --gpus.
+        PlanError: it is not there.
     """
-    micro = micro_batch or 1
-    if not gpus:
-        return global_batch or micro
-    per_step = micro * gpus
-    if global_batch is None:
-        return per_step
-    if global_batch % per_step:
-        raise PlanError(f"--gpus {gpus}: --config {path} has --global-batch-size "
-                        f"{global_batch}, which the trainer requires to be divisible by "
-                        f"--micro-batch-size x data-parallel size ({micro} x {gpus} = "
-                        f"{per_step})")
-    return global_batch
+    import deepspeed_ext
+    root = os.path.dirname(os.path.dirname(os.path.abspath(deepspeed_ext.__file__)))
+    path = os.path.join(root, ENTRY_POINT)
+    if not os.path.isfile(path):
+        raise PlanError(f"cannot find this project's {ENTRY_POINT} in {root} (beside "
+                        f"deepspeed_ext/), which reads --config for moc-plan; reinstall MoC "
+                        f"(pip install -e . in its repository)")
+    return path
+
+
+def _typed_shape(reply: object) -> Optional[cm.ModelShape]:
+    """``reply`` as a ModelShape; None unless it has exactly its fields, of their types
+    and within its bounds."""
+    names = [f.name for f in fields(cm.ModelShape)]
+    if not (isinstance(reply, dict) and sorted(reply) == sorted(names)
+            and isinstance(reply["name"], str)
+            and all(type(reply[n]) is int for n in names if n != "name")):
+        return None
+    try:
+        return cm.ModelShape(**reply)
+    except ValueError:
+        return None
 
 
 def _hardware(opts) -> cm.Hardware:

@@ -1,15 +1,15 @@
 """The checkpoint library (deepspeed_ext) never imports the trainer (megatron), at module
-or function level, except the planner's command line (the trainer's model config);
-densify asks the trainer's entry point to check a replay's flags instead
-(tests/test_layering.py checks the same with relative imports resolved)."""
+or function level: densify asks the trainer's entry point to check a replay's flags, and
+moc-plan asks it for a config's model shape, instead (tests/test_layering.py checks the
+same with relative imports resolved)."""
 
 import ast
 import os
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE = os.path.join(REPO, "deepspeed_ext")
-ALLOWED = {"planning/cli.py"}
-"""The planner's command line (the trainer's parser and model config)."""
+ALLOWED: set = set()
+"""Modules allowed to import the trainer, relative to ``deepspeed_ext/``: none."""
 
 
 def _megatron_imports(path: str):

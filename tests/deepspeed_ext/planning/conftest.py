@@ -10,7 +10,9 @@ Per-rank figures of the toy cluster (8 GPUs, 4 per node, EP 8; 2 nodes):
 * forward+backward:       0.5 * 1 s = 0.5 s
 """
 
+import io
 import os
+import subprocess
 
 import pytest
 
@@ -20,6 +22,31 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))))
 CONFIG_16E = os.path.join(REPO, "configs", "gpt-350m-16e.yaml")
 """A real training config (16 experts, batch 256 of micro-batches of 4)."""
+
+REAL_RUN = subprocess.run
+"""subprocess.run before :func:`model_shape_in_process` replaces it (the test of the real
+entry point puts it back)."""
+
+
+@pytest.fixture(autouse=True)
+def model_shape_in_process(monkeypatch):
+    """The model shape moc-plan asks of this project's own pretrain_gpt_moe.py
+    (``--model-shape``) answered in this process by the same function the program runs,
+    so the planning tests start no process (importing torch each time): the request and
+    the answer still cross as the JSON the program reads and writes. Any other command
+    runs for real."""
+    from deepspeed_ext.planning.cli import MODEL_SHAPE
+    from megatron.training.model_shape import answer
+    ours = os.path.join(REPO, "pretrain_gpt_moe.py")
+
+    def run(cmd, *args, **kwargs):
+        if (len(cmd) == 3 and cmd[2] == MODEL_SHAPE
+                and os.path.abspath(cmd[1]) == os.path.abspath(ours)):
+            out = io.StringIO()
+            status = answer(io.StringIO(kwargs.get("input") or ""), out)
+            return subprocess.CompletedProcess(cmd, status, out.getvalue(), "")
+        return REAL_RUN(cmd, *args, **kwargs)
+    monkeypatch.setattr(subprocess, "run", run)
 
 
 def toy_model(**overrides) -> ModelShape:
