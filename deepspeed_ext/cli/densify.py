@@ -12,7 +12,8 @@ import tempfile
 from typing import List, Optional, Tuple
 
 from deepspeed_ext.cli.common import UsageError, check_dir, stderr
-from deepspeed_ext.cli.replay_flags import (ENTRY_POINT, ReplayCheckUnavailable,
+from deepspeed_ext.cli.entry_point import ENTRY_POINT, find_entry_point
+from deepspeed_ext.cli.replay_flags import (ReplayCheckUnavailable,
                                             recorded_command, stored_flags, user_flags)
 from deepspeed_ext.format import fs
 from deepspeed_ext.format.errors import CheckpointError
@@ -20,20 +21,12 @@ from deepspeed_ext.store.latest import read_latest
 
 
 def entry_point() -> str:
-    """This project's ``pretrain_gpt_moe.py``: beside the ``deepspeed_ext`` package, in
-    the repository or where pip installed both (:func:`cmd_densify` replays with it).
+    """This project's ``pretrain_gpt_moe.py`` (:func:`cmd_densify` replays with it).
 
     Raises:
         UsageError: it is not there.
     """
-    import deepspeed_ext
-    root = os.path.dirname(os.path.dirname(os.path.abspath(deepspeed_ext.__file__)))
-    path = os.path.join(root, ENTRY_POINT)
-    if not os.path.isfile(path):
-        raise UsageError(f"cannot find this project's {ENTRY_POINT} in {root} (beside "
-                         f"deepspeed_ext/), which densify replays the frames with; "
-                         f"reinstall MoC (pip install -e . in its repository)")
-    return path
+    return find_entry_point(ENTRY_POINT, "densify replays the frames with", UsageError)
 
 
 def _count_files(path: str) -> int:

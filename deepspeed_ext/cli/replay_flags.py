@@ -20,17 +20,14 @@ The exchange, defined here (the trainer implements it):
   naming the flag and the file to fix.
 """
 
-import json
 import os
 import re
 import subprocess
-import sys
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
 from deepspeed_ext.cli.common import UsageError
-
-ENTRY_POINT = "pretrain_gpt_moe.py"
+from deepspeed_ext.cli.entry_point import ENTRY_POINT, ask_entry_point
 """The training script densify replays with: this project's own, beside ``deepspeed_ext/``
 (never one a checkpoint names)."""
 
@@ -193,31 +190,17 @@ def ask_trainer(script: str, kind: str, words: List[str], marker: str) -> Traine
                "max_config_bytes": MAX_CONFIG_BYTES}
     what = f"{script} {CHECK_REPLAY_FLAGS}"
     try:
-        done = subprocess.run([sys.executable, script, CHECK_REPLAY_FLAGS],
-                              input=json.dumps(request), capture_output=True, text=True,
-                              timeout=CHECK_TIMEOUT_S)
+        done = ask_entry_point(script, CHECK_REPLAY_FLAGS, request, CHECK_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as err:
         raise ReplayCheckUnavailable(f"{what} could not check the training flags "
                                      f"({err})") from None
-    reply = _last_json_line(done.stdout)
-    if done.returncode == 2 and isinstance(reply, dict) and isinstance(reply.get("error"), str):
-        raise UsageError(reply["error"])
-    answer = _typed_answer(reply) if done.returncode == 0 else None
+    if done.error is not None:
+        raise UsageError(done.error)
+    answer = _typed_answer(done.reply) if done.status == 0 else None
     if answer is None:
-        tail = ((done.stderr or "").strip() or (done.stdout or "").strip())[-2000:]
         raise ReplayCheckUnavailable(f"{what} gave no answer to the flag check (exit status "
-                                     f"{done.returncode}){': ' + tail if tail else ''}")
+                                     f"{done.status}){': ' + done.tail if done.tail else ''}")
     return answer
-
-
-def _last_json_line(text: str) -> object:
-    """The JSON value on the last non-empty line of ``text``; None if there is none (a
-    library may print a banner on import before the answer)."""
-    lines = [line for line in (text or "").splitlines() if line.strip()]
-    try:
-        return json.loads(lines[-1]) if lines else None
-    except ValueError:
-        return None
 
 
 def _typed_answer(reply: object) -> Optional[TrainerAnswer]:

@@ -23,13 +23,10 @@ import sys
 from dataclasses import asdict, fields, replace
 from typing import List, Optional
 
+from deepspeed_ext.cli.entry_point import ENTRY_POINT, ask_entry_point, find_entry_point
 from deepspeed_ext.planning import costs as cm
 from deepspeed_ext.planning.search import Constraints, recommend
 from deepspeed_ext.planning.simulate import MAX_FAILURES, load_trace, simulate_many
-
-ENTRY_POINT = "pretrain_gpt_moe.py"
-"""The training script that reads a config into a model shape: this project's own, beside
-``deepspeed_ext/`` (the planner never imports the trainer, ``megatron``)."""
 
 MODEL_SHAPE = "--model-shape"
 """The entry point's only argument when moc-plan asks it for a model's shape (the
@@ -64,42 +61,27 @@ def model_from_config(path: str, ep_override: int = 0, gpus: int = 0) -> cm.Mode
         raise PlanError(f"--config: file not found: {path}")
     script = _entry_point()
     what = f"{script} {MODEL_SHAPE}"
-    request = json.dumps({"config": path, "ep": ep_override, "gpus": gpus})
+    request = {"config": path, "ep": ep_override, "gpus": gpus}
     try:
-        done = subprocess.run([sys.executable, script, MODEL_SHAPE], input=request,
-                              capture_output=True, text=True, timeout=MODEL_SHAPE_TIMEOUT_S)
+        done = ask_entry_point(script, MODEL_SHAPE, request, MODEL_SHAPE_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as err:
         raise PlanError(f"{what} could not read --config {path} ({err})") from None
-    lines = [line for line in (done.stdout or "").splitlines() if line.strip()]
-    try:  # the last line: a library may print a banner on import before the answer
-        reply = json.loads(lines[-1]) if lines else None
-    except ValueError:
-        reply = None
-    if done.returncode == 2 and isinstance(reply, dict) and isinstance(reply.get("error"), str):
-        raise PlanError(reply["error"])
-    model = _typed_shape(reply) if done.returncode == 0 else None
+    if done.error is not None:
+        raise PlanError(done.error)
+    model = _typed_shape(done.reply) if done.status == 0 else None
     if model is None:
-        tail = ((done.stderr or "").strip() or (done.stdout or "").strip())[-2000:]
         raise PlanError(f"{what} gave no model shape for --config {path} (exit status "
-                        f"{done.returncode}){': ' + tail if tail else ''}")
+                        f"{done.status}){': ' + done.tail if done.tail else ''}")
     return model
 
 
 def _entry_point() -> str:
-    """This project's ``pretrain_gpt_moe.py``: beside the ``deepspeed_ext`` package, in the
-    repository or where pip installed both.
+    """This project's ``pretrain_gpt_moe.py``, which reads a config for moc-plan.
 
     Raises:
         PlanError: it is not there.
     """
-    import deepspeed_ext
-    root = os.path.dirname(os.path.dirname(os.path.abspath(deepspeed_ext.__file__)))
-    path = os.path.join(root, ENTRY_POINT)
-    if not os.path.isfile(path):
-        raise PlanError(f"cannot find this project's {ENTRY_POINT} in {root} (beside "
-                        f"deepspeed_ext/), which reads --config for moc-plan; reinstall MoC "
-                        f"(pip install -e . in its repository)")
-    return path
+    return find_entry_point(ENTRY_POINT, "reads --config for moc-plan", PlanError)
 
 
 def _typed_shape(reply: object) -> Optional[cm.ModelShape]:

@@ -9,7 +9,8 @@ status. The planner so calls a program instead of importing the trainer.
 
 - request: ``{"config": str, "ep": int, "gpus": int}`` (``ep`` 0: the config's expert
   parallelism; ``gpus`` 0: the batch is not checked against a data-parallel size);
-- answer, one line: exit status 0 and the :class:`ModelShape`'s fields, or exit status 2
+- answer, one line: exit status 0 and the fields of the planner's own
+  :class:`deepspeed_ext.planning.inputs.ModelShape`, or exit status 2
   and ``{"error": str}``, a message naming the flag and the file to fix.
 """
 
@@ -18,30 +19,12 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Optional, TextIO
 
+from deepspeed_ext.planning.inputs import ModelShape
 from megatron.errors import ConfigError
 
 VOCAB = {"GPT2BPETokenizer": 50257, "ByteLevelTokenizer": 257}
 """The tokenizers' vocabulary sizes, before padding (no tokenizer file is read: the
 planner needs only the embedding's size); any other: GPT-2's."""
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The answer (one JSON object on stdout, exit status 0): the fields of the planner's
-    ``deepspeed_ext.planning.inputs.ModelShape``."""
-
-    name: str
-    """The config file's name without its extension."""
-    params_non_expert: int
-    """Parameters outside the experts (embeddings, attention, dense MLPs, gates)."""
-    params_expert: int
-    """Parameters of all experts of all MoE layers."""
-    num_experts: int
-    """Experts per MoE layer."""
-    num_moe_layers: int
-    """MoE layers."""
-    tokens_per_iteration: int
-    """Global batch size x sequence length."""
 
 
 @dataclass(frozen=True)
@@ -105,9 +88,12 @@ def model_shape(path: str, ep_override: int = 0, gpus: int = 0) -> ModelShape:
         raise ConfigError(f"--config {path}: {err}") from None
     counts = count_parameters(config)
     batch = global_batch(path, args.global_batch_size, args.micro_batch_size, gpus)
-    return ModelShape(os.path.splitext(os.path.basename(path))[0], counts["non_expert"],
-                      counts["expert"], args.num_experts, len(config.moe_layer_indices),
-                      batch * args.seq_length)
+    try:
+        return ModelShape(os.path.splitext(os.path.basename(path))[0], counts["non_expert"],
+                          counts["expert"], args.num_experts, len(config.moe_layer_indices),
+                          batch * args.seq_length)
+    except ValueError as err:  # the planner's bounds (no experts, an empty batch)
+        raise ConfigError(f"--config {path}: {err}") from None
 
 
 def global_batch(path: str, global_batch_size: Optional[int], micro_batch: Optional[int],
@@ -136,7 +122,7 @@ def global_batch(path: str, global_batch_size: Optional[int], micro_batch: Optio
 
 def answer(stdin: TextIO, stdout: TextIO) -> int:
     """Read the planner's request from ``stdin`` and write the answer on ``stdout`` as one
-    JSON line: the :class:`ModelShape`'s fields (returns 0), or ``{"error": message}``
+    JSON line: the planner's ``ModelShape``'s fields (returns 0), or ``{"error": message}``
     naming the flag and file to fix (returns :attr:`ConfigError.exit_code`). Run by
     ``pretrain_gpt_moe.py --model-shape``, in the planner's working directory (a relative
     config path resolves from there)."""
