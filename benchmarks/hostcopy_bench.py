@@ -40,6 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from deepspeed_ext.engine.hostcopy import HostCopier  # noqa: E402
+from deepspeed_ext.format.copy_plan import plan_copies  # noqa: E402
 from deepspeed_ext.format.image import layout_of  # noqa: E402
 from deepspeed_ext.snapshot import SnapshotSlots  # noqa: E402
 
@@ -98,12 +99,17 @@ class _Snapshot:
                                    on_unmap=self.copier.unregister)
         self.tensors = tensors
         self.layout = layout_of(tensors)
+        self.plan = plan_copies(self.layout, tensors)
         self.buffer = self.slots.buffer(0, self.layout.nbytes)
         self.pool = ThreadPoolExecutor(max_workers=1)
 
     def launch(self):
-        event = self.copier.launch(self.buffer, self.layout, self.tensors)
-        return self.pool.submit(self.copier.finish, event, self.buffer, self.layout,
+        """The snapshot's copy as training starts it (deepspeed_ext.two_level.stages):
+        CUDA: queued on the side stream now, the thread waits for it; CPU: on the thread."""
+        if self.copier.cuda:
+            copy = self.copier.launch_plan(self.buffer, self.layout, self.plan, self.tensors)
+            return self.pool.submit(self.copier.wait_host, copy)
+        return self.pool.submit(self.copier.copy_plan, self.buffer, self.layout, self.plan,
                                 self.tensors)
 
     def close(self):

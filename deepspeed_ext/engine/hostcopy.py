@@ -32,9 +32,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from deepspeed_ext.format import memsum
 from deepspeed_ext.format.copy_plan import CopyPlan, run_copies
-from deepspeed_ext.format.image import ImageLayout, fill_image
+from deepspeed_ext.format.image import ImageLayout
 
 logger = logging.getLogger(__name__)
 
@@ -185,29 +184,6 @@ class HostCopier:
         if int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:
             _clear_cuda_error()
 
-    def launch(self, buffer: torch.Tensor, layout: ImageLayout,
-               tensors: Mapping[str, torch.Tensor]) -> Optional["torch.cuda.Event"]:
-        """Main thread, right after the optimizer step: queue the copies (CUDA).
-
-        Returns:
-            The event that completes with the last copy (CUDA), or None (CPU: the copy
-            is done by :meth:`finish` on the background thread).
-        """
-        if not self.cuda:
-            return None
-        # The side stream must not read the tensors before the step that produced them
-        # has run on the compute stream: without this wait the snapshot could mix
-        # bytes from before and after an optimizer step. (That stream is the one of the
-        # fragments' device, whichever device is current on this thread.)
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        with torch.cuda.stream(self.stream), torch.no_grad():
-            fill_image(buffer, layout, tensors, non_blocking=True)
-            # Blocking: the thread that waits for it sleeps instead of spinning a core
-            # for the whole copy.
-            event = torch.cuda.Event(blocking=True)
-            event.record(self.stream)
-        return event
-
     def launch_plan(self, buffer: torch.Tensor, layout: ImageLayout, plan: CopyPlan,
                     tensors: Mapping[str, torch.Tensor]) -> DeviceCopy:
         """Save call (main thread), CUDA only: queue the image's copies by ``plan`` on
@@ -257,27 +233,16 @@ class HostCopier:
         with torch.no_grad():
             return run_copies(buffer, layout, plan, tensors)
 
-    def finish(self, event, buffer: torch.Tensor, layout: ImageLayout,
-               tensors: Mapping[str, torch.Tensor], checksum: bool = False) -> Optional[str]:
-        """Background thread: wait for the queued copies (CUDA) or do them (CPU).
-
-        Returns:
-            With ``checksum``, the image's memory checksum (:mod:`deepspeed_ext.format.memsum`):
-            on CPU computed piece by piece as the copy goes (each piece still in the
-            cache: reading the image again cost a second pass over memory), on CUDA over
-            the finished image; else None.
-        """
-        if event is not None:
-            # On the fragments' device: a CUDA call from a thread with no current device
-            # would set up a context on GPU 0 for every rank of the node.
-            with torch.cuda.device(self.stream.device):
-                event.synchronize()
-            return memsum.digest(buffer[:layout.nbytes]) if checksum else None
-        running = memsum.Running() if checksum else None
-        with torch.no_grad():
-            fill_image(buffer, layout, tensors,
-                       filled=running.update if running is not None else None)
-        return running.value() if running is not None else None
+    def copy_now(self, buffer: torch.Tensor, layout: ImageLayout, plan: CopyPlan,
+                 tensors: Mapping[str, torch.Tensor]) -> int:
+        """Both stages' copy in one call, for a caller without a training step between
+        (a benchmark, a test): CUDA: queued, then waited for; CPU: copied. Returns the
+        copies."""
+        if not self.cuda:
+            return self.copy_plan(buffer, layout, plan, tensors)
+        copy = self.launch_plan(buffer, layout, plan, tensors)
+        self.wait_host(copy)
+        return copy.copies
 
     @property
     def registered_bytes(self) -> int:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from deepspeed_ext.engine.hostcopy import HostCopier, wait_before_step
+from deepspeed_ext.format.copy_plan import plan_copies
 from deepspeed_ext.format.image import layout_of
 from deepspeed_ext.snapshot import SlotImage, SnapshotSlots
 from tests.shm import new_shm_dir
@@ -65,8 +66,7 @@ def _snapshot(tmp_path, device):
     slots = SnapshotSlots(str(tmp_path), 0, on_map=copier.register, on_unmap=copier.unregister)
     layout = layout_of(tensors)
     buffer = slots.buffer(0, layout.nbytes)
-    event = copier.launch(buffer, layout, tensors)
-    copier.finish(event, buffer, layout, tensors)
+    copier.copy_now(buffer, layout, plan_copies(layout, tensors), tensors)
     entries = {e.key: {"dtype": e.dtype, "nbytes": e.nbytes, "start": e.start, "key": e.key}
                for e in layout.entries}
     image = SlotImage(slots.image_path(0))
@@ -76,7 +76,7 @@ def _snapshot(tmp_path, device):
         image.close()
 
 
-def test_cpu_copy_runs_in_finish_and_registers_nothing(tmp_path):
+def test_cpu_copy_runs_in_the_call_and_registers_nothing(tmp_path):
     copier, tensors, read = _snapshot(tmp_path, "cpu")
     assert not copier.cuda and copier.registered_bytes == 0
     for key, tensor in tensors.items():
@@ -107,30 +107,9 @@ def test_cuda_snapshot_sees_the_step_queued_before_it(shm_dir):
     buffer = slots.buffer(0, layout.nbytes)
     torch.cuda._sleep(50_000_000)  # keep the compute stream busy
     tensors["w"].add_(1.0)
-    copier.finish(copier.launch(buffer, layout, tensors), buffer, layout, tensors)
+    copier.copy_now(buffer, layout, plan_copies(layout, tensors), tensors)
     entry = layout.entries[0]
     image = SlotImage(slots.image_path(0))
     got = image.read({"dtype": entry.dtype, "nbytes": entry.nbytes, "start": entry.start})
     image.close()
     assert torch.all(got == 1.0)
-
-
-@pytest.mark.parametrize("algorithm", ["xxh3_64", "crc32"])
-def test_the_checksum_taken_during_the_cpu_copy_is_the_images(algorithm, monkeypatch):
-    """The CPU copy hashes each piece as it lands (a second pass over the image cost the
-    two cores of this machine several points of iteration time): the value must be the
-    checksum of the whole image, padding and empty tensors included."""
-    from deepspeed_ext.format import memsum
-    if algorithm == "xxh3_64" and memsum.xxhash is None:
-        pytest.skip("needs xxhash")
-    monkeypatch.setattr(memsum, "default_algorithm", lambda: algorithm)
-    tensors = {"a": torch.randn(1000), "b": torch.randn(33, 7), "empty": torch.zeros(0),
-               "d": torch.arange(5, dtype=torch.int64), "e": torch.randn(3, dtype=torch.float64)}
-    layout = layout_of(tensors)
-    buffer = torch.full((layout.nbytes + 64,), 7, dtype=torch.uint8)
-    value = HostCopier(torch.device("cpu")).finish(None, buffer, layout, tensors, checksum=True)
-    assert value.startswith(algorithm + ":")
-    assert value == memsum.digest(buffer[:layout.nbytes], algorithm)
-    assert memsum.verify(buffer[:layout.nbytes], value) is None
-    buffer[layout.nbytes - 1] ^= 1
-    assert memsum.verify(buffer[:layout.nbytes], value) is not None
