@@ -53,7 +53,7 @@ class NodeMemory:
         per_node = ranks_per_node(cfg.ranks_per_node, world)
         self.node = self.rank // per_node
         self.first_of_node = self.rank % per_node == 0
-        self.node_dir = os.path.join(cfg.memory_dir, f"node{self.node}")
+        self.node_dir = keeper.node_directory(cfg.memory_dir, self.node)
         refused = None
         try:
             keeper.ensure_keeper(self.node_dir, cfg.keeper_idle_timeout_s,

@@ -45,6 +45,8 @@ snapshot is persisted only if its memory checksum still matches.
 Modules, one concept each (lower ones never import higher ones):
 
 * :mod:`~deepspeed_ext.keeper.protocol` the socket's JSON lines, names and limits;
+* :mod:`~deepspeed_ext.keeper.paths` where a job's node directories and keeper sockets are
+  (and the socket path's length check);
   :mod:`~deepspeed_ext.keeper.log` the keeper's log lines;
   :mod:`~deepspeed_ext.keeper.lock` the node directory's lock;
 * :mod:`~deepspeed_ext.keeper.client` what trainers ask of a running keeper;
@@ -69,6 +71,8 @@ from deepspeed_ext.keeper.commits import (CommitGate, CommitRun, commit_job, com
 from deepspeed_ext.keeper.job_checks import JobRefused, check_job, inside
 from deepspeed_ext.keeper.lock import lock_node
 from deepspeed_ext.keeper.log import keeper_log, logger
+from deepspeed_ext.keeper.paths import (SocketPathTooLong, check_keeper_socket_path,  # noqa: F401
+                                      keeper_socket_path, node_directory)
 from deepspeed_ext.keeper.persist import (HANG_PERSIST_ENV, copied_marker, persist_frame,
                                           persist_share, run_persist_job, write_image_subset)
 from deepspeed_ext.keeper.protocol import (CONNECTION_TIMEOUT_S, LOCK_NAME, LOG_NAME,

@@ -40,7 +40,7 @@ def _rank_place(session: CheckpointSession) -> RankPlace:
     node = rank // per_node
     place = RankPlace(session=session, cfg=cfg, rank=rank, world=world, node=node,
                       first_of_node=rank % per_node == 0,
-                      node_dir=os.path.join(cfg.shm_dir, f"node{node}"),
+                      node_dir=keeper.node_directory(cfg.shm_dir, node),
                       spec=cfg.redundancy_spec())
     if place.spec.enabled:
         from deepspeed_ext.policy.redundancy import Topology, check_layout

@@ -288,14 +288,20 @@ def test_sensible_numbers_and_shm_dirs_still_pass(monkeypatch):
         validate_args(parse_args(BASE + extra), world_size=world)
 
 
-def test_keeper_socket_path_limit_is_public():
-    from megatron.training.arguments import (UNIX_SOCKET_PATH_MAX, check_keeper_socket_path,
-                                             keeper_socket_path)
-    assert UNIX_SOCKET_PATH_MAX == 107
+def test_keeper_socket_path_limit_is_the_keepers():
+    """The keeper owns its socket's path and limit (deepspeed_ext imports no trainer, so
+    it raises its own ValueError); validate_args turns it into a ConfigError, above."""
+    from deepspeed_ext.keeper import SUN_PATH_MAX
+    from deepspeed_ext.keeper.paths import (SocketPathTooLong, check_keeper_socket_path,
+                                            keeper_socket_path, node_directory)
+    assert SUN_PATH_MAX == 107
+    assert node_directory("/dev/shm/x", 12) == "/dev/shm/x/node12"
     assert keeper_socket_path("/dev/shm/x", 12) == "/dev/shm/x/node12/keeper.sock"
     check_keeper_socket_path(LONG_DIR, 9)
-    with pytest.raises(ConfigError, match="108 bytes, and a Unix socket path holds at most 107"):
+    with pytest.raises(SocketPathTooLong,
+                       match="108 bytes, and a Unix socket path holds at most 107"):
         check_keeper_socket_path(LONG_DIR, 10)
+    assert issubclass(SocketPathTooLong, ValueError)
 
 
 FLAG_ROW = re.compile(r"^\| (`--[^|]+`) \| ([^|]*) \| (.*) \|$")

@@ -17,7 +17,6 @@ import sysconfig
 import pytest
 
 from megatron.errors import ConfigError
-from megatron.training import arguments
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.ds_config import build_ds_config
 from tests.data.test_tokenizer import write_gpt2_files
@@ -52,7 +51,7 @@ def script_argv(script, out, **env):
 def tensorboard_importable(monkeypatch):
     """validate_args refuses --tensorboard-dir without the package: pretend it is there."""
     real = importlib.util.find_spec
-    monkeypatch.setattr(arguments.importlib.util, "find_spec",
+    monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: object() if name == "tensorboard" else real(name, *a))
 
 
