@@ -8,7 +8,7 @@
 #
 #   bash scripts/mutation.sh deepspeed_ext/policy                          # every mutant
 #   bash scripts/mutation.sh deepspeed_ext/policy --sample 200 --seed 1    # a seeded sample
-#   bash scripts/mutation.sh deepspeed_ext/format --tests tests/deepspeed_ext/test_manifest.py
+#   bash scripts/mutation.sh deepspeed_ext/format --tests tests/deepspeed_ext/format/test_manifest.py
 #
 # The tests default to the package's mirror under tests/; scripts/mutation.py --help lists
 # every flag (--tests, --sample, --seed, --timeout, --json, --fail-under, --count-only).

@@ -36,10 +36,10 @@ def corpus(tmp_path_factory) -> str:
 # in collection order; taken last, one of these kept a worker busy for minutes after the
 # other had finished. Only the order changes (a stable sort: the rest keep theirs).
 LONGEST_FIRST = (
-    "tests/deepspeed_ext/test_exact.py",
+    "tests/deepspeed_ext/exact/test_exact.py",
     "tests/training/test_restart.py",
     "tests/deepspeed_ext/test_checkpointer.py",
-    "tests/deepspeed_ext/test_two_level.py",
+    "tests/deepspeed_ext/two_level/test_two_level.py",
     "tests/deepspeed_ext/test_peers.py",
     "tests/training/test_pipeline_training.py",
     "tests/training/test_tensor_parallel_training.py",

@@ -85,9 +85,9 @@ RUN_BY = {
     "bash scripts/run_elastic.sh 2 3 --config configs/small.yaml --data-path "
     "data/stdlib_text_document --save runs/x/ckpt --load runs/x/ckpt --moc-checkpoint "
     "--moc-mode exact --moc-window 4":
-        "tests/deepspeed_ext/test_exact.py::test_crash_mid_window_replays_to_the_bit",
+        "tests/deepspeed_ext/exact/test_exact.py::test_crash_mid_window_replays_to_the_bit",
     "moc-ckpt densify <save> --out <dir> [-- FLAGS...]":
-        "tests/deepspeed_ext/test_exact.py::"
+        "tests/deepspeed_ext/exact/test_exact.py::"
         "test_densify_replays_frames_into_the_checkpoint_an_uninterrupted_run_saves",
     "python benchmarks/exact_bench.py --out runs/exact_bench --json exact.json --plot exact.png":
         BENCHMARK,
@@ -132,18 +132,18 @@ RUN_BY = {
     "python benchmarks/activation_checkpointing_memory.py": BENCHMARK,
     "pip install wandb": "not run: installs from the package index",
     # docs/moc-checkpoints.md
-    "moc-ckpt inspect runs/a/ckpt": "tests/deepspeed_ext/test_cli.py::test_inspect_all",
-    "moc-ckpt verify runs/a/ckpt": "tests/deepspeed_ext/test_cli.py::test_verify_exit_codes",
+    "moc-ckpt inspect runs/a/ckpt": "tests/deepspeed_ext/cli/test_cli.py::test_inspect_all",
+    "moc-ckpt verify runs/a/ckpt": "tests/deepspeed_ext/cli/test_cli.py::test_verify_exit_codes",
     "moc-ckpt consolidate runs/a/ckpt --out model.safetensors [--optimizer]":
-        "tests/deepspeed_ext/test_cli.py::test_consolidate_with_optimizer_and_fallback",
+        "tests/deepspeed_ext/cli/test_cli.py::test_consolidate_with_optimizer_and_fallback",
     "moc-ckpt consolidate runs/a/ckpt --out model.safetensors --padded-vocab-size 264":
-        "tests/deepspeed_ext/test_vocab.py::"
+        "tests/deepspeed_ext/format/test_vocab.py::"
         "test_consolidate_writes_the_vocabulary_with_the_rows_asked_for",
     "moc-ckpt densify runs/a/ckpt --out runs/a/dense":
-        "tests/deepspeed_ext/test_exact.py::"
+        "tests/deepspeed_ext/exact/test_exact.py::"
         "test_densify_replays_frames_into_the_checkpoint_an_uninterrupted_run_saves",
     "moc-ckpt densify runs/a/ckpt --out runs/a/dense -- --config my.yaml --data-path data/x":
-        "tests/deepspeed_ext/test_cli.py::test_densify_uses_the_flags_given_after_double_dash",
+        "tests/deepspeed_ext/cli/test_cli.py::test_densify_uses_the_flags_given_after_double_dash",
     "python benchmarks/checkpoint_bench.py": BENCHMARK,
     # docs/moe-schedules.md
     "python benchmarks/moe_schedule_bench.py --json FILE --plot FILE": BENCHMARK,
@@ -217,7 +217,7 @@ RUN_BY = {
         "test_checkpoint_policy_fragments_compose_with_a_model_config",
     "pip install -e .[bpe]": INSTALL,
     # docs/security.md
-    "moc-ckpt verify DIR": "tests/deepspeed_ext/test_cli.py::test_verify_exit_codes",
+    "moc-ckpt verify DIR": "tests/deepspeed_ext/cli/test_cli.py::test_verify_exit_codes",
     "python benchmarks/two_level_bench.py --checksum-speed":
         "tests/test_doc_commands.py::test_the_single_process_benchmarks_run_as_the_docs_show",
     # docs/tensor-parallel.md

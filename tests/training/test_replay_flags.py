@@ -1,6 +1,6 @@
 """The trainer's answer to densify's flag check (megatron.training.replay_flags), called
 in this process with the request and answer as text: what the entry point's
-``--check-replay-flags`` path does for ``moc-ckpt densify`` (tests/deepspeed_ext/test_cli.py
+``--check-replay-flags`` path does for ``moc-ckpt densify`` (tests/deepspeed_ext/cli/test_cli.py
 runs it as a program, through densify)."""
 
 import io

@@ -226,7 +226,7 @@ def test_a_checkpoint_resumes_under_another_vocabulary_padding(runs, corpus, tmp
     for key in (("train", 5), ("train", 6), ("valid", 6)):
         assert got[key][0] == pytest.approx(want[key], rel=2e-3), (key, got[key], want[key])
     # bit for bit: T = 2's step 3 loaded at T = 1 (the engine's own load; the rows T = 2
-    # adds back, read as 1, 2 or 4 parts, at unit level: tests/deepspeed_ext/test_vocab.py)
+    # adds back, read as 1, 2 or 4 parts, at unit level: tests/deepspeed_ext/format/test_vocab.py)
     load = _load_dir(tmp_path / "state-t1-load", t2_ckpt, "global_step3")
     loaded = _loaded_embedding(tmp_path / "state-t1", 2, [], load)
     saved = _saved_embedding(t2_ckpt, "global_step3")

@@ -15,7 +15,7 @@ from deepspeed_ext.format.splits import TensorSplit
 from deepspeed_ext.format.vocab import (OBJECTS_KEY, PaddedVocab, RowPlan, VocabMismatch,
                                         fit_rows, plan_rows)
 from deepspeed_ext.store.reader import CheckpointReader, vocab_plan
-from tests.deepspeed_ext.test_splits import save_split_checkpoint
+from tests.deepspeed_ext.format.test_splits import save_split_checkpoint
 
 EMBED = ("embed.weight", "head.weight")
 

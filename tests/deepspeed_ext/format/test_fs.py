@@ -14,8 +14,8 @@ from deepspeed_ext.format.fragment_reader import FragmentReader
 from deepspeed_ext.format.storage import atomic_write_json, check_file, write_fragment_file
 from deepspeed_ext.store import catalog, latest, prepare, retention, verify
 from deepspeed_ext.store.reader import CheckpointReader, find_loadable
-from tests.deepspeed_ext.test_manifest import FakeRun, three_checkpoints
-from tests.deepspeed_ext.test_reader import EXPECTED_STEP
+from tests.deepspeed_ext.format.test_manifest import FakeRun, three_checkpoints
+from tests.deepspeed_ext.store.test_reader import EXPECTED_STEP
 
 
 @pytest.fixture

@@ -297,8 +297,8 @@ def test_a_probe_frame_failing_on_one_rank_stops_every_rank(tmp_path, case):
     both ranks raise the same error after the figures' all_reduce instead of rank 1
     raising before it and rank 0 waiting there for ever."""
     from tests.launch import describe
-    results = run_ranks(2, [str(tmp_path), case], script="tests/deepspeed_ext/exact_worker.py",
-                        timeout=60)
+    results = run_ranks(2, [str(tmp_path), case],
+                        script="tests/deepspeed_ext/exact/exact_worker.py", timeout=60)
     assert all(r.returncode == 0 for r in results), describe(results)
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     if case == "ok":

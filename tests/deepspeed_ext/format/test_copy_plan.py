@@ -296,7 +296,7 @@ def test_plan_is_a_plain_record():
         run.start = 0
 
 
-# -- (g) a real ZeRO-2 engine: tests/deepspeed_ext/test_two_level.py's stages test plans
+# -- (g) a real ZeRO-2 engine: tests/deepspeed_ext/two_level/test_two_level.py's stages test plans
 # the whole state of its engine (one run per flat partition), in a process it starts anyway.
 
 

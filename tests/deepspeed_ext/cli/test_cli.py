@@ -9,10 +9,11 @@ from safetensors import safe_open
 
 from deepspeed_ext import cli
 from deepspeed_ext.cli import verify as verify_command
-from tests.deepspeed_ext.test_manifest import (KINDS, expert_param, flip_last_byte, rank_file,
-                                               no_fsync, three_checkpoints, value)
+from tests.deepspeed_ext.format.test_manifest import (KINDS, expert_param, flip_last_byte,
+                                                      rank_file, no_fsync, three_checkpoints, value)
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
 assert no_fsync  # autouse fixture, imported to apply here too
 
 

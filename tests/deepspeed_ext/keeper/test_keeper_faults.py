@@ -12,7 +12,8 @@ import pytest
 
 from deepspeed_ext.keeper import faults as keeper_faults
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))))
 
 KEEPER = """
     import sys

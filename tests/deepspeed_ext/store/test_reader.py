@@ -11,10 +11,10 @@ import torch
 from deepspeed_ext.format import fragment_reader
 from deepspeed_ext.format import manifest as mf
 from deepspeed_ext.store.reader import CheckpointError, CheckpointReader, find_loadable
-from tests.deepspeed_ext.test_manifest import (ALL_EXPERTS, EXPERT_PARAMS, KINDS, NON_EXPERT,
-                                               FakeRun, expert_param, flip_last_byte,
-                                               no_fsync, rank_file, three_checkpoints,
-                                               value)
+from tests.deepspeed_ext.format.test_manifest import (ALL_EXPERTS, EXPERT_PARAMS, KINDS,
+                                                      NON_EXPERT, FakeRun, expert_param,
+                                                      flip_last_byte, no_fsync, rank_file,
+                                                      three_checkpoints, value)
 
 assert no_fsync  # autouse fixture, imported to apply here too
 
