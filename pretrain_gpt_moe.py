@@ -61,10 +61,13 @@ def main(argv=None) -> int:
 
 
 def _destroy_process_group() -> None:
-    """Destroy the process group if this run made one (torch imported means maybe)."""
+    """Destroy the process groups if this run made any (torch imported means maybe):
+    megatron-core's, DeepSpeed's cached ones and MoC's with the default group
+    (:func:`megatron.training.process.close_process_groups`)."""
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+        from megatron.training.process import close_process_groups
+        close_process_groups()
 
 
 def main_cli() -> None:

@@ -26,7 +26,7 @@ exact, the groups after it get the compute weights the original run used. After 
 fp32 state of the still-frozen groups is not the original's: :attr:`replaying` tells
 the caller not to save a checkpoint then.
 
-Call order, every rank, every iteration (the trainer, ``megatron/training/training.py``)::
+Call order, every rank, every iteration (the trainer, ``megatron/training/fault_tolerance.py``)::
 
     exact = ExactSnapshots(engine, save_dir, ExactConfig(window=W))
     resume = exact.recover(load_dir, newer_than=checkpoint_iteration)  # None: load normally

@@ -90,6 +90,15 @@ def init_metadata_group(timeout: Optional[timedelta] = None):
     return group
 
 
+def forget_metadata_group() -> None:
+    """Every rank, after the default group was destroyed (the end of a run that may be
+    followed by another in this process): drop the reference to the old metadata group,
+    so nothing reaches a destroyed group and the next :func:`init_metadata_group` makes
+    a new one for the new world."""
+    global _metadata
+    _metadata = None
+
+
 def metadata_group():
     """The group for collectives on CPU tensors and Python objects (every rank).
 

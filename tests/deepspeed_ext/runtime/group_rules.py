@@ -33,11 +33,11 @@ a group is a collective, and every group of the project is made in ``groups.py``
 
 DEFAULT_GROUP_CALLS: Dict[Tuple[str, str, str], Tuple[int, str]] = {
     # -- device tensors: the training's own group is right ------------------------------
-    ("megatron/training/training.py", "train_step", "all_reduce"):
+    ("megatron/training/step.py", "train_step", "all_reduce"):
         (1, "losses summed on engine.device"),
-    ("megatron/training/training.py", "evaluate", "all_reduce"):
+    ("megatron/training/step.py", "evaluate", "all_reduce"):
         (1, "validation loss on engine.device"),
-    ("megatron/training/training.py", "_train_loop", "all_reduce"):
+    ("megatron/training/fault_tolerance.py", "FaultTolerance.after_step", "all_reduce"):
         (1, "the gate counts, on the model's device"),
     ("megatron/training/pipeline.py", "_loss_parts", "all_reduce"):
         (1, "the pipeline's losses on engine.device"),
