@@ -120,9 +120,18 @@ def _module(name, path):
     return module
 
 
+def _checks_module(name):
+    """A module of scripts/gpu_checks/, imported as scripts/gpu_check.py imports it."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    try:
+        return importlib.import_module(f"gpu_checks.{name}")
+    finally:
+        sys.path.remove(os.path.join(REPO, "scripts"))
+
+
 @pytest.fixture(scope="module")
-def gpu_check():
-    return _module("gpu_check_under_test", "scripts/gpu_check.py")
+def stall():
+    return _checks_module("stall")
 
 
 @pytest.fixture(scope="module")
@@ -226,9 +235,9 @@ def test_a_tree_without_stage_timings_gives_rows_without_stages(bench):
     assert ba.cell(with_stages) == "7.0, +0.0 %, 2.0, 2.0, 30.0"
 
 
-def test_the_stall_check_reports_prepare_and_stage_medians(gpu_check, bench):
+def test_the_stall_check_reports_prepare_and_stage_medians(stall, bench):
     rows = _rows(["deepspeed", "moc-full", "moc-pec"], cuda=True)
-    status, reason, metrics = gpu_check.stall_verdict(rows)
+    status, reason, metrics = stall.stall_verdict(rows)
     assert status == "PASS", reason
     moc = metrics["moc-full"]
     assert moc["prepare_s"] == 2.5 and moc["setup_s"] == 3.0
@@ -245,33 +254,33 @@ def test_the_stall_check_reports_prepare_and_stage_medians(gpu_check, bench):
     json.dumps(metrics)  # the summary is JSON
 
 
-def test_the_large_state_check_passes_only_within_the_gap_and_the_bandwidth(gpu_check, bench):
+def test_the_large_state_check_passes_only_within_the_gap_and_the_bandwidth(stall, bench):
     # The stall 7 ms against a 5 ms save call: 2 ms past it; copy 100 GB/s (slowest rank).
-    status, reason, metrics = gpu_check.large_stall_verdict(_rows(["moc-full"], interval=4), 110.0)
+    status, reason, metrics = stall.large_stall_verdict(_rows(["moc-full"], interval=4), 110.0)
     assert status == "PASS", reason
     assert metrics["copy_vs_pinned"] == pytest.approx(100 / 110)
     assert metrics["stall_minus_save_call_s"] == pytest.approx(0.002)
     assert metrics["snapshot_bytes"] == 3 * 10**9 and metrics["interval"] == 4
     assert "every 4" in reason and "0.91x" in reason
-    status, reason, _ = gpu_check.large_stall_verdict(_rows(["moc-full"], interval=4), 130.0)
+    status, reason, _ = stall.large_stall_verdict(_rows(["moc-full"], interval=4), 130.0)
     assert status == "FAIL" and "0.77x" in reason  # the copy below 0.8x of pinned
     slow_call = _rows(["moc-full"], interval=4, save_s=0.0001)  # stages' save call 1.1 ms
-    status, reason, metrics = gpu_check.large_stall_verdict(slow_call, 110.0)
+    status, reason, metrics = stall.large_stall_verdict(slow_call, 110.0)
     assert status == "FAIL" and metrics["stall_minus_save_call_s"] == pytest.approx(0.0059)
-    status, reason, _ = gpu_check.large_stall_verdict(_rows(["moc-full"], interval=4), None)
+    status, reason, _ = stall.large_stall_verdict(_rows(["moc-full"], interval=4), None)
     assert status == "SKIP" and "no pinned reference" in reason
-    status, reason, _ = gpu_check.large_stall_verdict(_rows(["moc-full"], interval=4, timed=False), 110.0)
+    status, reason, _ = stall.large_stall_verdict(_rows(["moc-full"], interval=4, timed=False), 110.0)
     assert status == "FAIL" and "TwoLevel.timings" in reason
 
 
 @pytest.mark.parametrize("mode", ["cuda", "cpu"])
-def test_the_stall_checks_pass_flags_the_benchmark_accepts(gpu_check, bench, mode):
+def test_the_stall_checks_pass_flags_the_benchmark_accepts(stall, bench, mode):
     """Every flag of both stall checks is one of two_level_bench.py's, with values its
     launcher accepts; on CUDA 30 timed saves every iteration (DeepSpeed 5), and the large
     state 9 GB of fp32 master weights and Adam moments (3 x 4 bytes a parameter)."""
     from benchlib.two_level_peers import parse_system_iters, timed_iters
-    main = bench.build_parser().parse_args(gpu_check.stall_flags(mode))
-    large = bench.build_parser().parse_args(gpu_check.large_stall_flags(mode))
+    main = bench.build_parser().parse_args(stall.stall_flags(mode))
+    large = bench.build_parser().parse_args(stall.large_stall_flags(mode))
     for opts in (main, large):
         assert opts.nproc % opts.ep == 0 and opts.num_experts % opts.ep == 0
         assert set(parse_system_iters(opts.system_iters)) <= set(bench.SYSTEMS)
@@ -295,3 +304,19 @@ def test_system_iters_parse_and_bound_a_turn(bench):
     opts = SimpleNamespace(iters=30, min_saves=10, system_iters="deepspeed=5")
     assert timed_iters(opts, 1, "deepspeed") == 5 and timed_iters(opts, 10, "deepspeed") == 10
     assert timed_iters(opts, 1, "moc-full") == 30 and timed_iters(opts, 10, "moc-full") == 100
+
+
+def test_the_ranks_probe_counts_a_collective_only_when_both_ranks_ran_it():
+    """ranks_per_gpu's merge of its two ranks' reports: one rank's failure wins over the
+    other's success, a rank that wrote no report fails every collective, and the reason
+    names what is left."""
+    ranks = _checks_module("ranks")
+    ok = {"init": "ok", "ops": {op: "ok" for op in ranks.PROBE_OPS}}
+    broken = {"init": "ok", "ops": dict(ok["ops"], barrier="RuntimeError: timed out")}
+    merged = ranks.merge_reports([ok, broken])
+    assert merged["init"] == "ok" and merged["ops"]["barrier"] == "RuntimeError: timed out"
+    assert ranks.merge_reports([ok, None])["ops"]["all_reduce"] == "rank hung or crashed"
+    assert "no rank reported" in ranks.merge_reports([None, None])["init"]
+    working = {"gloo": [op for op, s in merged["ops"].items() if s == "ok"]}
+    assert ranks.describe({"gloo": merged}, working).startswith("gloo: only all_reduce, ")
+    assert ranks.describe({"gloo": ok}, {"gloo": list(ranks.PROBE_OPS)}) == "gloo: every collective"

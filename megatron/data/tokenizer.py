@@ -29,7 +29,8 @@ GPT-2 BPE tokenizer
 -------------------
 Built from a local GPT-2 ``vocab.json`` (``--vocab-file``) and ``merges.txt``
 (``--merge-file``) with megatron.core's ``"huggingface"`` library, fully offline;
-see :func:`_build_gpt2_bpe` for why it goes through a private temporary directory.
+see :func:`_gpt2_core_from_files` for why it goes through a private temporary
+directory.
 The end-of-document id is the id of ``<|endoftext|>`` in ``vocab.json``. A literal
 ``<|endoftext|>`` inside the text is tokenized as ordinary text (as the original
 Megatron-LM GPT-2 tokenizer does), so documents cannot inject end-of-document ids.
@@ -334,6 +335,51 @@ def _sigterm_cleans_up():
 def _build_gpt2_bpe(vocab_file: Optional[str], merge_file: Optional[str]) -> Tokenizer:
     """GPT-2 byte-level BPE from local files, through megatron.core, offline.
 
+    Checks the files and ``transformers`` (:func:`_read_gpt2_inputs`), builds the library
+    tokenizer (:func:`_gpt2_core_from_files`, which says why through a private temporary
+    directory), then checks that its eod is the file's and that a literal
+    ``<|endoftext|>`` stays text (:func:`_check_gpt2_core`).
+
+    Checked with transformers 4.43.4, 4.46.3, 4.57.6 and 5.23.0; 4.41 and older are
+    rejected (their fast tokenizers ignore ``split_special_tokens``).
+    """
+    vocab = _read_gpt2_inputs(vocab_file, merge_file)
+    try:
+        core = _gpt2_core_from_files(vocab_file, merge_file)
+        vocab_size, eod = core.vocab_size, core.eod
+        # transformers < 4.43 ignores split_special_tokens for fast tokenizers.
+        literal_eod_ok = eod not in core.tokenize(GPT2_EOD_TOKEN)
+    except ConfigError:
+        raise
+    except Exception as err:  # the HF/megatron stack raises many types
+        raise ConfigError(
+            f"could not build GPT2BPETokenizer from --vocab-file {vocab_file} and "
+            f"--merge-file {merge_file}: {type(err).__name__}: {err}"
+        ) from None
+    _check_gpt2_core(vocab_file, vocab[GPT2_EOD_TOKEN], eod, literal_eod_ok)
+    # Embedding rows must cover every id in the file even if its ids have gaps.
+    vocab_size = max(int(vocab_size), max(vocab.values()) + 1)
+    return Tokenizer("GPT2BPETokenizer", core, vocab_size, eod, vocab_file, merge_file)
+
+
+def _read_gpt2_inputs(vocab_file: Optional[str], merge_file: Optional[str]) -> dict:
+    """The checked ``vocab.json`` (token -> id), once both files are readable and
+    ``transformers`` is importable, in that order (a missing file is reported first)."""
+    _check_readable_file(vocab_file, "--vocab-file", "GPT2BPETokenizer")
+    _check_readable_file(merge_file, "--merge-file", "GPT2BPETokenizer")
+    if not have_transformers():
+        raise ConfigError(
+            "--tokenizer-type GPT2BPETokenizer needs the 'transformers' package "
+            "(megatron.core's 'huggingface' tokenizer library wraps it): "
+            "`pip install transformers` (or install this project with its [bpe] extra), "
+            "or use --tokenizer-type ByteLevelTokenizer"
+        )
+    return _read_gpt2_vocab(vocab_file)
+
+
+def _gpt2_core_from_files(vocab_file: str, merge_file: str):
+    """megatron.core's ``"huggingface"`` GPT-2 tokenizer built from the two local files.
+
     Why not megatron.core's ``"megatron"`` library (``MegatronHFTokenizer``): in
     megatron.core 0.16.1 it passes the vocab file as the merges file and then calls
     ``AutoTokenizer.from_pretrained("gpt2", ...)``, which needs the HuggingFace Hub.
@@ -356,51 +402,32 @@ def _build_gpt2_bpe(vocab_file: Optional[str], merge_file: Optional[str]) -> Tok
     the process is terminated meanwhile: :func:`_sigterm_cleans_up`). ``tempfile``
     gives every call its own directory, so ranks or preprocessing workers building
     concurrently never share a path.
-
-    Checked with transformers 4.43.4, 4.46.3, 4.57.6 and 5.23.0; 4.41 and older are
-    rejected below (their fast tokenizers ignore ``split_special_tokens``).
     """
-    _check_readable_file(vocab_file, "--vocab-file", "GPT2BPETokenizer")
-    _check_readable_file(merge_file, "--merge-file", "GPT2BPETokenizer")
-    if not have_transformers():
-        raise ConfigError(
-            "--tokenizer-type GPT2BPETokenizer needs the 'transformers' package "
-            "(megatron.core's 'huggingface' tokenizer library wraps it): "
-            "`pip install transformers` (or install this project with its [bpe] extra), "
-            "or use --tokenizer-type ByteLevelTokenizer"
+    core_class = core_tokenizer_class()
+    # Import transformers (via megatron.core's wrapper) *before* creating the
+    # directory, so that it exists only for the few milliseconds the tokenizer takes
+    # to build.
+    with quiet_core_import():
+        import megatron.core.tokenizers.text.libraries  # noqa: F401
+    with _sigterm_cleans_up(), tempfile.TemporaryDirectory(
+        prefix="megatron-gpt2-bpe-"
+    ) as tmp_dir:
+        _link_or_copy(vocab_file, os.path.join(tmp_dir, "vocab.json"))
+        _link_or_copy(merge_file, os.path.join(tmp_dir, "merges.txt"))
+        with open(os.path.join(tmp_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+            json.dump(_GPT2_TOKENIZER_CONFIG, f)
+        return core_class.from_pretrained(
+            tokenizer_path=tmp_dir,
+            metadata_path={"library": "huggingface", "model_type": "gpt"},
+            # Rust BPE on transformers 4.x too (5.x has only that one).
+            use_fast=True,
         )
-    vocab = _read_gpt2_vocab(vocab_file)
-    expected_eod = vocab[GPT2_EOD_TOKEN]
-    try:
-        core_class = core_tokenizer_class()
-        # Import transformers (via megatron.core's wrapper) *before* creating the
-        # directory, so that it exists only for the few milliseconds the tokenizer takes
-        # to build.
-        with quiet_core_import():
-            import megatron.core.tokenizers.text.libraries  # noqa: F401
-        with _sigterm_cleans_up(), tempfile.TemporaryDirectory(
-            prefix="megatron-gpt2-bpe-"
-        ) as tmp_dir:
-            _link_or_copy(vocab_file, os.path.join(tmp_dir, "vocab.json"))
-            _link_or_copy(merge_file, os.path.join(tmp_dir, "merges.txt"))
-            with open(os.path.join(tmp_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-                json.dump(_GPT2_TOKENIZER_CONFIG, f)
-            core = core_class.from_pretrained(
-                tokenizer_path=tmp_dir,
-                metadata_path={"library": "huggingface", "model_type": "gpt"},
-                # Rust BPE on transformers 4.x too (5.x has only that one).
-                use_fast=True,
-            )
-        vocab_size, eod = core.vocab_size, core.eod
-        # transformers < 4.43 ignores split_special_tokens for fast tokenizers.
-        literal_eod_ok = eod not in core.tokenize(GPT2_EOD_TOKEN)
-    except ConfigError:
-        raise
-    except Exception as err:  # the HF/megatron stack raises many types
-        raise ConfigError(
-            f"could not build GPT2BPETokenizer from --vocab-file {vocab_file} and "
-            f"--merge-file {merge_file}: {type(err).__name__}: {err}"
-        ) from None
+
+
+def _check_gpt2_core(vocab_file: str, expected_eod: int, eod: int,
+                     literal_eod_ok: bool) -> None:
+    """Refuse a built GPT-2 tokenizer whose eod is not the file's ``<|endoftext|>`` id,
+    or that turns a literal ``<|endoftext|>`` in the text into the eod id."""
     if eod != expected_eod:
         raise ConfigError(
             f"--vocab-file {vocab_file}: {GPT2_EOD_TOKEN!r} has id {expected_eod} in the "
@@ -412,9 +439,6 @@ def _build_gpt2_bpe(vocab_file: Optional[str], merge_file: Optional[str]) -> Tok
             f"{GPT2_EOD_TOKEN!r} in the text into the end-of-document id; "
             "`pip install 'transformers>=4.43'`"
         )
-    # Embedding rows must cover every id in the file even if its ids have gaps.
-    vocab_size = max(int(vocab_size), max(vocab.values()) + 1)
-    return Tokenizer("GPT2BPETokenizer", core, vocab_size, eod, vocab_file, merge_file)
 
 
 def _build_null(vocab_size: Optional[int]) -> Tokenizer:

@@ -459,20 +459,7 @@ def load_checkpoint(engine, args: argparse.Namespace, scheduler, exact=None) -> 
         check_compatible(meta, args, path)  # the same meta everywhere: all ranks or none raise
     start = time.perf_counter()
     seeded = get_rng_state() if args.no_load_rng else None
-    imported = meta.get("format") == DEEPSPEED_FORMAT
-    load_path = client_state = None
-    if not imported or two_level:  # two-level: newer snapshots in memory win over the import
-        load_path, client_state = engine.load_checkpoint(
-            # MoC picks the newest *valid* checkpoint itself (falling back past a corrupt one).
-            load_dir, tag=None if getattr(args, "moc_checkpoint", False) else tag,
-            load_optimizer_states=not args.no_load_optim, load_lr_scheduler_states=False)
-        imported = imported and load_path is None
-    if imported:
-        print_rank_0(f"> loading a DeepSpeed checkpoint {path} (no MoC checkpoint in --load "
-                     f"{load_dir}); the next save writes a MoC checkpoint")
-        load_path, client_state = engine.deepspeed_load_checkpoint(
-            load_dir, tag=tag, load_optimizer_states=not args.no_load_optim,
-            load_lr_scheduler_states=False)
+    load_path, client_state, imported = _engine_load(engine, args, tag, meta, path)
     if load_path is None and tag is None:
         print_rank_0(f"> no checkpoint found at --load {load_dir} nor in memory: starting "
                      f"from scratch")
@@ -491,6 +478,34 @@ def load_checkpoint(engine, args: argparse.Namespace, scheduler, exact=None) -> 
         from megatron.training.recovery import account_recovery
         state.recovery = account_recovery(engine, args, state.iteration, load_s)
     return state
+
+
+def _engine_load(engine, args: argparse.Namespace, tag: Optional[str], meta: Dict,
+                 path: str) -> Tuple[Optional[str], Optional[Dict], bool]:
+    """The engine's load for :func:`load_checkpoint`: ``(load_path, client_state,
+    imported)``, ``imported`` true when a DeepSpeed-format checkpoint was loaded.
+
+    Called on every rank (the engine's loads are collective). A MoC load comes first
+    unless the newest checkpoint is DeepSpeed's; with ``--moc-two-level`` it comes first
+    anyway (newer snapshots in the keepers' memory win over the import). ``load_path``
+    is None when neither found anything.
+    """
+    load_dir = args.load
+    imported = meta.get("format") == DEEPSPEED_FORMAT
+    load_path = client_state = None
+    if not imported or getattr(args, "moc_two_level", False):
+        load_path, client_state = engine.load_checkpoint(
+            # MoC picks the newest *valid* checkpoint itself (falling back past a corrupt one).
+            load_dir, tag=None if getattr(args, "moc_checkpoint", False) else tag,
+            load_optimizer_states=not args.no_load_optim, load_lr_scheduler_states=False)
+        imported = imported and load_path is None
+    if imported:
+        print_rank_0(f"> loading a DeepSpeed checkpoint {path} (no MoC checkpoint in --load "
+                     f"{load_dir}); the next save writes a MoC checkpoint")
+        load_path, client_state = engine.deepspeed_load_checkpoint(
+            load_dir, tag=tag, load_optimizer_states=not args.no_load_optim,
+            load_lr_scheduler_states=False)
+    return load_path, client_state, imported
 
 
 def resume_fields(client_state: Dict) -> Dict:
