@@ -30,8 +30,6 @@ writes it); it asserts nothing about the numbers.
 import argparse
 import json
 import os
-import platform
-import shlex
 import shutil
 import statistics
 import sys
@@ -39,10 +37,11 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib.host import files_under, filesystem_of, versions  # noqa: E402
+from benchlib import launch  # noqa: E402
+from benchlib.host import files_under, filesystem_of  # noqa: E402
 from benchlib.model import build_engine  # noqa: E402
-from benchlib.ranks import (REPO, file_tail, finish_out_dir, gather_objects,  # noqa: E402
-                            group_errors, host_barrier, prepare_out_dir,
+from benchlib.ranks import (file_tail, finish_out_dir, finish_rank,  # noqa: E402
+                            gather_objects, group_errors, host_barrier,
                             print_failed_rank_logs, read_results, run_rank_processes,
                             run_worker, write_results)
 from benchlib.tables import fmt, print_aligned, print_model  # noqa: E402
@@ -176,120 +175,142 @@ def worker_main(opts) -> None:
 
 
 def _worker(opts, rank: int, world: int) -> None:
-    import torch.distributed as dist
-    from deepspeed_ext.checkpointer import MoCCheckpointer
-    from deepspeed_ext.config import MoCConfig
-
+    """Every rank: the engine, one warm-up save per system, then ``--repeats`` rounds of
+    one timed save per system (a system that failed is not run again), the teardown."""
     engine, args, config = build_engine(opts, rank, world)
-    recorder = _DeepSpeedWriteRecorder(engine)
-    # Not patched by enable_moc_checkpointing, so this is DeepSpeed's own method; if some
-    # other code patched it, the original is kept as deepspeed_save_checkpoint.
-    ds_save = getattr(engine, "deepspeed_save_checkpoint", engine.save_checkpoint)
-    moc = {"moc-full": MoCCheckpointer(engine, MoCConfig(pec_k=opts.num_experts)),
-           "moc-full-sync": MoCCheckpointer(engine, MoCConfig(pec_k=opts.num_experts,
-                                                               async_save=False)),
-           "moc-pec-k1": MoCCheckpointer(engine, MoCConfig(pec_k=1))}
-    ckpt_root = os.path.join(opts.out_dir, "ckpt")
-    save_dirs = {s: os.path.join(ckpt_root, s) for s in SYSTEMS}
+    saves = _RankSaves(engine, opts, rank, world, config)
+    for system in SYSTEMS:
+        saves.warm_up(system)
+    for repeat in range(opts.repeats):
+        for system in SYSTEMS:
+            saves.repeat(system, f"repeat{repeat}")
+    saves.results["complete"] = True
+    saves.publish()
+    finish_rank()
 
-    results = {
-        "config": {**config, "moc_pec_policy": "sequential"},
-        "systems": {s: {"warmup": None, "saves": [], "error": None} for s in SYSTEMS},
-    }
 
-    def publish():
-        if rank == 0:
-            write_results(opts.out_dir, results)
+class _RankSaves:
+    """One rank's side of the saves (:func:`_worker`): the systems' save calls on one
+    engine, each save timed between barriers, and the results rank 0 keeps publishing
+    (the launcher reads them even after a crash: ``current`` names the save running)."""
 
-    def save_once(system: str, tag: str):
+    def __init__(self, engine, opts, rank: int, world: int, config: dict):
+        from deepspeed_ext.checkpointer import MoCCheckpointer
+        from deepspeed_ext.config import MoCConfig
+        self.opts, self.rank, self.world = opts, rank, world
+        self.recorder = _DeepSpeedWriteRecorder(engine)
+        # Not patched by enable_moc_checkpointing, so this is DeepSpeed's own method; if some
+        # other code patched it, the original is kept as deepspeed_save_checkpoint.
+        self.ds_save = getattr(engine, "deepspeed_save_checkpoint", engine.save_checkpoint)
+        self.moc = {"moc-full": MoCCheckpointer(engine, MoCConfig(pec_k=opts.num_experts)),
+                    "moc-full-sync": MoCCheckpointer(engine, MoCConfig(pec_k=opts.num_experts,
+                                                                        async_save=False)),
+                    "moc-pec-k1": MoCCheckpointer(engine, MoCConfig(pec_k=1))}
+        ckpt_root = os.path.join(opts.out_dir, "ckpt")
+        self.save_dirs = {s: os.path.join(ckpt_root, s) for s in SYSTEMS}
+        self.results = {
+            "config": {**config, "moc_pec_policy": "sequential"},
+            "systems": {s: {"warmup": None, "saves": [], "error": None} for s in SYSTEMS},
+        }
+
+    def publish(self) -> None:
+        if self.rank == 0:
+            write_results(self.opts.out_dir, self.results)
+
+    def warm_up(self, system: str) -> None:
+        """The system's first save (not timed in the table); its failure ends the system."""
+        entry = self.run_save(system, "warmup")
+        self.results["systems"][system]["warmup"] = entry
+        if entry["error"]:
+            self.results["systems"][system]["error"] = f"warm-up save: {entry['error']}"
+        self.publish()
+
+    def repeat(self, system: str, tag: str) -> None:
+        """One timed save of a system that has not failed yet, then its older tags dropped."""
+        state = self.results["systems"][system]
+        if state["error"]:
+            return
+        entry = self.run_save(system, tag)
+        state["saves"].append(entry)
+        if entry["error"]:
+            state["error"] = f"save {tag}: {entry['error']}"
+        self.publish()
+        self.drop_superseded(system, tag)
+
+    def run_save(self, system: str, tag: str) -> dict:
+        self.results["current"] = {"system": system, "tag": tag}
+        self.publish()
+        entry = self.measure(system, tag)
+        self.results["current"] = None
+        return entry
+
+    def save_once(self, system: str, tag: str) -> None:
         client_state = {"benchmark_tag": tag}
         if system.startswith("deepspeed"):
-            recorder.fsync = system == "deepspeed-fsync"
-            ds_save(save_dirs[system], tag=tag, client_state=client_state)
+            self.recorder.fsync = system == "deepspeed-fsync"
+            self.ds_save(self.save_dirs[system], tag=tag, client_state=client_state)
         else:
-            moc[system].save(save_dirs[system], tag=tag, client_state=client_state)
+            self.moc[system].save(self.save_dirs[system], tag=tag, client_state=client_state)
 
-    def measure(system: str, tag: str) -> dict:
-        recorder.records.clear()
-        if rank == 0:
+    def measure(self, system: str, tag: str) -> dict:
+        """One save on every rank, after os.sync() (rank 0) and a barrier: its times and
+        errors over the ranks and (rank 0, no error) the bytes each rank wrote."""
+        self.recorder.records.clear()
+        if self.rank == 0:
             os.sync()  # no save pays for the writeback of an earlier one
         host_barrier()
-        error = None
-        start = time.perf_counter()
-        try:
-            save_once(system, tag)
-        except Exception as e:  # reported in the table, not raised
-            error = f"{type(e).__name__}: {e}"
-            traceback.print_exc()
-            # Also to a file now: a rank failing alone may leave the others waiting in
-            # the save's collectives until the launcher's timeout.
-            with open(os.path.join(opts.out_dir, f"save_errors.rank{rank}.txt"), "a") as f:
-                f.write(f"{system} {tag}: {error}\n")
-        elapsed = time.perf_counter() - start
-        durable = elapsed if system != "deepspeed" else None
-        if system in moc and error is None:
-            try:
-                moc[system].wait()  # fsynced and committed (a collective: every rank)
-                durable = time.perf_counter() - start
-            except Exception as e:
-                error = f"{type(e).__name__}: {e}"
-                traceback.print_exc()
-        gathered = gather_objects((elapsed, error, list(recorder.records), durable), world)
+        elapsed, error, durable = self._timed_save(system, tag)
+        gathered = gather_objects((elapsed, error, list(self.recorder.records), durable),
+                                  self.world)
         errors = [(r, e) for r, (_, e, _, _) in enumerate(gathered) if e]
         entry = {"tag": tag, "save_s_per_rank": [g[0] for g in gathered],
                  "save_s": max(g[0] for g in gathered),
                  "durable_s": None if durable is None else max(g[3] for g in gathered),
                  "error": group_errors(errors) or None}
-        if rank == 0 and not errors:
-            per_rank, uncounted = _attribute_bytes(system, save_dirs[system], tag, world, gathered)
+        if self.rank == 0 and not errors:
+            save_dir = self.save_dirs[system]
+            per_rank, uncounted = _attribute_bytes(system, save_dir, tag, self.world, gathered)
             entry.update(bytes_per_rank=per_rank, uncounted_files=uncounted)
             if not system.startswith("deepspeed"):
-                entry["manifest_elements"] = _manifest_elements(os.path.join(save_dirs[system], tag))
+                entry["manifest_elements"] = _manifest_elements(os.path.join(save_dir, tag))
         return entry
 
-    def drop_superseded(system: str, keep_tag: str):
+    def _timed_save(self, system: str, tag: str) -> tuple:
+        """This rank's (save call seconds, error or None, seconds until durable or None)."""
+        error = None
+        start = time.perf_counter()
+        try:
+            self.save_once(system, tag)
+        except Exception as e:  # reported in the table, not raised
+            error = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+            # Also to a file now: a rank failing alone may leave the others waiting in
+            # the save's collectives until the launcher's timeout.
+            path = os.path.join(self.opts.out_dir, f"save_errors.rank{self.rank}.txt")
+            with open(path, "a") as f:
+                f.write(f"{system} {tag}: {error}\n")
+        elapsed = time.perf_counter() - start
+        durable = elapsed if system != "deepspeed" else None
+        if system in self.moc and error is None:
+            try:
+                self.moc[system].wait()  # fsynced and committed (a collective: every rank)
+                durable = time.perf_counter() - start
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
+        return elapsed, error, durable
+
+    def drop_superseded(self, system: str, keep_tag: str) -> None:
         """Delete this system's older tags, untimed, to bound disk use. Not for PEC: its
         checkpoints reference expert versions held by earlier tags (MoC's next save reads
         only the last tag's manifest either way)."""
-        if rank != 0 or opts.keep or system == "moc-pec-k1":
+        if self.rank != 0 or self.opts.keep or system == "moc-pec-k1":
             return
-        root = save_dirs[system]
+        root = self.save_dirs[system]
         for name in os.listdir(root) if os.path.isdir(root) else []:
             path = os.path.join(root, name)
             if os.path.isdir(path) and name != keep_tag:
                 shutil.rmtree(path, ignore_errors=True)
-
-    def run_save(system: str, tag: str) -> dict:
-        results["current"] = {"system": system, "tag": tag}
-        publish()
-        entry = measure(system, tag)
-        results["current"] = None
-        return entry
-
-    for system in SYSTEMS:
-        entry = run_save(system, "warmup")
-        results["systems"][system]["warmup"] = entry
-        if entry["error"]:
-            results["systems"][system]["error"] = f"warm-up save: {entry['error']}"
-        publish()
-    for repeat in range(opts.repeats):
-        for system in SYSTEMS:
-            state = results["systems"][system]
-            if state["error"]:
-                continue
-            tag = f"repeat{repeat}"
-            entry = run_save(system, tag)
-            state["saves"].append(entry)
-            if entry["error"]:
-                state["error"] = f"save {tag}: {entry['error']}"
-            publish()
-            drop_superseded(system, tag)
-    results["complete"] = True
-    publish()
-    host_barrier()
-    from megatron.training.training import remove_deepspeed_shm_buffers
-    remove_deepspeed_shm_buffers()
-    dist.destroy_process_group()
 
 
 # ========================================================================= launcher side
@@ -297,9 +318,7 @@ def _worker(opts, rank: int, world: int) -> None:
 
 def _launch(opts, out_dir: str) -> tuple:
     """Start the ranks; wait (with the timeout); returns (exit codes, timed out?, save errors)."""
-    worker_argv = [sys.executable, os.path.abspath(__file__), "--worker", "--out-dir", out_dir]
-    for name in MODEL_FLAGS:
-        worker_argv += ["--" + name.replace("_", "-"), str(getattr(opts, name))]
+    worker_argv = launch.worker_argv(__file__, out_dir, opts, MODEL_FLAGS)
     if opts.keep:
         worker_argv.append("--keep")
     codes, timed_out = run_rank_processes(worker_argv, opts.nproc, out_dir, opts.timeout)
@@ -471,30 +490,30 @@ def _print_notes_and_checks(rows: list, config: dict) -> None:
               f"({sync['save_s_median']:.3f} s vs {ds['save_s_median']:.3f} s)")
 
 
-def launcher_main(opts) -> int:
+def _option_error(opts):
+    """Why the options cannot run (the ``error:`` line), or None."""
     if min(opts.nproc, opts.ep, opts.tp, opts.repeats, opts.train_steps) < 1:
-        print("error: --nproc, --ep, --tp, --repeats and --train-steps must be >= 1",
-              file=sys.stderr)
-        return 2
+        return "--nproc, --ep, --tp, --repeats and --train-steps must be >= 1"
     if opts.nproc % opts.tp:
-        print(f"error: --nproc ({opts.nproc}) must be divisible by --tp ({opts.tp})",
-              file=sys.stderr)
-        return 2
+        return f"--nproc ({opts.nproc}) must be divisible by --tp ({opts.tp})"
     if (opts.nproc // opts.tp) % opts.ep or opts.num_experts % opts.ep:
-        print(f"error: the data-parallel size (--nproc / --tp = {opts.nproc // opts.tp}) and "
-              f"--num-experts ({opts.num_experts}) must be divisible by --ep ({opts.ep})",
-              file=sys.stderr)
-        return 2
-    try:
-        out_dir, created = prepare_out_dir(opts.out_dir, "moc-ckpt-bench-")
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return (f"the data-parallel size (--nproc / --tp = {opts.nproc // opts.tp}) and "
+                f"--num-experts ({opts.num_experts}) must be divisible by --ep ({opts.ep})")
+    return None
 
-    command = shlex.join(getattr(sys, "orig_argv", [sys.executable] + sys.argv))
-    print("MoC checkpoint save benchmark")
-    print(f"command: {command}")
-    print(f"machine: {os.cpu_count()} CPU cores, {platform.platform()}, {versions()}")
+
+def launcher_main(opts) -> int:
+    problem = _option_error(opts)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    prepared = launch.out_dir_or_error(opts.out_dir, "moc-ckpt-bench-")
+    if prepared is None:
+        return 2
+    out_dir, created = prepared
+
+    command = launch.command_line()
+    launch.print_header("MoC checkpoint save benchmark", command)
     fs = filesystem_of(out_dir)
     print(f"out dir: {out_dir}" + (f" ({fs})" if fs else ""))
     sys.stdout.flush()
@@ -528,15 +547,8 @@ def launcher_main(opts) -> int:
 
 
 def main() -> int:
-    opts = build_parser().parse_args()
-    if opts.worker:
-        worker_main(opts)
-        return 0
-    return launcher_main(opts)
+    return launch.launcher_or_worker(build_parser().parse_args(), worker_main, launcher_main)
 
 
 if __name__ == "__main__":
-    # Not sys.exit: a worker's clean end must not turn into a teardown abort (-6).
-    sys.path.insert(0, REPO)
-    from megatron.training.exit import exit_without_teardown
-    exit_without_teardown(main())
+    launch.exit_after(main)

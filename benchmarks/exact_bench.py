@@ -127,7 +127,6 @@ import argparse
 import json
 import os
 import platform
-import shlex
 import shutil
 import sys
 import time
@@ -137,6 +136,7 @@ sys.path.insert(0, os.path.join(REPO, "experiments"))
 from accuracy import prepare_data  # noqa: E402  (the quickstart's corpus)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import launch  # noqa: E402
 from benchlib.exact_measure import (add_reference, combine_rounds, ettr_model,  # noqa: E402
                                     measure_ettr, measure_overhead, measure_recovery)
 from benchlib.exact_report import PHASES, failure_notes, plot, tables  # noqa: E402
@@ -231,17 +231,6 @@ def _list(text: str) -> list:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-# =============================================================================== runs
-
-
-# ============================================================================ parsing
-
-
-# ============================================================================= output
-
-
-# =============================================================================== main
-
 def prepare_out(out: str) -> None:
     if os.path.isdir(out) and os.listdir(out):
         if not os.path.exists(os.path.join(out, MARKER)):
@@ -252,103 +241,122 @@ def prepare_out(out: str) -> None:
     open(os.path.join(out, MARKER), "w").close()
 
 
-def main() -> int:
-    opts = build_parser().parse_args()
-    finish_options(opts)
-    phases, policies, fault_policies = _list(opts.phases), _list(opts.policies), _list(opts.fault_policies)
-    bad = [p for p in phases if p not in PHASES] + [p for p in policies + fault_policies
-                                                    if p not in POLICIES]
+def _option_error(opts, phases: list, policies: list):
+    """Why the options cannot run (the ``error:`` line), or None."""
+    bad = [p for p in phases if p not in PHASES] + [p for p in policies if p not in POLICIES]
     if bad:
-        print(f"error: unknown phase or policy: {', '.join(bad)} (phases: {', '.join(PHASES)}; "
-              f"policies: {', '.join(POLICIES)})", file=sys.stderr)
-        return 2
+        return (f"unknown phase or policy: {', '.join(bad)} (phases: {', '.join(PHASES)}; "
+                f"policies: {', '.join(POLICIES)})")
     if (opts.iters <= opts.warmup + 2 or not 1 < opts.crash_at <= opts.iters
             or opts.ettr_iters < 2 or opts.rounds < 1
             or (opts.ettr_reference and opts.ettr_reference <= opts.warmup + 2)):
-        print("error: need --iters > --warmup + 2, 1 < --crash-at <= --iters, --ettr-iters >= 2, "
-              "--rounds >= 1, --ettr-reference 0 or > --warmup + 2", file=sys.stderr)
-        return 2
-    out = os.path.abspath(opts.out)
-    prepare_out(out)
-    data = prepare_data(os.path.join(REPO, opts.data_prefix))
-    command = shlex.join(getattr(sys, "orig_argv", [sys.executable] + sys.argv))
-    results = {"command": command, "options": vars(opts),
-               "machine": f"{os.cpu_count()} CPU cores, {platform.platform()}",
-               "loadavg_before": os.getloadavg()[0]}
-    print(f"exact-recovery benchmark\ncommand: {command}\nmachine: {results['machine']}; "
-          f"load average {results['loadavg_before']:.1f} (other work on the machine skews "
-          f"every figure: compare rows of one invocation)\nruns under {out}", flush=True)
-    began = time.time()
+        return ("need --iters > --warmup + 2, 1 < --crash-at <= --iters, --ettr-iters >= 2, "
+                "--rounds >= 1, --ettr-reference 0 or > --warmup + 2")
+    return None
 
-    def progress(phase, row, run):
+
+class _Jobs:
+    """The training jobs of one invocation: each under ``OUT/<phase>/<label>``, on the
+    corpus at ``data``, with a progress line once measured."""
+
+    def __init__(self, opts, out: str, data: str):
+        self.opts, self.out, self.data = opts, out, data
+        self.began = time.time()
+
+    def run(self, name: str, where: str, restarts: int, extra: list, iters: int) -> dict:
+        """Policy ``name``'s job in ``OUT/<where>`` (a phase and a label)."""
+        return run_job(name, name, self.opts, self.data, os.path.join(self.out, where),
+                       restarts=restarts, extra=extra, iters=iters)
+
+    def progress(self, phase: str, row: dict, run: dict) -> None:
+        """Note the load and what the run left behind in ``row``, drop its checkpoints
+        (unless ``--keep-checkpoints``), print the row's figures."""
         row["loadavg_after"] = os.getloadavg()[0]
         if run["leftover"]:
             row["leftover"] = run["leftover"]
-        if not opts.keep_checkpoints:  # measured: keep what says what happened, not the bytes
+        if not self.opts.keep_checkpoints:  # measured: keep what says what happened, not the bytes
             for name in ("moc-events.jsonl", "moc-faults.json"):
                 if os.path.exists(os.path.join(run["ckpt"], name)):
                     shutil.copy(os.path.join(run["ckpt"], name), run["run_dir"])
             shutil.rmtree(run["ckpt"], ignore_errors=True)
         brief = {k: v for k, v in row.items() if k not in ("tail", "iter_gaps_s", "run_dir",
                                                             "checkpoint_bytes")}
-        print(f"[exact_bench {time.time() - began:6.0f} s] {phase} / {row['policy']}: "
+        print(f"[exact_bench {time.time() - self.began:6.0f} s] {phase} / {row['policy']}: "
               f"{json.dumps(brief, default=str)}", flush=True)
 
-    clean = {}
-    if "overhead" in phases:
-        per_policy = {name: [] for name in policies}
-        for k in range(opts.rounds):
-            for name in policies if k % 2 == 0 else list(reversed(policies)):
-                label = name if opts.rounds == 1 else f"{name}-r{k + 1}"
-                run = run_job(name, name, opts, data, os.path.join(out, "overhead", label),
-                              restarts=0, extra=[], iters=opts.iters)
-                row = measure_overhead(run, opts)
-                row["round"] = k + 1
-                per_policy[name].append(row)
-                progress("overhead", row, run)
-        results["overhead"] = combine_rounds(per_policy)
-        clean = {r["policy"]: r for r in results["overhead"] if r["ok"]}
-    recovery = {}
-    if "recovery" in phases:
-        results["recovery"] = []
-        for name in fault_policies:
-            run = run_job(name, name, opts, data, os.path.join(out, "recovery", name), restarts=2,
-                          extra=["--moc-fault", f"crash@{opts.crash_at}:rank=1"], iters=opts.iters)
-            row = measure_recovery(run, opts)
-            results["recovery"].append(row)
-            progress("recovery", row, run)
-        recovery = {r["policy"]: r for r in results["recovery"] if r["ok"]}
-    if "ettr" in phases:
-        mtbfs = opts.mtbf
-        if mtbfs is None:
-            t = (clean.get("none") or {}).get("iter_s_mean")
-            mtbfs = [round(2 * opts.ettr_iters * t / opts.target_failures, 1) if t else 10.0]
-            results["mtbf_note"] = ("from none's iteration time" if t else
-                                    "none's iteration time not measured: 10 s")
-        results["ettr"] = []
-        for seed in opts.seeds:
-            for mtbf in mtbfs:
-                for name in fault_policies:
-                    where = name + ("" if len(mtbfs) == 1 else f"-mtbf{mtbf:g}") \
-                        + ("" if len(opts.seeds) == 1 else f"-seed{seed}")
-                    if opts.ettr_reference:
-                        ref_run = run_job("none", "none", opts, data,
-                                          os.path.join(out, "ettr", where + "-ref"), restarts=0,
-                                          extra=[], iters=opts.ettr_reference)
-                        ref = measure_overhead(ref_run, opts)
-                        progress("ettr reference", ref, ref_run)
-                    run = run_job(name, name, opts, data, os.path.join(out, "ettr", where),
-                                  restarts=opts.max_restarts, iters=opts.ettr_iters,
-                                  extra=["--moc-fault-mtbf", str(mtbf), "--moc-fault-seed",
-                                         str(seed)])
-                    row = measure_ettr(run, opts, mtbf, clean, seed)
-                    if opts.ettr_reference:
-                        add_reference(row, ref)
-                    row["ettr_model"] = ettr_model(name, clean, recovery, mtbf)
-                    results["ettr"].append(row)
-                    progress("ettr", row, run)
-    results["total_s"] = time.time() - began
 
+def _overhead_phase(jobs: _Jobs, policies: list) -> list:
+    """Every policy ``--rounds`` times without failures, in alternating order; one row
+    per policy (:func:`combine_rounds`)."""
+    opts = jobs.opts
+    per_policy = {name: [] for name in policies}
+    for k in range(opts.rounds):
+        for name in policies if k % 2 == 0 else list(reversed(policies)):
+            label = name if opts.rounds == 1 else f"{name}-r{k + 1}"
+            run = jobs.run(name, os.path.join("overhead", label), restarts=0, extra=[],
+                           iters=opts.iters)
+            row = measure_overhead(run, opts)
+            row["round"] = k + 1
+            per_policy[name].append(row)
+            jobs.progress("overhead", row, run)
+    return combine_rounds(per_policy)
+
+
+def _recovery_phase(jobs: _Jobs, fault_policies: list) -> list:
+    """Every fault policy once with one crash (``--crash-at``) and up to 2 restarts."""
+    opts = jobs.opts
+    rows = []
+    for name in fault_policies:
+        run = jobs.run(name, os.path.join("recovery", name), restarts=2,
+                       extra=["--moc-fault", f"crash@{opts.crash_at}:rank=1"], iters=opts.iters)
+        row = measure_recovery(run, opts)
+        rows.append(row)
+        jobs.progress("recovery", row, run)
+    return rows
+
+
+def _ettr_mtbfs(opts, clean: dict, results: dict) -> list:
+    """``--mtbf``, else from the ``none`` policy's clean iteration time (the choice noted
+    in ``results["mtbf_note"]``)."""
+    if opts.mtbf is not None:
+        return opts.mtbf
+    t = (clean.get("none") or {}).get("iter_s_mean")
+    results["mtbf_note"] = ("from none's iteration time" if t else
+                            "none's iteration time not measured: 10 s")
+    return [round(2 * opts.ettr_iters * t / opts.target_failures, 1) if t else 10.0]
+
+
+def _ettr_phase(jobs: _Jobs, fault_policies: list, mtbfs: list, clean: dict,
+               recovery: dict) -> list:
+    """Every fault policy under random crashes, at each MTBF with each seed (after a clean
+    reference run with ``--ettr-reference``)."""
+    opts = jobs.opts
+    rows = []
+    for seed in opts.seeds:
+        for mtbf in mtbfs:
+            for name in fault_policies:
+                where = name + ("" if len(mtbfs) == 1 else f"-mtbf{mtbf:g}") \
+                    + ("" if len(opts.seeds) == 1 else f"-seed{seed}")
+                if opts.ettr_reference:
+                    ref_run = jobs.run("none", os.path.join("ettr", where + "-ref"), restarts=0,
+                                       extra=[], iters=opts.ettr_reference)
+                    ref = measure_overhead(ref_run, opts)
+                    jobs.progress("ettr reference", ref, ref_run)
+                run = jobs.run(name, os.path.join("ettr", where), restarts=opts.max_restarts,
+                               iters=opts.ettr_iters,
+                               extra=["--moc-fault-mtbf", str(mtbf), "--moc-fault-seed", str(seed)])
+                row = measure_ettr(run, opts, mtbf, clean, seed)
+                if opts.ettr_reference:
+                    add_reference(row, ref)
+                row["ettr_model"] = ettr_model(name, clean, recovery, mtbf)
+                rows.append(row)
+                jobs.progress("ettr", row, run)
+    return rows
+
+
+def _report(results: dict, out: str, opts) -> int:
+    """Print the tables and notes, write ``OUT/table.md``, ``OUT/results.json``, ``--json``
+    and ``--plot``; 1 if a run failed, else 0."""
     text = tables(results)
     notes = failure_notes(results)
     print()
@@ -369,6 +377,39 @@ def main() -> int:
         print(plot(results, opts.plot))
     failed = any(not r["ok"] for p in PHASES for r in results.get(p, []))
     return 1 if failed else 0
+
+
+def main() -> int:
+    opts = build_parser().parse_args()
+    finish_options(opts)
+    phases, policies, fault_policies = _list(opts.phases), _list(opts.policies), _list(opts.fault_policies)
+    problem = _option_error(opts, phases, policies + fault_policies)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    out = os.path.abspath(opts.out)
+    prepare_out(out)
+    data = prepare_data(os.path.join(REPO, opts.data_prefix))
+    command = launch.command_line()
+    results = {"command": command, "options": vars(opts),
+               "machine": f"{os.cpu_count()} CPU cores, {platform.platform()}",
+               "loadavg_before": os.getloadavg()[0]}
+    print(f"exact-recovery benchmark\ncommand: {command}\nmachine: {results['machine']}; "
+          f"load average {results['loadavg_before']:.1f} (other work on the machine skews "
+          f"every figure: compare rows of one invocation)\nruns under {out}", flush=True)
+    jobs = _Jobs(opts, out, data)
+    clean, recovery = {}, {}
+    if "overhead" in phases:
+        results["overhead"] = _overhead_phase(jobs, policies)
+        clean = {r["policy"]: r for r in results["overhead"] if r["ok"]}
+    if "recovery" in phases:
+        results["recovery"] = _recovery_phase(jobs, fault_policies)
+        recovery = {r["policy"]: r for r in results["recovery"] if r["ok"]}
+    if "ettr" in phases:
+        mtbfs = _ettr_mtbfs(opts, clean, results)
+        results["ettr"] = _ettr_phase(jobs, fault_policies, mtbfs, clean, recovery)
+    results["total_s"] = time.time() - jobs.began
+    return _report(results, out, opts)
 
 
 if __name__ == "__main__":

@@ -130,6 +130,54 @@ def _compute(device, size, iters):
     return loop
 
 
+def _copies(snap, tensors, device, repeats):
+    """(what, median seconds) of MoC's snapshot copy (after a warm-up one: the slot's
+    first touch, its registration) and, on CUDA, of the two reference copies."""
+    snap.launch().result()  # warm-up: first-touch of the slot, registration
+    copy_s = _median_s(lambda: snap.launch().result(), repeats)
+    how = ("CPU copy thread" if device.type == "cpu" else
+           "side stream, page-locked" if snap.copier.registered_bytes else
+           "side stream, pageable")
+    rows = [(f"moc snapshot into shared memory ({how})", copy_s)]
+    if device.type == "cuda":
+        rows.append(("reference: .to('cpu'), pageable",
+                     _median_s(lambda: [t.to("cpu") for t in tensors.values()], repeats)))
+        pinned = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                  for k, t in tensors.items()}
+
+        def pinned_copy():
+            for k, t in tensors.items():
+                pinned[k].copy_(t, non_blocking=True)
+            _sync(device)
+        pinned_copy()
+        rows.append(("reference: torch-pinned memory", _median_s(pinned_copy, repeats)))
+    return rows
+
+
+def _overlap(snap, loop, device, repeats):
+    """(median of the loop alone, loop + snapshot per repeat, join waits per repeat): the
+    snapshot launched just before the loop and joined after it, as the step joins it."""
+    loop()
+    _sync(device)
+
+    def alone():
+        loop()
+        _sync(device)
+    compute_s = _median_s(alone, repeats)
+    joins, totals = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        job = snap.launch()
+        loop()
+        before_join = time.perf_counter()
+        job.result()  # what the optimizer step does (wait_before_step)
+        _sync(device)
+        end = time.perf_counter()
+        joins.append(end - before_join)
+        totals.append(end - start)
+    return compute_s, totals, joins
+
+
 def run(args):
     device = torch.device("cuda" if args.device == "cuda" or (
         args.device == "auto" and torch.cuda.is_available()) else "cpu")
@@ -138,47 +186,11 @@ def run(args):
     tensors = _state(device, args.mib, args.tensors)
     nbytes = sum(t.numel() * 4 for t in tensors.values())
     node_dir = os.path.join(args.shm_root, f"moc-hostcopy-bench-{uuid.uuid4().hex[:8]}")
-    rows = []
     snap = _Snapshot(node_dir, tensors, device)
     try:
-        snap.launch().result()  # warm-up: first-touch of the slot, registration
-        copy_s = _median_s(lambda: snap.launch().result(), args.repeats)
-        how = ("CPU copy thread" if device.type == "cpu" else
-               "side stream, page-locked" if snap.copier.registered_bytes else
-               "side stream, pageable")
-        rows.append((f"moc snapshot into shared memory ({how})", copy_s))
-        if device.type == "cuda":
-            rows.append(("reference: .to('cpu'), pageable",
-                         _median_s(lambda: [t.to("cpu") for t in tensors.values()],
-                                   args.repeats)))
-            pinned = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                      for k, t in tensors.items()}
-
-            def pinned_copy():
-                for k, t in tensors.items():
-                    pinned[k].copy_(t, non_blocking=True)
-                _sync(device)
-            pinned_copy()
-            rows.append(("reference: torch-pinned memory", _median_s(pinned_copy, args.repeats)))
-        loop = _compute(device, size, iters)
-        loop()
-        _sync(device)
-
-        def alone():
-            loop()
-            _sync(device)
-        compute_s = _median_s(alone, args.repeats)
-        joins, totals = [], []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            job = snap.launch()
-            loop()
-            before_join = time.perf_counter()
-            job.result()  # what the optimizer step does (wait_before_step)
-            _sync(device)
-            end = time.perf_counter()
-            joins.append(end - before_join)
-            totals.append(end - start)
+        rows = _copies(snap, tensors, device, args.repeats)
+        compute_s, totals, joins = _overlap(snap, _compute(device, size, iters), device,
+                                            args.repeats)
         result = {
             "device": str(device) if device.type == "cpu" else torch.cuda.get_device_name(device),
             "bytes": nbytes, "register_error": snap.copier.register_error,

@@ -32,9 +32,7 @@ this machine measured, not what a cluster will.
 import argparse
 import json
 import os
-import platform
 import re
-import shlex
 import statistics
 import sys
 
@@ -43,9 +41,8 @@ sys.path.insert(0, os.path.join(REPO, "experiments"))
 from accuracy import prepare_data  # noqa: E402  (the quickstart's corpus)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib.host import versions  # noqa: E402
-from benchlib.ranks import (file_tail, finish_out_dir, prepare_out_dir,  # noqa: E402
-                            run_rank_processes)
+from benchlib import launch  # noqa: E402
+from benchlib.ranks import file_tail, finish_out_dir, run_rank_processes  # noqa: E402
 from benchlib.tables import print_aligned  # noqa: E402
 
 JOBS = ("plain", "logged", "localized", "global")
@@ -134,59 +131,52 @@ def _replayed(opts, fail_at: int) -> int:
     return done - (complete - opts.window + 1)
 
 
-def main(argv=None) -> int:
-    opts = build_parser().parse_args(argv)
-    if any(f <= opts.window or f > opts.iters for f in opts.fail_at):
-        print("error: every --fail-at must be after the first window (> --window) and at "
-              "most --iters", file=sys.stderr)
-        return 2
-    try:
-        out, created = prepare_out_dir(opts.out_dir, "moc-localized-bench-")
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    data = prepare_data(os.path.join(REPO, opts.data_prefix))
-    command = shlex.join(getattr(sys, "orig_argv", [sys.executable] + sys.argv))
+HEADER = ["PP", "failed stage", "steps replayed", "localized s", "global s", "speedup",
+          "model speedup", "ETTR no failure", "ETTR localized", "ETTR global",
+          "iter ms plain", "iter ms logged", "log MiB/stage", "exact"]
+
+
+def _stage_row(opts, stages: int, runs: dict) -> dict:
+    """One pipeline size's row from its four jobs (``runs``; each gets its ``loop_ettr``)."""
     from deepspeed_ext.planning import pipeline as pm
-    table = [["PP", "failed stage", "steps replayed", "localized s", "global s", "speedup",
-              "model speedup", "ETTR no failure", "ETTR localized", "ETTR global",
-              "iter ms plain", "iter ms logged", "log MiB/stage", "exact"]]
-    results = []
-    for stages in opts.stages:
-        runs = {job: _run(opts, stages, data, out, job) for job in JOBS}
-        exact = all(runs[j]["train"] == runs["logged"]["train"] for j in ("localized", "global"))
-        loc, glo = runs["localized"], runs["global"]
-        # the training loop's ETTR: the fault-free logged job's median step x steps over
-        # the loop's wall time (each logged step's elapsed time; a recovery at the top of
-        # a step counts in that step's), start-up excluded
-        useful = opts.iters * runs["logged"]["iter_ms"]
-        for run in runs.values():
-            run["loop_ettr"] = useful / run["loop_ms"]
-        row = {"stages": stages, "failed_stage": stages // 2,
-               "replayed": statistics.mean(_replayed(opts, f) for f in opts.fail_at),
-               "recoveries": (loc["recoveries"], glo["recoveries"]),
-               "localized_s": loc["recovery_s"], "global_s": glo["recovery_s"],
-               "ettr_localized": loc["loop_ettr"], "ettr_global": glo["loop_ettr"],
-               "ettr_logged": runs["logged"]["loop_ettr"],
-               "trainer_ettr": {j: runs[j]["ettr"] for j in JOBS},
-               "loop_s": {j: runs[j]["loop_ms"] / 1e3 for j in JOBS},
-               "iter_ms_plain": runs["plain"]["iter_ms"], "iter_ms_logged": runs["logged"]["iter_ms"],
-               "log_mib": runs["logged"]["log_mib"], "log_peak_mib": runs["logged"]["log_peak_mib"],
-               "exact": exact, "how": (loc["how"], glo["how"])}
-        model = pm.PipelineRecovery(stages, opts.micro_batches, opts.window,
-                                    runs["logged"]["iter_ms"] / 1e3)
-        row["model_speedup"] = pm.replay_step_s(model, False) / pm.replay_step_s(model, True)
-        results.append(row)
-        table.append([str(stages), str(row["failed_stage"]), f"{row['replayed']:g}",
-                      f"{loc['recovery_s']:.2f}",
-                      f"{glo['recovery_s']:.2f}", f"{glo['recovery_s'] / loc['recovery_s']:.2f}x",
-                      f"{row['model_speedup']:.2f}x", f"{runs['logged']['loop_ettr']:.3f}",
-                      f"{loc['loop_ettr']:.3f}", f"{glo['loop_ettr']:.3f}", f"{row['iter_ms_plain']:.0f}",
-                      f"{row['iter_ms_logged']:.0f}", f"{row['log_peak_mib']:.2f}",
-                      "yes" if exact else "NO"])
-    print("Localized vs global in-place recovery of a pipeline stage")
-    print(f"command: {command}")
-    print(f"machine: {os.cpu_count()} CPU cores, {platform.platform()}, {versions()}")
+    exact = all(runs[j]["train"] == runs["logged"]["train"] for j in ("localized", "global"))
+    loc, glo = runs["localized"], runs["global"]
+    # the training loop's ETTR: the fault-free logged job's median step x steps over
+    # the loop's wall time (each logged step's elapsed time; a recovery at the top of
+    # a step counts in that step's), start-up excluded
+    useful = opts.iters * runs["logged"]["iter_ms"]
+    for run in runs.values():
+        run["loop_ettr"] = useful / run["loop_ms"]
+    row = {"stages": stages, "failed_stage": stages // 2,
+           "replayed": statistics.mean(_replayed(opts, f) for f in opts.fail_at),
+           "recoveries": (loc["recoveries"], glo["recoveries"]),
+           "localized_s": loc["recovery_s"], "global_s": glo["recovery_s"],
+           "ettr_localized": loc["loop_ettr"], "ettr_global": glo["loop_ettr"],
+           "ettr_logged": runs["logged"]["loop_ettr"],
+           "trainer_ettr": {j: runs[j]["ettr"] for j in JOBS},
+           "loop_s": {j: runs[j]["loop_ms"] / 1e3 for j in JOBS},
+           "iter_ms_plain": runs["plain"]["iter_ms"], "iter_ms_logged": runs["logged"]["iter_ms"],
+           "log_mib": runs["logged"]["log_mib"], "log_peak_mib": runs["logged"]["log_peak_mib"],
+           "exact": exact, "how": (loc["how"], glo["how"])}
+    model = pm.PipelineRecovery(stages, opts.micro_batches, opts.window,
+                                runs["logged"]["iter_ms"] / 1e3)
+    row["model_speedup"] = pm.replay_step_s(model, False) / pm.replay_step_s(model, True)
+    return row
+
+
+def _table_cells(row: dict, runs: dict) -> list:
+    loc, glo = runs["localized"], runs["global"]
+    return [str(row["stages"]), str(row["failed_stage"]), f"{row['replayed']:g}",
+            f"{loc['recovery_s']:.2f}",
+            f"{glo['recovery_s']:.2f}", f"{glo['recovery_s'] / loc['recovery_s']:.2f}x",
+            f"{row['model_speedup']:.2f}x", f"{runs['logged']['loop_ettr']:.3f}",
+            f"{loc['loop_ettr']:.3f}", f"{glo['loop_ettr']:.3f}", f"{row['iter_ms_plain']:.0f}",
+            f"{row['iter_ms_logged']:.0f}", f"{row['log_peak_mib']:.2f}",
+            "yes" if row["exact"] else "NO"]
+
+
+def _print_report(opts, command: str, table: list) -> None:
+    launch.print_header("Localized vs global in-place recovery of a pipeline stage", command)
     print(f"model: {opts.stages} stages x 1 MoE layer (4 experts), hidden {opts.hidden}, "
           f"seq {opts.seq}, {opts.micro_batches} micro-batches of {opts.micro_batch}; W = "
           f"{opts.window}; {opts.iters} steps; the stage is lost at the top of steps "
@@ -201,6 +191,28 @@ def main(argv=None) -> int:
           "failure' is that job's own, the noise floor of the measure); log "
           "MiB: the most one stage's upstream log held; exact: the failed jobs' losses and "
           "gradient norms equal the logged job's to the bit.")
+
+
+def main(argv=None) -> int:
+    opts = build_parser().parse_args(argv)
+    if any(f <= opts.window or f > opts.iters for f in opts.fail_at):
+        print("error: every --fail-at must be after the first window (> --window) and at "
+              "most --iters", file=sys.stderr)
+        return 2
+    prepared = launch.out_dir_or_error(opts.out_dir, "moc-localized-bench-")
+    if prepared is None:
+        return 2
+    out, created = prepared
+    data = prepare_data(os.path.join(REPO, opts.data_prefix))
+    command = launch.command_line()
+    table = [HEADER]
+    results = []
+    for stages in opts.stages:
+        runs = {job: _run(opts, stages, data, out, job) for job in JOBS}
+        row = _stage_row(opts, stages, runs)
+        results.append(row)
+        table.append(_table_cells(row, runs))
+    _print_report(opts, command, table)
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump({"command": command, "rows": results}, f, indent=1)

@@ -22,17 +22,14 @@ import argparse
 import itertools
 import json
 import os
-import platform
-import shlex
 import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib.host import versions  # noqa: E402
-from benchlib.ranks import (REPO, finish_out_dir, prepare_out_dir,  # noqa: E402
-                            print_failed_rank_logs, read_results, run_rank_processes,
-                            run_worker, write_results)
+from benchlib import launch  # noqa: E402
+from benchlib.ranks import (finish_out_dir, print_failed_rank_logs,  # noqa: E402
+                            read_results, run_rank_processes, run_worker, write_results)
 from benchlib.tables import fmt, print_aligned  # noqa: E402
 
 SCHEDULES = ("deepspeed", "parm-s1", "parm-s2")
@@ -200,9 +197,7 @@ def _summarise(rows):
 
 
 def _print(rows, links, command):
-    print("MoE schedule benchmark")
-    print(f"command: {command}")
-    print(f"machine: {os.cpu_count()} CPU cores, {platform.platform()}, {versions()}")
+    launch.print_header("MoE schedule benchmark", command)
     print(f"links (calibrated at start; alpha s, beta s/byte): {json.dumps(links)}")
     table = [["tokens", "hidden", "E", "k", "C", "deepspeed ms", "parm-s1 ms", "parm-s2 ms",
               "s1 speedup", "s2 speedup", "fastest", "auto", "auto loss", "s1 err", "s2 err"]]
@@ -255,15 +250,13 @@ def launcher_main(opts) -> int:
         print("error: --tp must be >= 2 and divide --nproc (the schedules rearrange the "
               "collectives of experts split over the tensor-parallel ranks)", file=sys.stderr)
         return 2
-    try:
-        out_dir, created = prepare_out_dir(opts.out_dir, "moc-moe-schedule-bench-")
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
+    prepared = launch.out_dir_or_error(opts.out_dir, "moc-moe-schedule-bench-")
+    if prepared is None:
         return 2
-    command = shlex.join(getattr(sys, "orig_argv", [sys.executable] + sys.argv))
-    argv = [sys.executable, os.path.abspath(__file__), "--worker", "--out-dir", out_dir,
-            "--nproc", str(opts.nproc), "--tp", str(opts.tp), "--capacity-factor",
-            str(opts.capacity_factor), "--warmup", str(opts.warmup), "--iters", str(opts.iters)]
+    out_dir, created = prepared
+    command = launch.command_line()
+    argv = launch.worker_argv(__file__, out_dir, opts,
+                              ("nproc", "tp", "capacity_factor", "warmup", "iters"))
     for flag in GRID_FLAGS:
         argv += ["--" + flag.replace("_", "-")] + [str(v) for v in getattr(opts, flag)]
     codes, timed_out = run_rank_processes(argv, opts.nproc, out_dir, opts.timeout)
@@ -285,11 +278,7 @@ def launcher_main(opts) -> int:
 
 
 def main(argv=None) -> int:
-    opts = build_parser().parse_args(argv)
-    if opts.worker:
-        worker_main(opts)
-        return 0
-    return launcher_main(opts)
+    return launch.launcher_or_worker(build_parser().parse_args(argv), worker_main, launcher_main)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import checkpoint_bench as cb  # noqa: E402  (the model's flags and their defaults)
-from benchlib import ranks  # noqa: E402  (the rank helpers)
+from benchlib import launch, ranks  # noqa: E402  (the rank helpers)
 from benchlib.model import build_engine, synthetic_batch  # noqa: E402
 from benchlib.host import evict_page_cache  # noqa: E402
 
@@ -193,8 +193,11 @@ def _turn(engine, args, opts, rank: int, index: int, mode: str, batch: int) -> d
     return out
 
 
+def worker_main(opts) -> None:
+    ranks.run_worker(opts, _worker)
+
+
 def _worker(opts, rank: int, world: int) -> None:
-    import torch.distributed as dist
     engine, args, config = build_engine(opts, rank, world)
     results = {"config": {**config, "iters": opts.iters, "ranks_per_node": opts.ranks_per_node,
                           "persist_interval": opts.persist_interval},
@@ -206,10 +209,7 @@ def _worker(opts, rank: int, world: int) -> None:
         results["turns"].append(ranks.gather_objects(out, world))
         if rank == 0:
             ranks.write_results(opts.out_dir, results)
-    ranks.host_barrier()
-    from megatron.training.training import remove_deepspeed_shm_buffers
-    remove_deepspeed_shm_buffers()
-    dist.destroy_process_group()
+    ranks.finish_rank()
 
 
 # ========================================================================= launcher side
@@ -340,10 +340,7 @@ def launcher_main(opts) -> int:
     os.makedirs(out_dir, exist_ok=True)
     shm_root = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(),
                             f"moc-bench-{os.getpid()}")
-    argv = [sys.executable, os.path.abspath(__file__), "--worker", "--out-dir", out_dir,
-            "--shm-root", shm_root]
-    for name in WORKER_FLAGS:
-        argv += ["--" + name.replace("_", "-"), str(getattr(opts, name))]
+    argv = launch.worker_argv(__file__, out_dir, opts, WORKER_FLAGS, shm_root=shm_root)
     start = time.perf_counter()
     try:
         codes, timed_out = ranks.run_rank_processes(argv, opts.nproc, out_dir, opts.timeout)
@@ -372,15 +369,8 @@ def launcher_main(opts) -> int:
 
 
 def main() -> int:
-    opts = build_parser().parse_args()
-    if opts.worker:
-        ranks.run_worker(opts, _worker)
-        return 0
-    return launcher_main(opts)
+    return launch.launcher_or_worker(build_parser().parse_args(), worker_main, launcher_main)
 
 
 if __name__ == "__main__":
-    # Not sys.exit: a worker's clean end must not turn into a teardown abort (-6).
-    sys.path.insert(0, REPO)
-    from megatron.training.exit import exit_without_teardown
-    exit_without_teardown(main())
+    launch.exit_after(main)

@@ -46,9 +46,7 @@ times, ``--plot FILE.png`` plots the stalls); it asserts nothing about the numbe
 import argparse
 import json
 import os
-import platform
 import re
-import shlex
 import shutil
 import sys
 import tempfile
@@ -57,7 +55,7 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import checkpoint_bench as cb  # noqa: E402  (the model's flags and their defaults)
-from benchlib import host, ranks, tables  # noqa: E402  (the rank helpers)
+from benchlib import host, launch, ranks, tables  # noqa: E402  (the rank helpers)
 from benchlib.model import build_engine  # noqa: E402
 from benchlib.two_level_peers import (BASELINE, SYSTEMS, Bench, make_peer,  # noqa: E402
                                       parse_intervals, parse_system_iters, parse_systems,
@@ -82,6 +80,17 @@ def build_parser() -> argparse.ArgumentParser:
                     "checkpointing every I iterations: DeepSpeed, its decoupled writer, "
                     "torch DCP async_save and MoC two-level; prints a table.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_model_flags(p, model)
+    g = p.add_argument_group("measurement and output")
+    _add_turn_flags(g)
+    _add_output_flags(g)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--shm-root", help=argparse.SUPPRESS)
+    return p
+
+
+def _add_model_flags(p: argparse.ArgumentParser, model: argparse.Namespace) -> None:
+    """The layout and model groups, with ``model``'s (checkpoint_bench.py's) defaults."""
     g = p.add_argument_group("layout")
     g.add_argument("--nproc", type=int, default=model.nproc, help="Local ranks to start.")
     g.add_argument("--ep", type=int, default=model.ep, help="Expert-parallel size.")
@@ -94,7 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--topk", type=int, default=model.topk, choices=[1, 2])
     g.add_argument("--train-steps", type=int, default=model.train_steps,
                    help="Optimizer steps before the first measurement (so Adam state exists).")
-    g = p.add_argument_group("measurement and output")
+
+
+def _add_turn_flags(g) -> None:
+    """What each turn runs: its iterations, warm-up, intervals, systems and their settings."""
     g.add_argument("--iters", type=int, default=30,
                    help="Timed training iterations per (system, interval) (at least "
                         "--min-saves checkpoints' worth), and of the no-checkpoint rows.")
@@ -121,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="moc-pec: experts per MoE layer snapshotted into memory.")
     g.add_argument("--pec-k-persist", type=int, default=1,
                    help="moc-pec: experts per MoE layer persisted to storage.")
+
+
+def _add_output_flags(g) -> None:
+    """Profiles, the JSON and plot, the out dir, the time limit and the checksum table."""
     g.add_argument("--profile-saves", metavar="FILE",
                    help="MoC systems: profile rank 0's save calls (cProfile) and write the "
                         "functions with the most cumulative time to FILE (per system and "
@@ -147,9 +163,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Only measure the memory checksums (deepspeed_ext.format.memsum: the "
                         "one-pass ones and the chunked one on 1, 2 and the default number of "
                         "threads) against SHA-256 over 1 GiB, print a table and exit.")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--shm-root", help=argparse.SUPPRESS)
-    return p
 
 
 def _timed(run) -> float:
@@ -197,6 +210,10 @@ def checksum_speed(nbytes: int = 1 << 30, repeats: int = 3) -> int:
 # ============================================================================ rank side
 
 
+EARLY_STAGES = ("setup", "warm-up save", "warm-up save reaching storage")
+"""Stages of a turn whose failure ends the system's turns at every later interval too."""
+
+
 def _run_phase(bench: Bench, system: str, interval: int, save_dir: str) -> dict:
     """One system's turn (this rank's view), between two references (A/B/A): as many
     iterations without checkpoints as the turn times before it and again after the
@@ -208,70 +225,107 @@ def _run_phase(bench: Bench, system: str, interval: int, save_dir: str) -> dict:
     tail one, whose step still carries the wait the last save imposes. Every save record
     of a timed iteration gets its index there (``iteration``). Errors end the turn and are
     reported, never raised."""
-    out = {"iter_s": [], "records": [], "errors": [], "warmup_records": [], "startup": {}}
-    peer = None
-    warmups = max(1, bench.opts.warmup)
+    turn = _Turn(bench, system, interval, save_dir)
     if bench.rank == 0:
         os.sync()  # no turn pays for the writeback of an earlier one
     bench.barrier()
-    stage = "reference iterations"
-    timed = timed_iters(bench.opts, interval, system)
     try:
-        out["ref_iter_s"] = [bench.iteration() for _ in range(timed)]
-        stage = "setup"
-        peer = make_peer(bench, system, save_dir)
-        peer.setup()
-        out["startup"] = peer.startup()
-        for _ in range(warmups):
-            stage = "warm-up save"
-            bench.iteration(peer, save_tag=f"warmup_step{int(bench.engine.global_steps) + 1}")
-        stage = "warm-up save reaching storage"
-        peer.drain()  # so that no timed iteration pays for the warm-up's background work
-        stage = "warm-up"
-        bench.iteration(peer)
-        for i in range(timed):
-            save = (i + 1) % interval == 0
-            tag = f"global_step{int(bench.engine.global_steps) + 1}" if save else None
-            stage = f"save {tag}" if save else f"iteration {i}"
-            out["iter_s"].append(bench.iteration(peer, save_tag=tag))
-            if save:
-                peer.records[-1]["iteration"] = i
-        stage = "tail iteration"
-        bench.iteration(peer)
-        stage = "waiting for the last save to reach storage"
-        start = time.perf_counter()
-        peer.drain()
-        out["drain_s"] = time.perf_counter() - start
-        stage = "host memory"
-        out["host_mem_bytes"] = peer.host_memory_bytes()
-        if not bench.opts.no_recovery:
-            stage = "recovery"
-            out["recovery"] = peer.recover()
+        turn.measure()
     except Exception as e:  # reported in the table
         traceback.print_exc()
-        out["errors"].append(f"{stage}: {_error(e)}")
-        out["failed_early"] = stage in ("setup", "warm-up save", "warm-up save reaching storage")
+        turn.out["errors"].append(f"{turn.stage}: {_error(e)}")
+        turn.out["failed_early"] = turn.stage in EARLY_STAGES
     finally:
-        if peer is not None:
-            try:
-                peer.close()
-            except Exception as e:
-                traceback.print_exc()
-                out["errors"].append(f"close: {_error(e)}")
-            if getattr(peer, "note", None):
-                out["note"] = peer.note
-            # After close: MoC attaches its stage times to the records there too.
-            out["warmup_records"] = peer.records[:warmups]
-            out["records"] = peer.records[warmups:]
-    # The reference after: every rank gets here (errors above are caught), so every rank
-    # runs these iterations' collectives, as it runs the next turn's reference.
-    try:
-        bench.iteration()  # settle: the first iteration after a recovery load is slower
-        out["ref_after_iter_s"] = [bench.iteration() for _ in range(timed)]
-    except Exception as e:
-        traceback.print_exc()
-        out["errors"].append(f"reference iterations after the turn: {_error(e)}")
-    return out
+        turn.close()
+    turn.reference_after()
+    return turn.out
+
+
+class _Turn:
+    """The parts of :func:`_run_phase`: what the turn measured so far (``out``), the
+    stage it is in (named in the error that ends it) and the system's peer (None until
+    its setup)."""
+
+    def __init__(self, bench: Bench, system: str, interval: int, save_dir: str):
+        self.bench, self.system, self.interval, self.save_dir = bench, system, interval, save_dir
+        self.timed = timed_iters(bench.opts, interval, system)
+        self.warmups = max(1, bench.opts.warmup)
+        self.out = {"iter_s": [], "records": [], "errors": [], "warmup_records": [],
+                    "startup": {}}
+        self.peer = None
+        self.stage = "reference iterations"
+
+    def measure(self) -> None:
+        """The reference before, the setup, the warm-up, the timed iterations, the drain
+        and the recovery; raises what the system raised (``stage`` says where)."""
+        self.out["ref_iter_s"] = [self.bench.iteration() for _ in range(self.timed)]
+        self.stage = "setup"
+        self.peer = make_peer(self.bench, self.system, self.save_dir)
+        self.peer.setup()
+        self.out["startup"] = self.peer.startup()
+        self._warm_up()
+        self._timed_iterations()
+        self._drain_and_recover()
+
+    def _warm_up(self) -> None:
+        bench, peer = self.bench, self.peer
+        for _ in range(self.warmups):
+            self.stage = "warm-up save"
+            bench.iteration(peer, save_tag=f"warmup_step{int(bench.engine.global_steps) + 1}")
+        self.stage = "warm-up save reaching storage"
+        peer.drain()  # so that no timed iteration pays for the warm-up's background work
+        self.stage = "warm-up"
+        bench.iteration(peer)
+
+    def _timed_iterations(self) -> None:
+        bench, peer = self.bench, self.peer
+        for i in range(self.timed):
+            save = (i + 1) % self.interval == 0
+            tag = f"global_step{int(bench.engine.global_steps) + 1}" if save else None
+            self.stage = f"save {tag}" if save else f"iteration {i}"
+            self.out["iter_s"].append(bench.iteration(peer, save_tag=tag))
+            if save:
+                peer.records[-1]["iteration"] = i
+        self.stage = "tail iteration"
+        bench.iteration(peer)
+
+    def _drain_and_recover(self) -> None:
+        self.stage = "waiting for the last save to reach storage"
+        start = time.perf_counter()
+        self.peer.drain()
+        self.out["drain_s"] = time.perf_counter() - start
+        self.stage = "host memory"
+        self.out["host_mem_bytes"] = self.peer.host_memory_bytes()
+        if not self.bench.opts.no_recovery:
+            self.stage = "recovery"
+            self.out["recovery"] = self.peer.recover()
+
+    def close(self) -> None:
+        """Close the peer (if its setup got that far) and take its save records."""
+        peer = self.peer
+        if peer is None:
+            return
+        try:
+            peer.close()
+        except Exception as e:
+            traceback.print_exc()
+            self.out["errors"].append(f"close: {_error(e)}")
+        if getattr(peer, "note", None):
+            self.out["note"] = peer.note
+        # After close: MoC attaches its stage times to the records there too.
+        self.out["warmup_records"] = peer.records[:self.warmups]
+        self.out["records"] = peer.records[self.warmups:]
+
+    def reference_after(self) -> None:
+        """The reference after: every rank gets here (errors of the turn are caught), so
+        every rank runs these iterations' collectives, as it runs the next turn's
+        reference."""
+        try:
+            self.bench.iteration()  # settle: the first iteration after a recovery load is slower
+            self.out["ref_after_iter_s"] = [self.bench.iteration() for _ in range(self.timed)]
+        except Exception as e:
+            traceback.print_exc()
+            self.out["errors"].append(f"reference iterations after the turn: {_error(e)}")
 
 
 def _baseline(bench: Bench) -> list:
@@ -304,84 +358,99 @@ def worker_main(opts) -> None:
 
 
 def _worker(opts, rank: int, world: int) -> None:
-    import torch.distributed as dist
+    """Every rank: the engine, the no-checkpoint reference, each (interval, system) turn
+    in order, the reference again, the teardown (every rank calls the same collectives in
+    the same order; rank 0 publishes the results after each step)."""
     engine, args, config = build_engine(opts, rank, world)
     bench = Bench(engine, args, opts, rank, world, opts.out_dir)
     bench.batch = opts.train_steps
-
-    results = {
-        "config": {**config, "gradient_accumulation_steps": args.gradient_accumulation_steps,
-                   "iters": opts.iters, "min_saves": opts.min_saves, "warmup": opts.warmup,
-                   "system_iters": opts.system_iters,
-                   "persist_interval": opts.persist_interval,
-                   "pec_k_snapshot": opts.pec_k_snapshot, "pec_k_persist": opts.pec_k_persist},
-        "baseline": {}, "phases": [], "current": None,
-    }
-
-    def write_results():
-        if rank == 0:
-            ranks.write_results(opts.out_dir, results)
-
-    def gather(value):
-        return ranks.gather_objects(value, world)
-
-    def baseline(label: str):
-        results["current"] = {"system": BASELINE, "label": label}
-        write_results()
-        results["baseline"][label] = gather(_baseline(bench))
-        results["current"] = None
-        write_results()
-
-    baseline("before")
-    failed_early = {}  # system -> why its setup or first save failed (same engine, same config)
+    config = {**config, "gradient_accumulation_steps": args.gradient_accumulation_steps,
+              "iters": opts.iters, "min_saves": opts.min_saves, "warmup": opts.warmup,
+              "system_iters": opts.system_iters, "persist_interval": opts.persist_interval,
+              "pec_k_snapshot": opts.pec_k_snapshot, "pec_k_persist": opts.pec_k_persist}
+    run = _RankRun(bench, config)
+    run.baseline("before")
     for interval in parse_intervals(opts.intervals):
         for system in parse_systems(opts.systems):
-            save_dir = os.path.join(opts.out_dir, "ckpt", f"{system}-every{interval}")
-            results["current"] = {"system": system, "interval": interval}
-            write_results()
-            started = time.perf_counter()
-            if system in failed_early:
-                out = {"iter_s": [], "records": [], "warmup_records": [], "startup": {},
-                       "errors": [f"not run again: {failed_early[system]}"]}
-            else:
-                if opts.profile_saves and rank == 0 and system.startswith("moc"):
-                    import cProfile
-                    bench.save_profiler = cProfile.Profile()
-                if opts.profile_recovery and system.startswith("moc"):
-                    import cProfile
-                    bench.recovery_profiler = cProfile.Profile()
-                out = _run_phase(bench, system, interval, save_dir)
-                if bench.save_profiler is not None:
-                    _write_profile(bench.save_profiler, opts.profile_saves,
-                                   f"{system} every {interval}: rank 0's save calls")
-                    bench.save_profiler = None
-                if bench.recovery_profiler is not None:
-                    _write_profile(bench.recovery_profiler,
-                                   opts.profile_recovery + (f".rank{rank}" if rank else ""),
-                                   f"{system} every {interval}: rank {rank}'s memory recovery")
-                    bench.recovery_profiler = None
-            out["turn_s"] = time.perf_counter() - started
-            per_rank = gather(out)
-            early = [o["errors"][0] for o in per_rank if o.get("failed_early")]
-            if early and system not in failed_early:
-                failed_early[system] = (f"it failed before its timed iterations at every "
-                                        f"{interval} (see that row)")
-            phase = {"system": system, "interval": interval, "per_rank": per_rank}
-            if rank == 0:
-                tags = [r["tag"] for r in per_rank[0]["records"]]
-                phase["storage"] = _persisted_bytes(save_dir, tags)
-                if not opts.keep:
-                    shutil.rmtree(save_dir, ignore_errors=True)
-            results["phases"].append(phase)
-            results["current"] = None
-            write_results()
-    baseline("after")
-    results["complete"] = True
-    write_results()
-    ranks.host_barrier()
-    from megatron.training.training import remove_deepspeed_shm_buffers
-    remove_deepspeed_shm_buffers()
-    dist.destroy_process_group()
+            run.turn(system, interval)
+    run.baseline("after")
+    run.results["complete"] = True
+    run.publish()
+    ranks.finish_rank()
+
+
+class _RankRun:
+    """One rank's side of the run (:func:`_worker`): the results rank 0 keeps publishing
+    (the launcher reads them even after a crash: ``current`` names what was running) and
+    the systems whose setup or first save failed (same engine, same config: not run at
+    later intervals)."""
+
+    def __init__(self, bench: Bench, config: dict):
+        self.bench, self.opts, self.rank, self.world = bench, bench.opts, bench.rank, bench.world
+        self.results = {"config": config, "baseline": {}, "phases": [], "current": None}
+        self.failed_early = {}  # system -> why its setup or first save failed
+
+    def publish(self) -> None:
+        if self.rank == 0:
+            ranks.write_results(self.opts.out_dir, self.results)
+
+    def baseline(self, label: str) -> None:
+        """The no-checkpoint iterations (``before`` the first turn, ``after`` the last)."""
+        self.results["current"] = {"system": BASELINE, "label": label}
+        self.publish()
+        self.results["baseline"][label] = ranks.gather_objects(_baseline(self.bench), self.world)
+        self.results["current"] = None
+        self.publish()
+
+    def turn(self, system: str, interval: int) -> None:
+        """One system's turn at ``interval``, every rank's results gathered; rank 0 adds
+        the bytes it persisted and removes its checkpoints (unless ``--keep``)."""
+        save_dir = os.path.join(self.opts.out_dir, "ckpt", f"{system}-every{interval}")
+        self.results["current"] = {"system": system, "interval": interval}
+        self.publish()
+        started = time.perf_counter()
+        if system in self.failed_early:
+            out = {"iter_s": [], "records": [], "warmup_records": [], "startup": {},
+                   "errors": [f"not run again: {self.failed_early[system]}"]}
+        else:
+            out = self._profiled_phase(system, interval, save_dir)
+        out["turn_s"] = time.perf_counter() - started
+        per_rank = ranks.gather_objects(out, self.world)
+        early = [o["errors"][0] for o in per_rank if o.get("failed_early")]
+        if early and system not in self.failed_early:
+            self.failed_early[system] = (f"it failed before its timed iterations at every "
+                                         f"{interval} (see that row)")
+        phase = {"system": system, "interval": interval, "per_rank": per_rank}
+        if self.rank == 0:
+            tags = [r["tag"] for r in per_rank[0]["records"]]
+            phase["storage"] = _persisted_bytes(save_dir, tags)
+            if not self.opts.keep:
+                shutil.rmtree(save_dir, ignore_errors=True)
+        self.results["phases"].append(phase)
+        self.results["current"] = None
+        self.publish()
+
+    def _profiled_phase(self, system: str, interval: int, save_dir: str) -> dict:
+        """:func:`_run_phase`, with the ``--profile-saves`` / ``--profile-recovery``
+        profilers of a MoC system around it."""
+        opts, bench, rank = self.opts, self.bench, self.rank
+        if opts.profile_saves and rank == 0 and system.startswith("moc"):
+            import cProfile
+            bench.save_profiler = cProfile.Profile()
+        if opts.profile_recovery and system.startswith("moc"):
+            import cProfile
+            bench.recovery_profiler = cProfile.Profile()
+        out = _run_phase(bench, system, interval, save_dir)
+        if bench.save_profiler is not None:
+            _write_profile(bench.save_profiler, opts.profile_saves,
+                           f"{system} every {interval}: rank 0's save calls")
+            bench.save_profiler = None
+        if bench.recovery_profiler is not None:
+            _write_profile(bench.recovery_profiler,
+                           opts.profile_recovery + (f".rank{rank}" if rank else ""),
+                           f"{system} every {interval}: rank {rank}'s memory recovery")
+            bench.recovery_profiler = None
+        return out
 
 
 def _write_profile(profiler, path: str, title: str, top: int = 40) -> None:
@@ -398,10 +467,7 @@ def _write_profile(profiler, path: str, title: str, top: int = 40) -> None:
 
 def _launch(opts, out_dir: str, shm_root: str) -> tuple:
     """Start the ranks of this script; wait (with the timeout); (exit codes, timed out?)."""
-    argv = [sys.executable, os.path.abspath(__file__), "--worker", "--out-dir", out_dir,
-            "--shm-root", shm_root]
-    for name in WORKER_FLAGS:
-        argv += ["--" + name.replace("_", "-"), str(getattr(opts, name))]
+    argv = launch.worker_argv(__file__, out_dir, opts, WORKER_FLAGS, shm_root=shm_root)
     if opts.keep:
         argv.append("--keep")
     if opts.no_recovery:
@@ -430,59 +496,36 @@ def _stop_leftover_keepers(shm_root: str) -> list:
     return left
 
 
-def launcher_main(opts) -> int:
+def _option_error(opts):
+    """Why the options cannot run (the ``error:`` line), or None."""
     try:
         intervals, systems = parse_intervals(opts.intervals), parse_systems(opts.systems)
     except ValueError:
-        print("error: --intervals must be a comma list of integers", file=sys.stderr)
-        return 2
+        return "--intervals must be a comma list of integers"
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown or not systems:
-        print(f"error: --systems: unknown {', '.join(unknown) or '(none given)'}; known: "
-              f"{', '.join(SYSTEMS)}", file=sys.stderr)
-        return 2
+        return (f"--systems: unknown {', '.join(unknown) or '(none given)'}; known: "
+                f"{', '.join(SYSTEMS)}")
     try:
         own_iters = parse_system_iters(opts.system_iters)
     except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return str(err)
     if (opts.nproc < 1 or opts.ep < 1 or opts.iters < 1 or opts.train_steps < 1
             or not intervals or min(intervals) < 1 or opts.persist_interval < 1
             or opts.min_saves < 1 or opts.warmup < 1 or min(own_iters.values(), default=1) < 1):
-        print("error: --nproc, --ep, --iters, --min-saves, --warmup, --train-steps, --intervals, "
-              "--persist-interval and every --system-iters count must be >= 1", file=sys.stderr)
-        return 2
+        return ("--nproc, --ep, --iters, --min-saves, --warmup, --train-steps, --intervals, "
+                "--persist-interval and every --system-iters count must be >= 1")
     if set(own_iters) - set(SYSTEMS):
-        print(f"error: --system-iters: unknown {', '.join(sorted(set(own_iters) - set(SYSTEMS)))}; "
-              f"known: {', '.join(SYSTEMS)}", file=sys.stderr)
-        return 2
+        return (f"--system-iters: unknown {', '.join(sorted(set(own_iters) - set(SYSTEMS)))}; "
+                f"known: {', '.join(SYSTEMS)}")
     if opts.nproc % opts.ep or opts.num_experts % opts.ep:
-        print(f"error: --nproc ({opts.nproc}) and --num-experts ({opts.num_experts}) must be "
-              f"divisible by --ep ({opts.ep})", file=sys.stderr)
-        return 2
-    try:
-        out_dir, created = ranks.prepare_out_dir(opts.out_dir, "moc-two-level-bench-")
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    shm_base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    shm_root = tempfile.mkdtemp(prefix="moc-two-level-bench-", dir=shm_base)
+        return (f"--nproc ({opts.nproc}) and --num-experts ({opts.num_experts}) must be "
+                f"divisible by --ep ({opts.ep})")
+    return None
 
-    command = shlex.join(getattr(sys, "orig_argv", [sys.executable] + sys.argv))
-    print("MoC two-level checkpointing benchmark")
-    print(f"command: {command}")
-    print(f"machine: {os.cpu_count()} CPU cores, {platform.platform()}, {host.versions()}")
-    fs = host.filesystem_of(out_dir)
-    print(f"out dir: {out_dir}" + (f" ({fs})" if fs else "") + f"; MoC snapshots under {shm_root}")
-    sys.stdout.flush()
 
-    started = time.perf_counter()
-    codes, timed_out = _launch(opts, out_dir, shm_root)
-    wall = time.perf_counter() - started
-    leftover = _stop_leftover_keepers(shm_root)
-    results, launch_error = ranks.read_results(out_dir, codes, timed_out, opts.timeout)
-    config = dict(results.get("config", {}))
-    tables.print_model(config)
+def _print_protocol(opts, wall: float) -> None:
+    """The systems' settings and what each turn ran (``wall``: the ranks' seconds)."""
     print(f"systems: moc-full: K_snapshot = K_persist = {opts.num_experts} (all), moc-pec: "
           f"K_snapshot = {opts.pec_k_snapshot}, K_persist = {opts.pec_k_persist}, both persisting "
           f"every {opts.persist_interval}th snapshot; deepspeed-decoupled / -writer-sync: "
@@ -496,11 +539,10 @@ def launcher_main(opts) -> int:
           f"{'no recovery, ' if opts.no_recovery else 'the recovery loads, '}the system closed, "
           f"as many reference iterations again (A/B/A); {opts.iters} reference iterations again "
           f"at the end. Ranks ran {wall:.1f} s.")
-    print()
-    rows = table_rows(results, launch_error, opts)
-    config.update(nproc=opts.nproc, cpu_cores=os.cpu_count(), command=command)
-    for row in rows:
-        row["config"] = config
+
+
+def _print_report(rows: list, opts, leftover: list) -> None:
+    """The tables, the notes and checks, and the keepers left behind (if any)."""
     print_table(rows)
     print_stage_table(rows)
     print_notes_and_checks(rows, opts)
@@ -508,7 +550,9 @@ def launcher_main(opts) -> int:
         print(f"\nMoC keepers still held snapshots after the ranks ended ({', '.join(leftover)}); "
               "stopped and removed")
 
-    ranks.print_failed_rank_logs(out_dir, codes, launch_error)
+
+def _write_outputs(rows: list, opts, command: str, config: dict) -> None:
+    """``--json`` and the plot (``--plot``, else the JSON's path with ``.png``)."""
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump(rows, f, indent=2)
@@ -519,6 +563,42 @@ def launcher_main(opts) -> int:
                           f"{os.cpu_count()} CPU cores")
     else:
         print("\nplot: not written (give --plot FILE.png or --json FILE)")
+
+
+def launcher_main(opts) -> int:
+    problem = _option_error(opts)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    prepared = launch.out_dir_or_error(opts.out_dir, "moc-two-level-bench-")
+    if prepared is None:
+        return 2
+    out_dir, created = prepared
+    shm_base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    shm_root = tempfile.mkdtemp(prefix="moc-two-level-bench-", dir=shm_base)
+
+    command = launch.command_line()
+    launch.print_header("MoC two-level checkpointing benchmark", command)
+    fs = host.filesystem_of(out_dir)
+    print(f"out dir: {out_dir}" + (f" ({fs})" if fs else "") + f"; MoC snapshots under {shm_root}")
+    sys.stdout.flush()
+
+    started = time.perf_counter()
+    codes, timed_out = _launch(opts, out_dir, shm_root)
+    wall = time.perf_counter() - started
+    leftover = _stop_leftover_keepers(shm_root)
+    results, launch_error = ranks.read_results(out_dir, codes, timed_out, opts.timeout)
+    config = dict(results.get("config", {}))
+    tables.print_model(config)
+    _print_protocol(opts, wall)
+    print()
+    rows = table_rows(results, launch_error, opts)
+    config.update(nproc=opts.nproc, cpu_cores=os.cpu_count(), command=command)
+    for row in rows:
+        row["config"] = config
+    _print_report(rows, opts, leftover)
+    ranks.print_failed_rank_logs(out_dir, codes, launch_error)
+    _write_outputs(rows, opts, command, config)
     ranks.finish_out_dir(out_dir, created, opts.keep)
     return 1 if launch_error or any(r.get("error") for r in rows) else 0
 
@@ -535,14 +615,8 @@ def main() -> int:
     opts = build_parser().parse_args()
     if opts.checksum_speed:
         return checksum_speed()
-    if opts.worker:
-        worker_main(opts)
-        return 0
-    return launcher_main(opts)
+    return launch.launcher_or_worker(opts, worker_main, launcher_main)
 
 
 if __name__ == "__main__":
-    # Not sys.exit: a worker's clean end must not turn into a teardown abort (-6).
-    sys.path.insert(0, REPO)
-    from megatron.training.exit import exit_without_teardown
-    exit_without_teardown(main())
+    launch.exit_after(main)

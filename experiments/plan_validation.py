@@ -305,7 +305,7 @@ def by_policy_and_mtbf(bench: dict, hw: cm.Hardware, rows: list, schedules: int)
     return out
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/plan_validation")
     p.add_argument("--bench-json", help="Use this exact_bench.py JSON instead of running it.")
@@ -326,7 +326,48 @@ def main() -> int:
     p.add_argument("--schedules", type=int, default=500,
                    help="Simulated failure schedules per policy and MTBF.")
     p.add_argument("--json", help="Write the comparison here.")
-    opts = p.parse_args()
+    return p
+
+
+def print_runs(rows: list) -> None:
+    """Per ETTR run: measured against the replayed trace and the analytic model."""
+    print(f"\n{'policy':<16} {'MTBF':>5} {'fail':>4} {'restart':>7} {'measured':>8} {'trace':>7} "
+          f"{'err':>7} {'analytic':>8} {'err':>7} {'trace, median restart':>22}")
+    for r in rows:
+        flag = "" if abs(r["trace_error"]) <= TOLERANCE else "  > 15 %"
+        median_err = r["trace_ettr_median_restart"] / r["measured_ettr"] - 1
+        print(f"{r['policy']:<16} {r['mtbf_s']:>5g} {r['failures']:>4} {r['restart_s']:>6.2f}s "
+              f"{r['measured_ettr']:>8.3f} {r['trace_ettr']:>7.3f} {r['trace_error']:>+7.1%} "
+              f"{r['analytic_ettr']:>8.3f} {r['analytic_error']:>+7.1%} "
+              f"{r['trace_ettr_median_restart']:>14.3f} ({median_err:+.1%}){flag}")
+
+
+def print_stalls(st: list) -> None:
+    """The model's stall per checkpoint against the measured one (nothing if none)."""
+    if not st:
+        return
+    print(f"\n{'stall per checkpoint':<40} {'measured (ms)':>14} {'model (ms)':>11} {'err':>7}"
+          "   (calls calibrated on round 1, measured on round 2)")
+    for r in st:
+        err = f"{r['error']:+.1%}" if r["error"] is not None else "-"
+        print(f"{r['policy']:<40} {r['measured_stall_ms']:>14.1f} {r['model_stall_ms']:>11.1f} "
+              f"{err:>7}")
+
+
+def print_groups(groups: list) -> None:
+    """Per policy and MTBF: the mean over seeds against the expectation and the formula."""
+    print(f"\n{'policy':<16} {'MTBF':>5} {'seeds':>5} {'failures':>10} {'measured':>8} "
+          f"{'expected':>8} {'err':>7} {'formula':>7} {'err':>7}")
+    for g in groups:
+        flag = "" if abs(g["expected_error"]) <= TOLERANCE else "  > 15 %"
+        print(f"{g['policy']:<16} {g['mtbf_s']:>5g} {g['seeds']:>5} "
+              f"{','.join(map(str, g['failures'])):>10} {g['measured_mean']:>8.3f} "
+              f"{g['expected']:>8.3f} {g['expected_error']:>+7.1%} {g['formula']:>7.3f} "
+              f"{g['formula_error']:>+7.1%}{flag}")
+
+
+def main() -> int:
+    opts = build_parser().parse_args()
     os.makedirs(opts.out, exist_ok=True)
     path = opts.bench_json or run_bench(opts.out, opts.mtbf, opts.seed, opts.bench_iters,
                                              opts.ettr_iters, opts.reference_iters,
@@ -339,32 +380,11 @@ def main() -> int:
     for k, v in sources.items():
         print(f"  {k}: {v}")
     rows = compare(bench, hw)
-    print(f"\n{'policy':<16} {'MTBF':>5} {'fail':>4} {'restart':>7} {'measured':>8} {'trace':>7} "
-          f"{'err':>7} {'analytic':>8} {'err':>7} {'trace, median restart':>22}")
-    for r in rows:
-        flag = "" if abs(r["trace_error"]) <= TOLERANCE else "  > 15 %"
-        median_err = r["trace_ettr_median_restart"] / r["measured_ettr"] - 1
-        print(f"{r['policy']:<16} {r['mtbf_s']:>5g} {r['failures']:>4} {r['restart_s']:>6.2f}s "
-              f"{r['measured_ettr']:>8.3f} {r['trace_ettr']:>7.3f} {r['trace_error']:>+7.1%} "
-              f"{r['analytic_ettr']:>8.3f} {r['analytic_error']:>+7.1%} "
-              f"{r['trace_ettr_median_restart']:>14.3f} ({median_err:+.1%}){flag}")
+    print_runs(rows)
     st = stalls(bench, hw)
-    if st:
-        print(f"\n{'stall per checkpoint':<40} {'measured (ms)':>14} {'model (ms)':>11} {'err':>7}"
-              "   (calls calibrated on round 1, measured on round 2)")
-        for r in st:
-            err = f"{r['error']:+.1%}" if r["error"] is not None else "-"
-            print(f"{r['policy']:<40} {r['measured_stall_ms']:>14.1f} {r['model_stall_ms']:>11.1f} "
-                  f"{err:>7}")
+    print_stalls(st)
     groups = by_policy_and_mtbf(bench, hw, rows, opts.schedules)
-    print(f"\n{'policy':<16} {'MTBF':>5} {'seeds':>5} {'failures':>10} {'measured':>8} "
-          f"{'expected':>8} {'err':>7} {'formula':>7} {'err':>7}")
-    for g in groups:
-        flag = "" if abs(g["expected_error"]) <= TOLERANCE else "  > 15 %"
-        print(f"{g['policy']:<16} {g['mtbf_s']:>5g} {g['seeds']:>5} "
-              f"{','.join(map(str, g['failures'])):>10} {g['measured_mean']:>8.3f} "
-              f"{g['expected']:>8.3f} {g['expected_error']:>+7.1%} {g['formula']:>7.3f} "
-              f"{g['formula_error']:>+7.1%}{flag}")
+    print_groups(groups)
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump({"hardware": vars(hw), "sources": sources, "ettr": rows, "stall": st,

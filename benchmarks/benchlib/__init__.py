@@ -3,6 +3,8 @@
 
 * :mod:`benchlib.ranks`: starting local rank processes, their collectives, results files
   and output directories;
+* :mod:`benchlib.launch`: what every script does around its measurement (the header, the
+  output directory or its error, the ranks' command line, worker or launcher, the exit);
 * :mod:`benchlib.model`: the benchmarks' GPT-MoE DeepSpeed engine and its synthetic batches;
 * :mod:`benchlib.host`: the machine (versions, filesystems) and the files under a directory;
 * :mod:`benchlib.tables`: printing the result tables;

@@ -137,27 +137,49 @@ def _frame_bytes_per_iter(ckpt: str):
 
 
 def measure_overhead(run: dict, opts) -> dict:
+    """A clean run's row: iteration times (after ``--warmup``), bytes to memory and to
+    storage per iteration, host memory, the loop's stalls, the exact window."""
     row = {"policy": run["name"], "ok": not _failure(run), "wall_s": run["wall_s"],
            "run_dir": run["run_dir"]}
     if not row["ok"]:
         row.update(error=_failure(run), tail=_tail(run))
         return row
-    its = _iteration_lines(run)
-    by_iter = {}
-    for t, i, ms in its:
-        by_iter[i] = (t, ms)
-    first = opts.warmup + 1
-    timed = [i for i in sorted(by_iter) if i > first and i - 1 in by_iter]
-    if not timed or run["iters"] not in by_iter or first not in by_iter:
+    if not _iteration_times(row, run, opts.warmup):
         row.update(ok=False, error="too few iteration lines to time", tail=_tail(run))
         return row
+    policy, interval = run["policy"], opts.save_interval
+    _bytes_per_iteration(row, run, policy, interval)
+    _close_line_figures(row, run, policy)
+    if policy in ("pec-dynamic", "two-level-full"):
+        every = 1 if policy == "two-level-full" else interval
+        saves = [float(m.group(2)) * 1e3 for m in (SAVED_RE.search(l) for _, l in run["lines"])
+                 if m and int(m.group(1)) % every == 0]
+        if saves:
+            row["stall_ms_median"], row["stall_ms_max"] = statistics.median(saves), max(saves)
+            row["saves"] = len(saves)
+    return row
+
+
+def _iteration_times(row: dict, run: dict, warmup: int) -> bool:
+    """The iteration times after ``warmup`` into ``row``; False if the lines are too few."""
+    by_iter = {}
+    for t, i, ms in _iteration_lines(run):
+        by_iter[i] = (t, ms)
+    first = warmup + 1
+    timed = [i for i in sorted(by_iter) if i > first and i - 1 in by_iter]
+    if not timed or run["iters"] not in by_iter or first not in by_iter:
+        return False
     gaps = [by_iter[i][0] - by_iter[i - 1][0] for i in timed]
     row["iter_s_median"] = statistics.median(gaps)
     row["iter_s_mean"] = (by_iter[run["iters"]][0] - by_iter[first][0]) / (run["iters"] - first)
     row["iter_gaps_s"] = gaps
     row["logged_ms_median"] = statistics.median(by_iter[i][1] for i in timed)
-    policy, interval = run["policy"], opts.save_interval
-    # Bytes.
+    return True
+
+
+def _bytes_per_iteration(row: dict, run: dict, policy: str, interval: int) -> None:
+    """Bytes to host memory and to storage per iteration, all ranks (exact: the frames;
+    the others: the periodic checkpoints' manifests, the first and the last not counted)."""
     row["mem_bytes_per_iter"] = row["storage_bytes_per_iter"] = None
     if policy.startswith("exact"):
         per_iter = _frame_bytes_per_iter(run["ckpt"])
@@ -174,7 +196,11 @@ def measure_overhead(run: dict, opts) -> dict:
             mean = statistics.mean(sizes[s] for s in steady)
             row["storage_bytes_per_iter"] = mean / interval
             row["mem_bytes_per_iter"] = mean if policy == "two-level-full" else mean / interval
-    # Host memory, stalls, window.
+
+
+def _close_line_figures(row: dict, run: dict, policy: str) -> None:
+    """Host memory, the exact frames' stalls and window (the close and choice lines), the
+    frame and window sizes, the keeper's snapshot budget."""
     row["host_mib_per_rank"] = row["stall_ms_median"] = row["stall_ms_max"] = None
     row["window"] = None
     close = _last(CLOSE_RE, run)
@@ -196,14 +222,6 @@ def measure_overhead(run: dict, opts) -> dict:
     budget = _last(SHM_BUDGET_RE, run)
     if budget:
         row["host_mib_per_rank"] = float(budget.group(1))
-    if policy in ("pec-dynamic", "two-level-full"):
-        every = 1 if policy == "two-level-full" else interval
-        saves = [float(m.group(2)) * 1e3 for m in (SAVED_RE.search(l) for _, l in run["lines"])
-                 if m and int(m.group(1)) % every == 0]
-        if saves:
-            row["stall_ms_median"], row["stall_ms_max"] = statistics.median(saves), max(saves)
-            row["saves"] = len(saves)
-    return row
 
 
 def combine_rounds(per_policy: dict) -> list:

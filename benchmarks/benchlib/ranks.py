@@ -2,9 +2,9 @@
 rank 0 writes the results file the launcher reads back (even after a crash).
 
 Rank side: :func:`run_worker`, :func:`host_barrier`, :func:`gather_objects`,
-:func:`write_results` (every rank calls the collectives in the same order). Launcher
-side: :func:`prepare_out_dir`, :func:`run_rank_processes`, :func:`read_results`,
-:func:`print_failed_rank_logs`, :func:`finish_out_dir`.
+:func:`write_results`, :func:`finish_rank` (every rank calls the collectives in the same
+order). Launcher side: :func:`prepare_out_dir`, :func:`run_rank_processes`,
+:func:`read_results`, :func:`print_failed_rank_logs`, :func:`finish_out_dir`.
 """
 
 import json
@@ -60,6 +60,17 @@ def write_results(out_dir: str, results: dict) -> None:
     with open(tmp, "w") as f:
         json.dump(results, f)
     os.replace(tmp, os.path.join(out_dir, RESULTS_FILE))
+
+
+def finish_rank() -> None:
+    """Every rank, last: a barrier (no rank tears its groups down while another still
+    uses them), DeepSpeed's shared-memory buffers removed (a rank that exits leaves them
+    in ``/dev/shm`` otherwise), the process group destroyed."""
+    import torch.distributed as dist
+    host_barrier()
+    from megatron.training.training import remove_deepspeed_shm_buffers
+    remove_deepspeed_shm_buffers()
+    dist.destroy_process_group()
 
 
 def group_errors(errors) -> str:

@@ -124,101 +124,133 @@ def _split_by_persist(row: dict, records: list, stalls: list, iter_s: list) -> N
 def table_rows(results: dict, launch_error: str, opts) -> list:
     """The no-checkpoint reference row, then one row per (system, interval), failed
     ones included with their error."""
-    baseline = [_max_per_index(v) for v in results.get("baseline", {}).values()]
-    base_times = [t for part in baseline for t in part]
-    base_mean = statistics.mean(base_times) if base_times else None
-    rows = [{"system": BASELINE, "interval": None, "iter_s_mean": base_mean,
-             "iter_s_mean_before": statistics.mean(baseline[0]) if baseline and baseline[0] else None,
-             "iter_s_mean_after": (statistics.mean(baseline[1])
-                                   if len(baseline) > 1 and baseline[1] else None),
-             "iter_s": base_times}]
-    if launch_error and (results.get("current") or {}).get("system") == BASELINE:
-        rows[0]["error"] = launch_error
+    rows = [_baseline_row(results, launch_error)]
     done = {(p["system"], p["interval"]): p for p in results.get("phases", [])}
     current = results.get("current") or {}
     for interval in parse_intervals(opts.intervals):
         for system in parse_systems(opts.systems):
-            row = {"system": system, "interval": interval, "checkpoints": 0,
-                   "stall_s_median": None, "stall_s_max": None, "stall_s_mean": None,
-                   "save_call_s_median": None, "wait_s_median": None, "iter_s_mean": None,
-                   "iter_overhead": None, "recovery_s": None, "recovery_memory_s": None,
-                   "recovery_storage_s": None, "recovered_step": None, "newest_step": None,
-                   "recovered_step_storage": None, "load_source": None,
-                   "bytes_persisted": None, "persists": None, "host_mem_bytes": None,
-                   "drain_s": None, "error": None}
+            row = _empty_row(system, interval)
             phase = done.get((system, interval))
             if phase is None:
                 if launch_error and current.get("system") == system and current.get("interval") == interval:
                     row["error"] = f"{launch_error}, during this turn"
                 else:
                     row["error"] = f"not measured: {launch_error}" if launch_error else "no result"
-                rows.append(row)
-                continue
-            per_rank = phase["per_rank"]
-            errors = [(r, e) for r, out in enumerate(per_rank) for e in out["errors"]]
-            if errors:
-                row["error"] = group_errors(errors)
-            records = [out["records"] for out in per_rank]
-            n = min(len(r) for r in records)
-            stalls, calls, waits = [], [], []
-            for i in range(n):
-                # Waits of None (never reported) count as 0 in the stall.
-                per = [(rec[i]["call_s"], rec[i]["wait_s"] or 0.0) for rec in records]
-                stalls.append(max(c + w for c, w in per))
-                calls.append(max(c for c, _ in per))
-                waits.append(max(w for _, w in per))
-            iter_s = _max_per_index([out["iter_s"] for out in per_rank])
-            if stalls:
-                row.update(checkpoints=n, stall_s_median=statistics.median(stalls),
-                           stall_s_max=max(stalls), stall_s_mean=statistics.mean(stalls),
-                           save_call_s_median=statistics.median(calls),
-                           wait_s_median=statistics.median(waits), stall_s=stalls,
-                           newest_step=records[0][n - 1]["step"],
-                           # Each rank's own median: against the median of the max over
-                           # ranks, it shows what waiting for the slowest rank adds.
-                           save_call_s_median_per_rank=[
-                               statistics.median(rec[i]["call_s"] for i in range(n))
-                               for rec in records])
-            _reference(row, per_rank)
-            if len(iter_s) == timed_iters(opts, interval, system):
-                row["iter_s_mean"] = statistics.mean(iter_s)
-                row["iter_s"] = iter_s
-                if row.get("ref_iter_s_mean"):
-                    row["iter_overhead"] = row["iter_s_mean"] / row["ref_iter_s_mean"] - 1
-            _startup_and_warmup(row, per_rank)
-            if stalls and system.startswith("moc"):
-                _split_by_persist(row, [rec[:n] for rec in records], stalls, iter_s)
-            if not stalls and not errors:
-                row["note"] = (f"no checkpoint within the {timed_iters(opts, interval, system)} timed "
-                               f"iterations; recovery "
-                               "loaded the warm-up's")
-            drains = [out["drain_s"] for out in per_rank if out.get("drain_s") is not None]
-            row["drain_s"] = max(drains) if drains else None
-            row["turn_s"] = max(out.get("turn_s") or 0.0 for out in per_rank)
-            recs = [out.get("recovery") for out in per_rank]
-            if all(recs):
-                for key in ("recovery_s", "recovery_memory_s", "recovery_storage_s"):
-                    values = [r.get(key) for r in recs]
-                    row[key] = max(values) if all(v is not None for v in values) else None
-                row["recovered_step"] = recs[0].get("recovered_step")
-                row["recovered_step_storage"] = recs[0].get("recovered_step_storage")
-                row["load_source"] = recs[0].get("load_source")
-                if recs[0].get("storage_source") is not None:
-                    row["storage_load_source"] = recs[0]["storage_source"]
-            hosts = [out.get("host_mem_bytes") for out in per_rank]
-            if hosts and all(h is not None for h in hosts):
-                row["host_mem_bytes"] = sum(hosts)
-            storage = phase.get("storage") or {}
-            if storage.get("bytes_per_tag") is not None and stalls:
-                row["bytes_persisted"] = sum(storage["bytes_per_tag"].values())
-                row["persists"] = int(len(storage["bytes_per_tag"]))
-                row["bytes_per_tag"] = storage["bytes_per_tag"]
-                row["uncounted_files"] = storage.get("uncounted")
-            notes = [out["note"] for out in per_rank if out.get("note")]
-            if notes:
-                row["note"] = (row["note"] + "; " if row.get("note") else "") + notes[0]
+            else:
+                _turn_row(row, phase, timed_iters(opts, interval, system))
             rows.append(row)
     return rows
+
+
+def _baseline_row(results: dict, launch_error: str) -> dict:
+    """The no-checkpoint row: the iterations before the first turn and after the last."""
+    baseline = [_max_per_index(v) for v in results.get("baseline", {}).values()]
+    base_times = [t for part in baseline for t in part]
+    base_mean = statistics.mean(base_times) if base_times else None
+    row = {"system": BASELINE, "interval": None, "iter_s_mean": base_mean,
+           "iter_s_mean_before": statistics.mean(baseline[0]) if baseline and baseline[0] else None,
+           "iter_s_mean_after": (statistics.mean(baseline[1])
+                                 if len(baseline) > 1 and baseline[1] else None),
+           "iter_s": base_times}
+    if launch_error and (results.get("current") or {}).get("system") == BASELINE:
+        row["error"] = launch_error
+    return row
+
+
+def _empty_row(system: str, interval: int) -> dict:
+    """A (system, interval) row before anything of its turn is known."""
+    return {"system": system, "interval": interval, "checkpoints": 0,
+            "stall_s_median": None, "stall_s_max": None, "stall_s_mean": None,
+            "save_call_s_median": None, "wait_s_median": None, "iter_s_mean": None,
+            "iter_overhead": None, "recovery_s": None, "recovery_memory_s": None,
+            "recovery_storage_s": None, "recovered_step": None, "newest_step": None,
+            "recovered_step_storage": None, "load_source": None,
+            "bytes_persisted": None, "persists": None, "host_mem_bytes": None,
+            "drain_s": None, "error": None}
+
+
+def _turn_row(row: dict, phase: dict, timed: int) -> None:
+    """Fill ``row`` from one turn's per-rank results (``timed``: its timed iterations)."""
+    per_rank = phase["per_rank"]
+    errors = [(r, e) for r, out in enumerate(per_rank) for e in out["errors"]]
+    if errors:
+        row["error"] = group_errors(errors)
+    records = [out["records"] for out in per_rank]
+    stalls, n = _save_stalls(row, records)
+    iter_s = _max_per_index([out["iter_s"] for out in per_rank])
+    _reference(row, per_rank)
+    if len(iter_s) == timed:
+        row["iter_s_mean"] = statistics.mean(iter_s)
+        row["iter_s"] = iter_s
+        if row.get("ref_iter_s_mean"):
+            row["iter_overhead"] = row["iter_s_mean"] / row["ref_iter_s_mean"] - 1
+    _startup_and_warmup(row, per_rank)
+    if stalls and row["system"].startswith("moc"):
+        _split_by_persist(row, [rec[:n] for rec in records], stalls, iter_s)
+    if not stalls and not errors:
+        row["note"] = (f"no checkpoint within the {timed} timed "
+                       f"iterations; recovery "
+                       "loaded the warm-up's")
+    drains = [out["drain_s"] for out in per_rank if out.get("drain_s") is not None]
+    row["drain_s"] = max(drains) if drains else None
+    row["turn_s"] = max(out.get("turn_s") or 0.0 for out in per_rank)
+    _recovery(row, per_rank)
+    _storage_and_notes(row, phase, per_rank, stalls)
+
+
+def _save_stalls(row: dict, records: list) -> tuple:
+    """Each timed save's stall, call and wait (the max over ranks; a wait of None, never
+    reported, counts as 0) and their medians into ``row``; returns (stalls, saves that
+    every rank recorded)."""
+    n = min(len(r) for r in records)
+    stalls, calls, waits = [], [], []
+    for i in range(n):
+        per = [(rec[i]["call_s"], rec[i]["wait_s"] or 0.0) for rec in records]
+        stalls.append(max(c + w for c, w in per))
+        calls.append(max(c for c, _ in per))
+        waits.append(max(w for _, w in per))
+    if stalls:
+        row.update(checkpoints=n, stall_s_median=statistics.median(stalls),
+                   stall_s_max=max(stalls), stall_s_mean=statistics.mean(stalls),
+                   save_call_s_median=statistics.median(calls),
+                   wait_s_median=statistics.median(waits), stall_s=stalls,
+                   newest_step=records[0][n - 1]["step"],
+                   # Each rank's own median: against the median of the max over
+                   # ranks, it shows what waiting for the slowest rank adds.
+                   save_call_s_median_per_rank=[
+                       statistics.median(rec[i]["call_s"] for i in range(n))
+                       for rec in records])
+    return stalls, n
+
+
+def _recovery(row: dict, per_rank: list) -> None:
+    """The recovery loads (the max over ranks; what rank 0 loaded) and the host memory."""
+    recs = [out.get("recovery") for out in per_rank]
+    if all(recs):
+        for key in ("recovery_s", "recovery_memory_s", "recovery_storage_s"):
+            values = [r.get(key) for r in recs]
+            row[key] = max(values) if all(v is not None for v in values) else None
+        row["recovered_step"] = recs[0].get("recovered_step")
+        row["recovered_step_storage"] = recs[0].get("recovered_step_storage")
+        row["load_source"] = recs[0].get("load_source")
+        if recs[0].get("storage_source") is not None:
+            row["storage_load_source"] = recs[0]["storage_source"]
+    hosts = [out.get("host_mem_bytes") for out in per_rank]
+    if hosts and all(h is not None for h in hosts):
+        row["host_mem_bytes"] = sum(hosts)
+
+
+def _storage_and_notes(row: dict, phase: dict, per_rank: list, stalls: list) -> None:
+    """The bytes the timed saves persisted (rank 0's count) and the peers' notes."""
+    storage = phase.get("storage") or {}
+    if storage.get("bytes_per_tag") is not None and stalls:
+        row["bytes_persisted"] = sum(storage["bytes_per_tag"].values())
+        row["persists"] = int(len(storage["bytes_per_tag"]))
+        row["bytes_per_tag"] = storage["bytes_per_tag"]
+        row["uncounted_files"] = storage.get("uncounted")
+    notes = [out["note"] for out in per_rank if out.get("note")]
+    if notes:
+        row["note"] = (row["note"] + "; " if row.get("note") else "") + notes[0]
 
 
 def print_table(rows: list) -> None:
@@ -308,8 +340,24 @@ def _ratio_text(a, b, spec=".3f") -> str:
 
 
 def print_notes_and_checks(rows: list, opts) -> None:
+    """What the columns measure, then the checks the design expects (measured, not
+    asserted): MoC's stall against DeepSpeed's and the asynchronous peers', its
+    iteration overhead at interval 1, and its recovery from memory against DeepSpeed's."""
     by_key = {(r["system"], r["interval"]): r for r in rows}
     intervals = parse_intervals(opts.intervals)
+    systems = parse_systems(opts.systems)
+    _print_notes(by_key.get((BASELINE, None)))
+    print()
+    print("checks (measured here, not asserted):")
+    mocs = [s for s in ("moc-full", "moc-pec") if s in systems]
+    _check_sync_stall(by_key, intervals, mocs)
+    _check_async_stall(by_key, intervals, mocs, systems)
+    _check_overhead(by_key, intervals, mocs)
+    _check_recovery(by_key, intervals, mocs)
+
+
+def _print_notes(base) -> None:
+    """The notes under the tables; ``base``: the no-checkpoint row (or None)."""
     print()
     print("stall: per checkpoint, max over ranks of the save call plus the waits the system "
           "imposes before the next optimizer step or save")
@@ -332,27 +380,28 @@ def print_notes_and_checks(rows: list, opts) -> None:
           "(`latest`, warm-up and DeepSpeed's zero_to_*.py copies not counted).")
     print("recovery: max over ranks of loading the newest checkpoint into the engine; storage "
           "loads after os.sync() and posix_fadvise(DONTNEED) on the files.")
-    base = by_key.get((BASELINE, None))
     if base and base.get("iter_s_mean_before") is not None and base.get("iter_s_mean_after") is not None:
         print(f"reference iteration: {base['iter_s_mean_before']:.3f} s before the turns, "
               f"{base['iter_s_mean_after']:.3f} s after them")
-    print()
-    print("checks (measured here, not asserted):")
 
-    def failed(row):
-        if row is None:
-            return "not run"
-        if row["stall_s_median"] is None:
-            return "FAILED" if row.get("error") else "no timed checkpoint"
-        return None
 
-    mocs = [s for s in ("moc-full", "moc-pec") if s in parse_systems(opts.systems)]
+def _failed(row):
+    """Why a check cannot use ``row`` (not run, failed, no timed checkpoint), or None."""
+    if row is None:
+        return "not run"
+    if row["stall_s_median"] is None:
+        return "FAILED" if row.get("error") else "no timed checkpoint"
+    return None
+
+
+def _check_sync_stall(by_key: dict, intervals: list, mocs: list) -> None:
+    """1. MoC's median stall against DeepSpeed's synchronous one; each rank's own save call."""
     line = []
     for interval in intervals:
         ds = by_key.get(("deepspeed", interval))
         for moc in mocs:
             m = by_key.get((moc, interval))
-            why = failed(m) or failed(ds)
+            why = _failed(m) or _failed(ds)
             line.append(f"{moc} every {interval}: "
                         + (why or f"{100 * m['stall_s_median'] / ds['stall_s_median']:.2f} % "
                                    f"({m['stall_s_median']:.4f} s vs {ds['stall_s_median']:.4f} s)"))
@@ -368,30 +417,42 @@ def print_notes_and_checks(rows: list, opts) -> None:
                            f"{1000 * m['save_call_s_median']:.1f} ms)")
     if own:
         print("     each rank's own median save call, per rank: " + "; ".join(own))
+
+
+def _check_async_stall(by_key: dict, intervals: list, mocs: list, systems: list) -> None:
+    """2. MoC's median stall against each asynchronous peer's that ran."""
     line = []
     for interval in intervals:
         for moc in mocs:
             m = by_key.get((moc, interval))
             for peer in ASYNC_PEERS:
-                if peer not in parse_systems(opts.systems):
+                if peer not in systems:
                     continue
                 p = by_key.get((peer, interval))
-                why = failed(m) or (f"{peer} {failed(p)}" if failed(p) else None)
+                why = _failed(m) or (f"{peer} {_failed(p)}" if _failed(p) else None)
                 line.append(f"{moc}/{peer} every {interval}: "
                             + (why or _ratio_text(m["stall_s_median"], p["stall_s_median"])))
     print("  2. MoC stall / async peer's stall (medians; expected <= 0.5): "
           + ("; ".join(line) if line else "not measured"))
+
+
+def _check_overhead(by_key: dict, intervals: list, mocs: list) -> None:
+    """3. MoC's iteration overhead when it checkpoints every iteration."""
     line = []
     for moc in mocs:
         m = by_key.get((moc, 1))
         if 1 not in intervals:
             line.append(f"{moc}: interval 1 not run")
-        elif failed(m) or m["iter_overhead"] is None:
-            line.append(f"{moc}: {failed(m) or 'not measured'}")
+        elif _failed(m) or m["iter_overhead"] is None:
+            line.append(f"{moc}: {_failed(m) or 'not measured'}")
         else:
             line.append(f"{moc}: {100 * m['iter_overhead']:+.1f} %")
     print("  3. iteration overhead of MoC checkpointing every iteration (expected <= 10 %): "
           + ("; ".join(line) if line else "no MoC system run"))
+
+
+def _check_recovery(by_key: dict, intervals: list, mocs: list) -> None:
+    """4. DeepSpeed's load time against MoC's recovery from memory."""
     line = []
     for interval in intervals:
         ds = by_key.get(("deepspeed", interval))
