@@ -72,7 +72,7 @@ def _init(opts):
     # 25-35 s, and every checkout of a venv rebuilt it)
     jit_ops.disable_unused_ops()
     deepspeed.init_distributed(dist_backend="gloo")
-    from megatron.data._compat import quiet_core_import
+    from megatron.data.compat import quiet_core_import
     with quiet_core_import():
         from megatron.core import parallel_state
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=opts.tp)

@@ -79,7 +79,7 @@ def serve(log: str) -> None:
     # deferred (megatron.lazy_compile; a plain import loads TorchDynamo and Inductor,
     # which then also made each forked rank's exit 1.7 s slower).
     import torch  # noqa: F401
-    from megatron.data._compat import quiet_core_import
+    from megatron.data.compat import quiet_core_import
     from megatron.lazy_compile import DEEPSPEED_COMPILING_MODULES, import_deferring_compile
     with quiet_core_import():
         import megatron.core  # noqa: F401

@@ -59,7 +59,7 @@ def test_importing_megatron_core_and_deepspeed_muon_loads_no_compiler():
     imports Inductor (about 1.5 s of CPU per rank process)."""
     code = (
         "import sys\n"
-        "from megatron.data._compat import quiet_core_import\n"
+        "from megatron.data.compat import quiet_core_import\n"
         "from megatron import lazy_compile\n"
         "with quiet_core_import():\n"
         "    import megatron.core.optimizer_param_scheduler, megatron.core.datasets.gpt_dataset\n"

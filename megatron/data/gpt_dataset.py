@@ -42,7 +42,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import numpy
 import torch
 
-from megatron.data._compat import check_int, quiet_core_import
+from megatron.data.compat import check_int, quiet_core_import
 from megatron.errors import ConfigError
 
 with quiet_core_import():

@@ -9,7 +9,7 @@ from typing import Dict
 
 import numpy
 
-from megatron.data._compat import quiet_core_import
+from megatron.data.compat import quiet_core_import
 
 
 def optimal_dtype(vocab_size: int) -> type:

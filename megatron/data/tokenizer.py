@@ -48,7 +48,7 @@ import threading
 from collections import OrderedDict
 from typing import Callable, Iterable, List, Optional
 
-from megatron.data._compat import check_int, quiet_core_import
+from megatron.data.compat import check_int, quiet_core_import
 from megatron.errors import ConfigError
 
 TOKENIZER_TYPES = ("ByteLevelTokenizer", "GPT2BPETokenizer", "NullTokenizer")

@@ -81,7 +81,7 @@ def split_of(name: str, shape: Tuple[int, ...], size: int,
 
 
 def _core():
-    from megatron.data._compat import quiet_core_import
+    from megatron.data.compat import quiet_core_import
     with quiet_core_import():
         from megatron.core import parallel_state, tensor_parallel
         from megatron.core.model_parallel_config import ModelParallelConfig

@@ -23,7 +23,7 @@ import argparse
 import math
 from typing import Optional
 
-from megatron.data._compat import quiet_core_import
+from megatron.data.compat import quiet_core_import
 
 with quiet_core_import():
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler

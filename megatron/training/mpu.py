@@ -20,7 +20,7 @@ class CoreMPU:
     """DeepSpeed's view of megatron-core's tensor- and data-parallel groups."""
 
     def __init__(self):
-        from megatron.data._compat import quiet_core_import
+        from megatron.data.compat import quiet_core_import
         with quiet_core_import():
             from megatron.core import parallel_state
         if not parallel_state.model_parallel_is_initialized():

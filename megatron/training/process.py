@@ -95,7 +95,7 @@ def initialize_distributed(args: argparse.Namespace) -> None:
         # layers: megatron/training/parallel_layout.py), before the model is built. With
         # a pipeline, its stages too: megatron-core's order (stage outermost) is that of
         # DeepSpeed's pipeline topology, so both name the same data-parallel groups.
-        from megatron.data._compat import quiet_core_import
+        from megatron.data.compat import quiet_core_import
         with quiet_core_import():
             from megatron.core import parallel_state
         parallel_state.initialize_model_parallel(

@@ -32,7 +32,7 @@ def tool():
 
 @pytest.fixture(scope="module")
 def indexed():
-    from megatron.data._compat import quiet_core_import
+    from megatron.data.compat import quiet_core_import
 
     with quiet_core_import():
         from megatron.core.datasets.indexed_dataset import IndexedDataset

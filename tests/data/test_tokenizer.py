@@ -447,7 +447,7 @@ def test_gpt2_bad_merges_file(tmp_path):
 
 
 def _read_dataset(prefix):
-    from megatron.data._compat import quiet_core_import
+    from megatron.data.compat import quiet_core_import
 
     with quiet_core_import():
         from megatron.core.datasets.indexed_dataset import IndexedDataset

@@ -31,7 +31,7 @@ def main():
     deepspeed.init_distributed(dist_backend="gloo")  # DeepSpeed's comm, for its MoE groups
     from megatron.training.parallel_layout import build_layout
     if size > 1:
-        from megatron.data._compat import quiet_core_import
+        from megatron.data.compat import quiet_core_import
         with quiet_core_import():
             from megatron.core import parallel_state
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=size)

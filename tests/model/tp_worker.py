@@ -34,7 +34,7 @@ def _loss_and_grads(model, tokens, labels):
 def main():
     out_dir = sys.argv[1]
     dist.init_process_group("gloo")
-    from megatron.data._compat import quiet_core_import
+    from megatron.data.compat import quiet_core_import
     with quiet_core_import():
         from megatron.core import parallel_state
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)

@@ -17,7 +17,7 @@ import torch.distributed as dist  # noqa: E402
 def main():
     out_dir = sys.argv[1]
     dist.init_process_group("gloo")
-    from megatron.data._compat import quiet_core_import
+    from megatron.data.compat import quiet_core_import
     with quiet_core_import():
         from megatron.core import parallel_state
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
