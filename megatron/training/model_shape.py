@@ -14,13 +14,13 @@ status. The planner so calls a program instead of importing the trainer.
   and ``{"error": str}``, a message naming the flag and the file to fix.
 """
 
-import json
 import os
 from dataclasses import asdict, dataclass
 from typing import Optional, TextIO
 
 from deepspeed_ext.planning.inputs import ModelShape
 from megatron.errors import ConfigError
+from megatron.training.entry_requests import answer_request, request_object
 
 VOCAB = {"GPT2BPETokenizer": 50257, "ByteLevelTokenizer": 257}
 """The tokenizers' vocabulary sizes, before padding (no tokenizer file is read: the
@@ -45,10 +45,7 @@ class ShapeRequest:
         Raises:
             ConfigError: not a JSON object with these fields of these types.
         """
-        try:
-            data = json.loads(text)
-        except ValueError as err:
-            raise ConfigError(f"the request on stdin is not JSON ({err})") from None
+        data = request_object(text)
         if not (isinstance(data, dict) and isinstance(data.get("config"), str)
                 and all(type(data.get(k)) is int and data[k] >= 0 for k in ("ep", "gpus"))):
             raise ConfigError("the request on stdin is not a model-shape request (moc-plan "
@@ -126,11 +123,8 @@ def answer(stdin: TextIO, stdout: TextIO) -> int:
     naming the flag and file to fix (returns :attr:`ConfigError.exit_code`). Run by
     ``pretrain_gpt_moe.py --model-shape``, in the planner's working directory (a relative
     config path resolves from there)."""
-    try:
-        request = ShapeRequest.from_json(stdin.read())
-        reply, status = asdict(model_shape(request.config, request.ep, request.gpus)), 0
-    except ConfigError as err:
-        reply, status = {"error": str(err)}, ConfigError.exit_code
-    stdout.write(json.dumps(reply) + "\n")
-    stdout.flush()
-    return status
+    def handle(text: str) -> dict:
+        request = ShapeRequest.from_json(text)
+        return asdict(model_shape(request.config, request.ep, request.gpus))
+
+    return answer_request(stdin, stdout, handle)

@@ -16,13 +16,13 @@ flags (``kind`` "given") are only searched for the flags densify sets itself.
 """
 
 import argparse
-import json
 import os
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, NamedTuple, Sequence, Set, TextIO
 
 from megatron.errors import ConfigError
+from megatron.training.entry_requests import answer_request, request_object
 
 ENTRY_POINT = "pretrain_gpt_moe.py"
 """The program these flags are for (named in the messages)."""
@@ -65,10 +65,7 @@ class ReplayRequest:
         Raises:
             ConfigError: not a JSON object with these fields of these types.
         """
-        try:
-            data = json.loads(text)
-        except ValueError as err:
-            raise ConfigError(f"the request on stdin is not JSON ({err})") from None
+        data = request_object(text)
         lists = ("words", "densify_sets")
         ints = ("max_word_chars", "max_config_bytes")
         if not (isinstance(data, dict) and data.get("kind") in ("recorded", "given")
@@ -254,13 +251,10 @@ def answer(stdin: TextIO, stdout: TextIO) -> int:
     ``pretrain_gpt_moe.py --check-replay-flags``, in densify's working directory (a
     relative ``--config`` resolves from there, as in the replay)."""
     from megatron.training.arguments import build_parser
-    try:
-        request = ReplayRequest.from_json(stdin.read())
-        parser = build_parser()
+
+    def handle(text: str) -> dict:
+        request = ReplayRequest.from_json(text)
         check = recorded_flags if request.kind == "recorded" else given_flags
-        reply, status = asdict(check(request, parser)), 0
-    except ConfigError as err:
-        reply, status = {"error": str(err)}, ConfigError.exit_code
-    stdout.write(json.dumps(reply) + "\n")
-    stdout.flush()
-    return status
+        return asdict(check(request, build_parser()))
+
+    return answer_request(stdin, stdout, handle)
