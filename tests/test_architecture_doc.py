@@ -1,8 +1,9 @@
-"""``docs/architecture.md`` and its picture stay true to the package.
+"""``docs/architecture.md`` and its pictures stay true to the repository.
 
-The picture is generated from the imports (``docs/make_architecture.py``) and committed;
-a module moved, added or importing something new without the picture being redrawn fails
-here, and so does a module or function named in the page that no longer exists.
+The pictures (the library's layers, the trainer's) are generated from the imports
+(``docs/make_architecture.py``) and committed; a module moved, added or importing
+something new without the pictures being redrawn fails here, and so does a module or
+function named in the page that no longer exists.
 """
 
 import ast
@@ -26,13 +27,17 @@ def _load_script():
 
 
 def test_the_committed_picture_is_what_the_script_draws_now(tmp_path):
+    """Both pictures: the library's layers and the trainer's."""
     script = _load_script()
-    out = tmp_path / "architecture.svg"
-    assert script.main(["--out", str(out)]) == 0
-    with open(os.path.join(DOCS, "architecture.svg"), encoding="utf-8") as f:
-        committed = f.read()
-    assert out.read_text(encoding="utf-8") == committed, (
-        "docs/architecture.svg is stale: run `python docs/make_architecture.py` and commit it")
+    outs = {"architecture.svg": tmp_path / "architecture.svg",
+            "architecture-trainer.svg": tmp_path / "architecture-trainer.svg"}
+    assert script.main(["--out", str(outs["architecture.svg"]),
+                        "--trainer-out", str(outs["architecture-trainer.svg"])]) == 0
+    for name, out in outs.items():
+        with open(os.path.join(DOCS, name), encoding="utf-8") as f:
+            committed = f.read()
+        assert out.read_text(encoding="utf-8") == committed, (
+            f"docs/{name} is stale: run `python docs/make_architecture.py` and commit it")
 
 
 def test_the_picture_names_every_module_and_files_unknown_ones_as_unsorted(tmp_path):
@@ -56,6 +61,43 @@ def test_the_picture_names_every_module_and_files_unknown_ones_as_unsorted(tmp_p
     svg = script.render(modules, edges)
     assert ">brand_new<" in svg and ">store/commit<" in svg and ">unsorted (1)<" in svg
     assert ">2<" in svg and ">1fn<" in svg
+
+
+def test_the_trainer_picture_groups_programs_by_folder_and_draws_an_upward_import_red(
+        tmp_path):
+    """The trainer's picture: the library as one box per library layer, a program folder's
+    modules as one group (read with the folder on ``sys.path``), a new ``megatron``
+    subpackage in ``unsorted``, and a model module importing training as a red arrow."""
+    script = _load_script()
+    files = {
+        "deepspeed_ext/__init__.py": "", "deepspeed_ext/store/__init__.py": "",
+        "deepspeed_ext/store/commit.py": "",
+        "megatron/errors.py": "", "megatron/training/__init__.py": "",
+        "megatron/training/args/__init__.py": "", "megatron/training/args/checks.py": "",
+        "megatron/training/step.py": "from megatron.errors import ConfigError\n"
+                                     "from deepspeed_ext.store import commit\n",
+        "megatron/model/__init__.py": "",
+        "megatron/model/gpt.py": "def f():\n    from megatron.training import step\n",
+        "megatron/brand_new/__init__.py": "",
+        "benchmarks/benchlib/__init__.py": "", "benchmarks/benchlib/ranks.py": "",
+        "benchmarks/checkpoint_bench.py": "from benchlib.ranks import REPO\n"
+                                          "import megatron.training.step\n",
+        "pretrain_gpt_moe.py": "from megatron.training.step import train_step\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    modules, edges = script.import_edges(str(tmp_path), script.REPOSITORY)
+    assert script.trainer_layer_of("megatron.brand_new") == "unsorted"
+    assert [tuple(c) for c in script.crossings(edges, script.trainer_layer_of)] == [
+        ("model", "training", 1, 1), ("programs", "training", 2, 0),
+        ("training", "base", 1, 0), ("training", "library", 1, 0)]
+    svg = script.render_trainer(modules, edges)
+    for text in ("store (2)", "facade (1)", "benchmarks/ (3)", "benchlib/ranks",
+                 "checkpoint_bench", "pretrain_gpt_moe", "args/ (2)", "checks", "step",
+                 "unsorted (1)", "megatron/brand_new"):
+        assert f">{text}<" in svg, text
+    assert svg.count("stroke='#c00'") == 2  # the upward arrow and its label's frame
 
 
 # names in the page ---------------------------------------------------------------------
@@ -122,10 +164,11 @@ DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 
 def page_problems(text: str, files: Dict[str, str]) -> Set[str]:
     """Backticked paths of the page that name nothing: dotted module paths (relative to
-    ``deepspeed_ext`` or starting with it) and repository file paths (with a ``/``)."""
+    ``deepspeed_ext`` or starting with it) and repository file paths (with a ``/``, or a
+    ``.py`` file at the root)."""
     problems = set()
     for token in BACKTICKED.findall(text):
-        if "/" in token:
+        if "/" in token or token.endswith(".py"):
             if not os.path.exists(os.path.join(REPO, token.rstrip("/"))):
                 problems.add(f"`{token}`: no such path")
         elif DOTTED.match(token):
@@ -148,8 +191,9 @@ def test_the_name_check_can_fail():
     assert page_problems("`store.commit.commit_checkpoint` `store/`", files) == {
         "`store/`: no such path"}
     assert page_problems("`store.commit.no_such_function`, `nowhere.thing`, `docs/none.py`, "
-                         "`megatron.nowhere`",
+                         "`megatron.nowhere`, `nowhere.py`, `pretrain_gpt_moe.py`",
                          files) == {
+        "`nowhere.py`: no such path",
         "`store.commit.no_such_function`: deepspeed_ext.store.commit defines no no_such_function",
         "`nowhere.thing`: no module deepspeed_ext.nowhere",
         "`docs/none.py`: no such path", "`megatron.nowhere`: no module megatron.nowhere"}
