@@ -13,7 +13,7 @@ Every run is one training job of ``pretrain_gpt_moe.py`` under torchrun's elasti
 (``scripts/run_elastic.sh NPROC RESTARTS``) with ``configs/small.yaml`` (2.7 M parameters,
 8 experts every 2nd layer, ZeRO-2, expert-parallel 2) on ``--nproc`` (2) CPU ranks, trained
 on the quickstart's corpus (the Python standard library's sources, byte-level tokens;
-prepared by ``experiments/accuracy.py``'s ``prepare_data`` if missing), ``--log-interval 1``
+prepared by ``megatron.data.stdlib_corpus`` if missing), ``--log-interval 1``
 and no evaluation. (``two_level_bench.py`` drives its own engine with
 ``checkpoint_bench.py``'s synthetic model on 4 ranks; faults and restarts need the real
 trainer, so this uses the model and data of ``experiments/accuracy.py`` and the
@@ -132,8 +132,8 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "experiments"))
-from accuracy import prepare_data  # noqa: E402  (the quickstart's corpus)
+sys.path.insert(0, REPO)
+from megatron.data.stdlib_corpus import prepare_stdlib_corpus  # noqa: E402  (the quickstart's corpus)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import launch  # noqa: E402
@@ -389,7 +389,7 @@ def main() -> int:
         return 2
     out = os.path.abspath(opts.out)
     prepare_out(out)
-    data = prepare_data(os.path.join(REPO, opts.data_prefix))
+    data = prepare_stdlib_corpus(os.path.join(REPO, opts.data_prefix))
     command = launch.command_line()
     results = {"command": command, "options": vars(opts),
                "machine": f"{os.cpu_count()} CPU cores, {platform.platform()}",

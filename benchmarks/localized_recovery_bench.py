@@ -37,8 +37,8 @@ import statistics
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "experiments"))
-from accuracy import prepare_data  # noqa: E402  (the quickstart's corpus)
+sys.path.insert(0, REPO)
+from megatron.data.stdlib_corpus import prepare_stdlib_corpus  # noqa: E402  (the quickstart's corpus)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import launch  # noqa: E402
@@ -203,7 +203,7 @@ def main(argv=None) -> int:
     if prepared is None:
         return 2
     out, created = prepared
-    data = prepare_data(os.path.join(REPO, opts.data_prefix))
+    data = prepare_stdlib_corpus(os.path.join(REPO, opts.data_prefix))
     command = launch.command_line()
     table = [HEADER]
     results = []

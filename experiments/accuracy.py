@@ -38,10 +38,11 @@ import shutil
 import statistics
 import subprocess
 import sys
-import sysconfig
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from megatron.data.stdlib_corpus import prepare_stdlib_corpus  # noqa: E402  (the quickstart's corpus)
 
 POLICIES = {
     "no-faults": [],
@@ -73,19 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-prefix", default="data/stdlib",
                    help="Indexed dataset prefix; prepared from the standard library if missing.")
     return p
-
-
-def prepare_data(prefix: str) -> str:
-    """The quickstart's corpus: up to 1500 standard-library source files, byte-level."""
-    if not os.path.exists(prefix + "_text_document.idx"):
-        os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-        subprocess.run([sys.executable, "tools/preprocess_data.py",
-                        "--input", sysconfig.get_paths()["stdlib"], "--input-ext", ".py",
-                        "--output-prefix", prefix, "--tokenizer-type", "ByteLevelTokenizer",
-                        "--append-eod", "--workers", "2", "--max-documents", "1500",
-                        "--exclude-dirs", "site-packages", "dist-packages"],
-                       cwd=REPO, check=True)
-    return prefix + "_text_document"
 
 
 def run_policy(name: str, opts, data: str, out: str) -> dict:
@@ -226,7 +214,7 @@ def main() -> int:
     if unknown:
         print(f"error: unknown policies {unknown}; choose from {sorted(POLICIES)}", file=sys.stderr)
         return 2
-    data = prepare_data(os.path.join(REPO, opts.data_prefix))
+    data = prepare_stdlib_corpus(os.path.join(REPO, opts.data_prefix))
     out = os.path.abspath(opts.out)
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
