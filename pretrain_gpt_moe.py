@@ -48,6 +48,8 @@ def main(argv=None) -> int:
         from megatron.training.arguments import parse_args
         args = parse_args(argv)
         from megatron.training.training import pretrain, remove_deepspeed_shm_buffers
+        if args.moc_restart == "in-job":  # every round of this process, under the supervisor
+            return _run_in_job(words)
         pretrain(args)
         remove_deepspeed_shm_buffers()
     except ConfigError as e:
@@ -58,6 +60,24 @@ def main(argv=None) -> int:
     finally:
         _destroy_process_group()
     return 0
+
+
+def _run_in_job(words) -> int:
+    """``--moc-restart in-job``: this process trains in each round the supervisor gives
+    its slot (:mod:`megatron.training.in_job`)."""
+    import os
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.in_job import run_in_job
+    from megatron.training.training import pretrain, remove_deepspeed_shm_buffers
+    # Before a spare waits: bad flags stop every process now, not when a spare takes over.
+    validate_args(parse_args(words), int(os.environ.get("WORLD_SIZE", "1")))
+
+    def train(args) -> None:
+        pretrain(args)
+        remove_deepspeed_shm_buffers()
+
+    return run_in_job(words, parse_args, train, _destroy_process_group,
+                      lambda line: print(line, flush=True))
 
 
 def _destroy_process_group() -> None:

@@ -118,6 +118,14 @@ class MoCCheckpointer:
         free its shared memory (two-level)."""
         self.backend.shutdown()
 
+    def abandon(self) -> None:
+        """This rank alone, after its run failed and before the same process trains again
+        (an in-job restart): the backend's threads stop without a collective; the keeper
+        and the snapshots in its memory stay for the next round's recovery."""
+        abandon = getattr(self.backend, "abandon", None)
+        if abandon is not None:
+            abandon()
+
     # -- policy -------------------------------------------------------------------
 
     def observe_tokens(self, counts) -> None:

@@ -445,6 +445,12 @@ class PeerRedundancy:
         finally:
             self.pool.shutdown(wait=True)
 
+    def stop(self) -> None:
+        """This rank alone, after its run failed: the protection thread stops once its
+        current protection ends, without waiting for the queued ones (they would run
+        collectives with peers that may be gone)."""
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
     def summary(self) -> str:
         with self._lock:
             done = list(self.protected)

@@ -54,7 +54,7 @@ LAYERS: Tuple[Tuple[str, str], ...] = (
     ("keeper", "the node's keeper process, its client, its typed jobs"),
     ("modes", "the backends: single-level, two-level, exact recovery; their shared session"),
     ("facade", "MoCCheckpointer, enable_moc_checkpointing"),
-    ("tools", "moc-ckpt and moc-plan"),
+    ("tools", "moc-ckpt, moc-plan and the in-job restart supervisor"),
 )
 """The library's layers, lowest first, with a one-line summary each."""
 
@@ -74,7 +74,7 @@ SUBPACKAGES: Dict[str, str] = {
     "runtime": "runtime", "policy": "policy", "format": "format", "store": "store",
     "engine": "engine", "two_level": "modes", "exact": "modes", "peers": "modes",
     "snapshot": "modes", "state": "modes", "planning": "tools", "cli": "tools",
-    "keeper": "keeper",
+    "keeper": "keeper", "supervisor": "tools",
 }
 """Subpackage of ``deepspeed_ext`` -> layer of every module in it."""
 

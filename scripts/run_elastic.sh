@@ -8,6 +8,12 @@
 # One node by default. Several nodes: run the same command on every node with
 #   NNODES=2 RDZV_ENDPOINT=host0:29400 RDZV_ID=myjob bash scripts/run_elastic.sh 8 3 ...
 # Give --save and --load the same directory, or restarts start from scratch.
+#
+# With --moc-restart in-job (one node): MoC's supervisor starts the processes instead and
+# keeps the job's store; the last --moc-spares N of the NPROC_PER_NODE processes wait as
+# hot spares, and a failed process is replaced by one in place, the others keeping their
+# processes and memory. When no spare is left the job is relaunched (up to MAX_RESTARTS
+# times), as without the flag.
 set -euo pipefail
 if [ $# -lt 2 ]; then
     sed -n '2,10p' "$0" >&2
@@ -27,6 +33,46 @@ if [ -n "${NNODES:-}" ] && [ "${NNODES}" != 1 ]; then
           --rdzv-id "${RDZV_ID:-moc-job}")
 else
     RDZV=(--standalone)
+fi
+restart=relaunch; spares=0; prev=""
+for word in "$@"; do  # the trainer validates both flags again; here only what launching needs
+    case "$prev" in
+        --moc-restart) restart="$word" ;;
+        --moc-spares) spares="$word" ;;
+    esac
+    case "$word" in
+        --moc-restart=*) restart="${word#*=}" ;;
+        --moc-spares=*) spares="${word#*=}" ;;
+    esac
+    prev="$word"
+done
+if [ "$restart" = in-job ]; then
+    case "$spares" in
+        *[!0-9]*|"") echo "error: --moc-spares must be an integer >= 0, got '$spares'" >&2; exit 2 ;;
+    esac
+    if [ "$spares" -ge "$NPROC" ]; then
+        echo "error: --moc-spares $spares leaves no training process of NPROC_PER_NODE $NPROC" >&2
+        exit 2
+    fi
+    if [ -n "${NNODES:-}" ] && [ "${NNODES}" != 1 ]; then
+        echo "error: --moc-restart in-job runs on one node for now (NNODES=$NNODES)" >&2
+        exit 2
+    fi
+    attempt=0
+    while :; do
+        status=0
+        python -m deepspeed_ext.supervisor \
+            --nproc "$((NPROC - spares))" --spares "$spares" -- pretrain_gpt_moe.py "$@" \
+            || status=$?
+        # 0 done, 2 bad input, 128+N stopped by a signal (Ctrl-C): no relaunch helps
+        if [ "$status" -eq 0 ] || [ "$status" -eq 2 ] || [ "$status" -ge 128 ] \
+                || [ "$attempt" -ge "$MAX_RESTARTS" ]; then
+            exit "$status"
+        fi
+        attempt=$((attempt + 1))
+        echo "[moc] in-job restart could not go on (exit $status): relaunching the job," \
+             "attempt $attempt of $MAX_RESTARTS" >&2
+    done
 fi
 # --monitor-interval: how often the agent polls its workers; a failed rank is noticed
 # within it and every other rank is stopped (no rank is left waiting in a collective).

@@ -99,6 +99,15 @@ RUN_BY = {
         "tests/training/test_restart.py::test_hang_is_detected_named_and_the_job_restarts",
     "MAX_RESTARTS=N bash scripts/launch_cluster.sh ...":
         "tests/test_launch_scripts.py::test_failed_job_is_relaunched_until_it_succeeds",
+    "bash scripts/run_elastic.sh 3 0 --config configs/tiny.yaml --data-path DATA --save ckpt "
+    "--load ckpt --moc-checkpoint --moc-two-level --moc-snapshot-interval 1 --moc-restart "
+    "in-job --moc-spares 1":
+        "tests/training/test_restart.py::"
+        "test_in_job_restart_a_spare_takes_the_crashed_rank_and_the_survivor_lives_on",
+    "python -m deepspeed_ext.supervisor --nproc 2 --spares 1 [--max-rounds 3] [--grace-s 10] "
+    "[--port 29500] -- PROGRAM [ARGS...]":
+        "tests/deepspeed_ext/supervisor/test_supervisor.py::"
+        "test_a_killed_rank_goes_to_the_spare_and_the_survivors_keep_running",
     "python experiments/accuracy.py --out runs/accuracy":
         "not run: the accuracy experiment (thousands of iterations); tests/test_readme.py "
         "parses its flags",

@@ -37,7 +37,7 @@ import re
 import runpy
 import sys
 import tomllib
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from unittest import mock
 
 import pytest
@@ -343,13 +343,34 @@ def torchrun_problems(args: List[str]) -> List[str]:
     return python_problems("python", [ns.training_script, *ns.training_script_args], world)
 
 
-def _launch_world(script: str, positional: List[str]) -> Optional[int]:
-    if script == "scripts/run_elastic.sh":
-        return _int(positional[0])
+def _launch_world(script: str, positional: List[str],
+                  flags: Sequence[str] = ()) -> Optional[int]:
+    if script == "scripts/run_elastic.sh":  # with --moc-restart in-job, less the spares
+        nproc = _int(positional[0])
+        spares = (_int(flags[flags.index("--moc-spares") + 1])
+                  if "--moc-spares" in flags[:-1] and "in-job" in flags else 0)
+        return nproc - spares if nproc and spares is not None else None
     if script == "scripts/launch_cluster.sh":
         nodes, gpus = _int(positional[3]), _int(positional[4])
         return nodes * gpus if nodes and gpus else None
     return None  # the fixed layouts: tests/test_doc_commands.py launches them
+
+
+@contextlib.contextmanager
+def _under_supervisor(yes: bool):
+    """The environment MoC's supervisor gives the trainer (``run_elastic.sh`` starts it
+    for ``--moc-restart in-job``), while a launch's flags are checked."""
+    from deepspeed_ext.runtime.rounds import STORE_ENV
+    old = os.environ.get(STORE_ENV)
+    if yes:
+        os.environ[STORE_ENV] = "127.0.0.1:29500"
+    try:
+        yield
+    finally:
+        if yes and old is None:
+            os.environ.pop(STORE_ENV, None)
+        elif yes:
+            os.environ[STORE_ENV] = old
 
 
 def _launch_argv(script: str, positional: List[str], flags: List[str]) -> List[str]:
@@ -386,8 +407,9 @@ def shell_problems(args: List[str]) -> List[str]:
         return [f"{script} takes {least}-{most} positional words and "
                 f"{'flags' if rest else 'no flags'}: got {' '.join(words)}"]
     if rest == "trainer":
-        return trainer_problems(_launch_argv(script, positional, flags),
-                                _launch_world(script, positional))
+        with _under_supervisor(script == "scripts/run_elastic.sh" and "in-job" in flags):
+            return trainer_problems(_launch_argv(script, positional, flags),
+                                    _launch_world(script, positional, flags))
     if rest == "scripts/gpu_check.py":
         flags = [f for f in flags if f not in GPU_CHECK_SH_FLAGS]
         return python_problems("python", [rest, *flags])

@@ -246,6 +246,26 @@ class TwoLevel:
                 except OSError:
                     pass
 
+    def abandon(self) -> None:
+        """This rank alone, after its run failed (a peer died, a collective broke): stop
+        the copy and seal threads once their current work ends, the hand-over thread and
+        the redundancy thread, and unregister the slots' host memory; no collective runs
+        (the peers may be gone). The keeper and the node's snapshots stay: the next round
+        of an in-job restart recovers from them. Errors are logged, not raised: the
+        caller is already handling a failure."""
+        place = self.place
+        steps = [("snapshot stages", self.snapshotter.stages.shutdown),
+                 ("hand-over", lambda: self.handover.sender_pool.shutdown(wait=True)),
+                 ("host memory", place.copier.unregister_all)]
+        if place.redundancy is not None:
+            steps.append(("redundancy", place.redundancy.stop))
+        for what, step in steps:
+            try:
+                step()
+            except Exception as e:  # noqa: BLE001  (a broken peer's error, reported below)
+                logger.warning(f"[moc] rank {place.rank}: abandoning the run: {what}: "
+                               f"{type(e).__name__}: {e}")
+
     def drop_node_memory(self) -> None:
         """Fault injection: this node loses its snapshots, as when the machine dies. Kills
         the node's keeper and deletes its shared memory; any rank of the node may call it,

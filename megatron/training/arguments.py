@@ -40,6 +40,7 @@ from megatron.training.args.training import (add_checkpoint_args, add_deepspeed_
                                              check_distributed_timeout, check_training,
                                              data_parallel_size, fill_batch_sizes,
                                              fill_lr_decay_iters)
+from megatron.training.args.restart import add_restart_args, check_restart
 from megatron.training.args.yaml_config import yaml_to_argv
 from megatron.training.megatron_compat import (add_megatron_compat_args, add_unsupported_args,
                                                add_upstream_switch_args, check_megatron_compat,
@@ -111,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     from megatron.training.faults import add_fault_args
     from megatron.training.monitor import add_monitor_args
     for add in (add_model_args, add_moe_args, add_training_args, add_lr_args,
-                add_checkpoint_args, add_moc_args, add_monitor_args, add_fault_args,
+                add_checkpoint_args, add_moc_args, add_restart_args, add_monitor_args,
+                add_fault_args,
                 add_data_args, add_logging_args, add_deepspeed_args, add_megatron_compat_args,
                 add_upstream_switch_args, add_unsupported_args):
         add(p)
@@ -178,6 +180,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> argparse.Namespa
     check_moc(args, world_size)
     fill_event_file(args)
     check_fault_flags(args, world_size)
+    check_restart(args, world_size)
     check_output_file("--metrics-file", args.metrics_file)
     check_output_file("--moc-event-file", args.moc_event_file)
     check_shm_dir(args, world_size)

@@ -320,7 +320,11 @@ class FaultTolerance:
         return report_ettr(self.args, state.iteration, self.loop_time)
 
     def abort(self) -> None:
-        """Every rank whose loop raised: the heartbeat and its watchdog thread stop; no
-        collective runs (the other ranks may be gone)."""
+        """Every rank whose run raised: the heartbeat and its watchdog thread stop; with
+        ``--moc-restart in-job`` MoC's threads stop too (the process trains again in the
+        next round; its keeper and snapshots stay). No collective runs (the other ranks
+        may be gone)."""
         if self.watch is not None:
             self.watch.stop()
+        if self.moc is not None and getattr(self.args, "moc_restart", "relaunch") == "in-job":
+            self.moc.abandon()

@@ -82,7 +82,10 @@ def initialize_distributed(args: argparse.Namespace) -> None:
     # on forever. No unused op is built; a dead build's lock is removed or reported.
     from megatron.training import jit_ops
     jit_ops.prepare_start()
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+    from deepspeed_ext.runtime import rounds
+    if os.environ.get(rounds.STORE_ENV):  # --moc-restart in-job, under MoC's supervisor
+        _init_on_round_store(accel.communication_backend_name(), timeout)
+    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         _init_from_agent_store(accel.communication_backend_name(), timeout)
     deepspeed.init_distributed(dist_backend=accel.communication_backend_name(), timeout=timeout)
     # Every rank, here: the gloo group of MoC's collectives on CPU tensors and objects
@@ -114,6 +117,20 @@ def _init_from_agent_store(backend: str, timeout) -> None:
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           is_master=False, timeout=timeout)
     dist.init_process_group(backend, store=dist.PrefixStore(f"moc/attempt_{attempt}", store),
+                            rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+
+
+def _init_on_round_store(backend: str, timeout) -> None:
+    """Under MoC's supervisor (``--moc-restart in-job``): the process group of this
+    process's round on the supervisor's store, under the round's own prefix. The store
+    lives in the supervisor, so it outlives any training process; a round's prefix keeps
+    its rendezvous apart from the earlier rounds' (whose members may be dead)."""
+    from deepspeed_ext.runtime import rounds
+    host, port = rounds.store_address(os.environ[rounds.STORE_ENV])
+    store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    prefix = rounds.group_prefix(int(os.environ.get(rounds.ROUND_ENV, "0")))
+    dist.init_process_group(backend, store=dist.PrefixStore(prefix, store),
                             rank=int(os.environ["RANK"]),
                             world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
 

@@ -110,6 +110,17 @@ def _set_up(args: argparse.Namespace, startup, extra_setup) -> RunParts:
     # tensor-parallel layers do not, and a T = 2 run gated differently from T = 1.
     set_seed(args.seed)
     ft = FaultTolerance.setup(args, engine, scheduler, datasets)
+    try:
+        return _load_and_position(args, startup, extra_setup, engine, scheduler, ft, datasets)
+    except BaseException:
+        ft.abort()  # a peer lost during the load: nothing of this run keeps running
+        raise
+
+
+def _load_and_position(args, startup, extra_setup, engine, scheduler, ft,
+                       datasets) -> RunParts:
+    """Every rank: the extension hook, the checkpoint load, the loaders and the RNG and
+    LR schedule positioned where the checkpoint says."""
     if extra_setup is not None:
         extra_setup(engine, args)
     startup.phase("checkpoint load")

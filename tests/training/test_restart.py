@@ -184,3 +184,34 @@ def test_two_level_faults_in_snapshot_persist_and_node_memory(corpus, tmp_path):
                                  "snapshot-crash@3:rank=0"]
     finally:
         stop_keepers(shm)
+
+
+def test_in_job_restart_a_spare_takes_the_crashed_rank_and_the_survivor_lives_on(
+        corpus, tmp_path, reference):
+    """--moc-restart in-job with one spare (3 processes, 2 training ranks): rank 1 is
+    SIGKILLed at the top of 7; MoC's supervisor keeps rank 0's process and gives rank 1 to
+    the spare, both resume from the keeper's memory in round 1, and every iteration's
+    loss is the uninterrupted run's, to the bit."""
+    import re
+    shm = new_shm_dir()
+    try:
+        proc, records, events = _elastic(tmp_path, corpus, [
+            "--save-interval", "4", "--moc-two-level", "--moc-snapshot-interval", "1",
+            "--moc-persist-interval", "4", "--moc-shm-dir", shm,
+            "--moc-restart", "in-job", "--moc-spares", "1",
+            "--moc-fault", "crash@7:rank=1"], nproc=3, restarts=0)
+        _ok(proc)
+        out = proc.stdout + proc.stderr
+        # the survivor (slot 0) left round 0 and trained in round 1 in the same process
+        failed = re.findall(r"slot 0 \(rank 0, pid (\d+)\): round 0 failed", out)
+        joined = re.findall(r"slot 0 \(pid (\d+)\): round 1 as rank 0", out)
+        assert failed and failed == joined, out[-6000:]
+        assert re.search(r"slot 2 \(pid \d+\): round 1 as rank 1 \(slots \[1\] failed\)", out)
+        recovery = [e for e in events if e["kind"] == "recovery"]
+        assert len(recovery) == 1 and recovery[0]["source"] == "memory", events
+        last = {r["iteration"]: r for r in records if r["kind"] == "train"}
+        want = {r["iteration"]: r for r in reference if r["kind"] == "train"}
+        assert last == want
+        assert not os.path.exists(shm)
+    finally:
+        stop_keepers(shm)

@@ -1,0 +1,147 @@
+"""Recovery rounds of an in-job restart: which launched process runs which training rank,
+kept in the job's store by the node's supervisor (``deepspeed_ext.supervisor``).
+
+A launch starts ``world_size`` training processes and ``spares`` hot spares; each has a
+*slot*, its index in the launch (``MOC_SLOT``). Round 0 gives slot ``i`` rank ``i`` and
+keeps the last ``spares`` slots waiting. When a training process dies, the supervisor
+writes the next round: the dead slot's rank goes to the first waiting spare, the
+survivors keep their ranks (and with them their expert placement, data position and
+snapshot slots), a dead spare is dropped. Every process of a round forms its process
+group on the store under the round's own prefix (:func:`group_prefix`), so nothing of an
+earlier round's rendezvous is read again.
+
+The store keys (all under :data:`PREFIX`): ``round/<r>`` the round's
+:class:`RoundAssignment` as JSON, written once; ``current`` the newest round's number;
+``done`` the job's end (``ok`` or ``failed: why``), which releases the waiting spares.
+Plain data and pure functions here (the supervisor writes, the trainer reads); nothing
+from the store is trusted before :meth:`RoundAssignment.from_json` checks it.
+"""
+
+import json
+from dataclasses import dataclass
+from typing import Iterable, Optional, Tuple
+
+PREFIX = "moc/restart/"
+CURRENT_KEY = PREFIX + "current"
+DONE_KEY = PREFIX + "done"
+STORE_ENV = "MOC_RESTART_STORE"
+"""``host:port`` of the job's store, set by the supervisor for every process it starts."""
+SLOT_ENV = "MOC_SLOT"
+"""This process's slot in the launch, set by the supervisor."""
+ROUND_ENV = "MOC_ROUND"
+"""The round this process trains in, set by the trainer's in-job loop before it forms
+the round's process group."""
+MAX_JSON_BYTES = 1 << 20
+"""A round's record larger than this is refused (a million slots would not fit either)."""
+
+
+def round_key(round_number: int) -> str:
+    """The store key of round ``round_number``'s assignment."""
+    return f"{PREFIX}round/{round_number}"
+
+
+def store_address(value: str):
+    """``(host, port)`` of a ``host:port`` value (:data:`STORE_ENV`).
+
+    Raises:
+        ValueError: not ``host:port`` with a port number.
+    """
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{STORE_ENV}={value!r} is not host:port")
+    return host, int(port)
+
+
+def group_prefix(round_number: int) -> str:
+    """The store prefix round ``round_number``'s process group is formed under."""
+    return f"{PREFIX}group/{round_number}/"
+
+
+class BadRound(ValueError):
+    """A round's record is not one this module wrote (wrong types, ranks not a
+    permutation of distinct slots, a slot both training and waiting)."""
+
+
+@dataclass(frozen=True)
+class RoundAssignment:
+    """Who trains in one round."""
+
+    round: int
+    """0 for the launch, then one more per recovery."""
+    slots: Tuple[int, ...]
+    """``slots[rank]``: the slot running training rank ``rank``; its length is the world size."""
+    spares: Tuple[int, ...]
+    """Slots waiting, in the order they will be used."""
+    failed: Tuple[int, ...] = ()
+    """Slots whose death started this round (empty for round 0)."""
+
+    @property
+    def world_size(self) -> int:
+        return len(self.slots)
+
+    def rank_of(self, slot: int) -> Optional[int]:
+        """The training rank of ``slot`` in this round; None: it waits (or is gone)."""
+        try:
+            return self.slots.index(slot)
+        except ValueError:
+            return None
+
+    def to_json(self) -> str:
+        return json.dumps({"round": self.round, "slots": list(self.slots),
+                           "spares": list(self.spares), "failed": list(self.failed)})
+
+    @classmethod
+    def from_json(cls, text) -> "RoundAssignment":
+        """The record in ``text`` (str or bytes, as the store returns it).
+
+        Raises:
+            BadRound: not JSON, or not a valid assignment.
+        """
+        if isinstance(text, (bytes, bytearray)):
+            if len(text) > MAX_JSON_BYTES:
+                raise BadRound(f"a round record of {len(text)} bytes (at most {MAX_JSON_BYTES})")
+            text = text.decode("utf-8", "replace")
+        try:
+            data = json.loads(text)
+        except ValueError as err:
+            raise BadRound(f"a round record is not JSON ({err})") from None
+        fields = ("slots", "spares", "failed")
+        if not (isinstance(data, dict) and type(data.get("round")) is int and data["round"] >= 0
+                and all(isinstance(data.get(k), list)
+                        and all(type(x) is int and x >= 0 for x in data[k]) for k in fields)):
+            raise BadRound("a round record without an int round and int lists slots, spares "
+                           "and failed")
+        record = cls(data["round"], tuple(data["slots"]), tuple(data["spares"]),
+                     tuple(data["failed"]))
+        taken = record.slots + record.spares
+        if not record.slots or len(set(taken)) != len(taken):
+            raise BadRound(f"round {record.round}: a slot twice, or no training slot, in "
+                           f"{list(record.slots)} + spares {list(record.spares)}")
+        return record
+
+
+def first_round(world_size: int, spares: int) -> RoundAssignment:
+    """Round 0 of a launch of ``world_size + spares`` processes: slot ``i`` trains as rank
+    ``i``, the last ``spares`` slots wait."""
+    if world_size < 1 or spares < 0:
+        raise ValueError(f"world size {world_size} and {spares} spares")
+    return RoundAssignment(0, tuple(range(world_size)),
+                           tuple(range(world_size, world_size + spares)))
+
+
+def next_round(previous: RoundAssignment, dead: Iterable[int]) -> Optional[RoundAssignment]:
+    """The round after ``previous`` once the slots ``dead`` died: each dead training slot's
+    rank goes to the first waiting spare that is alive, in rank order; dead spares leave
+    the waiting list. None when the spares alive are fewer than the dead training slots
+    (the job cannot go on in place: relaunch it)."""
+    dead = set(dead)
+    waiting = [s for s in previous.spares if s not in dead]
+    slots = list(previous.slots)
+    for rank, slot in enumerate(slots):
+        if slot in dead:
+            if not waiting:
+                return None
+            slots[rank] = waiting.pop(0)
+    return RoundAssignment(previous.round + 1, tuple(slots), tuple(waiting),
+                           tuple(sorted(s for s in dead
+                                        if s in previous.slots or s in previous.spares)))

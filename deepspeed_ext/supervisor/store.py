@@ -1,0 +1,39 @@
+"""The job's store, as the supervisor keeps it: a ``torch.distributed.TCPStore`` whose
+server lives in the supervisor for the job's whole life (no training process's death
+takes it along, as rank 0's did when it hosted the store), and the writes of the
+recovery rounds (:mod:`deepspeed_ext.runtime.rounds`' keys) into it.
+"""
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from deepspeed_ext.runtime.rounds import CURRENT_KEY, DONE_KEY, RoundAssignment, round_key
+
+STORE_TIMEOUT = timedelta(seconds=60)
+"""The timeout of the supervisor's own store calls (each a local set or get)."""
+
+
+def host_store(host: str, port: int) -> dist.TCPStore:
+    """The job's store, served by this process on ``port`` (0: a free one; read it back
+    from ``.port``), reachable at ``host``. Returns at once: no process has to join.
+
+    Raises:
+        RuntimeError: the port cannot be served (in use, not allowed); torch's
+            ``DistNetworkError`` is one.
+    """
+    return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                         timeout=STORE_TIMEOUT)
+
+
+def write_round(store: dist.Store, assignment: RoundAssignment) -> None:
+    """Publish ``assignment``: its record first, then ``current`` (a process that reads
+    ``current`` always finds that round's record)."""
+    store.set(round_key(assignment.round), assignment.to_json())
+    store.set(CURRENT_KEY, str(assignment.round))
+
+
+def write_done(store: dist.Store, outcome: str) -> None:
+    """End the job in the store: ``ok`` or ``failed: why``; the waiting spares read it and
+    exit."""
+    store.set(DONE_KEY, outcome)

@@ -1,0 +1,165 @@
+"""``--moc-restart in-job``: one launched process's life over the job's recovery rounds.
+
+MoC's supervisor (``python -m deepspeed_ext.supervisor``, started by
+``scripts/run_elastic.sh ... --moc-restart in-job``) starts every process with its slot
+(``MOC_SLOT``) and the address of the job's store, which it keeps
+(:mod:`deepspeed_ext.runtime.rounds`). Each process, training rank or hot spare, runs
+:func:`run_in_job`:
+
+1. imports everything training needs (a spare then waits with nothing to import: a
+   takeover costs no import time, and no restart can land inside a half-done import);
+2. waits for the newest round that gives its slot a rank (a spare waits here, without
+   training memory, until a training process dies or the job ends);
+3. trains in that round: its rank and round in the environment, the round's process
+   group on the store under the round's prefix, then :func:`pretrain`, which resumes
+   from the newest checkpoint under ``--load`` (with ``--moc-two-level`` the snapshots
+   in the node keeper's memory: the survivors their own, a spare the failed rank's);
+4. when training raises and the supervisor has written a newer round (a peer died), it
+   leaves the failed run (MoC's threads stopped, the keeper and its memory kept), tears
+   its process groups down and goes back to 2 in the same process; an error with no
+   newer round is this process's own and is raised (the supervisor then counts its
+   death; a deterministic error runs out of rounds and the job stops).
+"""
+
+import argparse
+import os
+import time
+from typing import Callable, List, Optional
+
+from deepspeed_ext.runtime import rounds
+from megatron.errors import ConfigError
+
+PEER_FAILURE_WAIT_S = 15.0
+"""How long a process whose run raised waits for the supervisor's next round before it
+takes the error as its own (the supervisor notices a death within a fraction of a
+second)."""
+POLL_S = 0.1
+"""Between two reads of the store's round number while waiting."""
+
+
+class RoundClient:
+    """This process's view of the job's rounds (every launched process has one)."""
+
+    def __init__(self, store, slot: int):
+        self.store, self.slot = store, slot
+
+    @classmethod
+    def from_env(cls, timeout_s: float = 300.0) -> "RoundClient":
+        """The store the supervisor named in the environment, and this process's slot."""
+        from datetime import timedelta
+        import torch.distributed as dist
+        host, port = rounds.store_address(os.environ[rounds.STORE_ENV])
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        return cls(store, int(os.environ[rounds.SLOT_ENV]))
+
+    def newest(self) -> int:
+        """The newest round's number."""
+        return int(self.store.get(rounds.CURRENT_KEY))
+
+    def assignment(self, round_number: int) -> rounds.RoundAssignment:
+        return rounds.RoundAssignment.from_json(self.store.get(rounds.round_key(round_number)))
+
+    def done(self) -> Optional[str]:
+        """The job's end as the supervisor wrote it, or None while it runs."""
+        if not self.store.check([rounds.DONE_KEY]):
+            return None
+        return self.store.get(rounds.DONE_KEY).decode("utf-8", "replace")
+
+    def wait_for_rank(self, after: int) -> Optional[rounds.RoundAssignment]:
+        """The newest round after ``after`` that gives this slot a rank; None once the job
+        ended (a spare that was never needed)."""
+        while True:
+            if self.done() is not None:
+                return None
+            newest = self.newest()
+            if newest > after:
+                assignment = self.assignment(newest)
+                if assignment.rank_of(self.slot) is not None:
+                    return assignment
+                after = newest  # still waiting in this round
+            time.sleep(POLL_S)
+
+    def peer_failed(self, mine: rounds.RoundAssignment, within_s: float) -> bool:
+        """Whether, within ``within_s`` seconds, a round after ``mine`` says one of
+        ``mine``'s training processes died (a round that only drops a dead spare does
+        not: this process's error is then its own)."""
+        deadline = time.monotonic() + within_s
+        while True:
+            for r in range(mine.round + 1, self.newest() + 1):
+                if set(self.assignment(r).failed) & set(mine.slots):
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(POLL_S)
+
+
+def preload() -> None:
+    """Import what a run imports lazily (DeepSpeed, its MoE layer, the model, the data,
+    the checkpoint library): a spare takes over without import time, and a failure
+    delivered while a module imports cannot leave it half made."""
+    import deepspeed  # noqa: F401
+    import deepspeed.moe.layer  # noqa: F401
+    import deepspeed_ext.patch  # noqa: F401
+    import deepspeed_ext.two_level  # noqa: F401
+    import megatron.data  # noqa: F401
+    import megatron.model.gpt_moe  # noqa: F401
+    import megatron.training.lr_schedule  # noqa: F401
+
+
+def enter_round(assignment: rounds.RoundAssignment, slot: int) -> int:
+    """Set this process's rank, world and round in the environment (what the process
+    group, DeepSpeed and the event file read); returns the rank."""
+    rank = assignment.rank_of(slot)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or assignment.world_size)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank % per_node),
+                      WORLD_SIZE=str(assignment.world_size),
+                      **{rounds.ROUND_ENV: str(assignment.round),
+                         "MOC_RESTART_COUNT": str(assignment.round)})
+    return rank
+
+
+def run_in_job(argv: List[str], parse: Callable[[List[str]], argparse.Namespace],
+               train: Callable[[argparse.Namespace], object],
+               close: Callable[[], None], log: Callable[[str], None]) -> int:
+    """Every process the supervisor started: train in each round this slot has a rank in
+    until the job is done (see the module docstring). Returns 0 when this process's last
+    run finished or the job ended without needing it.
+
+    Args:
+        argv: the training flags, parsed anew for each round (``parse``).
+        train: one run (``pretrain``), raising when it fails.
+        close: what follows a run on this process (its process groups torn down), after
+            a finished run and after a failed one.
+        log: one line to the user.
+
+    Raises:
+        ConfigError: bad flags (the same on every process: no round would fix them).
+        Exception: a failure of this process's own (no newer round came).
+    """
+    client = RoundClient.from_env()
+    preload()
+    seen = -1
+    while True:
+        assignment = client.wait_for_rank(seen)
+        if assignment is None:
+            log(f"[moc] slot {client.slot}: the job ended ({client.done()}); this spare was "
+                "not needed")
+            return 0
+        rank = enter_round(assignment, client.slot)
+        if assignment.round:
+            log(f"[moc] slot {client.slot} (pid {os.getpid()}): round {assignment.round} as "
+                f"rank {rank} (slots {list(assignment.failed)} failed)")
+        try:
+            train(parse(argv))
+            return 0
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001  (a peer's death, or this process's own error)
+            if not client.peer_failed(assignment, PEER_FAILURE_WAIT_S):
+                raise
+            log(f"[moc] slot {client.slot} (rank {rank}, pid {os.getpid()}): round "
+                f"{assignment.round} failed "
+                f"({type(e).__name__}: {str(e)[:200]}); joining the next round")
+            seen = assignment.round
+        finally:
+            close()

@@ -1,0 +1,147 @@
+"""deepspeed_ext.runtime.rounds: who trains in each recovery round of an in-job restart
+(the supervisor writes the rounds, the trainer reads them), and the record a process
+reads from the store refused unless it is one the module wrote."""
+
+import json
+
+import pytest
+
+from deepspeed_ext.runtime.rounds import (CURRENT_KEY, DONE_KEY, MAX_JSON_BYTES, PREFIX, BadRound,
+                                          RoundAssignment, first_round, group_prefix, next_round,
+                                          round_key, store_address)
+
+
+def test_the_first_round_gives_slot_i_rank_i_and_keeps_the_last_slots_waiting():
+    first = first_round(3, 2)
+    assert first == RoundAssignment(0, (0, 1, 2), (3, 4), ())
+    assert first.world_size == 3
+    assert [first.rank_of(slot) for slot in range(5)] == [0, 1, 2, None, None]
+    assert first.rank_of(7) is None  # a slot the launch never had
+    assert first_round(1, 0) == RoundAssignment(0, (0,), (), ())
+
+
+@pytest.mark.parametrize("world_size, spares", [(0, 1), (-1, 0), (2, -1)])
+def test_the_first_round_refuses_no_training_process_or_negative_spares(world_size, spares):
+    with pytest.raises(ValueError, match="world size"):
+        first_round(world_size, spares)
+
+
+def test_a_dead_training_slot_s_rank_goes_to_the_first_spare_and_the_survivors_keep_theirs():
+    after = next_round(first_round(4, 2), {2})
+    assert after == RoundAssignment(1, (0, 1, 4, 3), (5,), (2,))
+    assert [after.rank_of(slot) for slot in (0, 1, 3)] == [0, 1, 3]  # survivors: same ranks
+    assert after.rank_of(4) == 2 and after.rank_of(2) is None and after.rank_of(5) is None
+
+
+def test_rounds_follow_each_other_and_a_replacement_can_die_in_turn():
+    one = next_round(first_round(2, 2), [0])
+    two = next_round(one, [2])  # the spare that took rank 0 dies too
+    assert one == RoundAssignment(1, (2, 1), (3,), (0,))
+    assert two == RoundAssignment(2, (3, 1), (), (2,))
+    assert next_round(two, [1]) is None  # no spare left
+
+
+def test_a_dead_spare_leaves_the_waiting_list_and_the_training_slots_stay():
+    assert next_round(first_round(2, 3), {3}) == RoundAssignment(1, (0, 1), (2, 4), (3,))
+    # the first spare dead together with a training slot: the next live spare takes the rank
+    assert next_round(first_round(2, 2), {0, 2}) == RoundAssignment(1, (3, 1), (), (0, 2))
+
+
+def test_two_training_slots_dying_at_once_take_the_spares_in_rank_order():
+    after = next_round(first_round(3, 2), {2, 0})  # a set: no order of its own
+    assert after == RoundAssignment(1, (3, 1, 4), (), (0, 2))
+
+
+@pytest.mark.parametrize("world_size, spares, dead", [
+    (2, 0, {1}),       # no spare at all
+    (2, 1, {0, 1}),    # one spare for two deaths
+    (3, 2, {0, 3, 4}), # both spares die with a training slot
+])
+def test_no_round_without_a_live_spare_for_every_dead_training_slot(world_size, spares, dead):
+    assert next_round(first_round(world_size, spares), dead) is None
+
+
+def test_failed_names_only_the_round_s_slots_and_no_death_changes_nothing_but_the_number():
+    assert next_round(first_round(2, 1), {1, 9}).failed == (1,)  # 9 was never launched
+    assert next_round(first_round(2, 1), ()) == RoundAssignment(1, (0, 1), (2,), ())
+
+
+def test_the_store_keys_are_distinct_per_round_and_under_the_prefix():
+    keys = [CURRENT_KEY, DONE_KEY, round_key(0), round_key(1), round_key(10)]
+    assert len(set(keys)) == len(keys) and all(k.startswith(PREFIX) for k in keys)
+    prefixes = [group_prefix(r) for r in (0, 1, 10)]
+    assert len(set(prefixes)) == 3 and all(p.startswith(PREFIX) for p in prefixes)
+    # one round's group keys never fall under another round's prefix (1/ vs 10/)
+    assert not group_prefix(10).startswith(group_prefix(1))
+    assert not any(p.startswith(q) for p in prefixes for q in keys)
+
+
+@pytest.mark.parametrize("record", [
+    first_round(3, 2), next_round(first_round(3, 2), {1}), RoundAssignment(4, (7,), (), (1, 2)),
+])
+def test_a_record_reads_back_from_text_and_from_the_store_s_bytes(record):
+    assert RoundAssignment.from_json(record.to_json()) == record
+    assert RoundAssignment.from_json(record.to_json().encode()) == record
+    assert RoundAssignment.from_json(bytearray(record.to_json().encode())) == record
+
+
+_MISSING = object()
+"""A field left out of :func:`_record`'s record."""
+
+
+def _record(**changes) -> str:
+    """A round's record as the module writes it, with ``changes`` (a field set to
+    :data:`_MISSING` left out)."""
+    data = {"round": 1, "slots": [0, 3], "spares": [2], "failed": [1]}
+    data.update(changes)
+    return json.dumps({k: v for k, v in data.items() if v is not _MISSING})
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("", "not JSON"),
+    (b"{\"round\": 1,", "not JSON"),
+    (b"\xff\xfe", "not JSON"),
+    ("[0, 1]", "int round"),
+    ("null", "int round"),
+    (_record(round="1"), "int round"),
+    (_record(round=1.0), "int round"),
+    (_record(round=True), "int round"),
+    (_record(round=-1), "int round"),
+    (_record(round=_MISSING), "int round"),
+    (_record(slots="0,3"), "int lists"),
+    (_record(slots=[0, "3"]), "int lists"),
+    (_record(slots=[0, 3.0]), "int lists"),
+    (_record(slots=[0, -3]), "int lists"),
+    (_record(spares=[False]), "int lists"),
+    (_record(spares={"2": 2}), "int lists"),
+    (_record(failed=None), "int lists"),
+    (_record(failed=_MISSING), "int lists"),
+    (_record(slots=[0, 0]), "a slot twice"),             # one slot runs two ranks
+    (_record(spares=[2, 2]), "a slot twice"),
+    (_record(slots=[0, 2]), "a slot twice"),             # slot 2 both training and waiting
+    (_record(slots=[]), "no training slot"),
+])
+def test_a_record_that_is_not_one_this_module_wrote_is_refused(text, needle):
+    with pytest.raises(BadRound, match=needle):
+        RoundAssignment.from_json(text)
+
+
+def test_an_oversized_record_is_refused_before_it_is_parsed():
+    valid = first_round(2, 1).to_json().encode()
+    padded = valid + b" " * (MAX_JSON_BYTES - len(valid))  # JSON allows trailing blanks
+    assert RoundAssignment.from_json(padded) == first_round(2, 1)  # at the limit: read
+    with pytest.raises(BadRound, match=f"{MAX_JSON_BYTES + 1} bytes"):
+        RoundAssignment.from_json(padded + b" ")
+    assert issubclass(BadRound, ValueError)  # callers that catch ValueError see it
+
+
+def test_the_store_address_is_host_and_port():
+    assert store_address("127.0.0.1:29500") == ("127.0.0.1", 29500)
+    assert store_address("node-a.cluster:1") == ("node-a.cluster", 1)
+
+
+@pytest.mark.parametrize("value", ["", "127.0.0.1", ":29500", "host:", "host:x", "host:0",
+                                   "host:65536", "host:-1"])
+def test_a_store_address_that_is_not_host_and_port_is_refused(value):
+    with pytest.raises(ValueError, match="MOC_RESTART_STORE"):
+        store_address(value)

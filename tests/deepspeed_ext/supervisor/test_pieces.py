@@ -1,0 +1,92 @@
+"""The supervisor's pieces that start nothing: its command line, each process's
+environment and the order of its store writes (the contract the trainer reads)."""
+
+import signal
+import sys
+
+import pytest
+
+from deepspeed_ext.runtime.rounds import (CURRENT_KEY, DONE_KEY, SLOT_ENV, STORE_ENV,
+                                          first_round, next_round, round_key)
+from deepspeed_ext.supervisor.children import child_env, describe_exit
+from deepspeed_ext.supervisor.options import SupervisorOptions, parse_options, program_argv
+from deepspeed_ext.supervisor.store import write_done, write_round
+
+TRAIN = __file__  # a .py file that exists
+
+
+def test_the_defaults_and_the_command_after_the_double_dash():
+    options = parse_options(["--nproc", "4", "--spares", "1", "--", TRAIN, "--nproc", "9"],
+                            environ={})
+    assert options == SupervisorOptions(nproc=4, spares=1, command=(TRAIN, "--nproc", "9"),
+                                        max_rounds=3, port=0, grace_s=10.0, host="127.0.0.1")
+    assert options.launched == 5
+
+
+def test_the_port_is_the_flag_then_master_port_then_a_free_one():
+    argv = ["--nproc", "1", "--spares", "0", "--", TRAIN]
+    assert parse_options(argv, environ={"MASTER_PORT": "29501"}).port == 29501
+    assert parse_options(argv + [], environ={"MASTER_PORT": ""}).port == 0
+    assert parse_options(["--port", "1234"] + argv, environ={"MASTER_PORT": "29501"}).port == 1234
+
+
+@pytest.mark.parametrize("argv, environ, needle", [
+    (["--nproc", "0", "--spares", "0"], {}, "error: --nproc 0: at least 1"),
+    (["--nproc", "1", "--spares", "-2"], {}, "error: --spares -2: not negative"),
+    (["--nproc", "1", "--spares", "0", "--max-rounds", "-1"], {}, "error: --max-rounds -1"),
+    (["--nproc", "1", "--spares", "0", "--grace-s", "nan"], {}, "error: --grace-s nan"),
+    (["--nproc", "1", "--spares", "0", "--port", "70000"], {}, "error: --port 70000: not a port"),
+    (["--nproc", "1", "--spares", "0"], {"MASTER_PORT": "x1"}, "error: --port not given and "
+     "MASTER_PORT='x1' is not a port"),
+    (["--spares", "0"], {}, "error: the following arguments are required: --nproc"),
+    (["--nproc", "1", "--spares", "0", "--max-round", "1"], {}, "error: unrecognized arguments"),
+])
+def test_bad_input_names_the_flag_and_exits_2(capsys, argv, environ, needle):
+    with pytest.raises(SystemExit) as stop:
+        parse_options(argv + ["--", TRAIN], environ=environ)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(needle) and len(err.splitlines()) == 1, err
+
+
+def test_a_python_program_runs_with_this_python_and_another_as_given():
+    assert program_argv(["train.py", "--x"]) == [sys.executable, "train.py", "--x"]
+    assert program_argv(["bash", "run.sh"]) == ["bash", "run.sh"]
+
+
+def test_a_training_slot_gets_torchrun_s_variables_and_a_spare_no_rank():
+    base = {"PATH": "/bin", "RANK": "7", "LOCAL_RANK": "7", "MASTER_PORT": "1"}
+    trainer = child_env(base, 1, 2, "127.0.0.1", 4242)
+    assert trainer == {"PATH": "/bin", STORE_ENV: "127.0.0.1:4242", SLOT_ENV: "1",
+                       "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2",
+                       "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "4242"}
+    spare = child_env(base, 2, 2, "127.0.0.1", 4242)
+    assert "RANK" not in spare and "LOCAL_RANK" not in spare  # not the supervisor's own
+    assert (spare[SLOT_ENV], spare["WORLD_SIZE"], spare[STORE_ENV]) == ("2", "2", "127.0.0.1:4242")
+    assert base["RANK"] == "7"  # the supervisor's environment is not changed
+
+
+def test_an_exit_reads_as_a_status_or_a_signal():
+    assert describe_exit(3) == "status 3"
+    assert describe_exit(-signal.SIGKILL) == "signal 9"
+
+
+class RecordingStore:
+    """A store that keeps its writes in order."""
+
+    def __init__(self):
+        self.writes = []
+
+    def set(self, key, value):
+        self.writes.append((key, value))
+
+
+def test_a_round_s_record_is_written_before_current_names_it():
+    store = RecordingStore()
+    one = next_round(first_round(2, 1), {0})
+    write_round(store, first_round(2, 1))
+    write_round(store, one)
+    write_done(store, "ok")
+    assert store.writes == [(round_key(0), first_round(2, 1).to_json()), (CURRENT_KEY, "0"),
+                            (round_key(1), one.to_json()), (CURRENT_KEY, "1"), (DONE_KEY, "ok")]
