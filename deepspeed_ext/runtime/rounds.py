@@ -18,6 +18,7 @@ from the store is trusted before :meth:`RoundAssignment.from_json` checks it.
 """
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Iterable, Optional, Tuple
 
@@ -74,6 +75,9 @@ class RoundAssignment:
     """Slots waiting, in the order they will be used."""
     failed: Tuple[int, ...] = ()
     """Slots whose death started this round (empty for round 0)."""
+    at: float = 0.0
+    """Wall-clock time (``time.time()``) the supervisor wrote the round: for a recovery,
+    right after it saw the death; 0.0 when not stamped."""
 
     @property
     def world_size(self) -> int:
@@ -88,7 +92,8 @@ class RoundAssignment:
 
     def to_json(self) -> str:
         return json.dumps({"round": self.round, "slots": list(self.slots),
-                           "spares": list(self.spares), "failed": list(self.failed)})
+                           "spares": list(self.spares), "failed": list(self.failed),
+                           "at": self.at})
 
     @classmethod
     def from_json(cls, text) -> "RoundAssignment":
@@ -111,8 +116,11 @@ class RoundAssignment:
                         and all(type(x) is int and x >= 0 for x in data[k]) for k in fields)):
             raise BadRound("a round record without an int round and int lists slots, spares "
                            "and failed")
+        at = data.get("at", 0.0)
+        if type(at) not in (int, float) or not math.isfinite(at) or at < 0:
+            raise BadRound(f"round {data['round']}: at {at!r} is not a time")
         record = cls(data["round"], tuple(data["slots"]), tuple(data["spares"]),
-                     tuple(data["failed"]))
+                     tuple(data["failed"]), float(at))
         taken = record.slots + record.spares
         if not record.slots or len(set(taken)) != len(taken):
             raise BadRound(f"round {record.round}: a slot twice, or no training slot, in "

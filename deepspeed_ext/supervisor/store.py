@@ -4,6 +4,8 @@ takes it along, as rank 0's did when it hosted the store), and the writes of the
 recovery rounds (:mod:`deepspeed_ext.runtime.rounds`' keys) into it.
 """
 
+import dataclasses
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -27,8 +29,10 @@ def host_store(host: str, port: int) -> dist.TCPStore:
 
 
 def write_round(store: dist.Store, assignment: RoundAssignment) -> None:
-    """Publish ``assignment``: its record first, then ``current`` (a process that reads
-    ``current`` always finds that round's record)."""
+    """Publish ``assignment``, stamped with the time it is written (``at``: a process's
+    recovery phases are measured from it): its record first, then ``current`` (a
+    process that reads ``current`` always finds that round's record)."""
+    assignment = dataclasses.replace(assignment, at=time.time())
     store.set(round_key(assignment.round), assignment.to_json())
     store.set(CURRENT_KEY, str(assignment.round))
 

@@ -24,7 +24,8 @@ MoC's supervisor (``python -m deepspeed_ext.supervisor``, started by
 import argparse
 import os
 import time
-from typing import Callable, List, Optional
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
 
 from deepspeed_ext.runtime import rounds
 from megatron.errors import ConfigError
@@ -118,6 +119,50 @@ def enter_round(assignment: rounds.RoundAssignment, slot: int) -> int:
     return rank
 
 
+@dataclass
+class LeftRound:
+    """When this process left a failed round (``time.time()`` readings)."""
+
+    round: int
+    caught: float
+    """Its run raised."""
+    torn_down: float = 0.0
+    """Its process groups were gone."""
+
+
+def round_event(assignment: rounds.RoundAssignment, slot: int, left: Optional[LeftRound],
+                joined: float) -> Dict:
+    """The ``in-job-round`` event of this process joining a recovery round: who it is
+    (a survivor, or the spare taking a failed rank) and, counted from the supervisor's
+    round (written right after it saw the death: ``died``), when it left the failed run,
+    had torn its groups down and had joined the new round. The round's ``start`` and
+    ``recovery`` events (the loop's start, the load) follow from its run."""
+    event = {"kind": "in-job-round", "round": assignment.round, "slot": slot,
+             "rank": assignment.rank_of(slot), "pid": os.getpid(),
+             "role": "survivor" if left is not None else "spare",
+             "failed_slots": list(assignment.failed), "died": assignment.at,
+             "joined_s": round(joined - assignment.at, 4)}
+    if left is not None:
+        event.update(left_s=round(left.caught - assignment.at, 4),
+                     torn_down_s=round(left.torn_down - assignment.at, 4))
+    return event
+
+
+def _event_file(args: argparse.Namespace) -> Optional[str]:
+    """``--moc-event-file`` as validation fills it (``<save>/moc-events.jsonl`` by default)."""
+    if args.moc_event_file or not args.moc_checkpoint:
+        return args.moc_event_file
+    from megatron.training.events import default_event_file
+    return default_event_file(args.save)
+
+
+def _record_round(args, assignment, slot, left, joined) -> None:
+    path = _event_file(args)
+    if path and assignment.round:
+        from megatron.training.events import EventLog
+        EventLog(path).append(round_event(assignment, slot, left, joined))
+
+
 def run_in_job(argv: List[str], parse: Callable[[List[str]], argparse.Namespace],
                train: Callable[[argparse.Namespace], object],
                close: Callable[[], None], log: Callable[[str], None]) -> int:
@@ -138,9 +183,10 @@ def run_in_job(argv: List[str], parse: Callable[[List[str]], argparse.Namespace]
     """
     client = RoundClient.from_env()
     preload()
-    seen = -1
+    seen, left = -1, None
     while True:
         assignment = client.wait_for_rank(seen)
+        joined = time.time()
         if assignment is None:
             log(f"[moc] slot {client.slot}: the job ended ({client.done()}); this spare was "
                 "not needed")
@@ -150,11 +196,14 @@ def run_in_job(argv: List[str], parse: Callable[[List[str]], argparse.Namespace]
             log(f"[moc] slot {client.slot} (pid {os.getpid()}): round {assignment.round} as "
                 f"rank {rank} (slots {list(assignment.failed)} failed)")
         try:
-            train(parse(argv))
+            args = parse(argv)
+            _record_round(args, assignment, client.slot, left, joined)
+            train(args)
             return 0
         except ConfigError:
             raise
         except Exception as e:  # noqa: BLE001  (a peer's death, or this process's own error)
+            left = LeftRound(assignment.round, caught=time.time())
             if not client.peer_failed(assignment, PEER_FAILURE_WAIT_S):
                 raise
             log(f"[moc] slot {client.slot} (rank {rank}, pid {os.getpid()}): round "
@@ -163,3 +212,5 @@ def run_in_job(argv: List[str], parse: Callable[[List[str]], argparse.Namespace]
             seen = assignment.round
         finally:
             close()
+            if left is not None:
+                left.torn_down = time.time()

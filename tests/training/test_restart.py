@@ -209,6 +209,15 @@ def test_in_job_restart_a_spare_takes_the_crashed_rank_and_the_survivor_lives_on
         assert re.search(r"slot 2 \(pid \d+\): round 1 as rank 1 \(slots \[1\] failed\)", out)
         recovery = [e for e in events if e["kind"] == "recovery"]
         assert len(recovery) == 1 and recovery[0]["source"] == "memory", events
+        # each process of round 1 recorded how it got there, timed from the round's write
+        rounds = {e["slot"]: e for e in events if e["kind"] == "in-job-round"}
+        assert sorted(rounds) == [0, 2] and all(e["round"] == 1 for e in rounds.values())
+        survivor, spare = rounds[0], rounds[2]
+        assert (survivor["role"], survivor["rank"], str(survivor["pid"])) == ("survivor", 0,
+                                                                            failed[0])
+        assert survivor["left_s"] <= survivor["torn_down_s"] <= survivor["joined_s"] < 60
+        assert (spare["role"], spare["rank"], spare["failed_slots"]) == ("spare", 1, [1])
+        assert 0 <= spare["joined_s"] < 60 and "left_s" not in spare
         last = {r["iteration"]: r for r in records if r["kind"] == "train"}
         want = {r["iteration"]: r for r in reference if r["kind"] == "train"}
         assert last == want

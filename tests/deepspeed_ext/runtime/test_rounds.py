@@ -2,6 +2,7 @@
 (the supervisor writes the rounds, the trainer reads them), and the record a process
 reads from the store refused unless it is one the module wrote."""
 
+import dataclasses
 import json
 
 import pytest
@@ -145,3 +146,16 @@ def test_the_store_address_is_host_and_port():
 def test_a_store_address_that_is_not_host_and_port_is_refused(value):
     with pytest.raises(ValueError, match="MOC_RESTART_STORE"):
         store_address(value)
+
+
+def test_the_write_time_round_trips_and_a_bad_one_is_refused():
+    stamped = dataclasses.replace(next_round(first_round(2, 1), {1}), at=1767225600.5)
+    assert RoundAssignment.from_json(stamped.to_json()) == stamped
+    unstamped = json.loads(first_round(2, 1).to_json())
+    del unstamped["at"]  # a record without it reads as not stamped
+    assert RoundAssignment.from_json(json.dumps(unstamped)).at == 0.0
+    for bad in (-1, "now", None, float("inf")):
+        record = json.loads(stamped.to_json())
+        record["at"] = bad
+        with pytest.raises(BadRound, match="is not a time"):
+            RoundAssignment.from_json(json.dumps(record, allow_nan=True))

@@ -1,13 +1,15 @@
 """The supervisor's pieces that start nothing: its command line, each process's
 environment and the order of its store writes (the contract the trainer reads)."""
 
+import dataclasses
 import signal
 import sys
+import time
 
 import pytest
 
 from deepspeed_ext.runtime.rounds import (CURRENT_KEY, DONE_KEY, SLOT_ENV, STORE_ENV,
-                                          first_round, next_round, round_key)
+                                          RoundAssignment, first_round, next_round, round_key)
 from deepspeed_ext.supervisor.children import child_env, describe_exit
 from deepspeed_ext.supervisor.options import SupervisorOptions, parse_options, program_argv
 from deepspeed_ext.supervisor.store import write_done, write_round
@@ -88,5 +90,11 @@ def test_a_round_s_record_is_written_before_current_names_it():
     write_round(store, first_round(2, 1))
     write_round(store, one)
     write_done(store, "ok")
-    assert store.writes == [(round_key(0), first_round(2, 1).to_json()), (CURRENT_KEY, "0"),
-                            (round_key(1), one.to_json()), (CURRENT_KEY, "1"), (DONE_KEY, "ok")]
+    assert [key for key, _ in store.writes] == [round_key(0), CURRENT_KEY, round_key(1),
+                                               CURRENT_KEY, DONE_KEY]
+    rounds = {round_key(0), round_key(1)}
+    written = [RoundAssignment.from_json(v) for k, v in store.writes if k in rounds]
+    # each stamped with the time it was written, and otherwise the round given
+    assert [dataclasses.replace(r, at=0.0) for r in written] == [first_round(2, 1), one]
+    assert all(0 < time.time() - r.at < 60 for r in written)
+    assert [v for k, v in store.writes if k not in rounds] == ["0", "1", "ok"]
