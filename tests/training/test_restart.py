@@ -80,28 +80,6 @@ def test_crash_restarts_and_finishes_exactly(corpus, tmp_path, reference):
     assert "1 iteration(s) lost" in proc.stdout
 
 
-def test_two_level_crash_recovers_from_memory(corpus, tmp_path, reference):
-    """Snapshots every iteration, persisted every 4th: the crash at the top of 7 resumes
-    from the keeper's memory at 6 (nothing lost), or at 5 when the crash landed before
-    snapshot 6 was published (its copy runs behind the next iteration's start; once in
-    a loaded CI run it was not done): storage holds only 4. The run still ends exactly."""
-    shm = new_shm_dir()
-    try:
-        proc, records, events = _elastic(tmp_path, corpus, [
-            "--save-interval", "4", "--moc-two-level", "--moc-snapshot-interval", "1",
-            "--moc-persist-interval", "4", "--moc-shm-dir", shm,
-            "--moc-fault", "crash@7:rank=0"])
-        _ok(proc)
-        recovery = [e for e in events if e["kind"] == "recovery"]
-        assert len(recovery) == 1, events
-        assert recovery[0]["source"] == "memory" and recovery[0]["iteration"] in (5, 6)
-        assert recovery[0]["iterations_lost"] == 6 - recovery[0]["iteration"]
-        assert _final_loss(records) == _final_loss(reference)
-        assert not os.path.exists(shm)  # the normal end freed the keepers' memory
-    finally:
-        stop_keepers(shm)
-
-
 def test_hang_is_detected_named_and_the_job_restarts(corpus, tmp_path, reference):
     """Rank 1 stops answering before iteration 5; every rank's watchdog sees no progress
     for --moc-hang-timeout seconds, names rank 1, and exits so torchrun restarts the job,
@@ -191,7 +169,10 @@ def test_in_job_restart_a_spare_takes_the_crashed_rank_and_the_survivor_lives_on
     """--moc-restart in-job with one spare (3 processes, 2 training ranks): rank 1 is
     SIGKILLed at the top of 7; MoC's supervisor keeps rank 0's process and gives rank 1 to
     the spare, both resume from the keeper's memory in round 1, and every iteration's
-    loss is the uninterrupted run's, to the bit."""
+    loss is the uninterrupted run's, to the bit. (It replaced the same crash under
+    torchrun's relaunch, recovered from memory: a relaunch from memory is
+    tests/deepspeed_ext/two_level/test_two_level.py's crash test, and torchrun's restart
+    is test_crash_restarts_and_finishes_exactly here.)"""
     import re
     shm = new_shm_dir()
     try:
