@@ -13,7 +13,8 @@ process, one mutant at a time, in this order:
    comparison, boolean and unary operators swapped, numbers moved by one, ``break`` and
    ``continue`` swapped, loops run zero times, decorators and exceptions replaced) in a
    stable order; with ``--sample N``, draw N of them with ``random.Random(--seed)``;
-4. for each: write it into the copy, run the tests (``python -m pytest -x``) in a new
+4. for each: write it into the copy, run the tests (``python -m pytest -x``, plus
+   ``--pytest-args``: ``-m "not e2e"`` leaves out the tests that start processes) in a new
    process, put the file back (cosmic-ray's ``mutate_and_test``); a test failing or the
    run passing the timeout kills the mutant, all tests passing means it survived;
 5. print the kill rate and each survivor (file:line, the operator, the line before and
@@ -109,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tests", action="append", default=None, metavar="PATH",
                         help="test file or folder to run on each mutant (repeatable); "
                         "default: the package's mirror under tests/")
+    parser.add_argument("--pytest-args", default="", metavar="ARGS",
+                        help="more pytest arguments for every run, one shell-quoted string "
+                        "(--pytest-args='-m \"not e2e\"': leave out tests that start "
+                        "processes)")
     parser.add_argument("--sample", type=int, default=None, metavar="N",
                         help="run N mutants drawn at random (seeded) instead of all")
     parser.add_argument("--seed", type=int, default=0, help="seed of --sample (default 0)")
@@ -235,11 +240,12 @@ def as_mutant(item) -> Mutant:
                   operator=m.operator_name.split("/", 1)[-1], occurrence=m.occurrence)
 
 
-def pytest_command(tests: Sequence[str]) -> str:
+def pytest_command(tests: Sequence[str], extra: str = "") -> str:
     """pytest in a new interpreter, stopping at the first failure (one kills the mutant);
-    pytest.ini's report options dropped (``-o addopts=``)."""
+    pytest.ini's report options dropped (``-o addopts=``); ``extra`` (``--pytest-args``,
+    shell-quoted) goes before the test paths."""
     return shlex.join([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                       "-o", "addopts=", *tests])
+                       "-o", "addopts=", *shlex.split(extra), *tests])
 
 
 def run_baseline(command: str) -> float:
@@ -307,7 +313,7 @@ def run(args: argparse.Namespace, work: str, out: str) -> int:
     items = list_mutants(args.package, os.path.join(work, ".mutation-session.sqlite"))
     chosen = (survivors_of(items, args.survivors_of) if args.survivors_of
               else draw(items, args.sample, args.seed))
-    command = pytest_command(args.tests)
+    command = pytest_command(args.tests, args.pytest_args)
     print(f"[mutation] {args.package}: {len(items)} mutants, {len(chosen)} to run; tests: "
           f"{command}", flush=True)
     if args.count_only:

@@ -9,9 +9,12 @@
 #   bash scripts/mutation.sh deepspeed_ext/policy                          # every mutant
 #   bash scripts/mutation.sh deepspeed_ext/policy --sample 200 --seed 1    # a seeded sample
 #   bash scripts/mutation.sh deepspeed_ext/format --tests tests/deepspeed_ext/format/test_manifest.py
+#   bash scripts/mutation.sh deepspeed_ext/store --sample 200 --seed 1 --pytest-args='-m "not e2e"'
 #
 # The tests default to the package's mirror under tests/; scripts/mutation.py --help lists
-# every flag (--tests, --sample, --seed, --timeout, --json, --fail-under, --count-only).
+# every flag (--tests, --pytest-args, --sample, --seed, --timeout, --json, --fail-under,
+# --survivors-of, --count-only). --pytest-args='-m "not e2e"' leaves out the tests that
+# start processes (ranks, keepers, launchers): seconds a mutant instead of minutes.
 # Sets up .venv as scripts/test.sh does, then installs the cosmic-ray that pyproject.toml's
 # [mutation] extra pins when .venv has another version or none.
 set -euo pipefail
