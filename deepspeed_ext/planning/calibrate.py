@@ -7,9 +7,12 @@ runs ``pretrain_gpt_moe.py`` for a few iterations of ``--config`` to take the it
 time, optionally with one injected crash under ``scripts/run_elastic.sh`` to take the
 restart time. ``--from-json`` reads instead what the benchmarks measured:
 ``two_level_bench.py`` (iteration time, memory and storage load times),
-``redundancy_bench.py`` (the peers' bandwidth) and ``exact_bench.py`` (iteration time,
-restart time). The result is a JSON file of :class:`~deepspeed_ext.planning.costs.Hardware`
-fields plus what each came from.
+``redundancy_bench.py`` (the peers' bandwidth), ``exact_bench.py`` (iteration time,
+restart time) and ``restart_bench.py`` (the relaunch's restart time and the in-job
+restart's phases: :func:`restart_bench_figures`). The result is a JSON file of
+:class:`~deepspeed_ext.planning.costs.Hardware` fields plus what each came from, and an
+``in_job`` object of :class:`~deepspeed_ext.planning.restart.InJobPhases` fields when a
+benchmark measured them (``--hardware`` reads both: :func:`in_job_from_json`).
 """
 
 import json
@@ -25,6 +28,7 @@ from dataclasses import asdict, fields
 from typing import Any, Dict, List, Optional
 
 from deepspeed_ext.planning.costs import GB, Hardware
+from deepspeed_ext.planning.restart import InJobPhases
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -52,6 +56,30 @@ def hardware_from_json(path: str) -> Hardware:
         return Hardware(**values)
     except (TypeError, ValueError) as err:
         raise ValueError(f"--hardware {path}: {err}") from None
+
+
+def in_job_from_json(path: str) -> Dict[str, float]:
+    """The ``in_job`` object of a hardware file (``InJobPhases`` fields; what ``moc-plan
+    calibrate`` wrote from ``restart_bench.py``); {} when it has none.
+
+    Raises:
+        ValueError: naming the file and the unknown or bad field.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--hardware {path}: {err}") from None
+    values = data.get("in_job", {}) if isinstance(data, dict) else {}
+    known = {f.name for f in fields(InJobPhases)}
+    if not isinstance(values, dict) or set(values) - known:
+        raise ValueError(f"--hardware {path}: in_job must be an object of {sorted(known)}, "
+                         f"got {values!r}")
+    try:
+        InJobPhases(**values)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"--hardware {path}: in_job: {err}") from None
+    return values
 
 
 def measure_copy_gbps(mbytes: int = 256, repeats: int = 3) -> float:
@@ -227,9 +255,64 @@ def _figures_of(path: str, data, restarts: List[tuple]) -> Dict[str, Any]:
     return found
 
 
+RESTART_BENCH_MARKS = ("round written", "survivors left", "survivors torn down",
+                       "every process in round 1", "model being built", "state restored",
+                       "first iteration done")
+"""``restart_bench.py``'s in-job ``phases_s`` (seconds after the fault line, the slowest
+process's), in order; each in-job phase is the gap between two of them."""
+
+
+def _marks(rows: List[Dict[str, Any]], names) -> Dict[str, float]:
+    """Each of ``names`` as the median over ``rows``' ``phases_s`` that have it, and
+    ``load`` the median ``recovery.load_s``."""
+    out = {}
+    for name in names:
+        values = [r["phases_s"][name] for r in rows
+                  if isinstance(r.get("phases_s"), dict) and name in r["phases_s"]]
+        if values:
+            out[name] = statistics.median(values)
+    loads = [(r.get("recovery") or {}).get("load_s") for r in rows]
+    out["load"] = statistics.median([v for v in loads if v is not None] or [0.0])
+    return out
+
+
+def restart_bench_figures(data: Dict[str, Any]) -> Dict[str, Any]:
+    """From a ``restart_bench.py`` JSON, medians over its repeats' successful jobs: the
+    relaunch's ``restart_s`` (the fault to the state restored, less the load) and the
+    in-job phases, keyed ``in_job.<field>``: detection to the round written, leave to
+    the survivors out of the run, teardown to their groups gone, rendezvous to every
+    process in the round, groups to the model being built (less ``groups_per_rank_s`` x
+    its ranks, the default's), engine to the state restored (less the load), first step
+    to the first iteration done (one steady iteration included). Overlapping marks count
+    0. Returns ``{field: (value, why)}``."""
+    repeats = [r for r in data.get("repeats") or [] if isinstance(r, dict)]
+    out: Dict[str, Any] = {}
+    relaunch = [r["relaunch"] for r in repeats if (r.get("relaunch") or {}).get("ok")]
+    marks = _marks(relaunch, ["state restored"])
+    if "state restored" in marks:
+        out["restart_s"] = (max(0.0, marks["state restored"] - marks["load"]),
+                            "relaunch: fault to state restored, less the load")
+    in_job = [r["in-job"] for r in repeats if (r.get("in-job") or {}).get("ok")]
+    marks = _marks(in_job, RESTART_BENCH_MARKS)
+    if not all(m in marks for m in RESTART_BENCH_MARKS):
+        return out
+    times = [marks[m] for m in RESTART_BENCH_MARKS]
+    gaps = dict(zip(("detection_s", "leave_s", "teardown_s", "rendezvous_s", "groups_s",
+                     "engine_s", "first_step_s"),
+                    (b - a for a, b in zip([0.0] + times, times))))
+    ranks = int((data.get("options") or {}).get("ranks") or 1)
+    gaps["groups_s"] -= InJobPhases().groups_per_rank_s * ranks
+    gaps["engine_s"] -= marks["load"]
+    for name, value in gaps.items():
+        out[f"in_job.{name}"] = (max(0.0, value), f"in-job phase of {len(in_job)} run(s), "
+                                                  f"{ranks} ranks")
+    return out
+
+
 def from_benchmark_json(paths: List[str]) -> Dict[str, Any]:
     """Figures from benchmark JSON files (any of ``two_level_bench.py``,
-    ``redundancy_bench.py``, ``exact_bench.py``); returns ``{field: (value, source)}``.
+    ``redundancy_bench.py``, ``exact_bench.py``, ``restart_bench.py``: its in-job phases
+    keyed ``in_job.<field>``); returns ``{field: (value, source)}``.
 
     Raises:
         ValueError: a file that cannot be read or holds a malformed figure, naming it.
@@ -237,7 +320,19 @@ def from_benchmark_json(paths: List[str]) -> Dict[str, Any]:
     found: Dict[str, Any] = {}
     restarts: List[tuple] = []
     for path in paths:
-        found.update(_figures_of(path, _read_benchmark(path), restarts))
+        data = _read_benchmark(path)
+        found.update(_figures_of(path, data, restarts))
+        if isinstance(data, dict) and isinstance(data.get("repeats"), list):
+            try:
+                figures = restart_bench_figures(data)
+            except (AttributeError, KeyError, TypeError, ValueError) as err:
+                raise ValueError(f"--from-json {path}: its repeats cannot be read "
+                                 f"({type(err).__name__}: {err})") from None
+            for name, (value, why) in figures.items():
+                if name == "restart_s":
+                    restarts.append((value, f"{path}: {why}"))
+                else:
+                    found[name] = (value, f"{path}: {why}")
     if restarts:
         found["restart_s"] = (statistics.median(v for v, _ in restarts),
                               "median restart of " + ", ".join(w for _, w in restarts))
@@ -339,10 +434,14 @@ def calibrate(storage_dir: str, config: Optional[str], data_path: Optional[str],
             measured["restart_s"] = (run["restart_s"], "one injected crash under torchrun")
     measured.update(read)
     values = asdict(base) if base is not None else {}
-    values.update({k: v for k, (v, _) in measured.items()})
+    values.update({k: v for k, (v, _) in measured.items() if not k.startswith("in_job.")})
     hardware = Hardware(**values)
     sources = {k: s for k, (_, s) in measured.items()}
     for name in asdict(hardware):
         sources.setdefault(name, "given" if base is not None else "default")
-    return {"hardware": asdict(hardware), "sources": sources,
-            "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
+    out = {"hardware": asdict(hardware), "sources": sources,
+           "machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
+    in_job = {k.split(".", 1)[1]: v for k, (v, _) in measured.items() if k.startswith("in_job.")}
+    if in_job:
+        out["in_job"] = in_job
+    return out

@@ -1,9 +1,11 @@
 """``moc-plan``: predict what each checkpoint policy does on a cluster, from measured costs.
 
     moc-plan recommend --config configs/gpt-350m-16e.yaml --gpus 16 --mtbf 3600 \\
-        --iteration-time 1.2 [--hardware hw.json] [--node-failure-fraction 0.3]
+        --iteration-time 1.2 [--hardware hw.json] [--node-failure-fraction 0.3] \\
+        [--max-spare-nodes 8] [--repair-s 3600] [--in-job-engine-s 2.5 ...]
     moc-plan simulate --config configs/moe-250b.yaml --gpus 4096 --mtbf 600,1800,3600 \\
-        --iteration-time 6 --seeds 5 --json out.json --plot out.png
+        --iteration-time 6 --seeds 5 --json out.json --plot out.png \\
+        [--restart in-job --spares 16 --repair-s 3600 --in-job-engine-s 2.5 ...]
     moc-plan calibrate --dir /path/to/checkpoints --out hw.json \\
         [--config configs/tiny.yaml --data-path data/x_text_document] [--from-json bench.json]
     moc-plan pipeline --stages 8,16 --micro-batches 32 --window 8 --iteration-time 6 \\
@@ -25,8 +27,13 @@ from typing import List, Optional
 
 from deepspeed_ext.cli.entry_point import ENTRY_POINT, ask_entry_point, find_entry_point
 from deepspeed_ext.planning import costs as cm
-from deepspeed_ext.planning.search import Constraints, recommend
-from deepspeed_ext.planning.simulate import MAX_FAILURES, load_trace, simulate_many
+from deepspeed_ext.planning import restart_cli as rc
+from deepspeed_ext.planning.restart import RestartPlan
+from deepspeed_ext.planning.search import (IN_JOB_REFUSES, Constraints, in_job_kinds,
+                                           recommend, recommend_restart, restart_plans)
+from deepspeed_ext.planning.simulate import load_trace, simulate_many
+from deepspeed_ext.planning.tables import (describe, plot_sweep, print_policies,
+                                           print_simulation)
 
 MODEL_SHAPE = "--model-shape"
 """The entry point's only argument when moc-plan asks it for a model's shape (the
@@ -150,24 +157,6 @@ def _mtbfs(text: str) -> List[float]:
     return values
 
 
-def _describe(model: cm.ModelShape, layout: cm.Layout, hw: cm.Hardware) -> str:
-    return (f"{model.name}: {model.params_total / 1e9:.2f}B parameters "
-            f"({model.params_expert / 1e9:.2f}B in {model.num_experts} experts x "
-            f"{model.num_moe_layers} MoE layers) on {layout.gpus} GPUs ({layout.nodes} node(s) of "
-            f"{min(layout.gpus, layout.gpus_per_node)}, EP {layout.expert_parallel(model)}); "
-            f"iteration {hw.iteration_s:g} s, restart {hw.restart_s:g} s, storage "
-            f"{hw.storage_write_gbps:g}/{hw.storage_read_gbps:g} GB/s per node (write/read), "
-            f"device-to-host {hw.d2h_gbps:g} GB/s, network {hw.network_gbps:g} GB/s per node")
-
-
-def _fmt_bytes(n: float) -> str:
-    """Binary units, as ``--host-memory-gb`` (GiB) and the trainer's memory figures."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
 def _check_output(flag: str, path: Optional[str]) -> None:
     """Before any work: an output file's directory exists and the path is no directory.
 
@@ -199,41 +188,35 @@ def cmd_recommend(opts) -> int:
     mtbf = _mtbfs(opts.mtbf)
     if len(mtbf) != 1:
         raise PlanError("recommend takes one --mtbf")
-    choices = recommend(model, layout, hw, mtbf[0], constraints, opts.policies.split(","))
-    print(_describe(model, layout, hw))
+    kinds = opts.policies.split(",")
+    plans = restart_plans(layout, opts.max_spare_nodes, rc.in_job_phases_of(opts),
+                          opts.repair_s)
+    ranked = recommend_restart(model, layout, hw, mtbf[0], constraints, kinds, plans)
+    chosen, node = ranked[0], min(layout.gpus, layout.gpus_per_node)
+    print(describe(model, layout, hw))
     print(f"MTBF {mtbf[0]:g} s, {constraints.node_fraction:.0%} of failures lose a node's "
-          f"memory; PLT limit {constraints.plt_limit:.2%}\n")
-    head = (f"{'policy':<12} {'ETTR':>6} {'PLT':>7} {'stall/ckpt':>10} {'lost it':>8} "
-            f"{'downtime':>9} {'host/rank':>11}  settings")
-    print(head)
-    print("-" * (len(head) + 30))
-    rows = []
-    for c in choices:
-        if c.best is None:
-            print(f"{c.kind:<12} {'-':>6} {'-':>7} {'-':>10} {'-':>8} {'-':>9} {'-':>11}  "
-                  f"none admissible ({c.why_none})")
-            rows.append({"policy": c.kind, "best": None, "why": c.why_none})
-            continue
-        b = c.best
-        print(f"{c.kind:<12} {b.ettr:>6.3f} {b.plt:>7.2%} {b.costs.stall_s:>9.3f}s "
-              f"{b.expected_lost_iterations:>8.1f} {b.expected_downtime_s:>8.1f}s "
-              f"{_fmt_bytes(b.costs.host_bytes_per_rank):>11}  {b.costs.policy.label()}"
-              + (f"  [{'; '.join(b.costs.notes)}]" if b.costs.notes else ""))
-        rows.append({"policy": c.kind, "settings": asdict(b.costs.policy), "label":
-                     b.costs.policy.label(), "ettr": b.ettr, "plt": b.plt,
-                     "stall_s": b.costs.stall_s, "lost_iterations": b.expected_lost_iterations,
-                     "downtime_s": b.expected_downtime_s,
-                     "host_bytes_per_rank": b.costs.host_bytes_per_rank,
-                     "notes": list(b.costs.notes)})
-    best = next((c for c in choices if c.best is not None), None)
+          f"memory; PLT limit {constraints.plt_limit:.2%}; policies under the chosen "
+          f"restart: {chosen.plan.label(node)}\n")
+    rows = print_policies(chosen.choices)
+    if chosen.plan.in_job and set(kinds) - set(in_job_kinds(kinds)):
+        print(f"({', '.join(k for k in kinds if k in IN_JOB_REFUSES)}: the trainer refuses "
+              f"it with --moc-restart in-job)")
+    print()
+    restart_rows = rc.print_restart_table(ranked, layout)
+    best = chosen.best
     if best is not None:
-        p = best.best.costs.policy
-        print(f"\nrecommended: {p.label()} (predicted ETTR {best.best.ettr:.3f})")
-        print("  trainer flags: " + " ".join(training_flags(p)))
+        p = best.costs.policy
+        print(f"\nrecommended: {p.label()} (predicted ETTR {best.ettr:.3f})")
+        print("  restart: " + rc.verdict(ranked, layout))
+        in_job = rc.chosen_in_job(ranked)
+        if in_job is not None:
+            print("  " + rc.in_job_line(in_job, model, layout, hw, chosen.plan.in_job))
+        print("  trainer flags: " + " ".join(training_flags(p) + rc.restart_flags(chosen.plan)))
     if opts.json:
         _write_json("--json", opts.json, {
             "model": asdict(model), "layout": asdict(layout), "hardware": asdict(hw),
-            "mtbf_s": mtbf[0], "constraints": asdict(constraints), "rows": rows})
+            "mtbf_s": mtbf[0], "constraints": asdict(constraints), "rows": rows,
+            "restart": restart_rows, "recommended_restart": asdict(chosen.plan)})
     return 0
 
 
@@ -286,6 +269,51 @@ def parse_policy(text: str) -> cm.Policy:
         raise PlanError(f"--policy {text}: {err}") from None
 
 
+def _simulate_policies(opts, model, layout, hw, mtbf: float, plan: RestartPlan):
+    """The policies to simulate: each ``--policy`` (checked: the trainer must accept it,
+    with the restart too), else the best setting of each family under ``plan``.
+
+    Raises:
+        PlanError: naming the ``--policy`` or ``--policies`` the trainer refuses.
+    """
+    kinds = opts.policies.split(",")
+    if plan.in_job and not opts.policy:
+        kinds = in_job_kinds(kinds)
+        if not kinds:
+            raise PlanError(f"--policies {opts.policies}: the trainer refuses each of them "
+                            f"with --moc-restart in-job (--restart in-job)")
+    explicit = [parse_policy(p) for p in opts.policy or []]
+    for text, p in zip(opts.policy or [], explicit):
+        if plan.in_job and p.kind in IN_JOB_REFUSES:
+            raise PlanError(f"--policy {text}: the trainer refuses --moc-mode {p.kind} with "
+                            f"--moc-restart in-job (--restart in-job; use two-level)")
+        try:
+            cm.policy_costs(p, model, layout, hw, mtbf)
+        except ValueError as err:
+            raise PlanError(f"--policy {text}: {err}") from None
+    return explicit, kinds
+
+
+def _simulate_rows(opts, model, layout, hw, mtbfs, constraints, plan, trace, seeds):
+    """One row per MTBF and policy: simulated and analytic figures."""
+    explicit, kinds = _simulate_policies(opts, model, layout, hw, mtbfs[0], plan)
+    table = []
+    for mtbf in mtbfs:
+        policies = explicit or [c.best.costs.policy for c in recommend(
+            model, layout, hw, mtbf, constraints, kinds, plan) if c.best]
+        for p in policies:
+            s = simulate_many(p, model, layout, hw, mtbf, opts.iterations, seeds,
+                              constraints.node_fraction, trace, restart=plan)
+            pred = cm.predict(p, model, layout, hw, mtbf, constraints.node_fraction, plan)
+            table.append({"mtbf_s": mtbf, "policy": p.kind, "label": p.label(),
+                          "settings": asdict(p), "ettr": s.ettr, "ettr_ci": s.ettr_ci,
+                          "ettr_model": pred.ettr, "plt": s.plt, "plt_ci": s.plt_ci,
+                          "goodput_tokens_s": s.goodput_tokens_s, "failures": s.failures,
+                          "final_k": s.final_k, "runs": s.runs, "unfinished": s.unfinished,
+                          "in_place": s.in_place})
+    return table
+
+
 def cmd_simulate(opts) -> int:
     _check_output("--json", opts.json)
     _check_output("--plot", opts.plot)
@@ -301,44 +329,24 @@ def cmd_simulate(opts) -> int:
         except ValueError as err:
             raise PlanError(f"--trace {err}") from None
     constraints = _constraints(opts)
-    explicit = [parse_policy(p) for p in opts.policy or []]
-    for text, p in zip(opts.policy or [], explicit):
-        try:
-            cm.policy_costs(p, model, layout, hw, mtbfs[0])
-        except ValueError as err:
-            raise PlanError(f"--policy {text}: {err}") from None
+    plan = rc.simulate_plan(opts, layout, constraints.node_fraction)
     seeds = list(range(opts.seed, opts.seed + opts.seeds))
-    print(_describe(model, layout, hw))
+    table = _simulate_rows(opts, model, layout, hw, mtbfs, constraints, plan, trace, seeds)
+    print(describe(model, layout, hw))
     print(f"{opts.iterations} iterations per run, {len(seeds)} seed(s), "
           f"{constraints.node_fraction:.0%} node failures"
           + (f", trace {opts.trace}" if trace else "") + "\n")
-    table = []
-    for mtbf in mtbfs:
-        policies = explicit or [c.best.costs.policy for c in recommend(
-            model, layout, hw, mtbf, constraints, opts.policies.split(",")) if c.best]
-        for p in policies:
-            s = simulate_many(p, model, layout, hw, mtbf, opts.iterations, seeds,
-                              constraints.node_fraction, trace)
-            pred = cm.predict(p, model, layout, hw, mtbf, constraints.node_fraction)
-            table.append({"mtbf_s": mtbf, "policy": p.kind, "label": p.label(),
-                          "settings": asdict(p), "ettr": s.ettr, "ettr_ci": s.ettr_ci,
-                          "ettr_model": pred.ettr, "plt": s.plt, "plt_ci": s.plt_ci,
-                          "goodput_tokens_s": s.goodput_tokens_s, "failures": s.failures,
-                          "final_k": s.final_k, "runs": s.runs, "unfinished": s.unfinished})
-    head = (f"{'MTBF s':>8} {'policy':<12} {'ETTR (sim)':>16} {'ETTR (model)':>12} "
-            f"{'PLT':>8} {'failures':>8} {'goodput tok/s':>14}  settings")
-    print(head)
-    print("-" * (len(head) + 30))
-    for r in table:
-        print(f"{r['mtbf_s']:>8g} {r['policy']:<12} {r['ettr']:>9.3f} ±{r['ettr_ci']:.3f} "
-              f"{r['ettr_model']:>12.3f} {r['plt']:>8.2%} {r['failures']:>8.1f} "
-              f"{r['goodput_tokens_s']:>14.0f}  {r['label']}"
-              + (f"  [{r['unfinished']} run(s) unfinished after {MAX_FAILURES} failures]"
-                 if r["unfinished"] else ""))
+    if plan.in_job:
+        print(rc.in_job_line(plan, model, layout, hw) + "\n")
+    print_simulation(table, plan.in_job)
+    refused = [k for k in opts.policies.split(",") if k in IN_JOB_REFUSES]
+    if plan.in_job and refused and not opts.policy:
+        print(f"({', '.join(refused)}: the trainer refuses it with --moc-restart in-job)")
     if opts.json:
         _write_json("--json", opts.json, {
             "model": asdict(model), "layout": asdict(layout), "hardware": asdict(hw),
-            "iterations": opts.iterations, "seeds": seeds, "rows": table})
+            "iterations": opts.iterations, "seeds": seeds, "restart": asdict(plan),
+            "rows": table})
     if opts.plot:
         try:
             plot_sweep(table, opts.plot, f"{model.name} on {layout.gpus} GPUs")
@@ -346,26 +354,6 @@ def cmd_simulate(opts) -> int:
             raise PlanError(f"--plot {opts.plot}: {err}") from None
         print(f"plot: {opts.plot}")
     return 0
-
-
-def plot_sweep(table, path: str, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for kind in dict.fromkeys(r["policy"] for r in table):
-        rows = sorted((r for r in table if r["policy"] == kind), key=lambda r: r["mtbf_s"])
-        x = [r["mtbf_s"] / 60 for r in rows]
-        ax.errorbar(x, [r["ettr"] for r in rows], yerr=[r["ettr_ci"] for r in rows],
-                    marker="o", capsize=3, label=kind)
-    ax.set_xscale("log")
-    ax.set_xlabel("MTBF (minutes)")
-    ax.set_ylabel("ETTR (simulated, 95% CI)")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 def cmd_calibrate(opts) -> int:
@@ -386,6 +374,8 @@ def cmd_calibrate(opts) -> int:
         raise PlanError(str(err)) from None
     for name, value in result["hardware"].items():
         print(f"{name:<20} {value:>12.4g}   ({result['sources'][name]})")
+    for name, value in result.get("in_job", {}).items():
+        print(f"in_job.{name:<13} {value:>12.4g}   ({result['sources']['in_job.' + name]})")
     _write_json("--out", opts.out, result)
     print(f"written: {opts.out} (use it with --hardware)")
     return 0
@@ -489,9 +479,11 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("recommend", help="The best policy and settings, with each "
                                          "alternative's predicted ETTR.")
     _add_cluster(r)
+    rc.add_restart_flags(r, "recommend")
     r.add_argument("--json", help="Also write the table here.")
     s = sub.add_parser("simulate", help="Simulate failures over long runs: ETTR against MTBF.")
     _add_cluster(s)
+    rc.add_restart_flags(s, "simulate")
     s.add_argument("--policy", action="append",
                    help="A policy to simulate, KIND[:key=value,...] (repeatable); default: the "
                         "best setting of each family at each MTBF.")

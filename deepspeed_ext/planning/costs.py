@@ -28,6 +28,10 @@ MoC paper's overhead model, Eq. 3-16, and MoEtion's ETTR):
 * ETTR (MoEtion): ``1 / (1 + overhead/T_iter) * 1 / (1 + E[R] / MTBF)``, ``E[R]`` the
   expected downtime plus redone work of a failure, mixed over failure kinds (software:
   the processes die, host memory survives; node: a node's memory is lost too).
+* In-job restart (:mod:`deepspeed_ext.planning.restart`): a failure recovered in place
+  costs the in-job phases before the load instead of ``restart_s`` (and no
+  ``node_replace_s``), the load being the policy's own; the share of failures that find
+  too few spares (:func:`~deepspeed_ext.planning.restart.blocked`) costs a relaunch.
 """
 
 import math
@@ -37,12 +41,14 @@ from typing import List, Optional, Tuple
 from deepspeed_ext.planning.inputs import (GB, GIB, PEER_STEPS_KEPT, POLICIES, REDUNDANCY,
                                            SNAPSHOT_SLOTS_KEPT, STATE_BYTES, WEIGHT_BYTES,
                                            Hardware, Layout, ModelShape, Policy)
+from deepspeed_ext.planning.restart import RestartPlan, blocked, in_job_hardware
 from deepspeed_ext.policy import redundancy as rd
 
 __all__ = ["GB", "GIB", "PEER_STEPS_KEPT", "POLICIES", "REDUNDANCY", "SNAPSHOT_SLOTS_KEPT",
            "STATE_BYTES", "WEIGHT_BYTES", "FailureRecovery", "Hardware", "Infeasible",
            "Layout", "ModelShape", "Policy", "PolicyCosts", "Prediction", "dynamic_k",
-           "policy_costs", "predict", "two_level_host_bytes"]
+           "full_state_bytes", "in_job_costs", "policy_costs", "predict",
+           "two_level_host_bytes"]
 """The inputs (:mod:`deepspeed_ext.planning.inputs`) are re-exported: callers import the
 whole model from here."""
 
@@ -118,6 +124,11 @@ def _rank_state(model: ModelShape, layout: Layout, k: int) -> float:
     k = k or model.num_experts
     return (model.params_non_expert + model.params_expert * k / model.num_experts) \
         * STATE_BYTES / layout.gpus
+
+
+def full_state_bytes(model: ModelShape, layout: Layout) -> float:
+    """Bytes of one rank's whole fp32 state and Adam moments (a full snapshot)."""
+    return _rank_state(model, layout, 0)
 
 
 def _staleness(interval: float, n: int, k: int) -> float:
@@ -394,11 +405,38 @@ class Prediction:
     """Accumulated PLT (share of expert assignments whose updates are lost)."""
     expected_downtime_s: float
     expected_lost_iterations: float
+    restart: RestartPlan = RestartPlan()
+    in_place: float = 0.0
+    """Share of failures recovered in place (in-job restart with a spare free)."""
+
+
+def in_job_costs(policy: Policy, model: ModelShape, layout: Layout, hw: Hardware,
+                 plan: RestartPlan, mtbf_s: Optional[float] = None) -> PolicyCosts:
+    """The costs of ``policy`` when a failure is recovered in place (its downtimes: the
+    in-job phases before the load, then the policy's own load)."""
+    return policy_costs(policy, model, layout, in_job_hardware(hw, plan.phases, layout.gpus),
+                        mtbf_s)
+
+
+def _restart_mix(costs: PolicyCosts, policy: Policy, model: ModelShape, layout: Layout,
+                 hw: Hardware, mtbf_s: float, node_fraction: float,
+                 plan: RestartPlan) -> Tuple[float, float]:
+    """(expected downtime per failure, share recovered in place) under ``plan``: each
+    kind's in-job downtime while spares are free, its relaunch downtime when not."""
+    if not plan.in_job:
+        return costs.expected_recovery(node_fraction)[0], 0.0
+    in_job = in_job_costs(policy, model, layout, hw, plan, mtbf_s)
+    soft, node = blocked(plan, mtbf_s, node_fraction, min(layout.gpus, layout.gpus_per_node))
+    software = soft * costs.software.downtime_s + (1 - soft) * in_job.software.downtime_s
+    lost_node = node * costs.node.downtime_s + (1 - node) * in_job.node.downtime_s
+    downtime = (1 - node_fraction) * software + node_fraction * lost_node
+    return downtime, (1 - node_fraction) * (1 - soft) + node_fraction * (1 - node)
 
 
 def predict(policy: Policy, model: ModelShape, layout: Layout, hw: Hardware, mtbf_s: float,
-            node_fraction: float = 0.0) -> Prediction:
-    """The analytic ETTR and PLT of ``policy`` (MoEtion's formula, failure kinds mixed).
+            node_fraction: float = 0.0, restart: RestartPlan = RestartPlan()) -> Prediction:
+    """The analytic ETTR and PLT of ``policy`` (MoEtion's formula, failure kinds mixed;
+    with an in-job ``restart``, in-place and relaunched recoveries mixed as well).
 
     Raises:
         ValueError: MTBF <= 0, or ``node_fraction`` outside [0, 1].
@@ -409,12 +447,12 @@ def predict(policy: Policy, model: ModelShape, layout: Layout, hw: Hardware, mtb
         raise ValueError(f"the node-failure fraction must be in [0, 1], got {node_fraction}")
     costs = policy_costs(policy, model, layout, hw, mtbf_s)
     t = hw.iteration_s
-    downtime, lost, plt = costs.expected_recovery(node_fraction)
+    _, lost, plt = costs.expected_recovery(node_fraction)
+    downtime, in_place = _restart_mix(costs, policy, model, layout, hw, mtbf_s,
+                                      node_fraction, restart)
     step = t + costs.overhead_per_iteration_s
     recovery = downtime + lost * step
     ettr = 1 / (1 + costs.overhead_per_iteration_s / t) / (1 + recovery / mtbf_s)
     failures_per_iteration = step / mtbf_s
     return Prediction(costs, mtbf_s, node_fraction, ettr, failures_per_iteration * plt,
-                      downtime, lost)
-
-
+                      downtime, lost, restart, in_place)

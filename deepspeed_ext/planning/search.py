@@ -4,14 +4,21 @@ Each family's candidate settings (intervals, K, windows, redundancy) are scored 
 the analytic model (:func:`deepspeed_ext.planning.costs.predict`); a candidate whose
 accumulated PLT exceeds the limit, or that holds more host memory per rank than allowed,
 is out. The best of each family is returned, best family first.
+
+:func:`recommend_restart` does the same for each way of coming back from a failure
+(:func:`restart_plans`: a relaunch, and an in-job restart with 1 .. k whole spare nodes)
+and ranks them by effective throughput: ``ETTR x training GPUs / (training + spare
+GPUs)``, what the spares' GPUs would otherwise have trained; spares pay when the ETTR
+they gain outweighs the GPUs they hold back.
 """
 
 import math
 from dataclasses import dataclass
-from typing import Iterable, List, Optional, Sequence
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 from deepspeed_ext.planning.costs import (GIB, POLICIES, Hardware, Layout, ModelShape,
                                           Policy, Prediction, predict)
+from deepspeed_ext.planning.restart import InJobPhases, RestartPlan
 
 INTERVALS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 WINDOWS = (1, 2, 4, 8, 16, 32, 64)
@@ -92,12 +99,13 @@ class Choice:
 
 
 def best_of(kind: str, model: ModelShape, layout: Layout, hw: Hardware, mtbf_s: float,
-            constraints: Constraints) -> Choice:
+            constraints: Constraints, restart: RestartPlan = RestartPlan()) -> Choice:
     best, tried, reasons = None, 0, set()
     for policy in candidates(kind, model, layout):
         tried += 1
         try:
-            pred = predict(policy, model, layout, hw, mtbf_s, constraints.node_fraction)
+            pred = predict(policy, model, layout, hw, mtbf_s, constraints.node_fraction,
+                           restart)
         except ValueError as err:
             reasons.add(str(err))
             continue
@@ -117,14 +125,73 @@ def best_of(kind: str, model: ModelShape, layout: Layout, hw: Hardware, mtbf_s: 
 
 
 def recommend(model: ModelShape, layout: Layout, hw: Hardware, mtbf_s: float,
-              constraints: Constraints, kinds: Sequence[str] = POLICIES) -> List[Choice]:
+              constraints: Constraints, kinds: Sequence[str] = POLICIES,
+              restart: RestartPlan = RestartPlan()) -> List[Choice]:
     """The best setting of each family in ``kinds``, best ETTR first (families with no
-    admissible setting last).
+    admissible setting last), under ``restart``.
 
     Raises:
         ValueError: MTBF <= 0 or an unknown family.
     """
     if not (math.isfinite(mtbf_s) and mtbf_s > 0):
         raise ValueError(f"--mtbf must be > 0 seconds and finite, got {mtbf_s}")
-    choices = [best_of(k, model, layout, hw, mtbf_s, constraints) for k in kinds]
+    choices = [best_of(k, model, layout, hw, mtbf_s, constraints, restart) for k in kinds]
     return sorted(choices, key=lambda c: -(c.best.ettr if c.best else -1.0))
+
+
+IN_JOB_REFUSES = ("exact",)
+"""Families the trainer refuses with ``--moc-restart in-job`` (``--moc-mode exact``, for
+now: ``megatron/training/args/restart.py``)."""
+
+
+def in_job_kinds(kinds: Sequence[str]) -> List[str]:
+    """``kinds`` less the families the trainer refuses with an in-job restart."""
+    return [k for k in kinds if k not in IN_JOB_REFUSES]
+
+
+def restart_plans(layout: Layout, max_spare_nodes: int, phases: InJobPhases,
+                  repair_s: float) -> List[RestartPlan]:
+    """A relaunch, then an in-job restart with 1 .. ``max_spare_nodes`` whole spare nodes
+    (0 spare nodes would relaunch every failure: the relaunch itself)."""
+    if max_spare_nodes < 0:
+        raise ValueError(f"--max-spare-nodes must be >= 0, got {max_spare_nodes}")
+    node = min(layout.gpus, layout.gpus_per_node)
+    return [RestartPlan()] + [RestartPlan("in-job", n * node, repair_s, phases)
+                              for n in range(1, max_spare_nodes + 1)]
+
+
+@dataclass(frozen=True)
+class RestartChoice:
+    """The best policies under one restart plan, and what the plan's spares cost."""
+
+    plan: RestartPlan
+    choices: Tuple[Choice, ...]
+    """Best ETTR first, as :func:`recommend` gives them."""
+    gpus: int
+    """The job's training GPUs."""
+
+    @property
+    def best(self) -> Optional[Prediction]:
+        return next((c.best for c in self.choices if c.best is not None), None)
+
+    @property
+    def effective(self) -> float:
+        """``ETTR x training GPUs / (training + spare GPUs)``; 0 with no admissible policy."""
+        best = self.best
+        return best.ettr * self.gpus / (self.gpus + self.plan.spares) if best else 0.0
+
+
+def recommend_restart(model: ModelShape, layout: Layout, hw: Hardware, mtbf_s: float,
+                      constraints: Constraints, kinds: Sequence[str],
+                      plans: Sequence[RestartPlan]) -> List[RestartChoice]:
+    """:func:`recommend` under each plan (in-job plans without the families the trainer
+    refuses with them), best effective throughput first (ties: fewer spares).
+
+    Raises:
+        ValueError: MTBF <= 0 or an unknown family.
+    """
+    out = [RestartChoice(plan, tuple(recommend(model, layout, hw, mtbf_s, constraints,
+                                               in_job_kinds(kinds) if plan.in_job else kinds,
+                                               plan)), layout.gpus)
+           for plan in plans]
+    return sorted(out, key=lambda c: (-round(c.effective, 9), c.plan.spares))

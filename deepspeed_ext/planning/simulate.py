@@ -24,9 +24,16 @@ as the trainer does; its costs change with it. A run that cannot finish (failure
 faster than its recoveries) stops after :data:`MAX_FAILURES` failures with the progress
 made so far.
 
+With an in-job restart (:class:`~deepspeed_ext.planning.restart.RestartPlan`), each
+failure, the ones during a recovery included, takes the spares it needs from the job's
+pool while enough are free (:func:`~deepspeed_ext.planning.restart.take`; they come back
+``repair_s`` later) and its recovery costs the in-job downtime; a failure that finds too
+few costs the relaunch's (and a recovery restarted by it, too).
+
 Results: ETTR (useful iteration time over wall time), goodput (tokens per second),
-accumulated PLT, failures; :func:`simulate_many` repeats over seeds and gives 95 %
-confidence intervals (Student's t). Pure and deterministic for a seed.
+accumulated PLT, failures, failures recovered in place; :func:`simulate_many` repeats
+over seeds and gives 95 % confidence intervals (Student's t). Pure and deterministic for
+a seed.
 """
 
 import math
@@ -35,8 +42,9 @@ import statistics
 from dataclasses import dataclass, replace
 from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
 
-from deepspeed_ext.planning.costs import (Hardware, Layout, ModelShape, Policy, PolicyCosts,
-                                          policy_costs)
+from deepspeed_ext.planning.costs import (FailureRecovery, Hardware, Layout, ModelShape,
+                                          Policy, PolicyCosts, in_job_costs, policy_costs)
+from deepspeed_ext.planning.restart import RestartPlan, SparePool, spares_needed, take
 
 KINDS = ("software", "node")
 MAX_FAILURES = 100_000
@@ -75,6 +83,8 @@ class RunResult:
     final_k: int
     finished: bool = True
     """False when the run stopped after :data:`MAX_FAILURES` failures."""
+    in_place: int = 0
+    """Failures recovered in place (in-job restart, a spare free)."""
 
 
 def failure_stream(mtbf_s: float, node_fraction: float, seed: int) -> Iterator[Failure]:
@@ -212,6 +222,48 @@ def _resume(kind: str, points: _Points, costs: PolicyCosts) -> Tuple[float, Opti
     return points.storage, None
 
 
+@dataclass
+class _Restarts:
+    """How a run's failures come back: the policy's costs relaunched and (in-job) in
+    place, and the spares left."""
+
+    plan: RestartPlan
+    node_size: int
+    relaunch: PolicyCosts
+    in_job: Optional[PolicyCosts]
+    pool: SparePool
+    in_place: int = 0
+
+    @classmethod
+    def start(cls, plan: RestartPlan, policy: Policy, model: ModelShape, layout: Layout,
+              hw: Hardware, mtbf_s: float) -> "_Restarts":
+        out = cls(plan, min(layout.gpus, layout.gpus_per_node), None, None,
+                  SparePool(plan.spares))
+        out.price(policy, model, layout, hw, mtbf_s)
+        return out
+
+    def price(self, policy: Policy, model: ModelShape, layout: Layout, hw: Hardware,
+              mtbf_s: float) -> PolicyCosts:
+        """(Re)compute both costs of ``policy`` (pec-dynamic changes K); returns the
+        relaunch's, whose resume points and overhead are also the in-job ones'."""
+        self.relaunch = policy_costs(policy, model, layout, hw, mtbf_s)
+        self.in_job = in_job_costs(policy, model, layout, hw, self.plan, mtbf_s) \
+            if self.plan.in_job else None
+        return self.relaunch
+
+    def recovery(self, kind: str, failure_kind: str, at_s: float) -> FailureRecovery:
+        """The recovery of ``kind`` after a failure of ``failure_kind`` at ``at_s``: in
+        place when that failure gets its spares, else relaunched."""
+        costs = self.relaunch
+        if self.in_job is not None:
+            ok, self.pool = take(self.pool, at_s, spares_needed(failure_kind, self.node_size),
+                                 self.plan.repair_s)
+            if ok:
+                self.in_place += 1
+                costs = self.in_job
+        return costs.node if kind == "node" else costs.software
+
+
 class _Failures:
     """A failure source with one failure of look-ahead (a list or an endless stream)."""
 
@@ -272,13 +324,14 @@ class _Run:
         self.done = resumed
         self.lost_expert += rec.plt
 
-    def recover(self, costs: PolicyCosts, kind: str, points: _Points, queue: _Failures,
+    def recover(self, restarts: _Restarts, kind: str, points: _Points, queue: _Failures,
                 downtime_failures: bool, max_failures: int) -> None:
-        """The downtime of a failure of ``kind``: failures inside it start the recovery
-        over (or are skipped), and a node failure during a software recovery makes it a
-        node recovery, from the state a node failure leaves."""
-        rec = costs.node if kind == "node" else costs.software
-        end = self.wall + rec.downtime_s
+        """The downtime of a failure of ``kind`` (just counted): failures inside it start
+        the recovery over (or are skipped), and a node failure during a software recovery
+        makes it a node recovery, from the state a node failure leaves; each failure's
+        spares decide whether its recovery is in place."""
+        costs = restarts.relaunch
+        end = self.wall + restarts.recovery(kind, kind, self.wall).downtime_s
         while queue.next is not None and queue.next.time_s < end and self.count < max_failures:
             failure = queue.pop()
             if not downtime_failures:
@@ -286,17 +339,18 @@ class _Run:
             self.count += 1
             self.wall = failure.time_s
             if failure.kind == "node" and kind != "node":
-                self.lost_expert -= rec.plt
-                kind, rec = "node", costs.node
+                self.lost_expert -= costs.software.plt
+                kind = "node"
                 self._go_back(costs, kind, points)
-            end = self.wall + rec.downtime_s
+            end = self.wall + restarts.recovery(kind, failure.kind, self.wall).downtime_s
         self.wall = end
 
 
 def simulate_run(policy: Policy, model: ModelShape, layout: Layout, hw: Hardware,
                  iterations: int, failures: Iterable[Failure], mtbf_s: float,
                  downtime_failures: bool = True, uptime_clock: bool = False,
-                 max_failures: int = MAX_FAILURES) -> RunResult:
+                 max_failures: int = MAX_FAILURES,
+                 restart: RestartPlan = RestartPlan()) -> RunResult:
     """Simulate ``iterations`` useful iterations under ``failures`` (sorted by time; a
     list or an endless iterator such as :func:`failure_stream`).
 
@@ -308,6 +362,8 @@ def simulate_run(policy: Policy, model: ModelShape, layout: Layout, hw: Hardware
     trace measured on a real run keeps each failure at the same point of its training
     segment even when the simulated downtimes differ from the real ones. A run still
     unfinished after ``max_failures`` failures stops there (``finished`` False).
+    ``restart``: relaunch every failure (the default) or recover it in place while
+    spares last (module docstring).
     """
     if iterations < 1:
         raise ValueError("iterations must be >= 1")
@@ -316,7 +372,8 @@ def simulate_run(policy: Policy, model: ModelShape, layout: Layout, hw: Hardware
     k = policy.k or model.num_experts
     dynamic = policy.kind == "pec-dynamic"
     current = replace(policy, kind="pec", k=k) if dynamic else policy
-    costs = policy_costs(current, model, layout, hw, mtbf_s)
+    restarts = _Restarts.start(restart, current, model, layout, hw, mtbf_s)
+    costs = restarts.relaunch
     run = _Run(wall=hw.warmup_s)  # the first start's slower first iterations
     queue = _Failures(failures)
     while True:
@@ -331,15 +388,16 @@ def simulate_run(policy: Policy, model: ModelShape, layout: Layout, hw: Hardware
         failure = queue.pop()
         points = run.fail(costs, failure, at, hw.iteration_s)
         if not uptime_clock:
-            run.recover(costs, failure.kind, points, queue, downtime_failures, max_failures)
+            run.recover(restarts, failure.kind, points, queue, downtime_failures, max_failures)
         else:
-            run.wall += (costs.node if failure.kind == "node" else costs.software).downtime_s
+            run.wall += restarts.recovery(failure.kind, failure.kind, run.wall).downtime_s
         if dynamic and run.done > 0 and run.lost_expert / max(run.done, 1.0) \
                 > policy.plt_threshold and k < model.num_experts:
             k = min(model.num_experts, 2 * k)
             current = replace(current, k=k)
-            costs = policy_costs(current, model, layout, hw, mtbf_s)
-    return _result(run, iterations, hw.iteration_s, model, k)
+            costs = restarts.price(current, model, layout, hw, mtbf_s)
+    return replace(_result(run, iterations, hw.iteration_s, model, k),
+                   in_place=restarts.in_place)
 
 
 def _result(run: _Run, iterations: int, t_iter: float, model: ModelShape, k: int) -> RunResult:
@@ -368,6 +426,8 @@ class Summary:
     final_k: float
     unfinished: int = 0
     """Runs stopped after :data:`MAX_FAILURES` failures."""
+    in_place: float = 0.0
+    """Share of the failures recovered in place (in-job restart, a spare free)."""
 
 
 def t_quantile(dof: int) -> float:
@@ -390,7 +450,8 @@ def simulate_many(policy: Policy, model: ModelShape, layout: Layout, hw: Hardwar
                   mtbf_s: float, iterations: int, seeds: Sequence[int],
                   node_fraction: float = 0.0,
                   trace: Optional[List[Failure]] = None,
-                  downtime_failures: bool = True) -> Summary:
+                  downtime_failures: bool = True,
+                  restart: RestartPlan = RestartPlan()) -> Summary:
     """:func:`simulate_run` for each seed (one failure schedule per seed, the same for
     every policy given the same seeds), summarised. With ``trace``, the trace is replayed
     (the seeds are ignored but for their count)."""
@@ -400,7 +461,7 @@ def simulate_many(policy: Policy, model: ModelShape, layout: Layout, hw: Hardwar
     for seed in seeds:
         failures = trace if trace is not None else failure_stream(mtbf_s, node_fraction, seed)
         results.append(simulate_run(policy, model, layout, hw, iterations, failures, mtbf_s,
-                                    downtime_failures))
+                                    downtime_failures, restart=restart))
         if trace is not None:
             break
     ettr = [r.ettr for r in results]
@@ -410,4 +471,5 @@ def simulate_many(policy: Policy, model: ModelShape, layout: Layout, hw: Hardwar
                    statistics.mean(r.goodput_tokens_s for r in results), statistics.mean(plt),
                    confidence_half_width(plt), statistics.mean(r.failures for r in results),
                    statistics.mean(r.final_k for r in results),
-                   sum(not r.finished for r in results))
+                   sum(not r.finished for r in results),
+                   sum(r.in_place for r in results) / max(1, sum(r.failures for r in results)))
