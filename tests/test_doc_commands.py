@@ -107,7 +107,8 @@ RUN_BY = {
     "python -m deepspeed_ext.supervisor --nproc 2 --spares 1 [--max-rounds 3] [--grace-s 10] "
     "[--port 29500] -- PROGRAM [ARGS...]":
         "tests/deepspeed_ext/supervisor/test_supervisor.py::"
-        "test_a_killed_rank_goes_to_the_spare_and_the_survivors_keep_running",
+        "test_a_killed_rank_goes_to_a_spare_the_survivors_keep_running_and_the_other_is_released",
+    "python benchmarks/restart_bench.py --ranks 2 --repeats 2": BENCHMARK,
     "python experiments/accuracy.py --out runs/accuracy":
         "not run: the accuracy experiment (thousands of iterations); tests/test_readme.py "
         "parses its flags",
@@ -198,6 +199,10 @@ RUN_BY = {
     "a_benchmark.json]":
         "tests/deepspeed_ext/planning/test_calibrate.py::"
         "test_calibrate_cli_from_json_writes_a_hardware_file",
+    "moc-plan simulate --config configs/moe-250b.yaml --gpus 4096 --mtbf 600 --iteration-time "
+    "8 --restart-s 120 --node-failure-fraction 0.2 --seeds 3 --restart in-job --spares 40":
+        "tests/deepspeed_ext/planning/test_restart_cli.py::"
+        "test_the_docs_in_job_simulation_at_4096_gpus",
     "moc-plan pipeline --stages 8,16 --micro-batches 32 --window 8 --iteration-time 6 --mtbf "
     "600,3600 --restore-time 2 --downtime 30 [--log-overhead 0] [--json FILE]":
         "tests/deepspeed_ext/planning/test_pipeline.py::"
