@@ -1,32 +1,19 @@
 """The GPT-MoE model on one process: layout-independent init, causality, gate counts."""
 
-import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron.model.config import GPTMoEConfig
 from megatron.model.gpt_moe import GPTMoEModel, count_parameters
+from tests.ds_world import deepspeed_world_of_one
 
 
 @pytest.fixture(scope="module")
 def world_of_one():
     """A one-rank gloo group: DeepSpeed's MoE layer needs process groups to run."""
-    import deepspeed
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        env = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port))
-        for key, value in env.items():
-            os.environ.setdefault(key, value)
-        from megatron.training import jit_ops
-        jit_ops.disable_unused_ops()  # as the trainer: no JIT build in the test process
-        deepspeed.init_distributed(dist_backend="gloo")
-    yield
+    with deepspeed_world_of_one():
+        yield
 
 
 def _config(**kw):

@@ -2,16 +2,14 @@
 and the loss and gradients are those of the plain forward (dropout and MoE layers
 included)."""
 
-import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron.model.config import GPTMoEConfig
 from megatron.model.gpt_moe import GPTMoEModel, TransformerLayer
 from megatron.training.arguments import model_config_from_args, parse_args
+from tests.ds_world import deepspeed_world_of_one
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "4", "--lr", "1e-3",
@@ -21,18 +19,8 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
 @pytest.fixture(scope="module")
 def world_of_one():
     """A one-rank gloo group: DeepSpeed's MoE layer needs process groups to run."""
-    import deepspeed
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
-            os.environ.setdefault(key, value)
-        from megatron.training import jit_ops
-        jit_ops.disable_unused_ops()  # as the trainer: no JIT build in the test process
-        deepspeed.init_distributed(dist_backend="gloo")
-    yield
+    with deepspeed_world_of_one():
+        yield
 
 
 def _model(checkpoint: bool) -> GPTMoEModel:
