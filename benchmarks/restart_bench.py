@@ -75,11 +75,8 @@ import json
 import os
 import re
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -88,7 +85,7 @@ from megatron.data.stdlib_corpus import prepare_stdlib_corpus  # noqa: E402  (th
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import launch  # noqa: E402
-from benchlib.exact_runs import cleanup_run  # noqa: E402
+from benchlib.stamped_job import run_stamped  # noqa: E402
 from benchlib.ranks import finish_out_dir  # noqa: E402
 from benchlib.tables import fmt, print_aligned  # noqa: E402
 
@@ -180,23 +177,6 @@ def _job_command(opts, job: str, data: str, job_dir: str, shm: str) -> list:
             "--moc-shm-dir", shm, *extra]
 
 
-def _read_stream(proc, start: float, lines: list, log_path: str) -> None:
-    """The reader thread: each line of ``proc``'s output with its arrival time."""
-    with open(log_path, "w") as log:
-        for line in proc.stdout:
-            now = time.time()
-            lines.append((now, line.rstrip("\n")))
-            log.write(f"[{now - start:9.3f}] {line}")
-            log.flush()
-
-
-def _deepspeed_shm() -> set:
-    try:
-        return {n for n in os.listdir("/dev/shm") if n.startswith("deepspeed_")}
-    except OSError:
-        return set()
-
-
 def run_job(opts, job: str, data: str, job_dir: str) -> dict:
     """One job under ``scripts/run_elastic.sh`` (in its own session, killed whole after
     ``--timeout``); then its keepers and shared memory are cleaned up. Returns the raw run:
@@ -207,28 +187,12 @@ def run_job(opts, job: str, data: str, job_dir: str) -> dict:
     cmd = _job_command(opts, job, data, job_dir, shm)
     with open(os.path.join(job_dir, "command.txt"), "w") as f:
         f.write(shlex.join(cmd) + "\n")
-    shm_before, lines = _deepspeed_shm(), []
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
-    start = time.time()
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True, text=True, errors="replace", bufsize=1,
-                            env=env)
-    reader = threading.Thread(target=_read_stream, daemon=True,
-                              args=(proc, start, lines, os.path.join(job_dir, "log.txt")))
-    reader.start()
-    timed_out = False
-    try:
-        rc = proc.wait(timeout=opts.timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        os.killpg(proc.pid, signal.SIGKILL)  # the job's own session: only what it started
-        rc = proc.wait()
-    wall = time.time() - start
-    reader.join(timeout=30)
-    leftover = cleanup_run(shm, shm_before)
-    return {"job": job, "rc": rc, "timed_out": timed_out, "wall_s": wall, "start": start,
-            "lines": lines, "dir": job_dir, "ckpt": os.path.join(job_dir, "ckpt"),
-            "command": shlex.join(cmd), "leftover": leftover}
+    run = run_stamped(cmd, os.path.join(job_dir, "log.txt"), shm, opts.timeout,
+                      env_extra={"PYTHONUNBUFFERED": "1"})
+    return {"job": job, "rc": run.rc, "timed_out": run.timed_out, "wall_s": run.wall_s,
+            "start": run.start, "lines": run.lines, "dir": job_dir,
+            "ckpt": os.path.join(job_dir, "ckpt"), "command": shlex.join(cmd),
+            "leftover": run.leftover}
 
 
 def _json_lines(path: str) -> list:
