@@ -4,10 +4,10 @@ tells each process what to do, and reads what every process recorded.
 
 Each job is a few processes that import torch (5 to 12 s on a loaded 2-core machine), so
 only what needs real processes runs here: a rank's death handed to a spare while the
-survivors run on, two deaths close together, and a death that stops the job. The
-supervisor's other decisions (--max-rounds, a process's bad input, a dead spare, a
-signal to the supervisor, a port in use) run in process, with stand-in processes:
-test_job.py.
+survivors run on, two deaths close together (a spare's and a rank's), and a death that
+stops the job. The supervisor's other decisions (--max-rounds, a process's bad input, a
+dead spare then a rank in turn, deaths seen in one look, a signal to the supervisor, a
+port in use) run in process, with stand-in processes: test_job.py.
 """
 
 import dataclasses
