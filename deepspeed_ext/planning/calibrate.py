@@ -33,17 +33,26 @@ from deepspeed_ext.planning.restart import InJobPhases
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def _hardware_file(path: str):
+    """The JSON in the hardware file ``path``.
+
+    Raises:
+        ValueError: naming the file: unreadable, or not JSON.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--hardware {path}: {err}") from None
+
+
 def hardware_from_json(path: str) -> Hardware:
     """A hardware file written by ``moc-plan calibrate`` (or by hand).
 
     Raises:
         ValueError: naming the file and the bad or unknown field.
     """
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as err:
-        raise ValueError(f"--hardware {path}: {err}") from None
+    data = _hardware_file(path)
     known = {f.name for f in fields(Hardware)}
     values = data.get("hardware", data) if isinstance(data, dict) else None
     if not isinstance(values, dict):
@@ -65,11 +74,7 @@ def in_job_from_json(path: str) -> Dict[str, float]:
     Raises:
         ValueError: naming the file and the unknown or bad field.
     """
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as err:
-        raise ValueError(f"--hardware {path}: {err}") from None
+    data = _hardware_file(path)
     values = data.get("in_job", {}) if isinstance(data, dict) else {}
     known = {f.name for f in fields(InJobPhases)}
     if not isinstance(values, dict) or set(values) - known:
