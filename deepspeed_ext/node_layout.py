@@ -38,3 +38,15 @@ def ranks_per_node(configured: int, world: int,
     if configured and configured > 0:
         return configured
     return launcher_ranks_per_node(environ) or max(1, world)
+
+
+def node_of(rank: int, per_node: int) -> int:
+    """The node of ``rank`` when ranks fill nodes in order, ``per_node`` each."""
+    return rank // per_node
+
+
+def first_of_node(rank: int, per_node: int) -> bool:
+    """Whether ``rank`` is its node's first: the one that starts, drains and stops the
+    node's keeper (when only global rank 0 did, every other node's keeper outlived the
+    job with its shared memory)."""
+    return rank % per_node == 0

@@ -49,10 +49,10 @@ class NodeMemory:
         from deepspeed_ext.job_identity import ForeignJobError, agree_run_id
         from deepspeed_ext.private_dir import UnsafeDirectoryError
         self.run_id = agree_run_id(self.save_dir, cfg.memory_dir, log=self.log)
-        from deepspeed_ext.node_layout import ranks_per_node
+        from deepspeed_ext.node_layout import first_of_node, node_of, ranks_per_node
         per_node = ranks_per_node(cfg.ranks_per_node, world)
-        self.node = self.rank // per_node
-        self.first_of_node = self.rank % per_node == 0
+        self.node = node_of(self.rank, per_node)
+        self.first_of_node = first_of_node(self.rank, per_node)
         self.node_dir = keeper.node_directory(cfg.memory_dir, self.node)
         refused = None
         try:

@@ -370,3 +370,15 @@ def extra_bytes(spec: RedundancySpec, image_bytes: int, kept: int) -> int:
     if spec.mode == "erasure":
         return kept * chunk_size([image_bytes], spec.ec_data)
     return 0
+
+
+def extra_own_slots(spec: RedundancySpec, interval: int) -> int:
+    """Snapshot slots a rank needs for its own snapshots beyond the usual ones (the
+    newest, the one being persisted, the one being written): one when erasure coding
+    protects only every ``interval``-th snapshot (``--moc-redundancy-interval`` above 1).
+
+    Decoding a lost node's protected snapshot needs the survivors' own images of that
+    same step beside the parities; without a slot kept for it, the snapshots after it
+    took the survivors' copies and the rebuild went to storage instead.
+    """
+    return 1 if spec.enabled and spec.mode == "erasure" and interval > 1 else 0

@@ -33,13 +33,13 @@ _log = rank_zero_lines(logger)
 def _rank_place(session: CheckpointSession) -> RankPlace:
     """Every rank: this rank's node, its directory, the redundancy's topology (a bad
     layout is raised on every rank, the same everywhere) and the number of slots."""
-    from deepspeed_ext.node_layout import ranks_per_node
+    from deepspeed_ext.node_layout import first_of_node, node_of, ranks_per_node
     cfg = session.config
     rank, world = dist.get_rank(), dist.get_world_size()
     per_node = ranks_per_node(cfg.ranks_per_node, world)
-    node = rank // per_node
+    node = node_of(rank, per_node)
     place = RankPlace(session=session, cfg=cfg, rank=rank, world=world, node=node,
-                      first_of_node=rank % per_node == 0,
+                      first_of_node=first_of_node(rank, per_node),
                       node_dir=keeper.node_directory(cfg.shm_dir, node),
                       spec=cfg.redundancy_spec())
     if place.spec.enabled:
@@ -52,8 +52,8 @@ def _rank_place(session: CheckpointSession) -> RankPlace:
     # Erasure coding protecting every N-th snapshot rebuilds a lost node from the
     # survivors' own copies of the newest protected one: a fourth slot keeps it while
     # the others hold the newest snapshot and the one being persisted.
-    place.num_slots = SLOTS + (1 if place.spec.enabled and place.spec.mode == "erasure"
-                               and cfg.redundancy_interval > 1 else 0)
+    from deepspeed_ext.policy.redundancy import extra_own_slots
+    place.num_slots = SLOTS + extra_own_slots(place.spec, cfg.redundancy_interval)
     return place
 
 

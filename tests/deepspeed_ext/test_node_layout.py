@@ -22,3 +22,11 @@ def test_the_flag_wins_and_one_node_is_the_last_resort():
     assert ranks_per_node(2, 16, {"LOCAL_SIZE": "8"}) == 2
     assert ranks_per_node(0, 16, {"LOCAL_SIZE": "8"}) == 8
     assert ranks_per_node(0, 16, {}) == 16
+
+
+def test_each_nodes_first_rank_and_node_of_every_rank():
+    from deepspeed_ext.node_layout import first_of_node, node_of
+    assert [node_of(r, 4) for r in range(9)] == [0, 0, 0, 0, 1, 1, 1, 1, 2]
+    assert [r for r in range(12) if first_of_node(r, 4)] == [0, 4, 8]
+    assert [r for r in range(3) if first_of_node(r, 1)] == [0, 1, 2]  # a rank per node
+    assert [r for r in range(6) if first_of_node(r, 6)] == [0]        # one node

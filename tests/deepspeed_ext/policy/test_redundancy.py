@@ -748,3 +748,13 @@ def test_plan_erasure_why_names_the_group_size():
     holdings = Holdings(own={0: _fs(3)}, parities={0: _fs(3)})
     plan = plan_rebuild(holdings, topo, RedundancySpec("erasure", ec_data=2))
     assert "covers one lost node per group of 3" in plan.why
+
+
+def test_erasure_every_nth_snapshot_keeps_one_own_slot_more():
+    from deepspeed_ext.policy.redundancy import extra_own_slots
+    erasure = RedundancySpec("erasure", ec_data=2)
+    assert extra_own_slots(erasure, 1) == 0   # every snapshot protected: the newest is it
+    assert extra_own_slots(erasure, 2) == 1   # the smallest interval that keeps one back
+    assert extra_own_slots(erasure, 4) == 1
+    for other in (RedundancySpec("replicate", replicas=1), RedundancySpec("none")):
+        assert extra_own_slots(other, 2) == 0   # replicas hold whole images of every step

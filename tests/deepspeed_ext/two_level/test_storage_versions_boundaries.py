@@ -73,3 +73,20 @@ def test_versions_are_read_from_the_newest_older_checkpoint_of_several(tmp_path)
     assert versions.base_tag() == "global_step30"
     assert versions.versions[(1, 2)] == 30 and versions.versions[(0, 1)] == 20
 
+
+
+def test_a_checkpoint_storage_cannot_read_leaves_the_next_persist_on_its_own(
+        tmp_path, monkeypatch, caplog):
+    """An I/O error reading the expert index (a flaky network file system) is not a
+    crash of the recovery: no base checkpoint, and the log says why."""
+    from deepspeed_ext.format import expert_index
+    _three(tmp_path)
+    versions = StorageVersions(str(tmp_path), 25)
+
+    def unreadable(path):
+        raise OSError(5, "Input/output error (test)", path)
+    monkeypatch.setattr(expert_index, "read_expert_versions", unreadable)
+    with caplog.at_level("INFO", logger="deepspeed_ext"):
+        assert versions.base_tag() is None
+    assert "no readable checkpoint at or before step 25" in caplog.text
+    assert "OSError" in caplog.text and "Input/output error (test)" in caplog.text
