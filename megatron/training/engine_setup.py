@@ -2,7 +2,8 @@
 job's tensor x data x expert layout.
 
 Every rank calls :func:`setup_model_and_optimizer` once per run, after the process group
-exists and the data is built (:func:`megatron.training.training.pretrain`).
+exists and the data is built (:func:`megatron.training.training.pretrain`), and
+:func:`release_engine` when the run ends, finished or failed.
 """
 
 import argparse
@@ -60,6 +61,27 @@ def setup_model_and_optimizer(args: argparse.Namespace):
     setup_moe_schedules(model, args, print_rank_0)
     scheduler = build_scheduler(engine.optimizer, args)
     return engine, scheduler
+
+
+def release_engine(engine) -> None:
+    """This rank, when its run ends (finished or failed; no collective): break the
+    reference cycles the engine cannot leave by itself, so that the next ``gc.collect``
+    frees it with the model and the process groups its parameters name.
+
+    ZeRO's gradient hooks sit on autograd's C++ accumulator nodes and hold the optimizer,
+    a cycle Python's collector cannot see: without ``engine.destroy()`` (which removes
+    them) a failed run's engine, and the gloo connections of every group its parameters
+    hold, lived on in the process. A peer blocked in a collective with this rank then
+    never saw the connection close and never left the failed round (4 training ranks,
+    one SIGKILLed: rank 3 waited out the group's timeout in ZeRO's gradient all-reduce).
+    """
+    destroy = getattr(engine, "destroy", None)
+    if destroy is None:
+        return
+    try:
+        destroy()
+    except Exception as e:  # noqa: BLE001  (a half-built engine: nothing more to free)
+        print_rank_0(f"> releasing the engine: {type(e).__name__}: {e}")
 
 
 def _check_expert_layout(model, args, ep_rank: int) -> None:

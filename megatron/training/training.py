@@ -26,7 +26,8 @@ import torch.distributed as dist
 from deepspeed_ext.engine.rng import set_rng_state, set_seed
 from megatron.training import checkpointing
 from megatron.training.arguments import padded_vocab_size, validate_args
-from megatron.training.engine_setup import print_banner, setup_model_and_optimizer
+from megatron.training.engine_setup import (print_banner, release_engine,
+                                           setup_model_and_optimizer)
 from megatron.training.fault_tolerance import FaultTolerance
 from megatron.training.loaders import build_loaders
 from megatron.training.log import MetricsWriter, print_rank_0
@@ -87,6 +88,7 @@ def pretrain(args: argparse.Namespace, extra_setup=None) -> TrainResult:
                          parts.train_iter, parts.valid_iter, limit).run(parts.state)
     finally:
         writer.close()
+        release_engine(parts.engine)
 
 
 def _set_up(args: argparse.Namespace, startup, extra_setup) -> RunParts:
@@ -114,6 +116,7 @@ def _set_up(args: argparse.Namespace, startup, extra_setup) -> RunParts:
         return _load_and_position(args, startup, extra_setup, engine, scheduler, ft, datasets)
     except BaseException:
         ft.abort()  # a peer lost during the load: nothing of this run keeps running
+        release_engine(engine)
         raise
 
 

@@ -7,7 +7,8 @@ then, ``ROUNDS`` times: ``pretrain`` with the arguments (``{round}`` in them rep
 the round's number), ``remove_deepspeed_shm_buffers``, ``close_process_groups``. Each
 round forms its process group on the store under its own prefix
 (``TORCHELASTIC_RESTART_COUNT``). Writes ``<OUT>/rank<R>.json``: per round, the losses,
-the threads left running after the close, and what was left of the groups.
+the threads left running after the close, and what was left of the groups and
+parameters.
 """
 
 import json
@@ -25,10 +26,18 @@ from megatron.training.training import (close_process_groups, pretrain,  # noqa:
 
 
 def _left_over() -> dict:
-    """What of the run's process groups is still referenced after the close."""
+    """What of the run's process groups is still referenced after the close, and how many
+    of its parameters (each naming its groups, whose connections stay open while it
+    lives) are left once the run's objects are freed."""
+    import gc
+
+    import torch
     from deepspeed.utils import groups
+    from megatron.training.in_job import free_run_objects
+    free_run_objects()
     return {"initialized": dist.is_initialized(),
-            "deepspeed_expert_groups": len(groups._get_expert_parallel_group_dict())}
+            "deepspeed_expert_groups": len(groups._get_expert_parallel_group_dict()),
+            "parameters": sum(isinstance(o, torch.nn.Parameter) for o in gc.get_objects())}
 
 
 def main() -> None:

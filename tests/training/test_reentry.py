@@ -34,8 +34,11 @@ def test_a_job_runs_twice_in_one_process_with_equal_losses(corpus, tmp_path):
         assert len(first["losses"]) == 3 and first["iteration"] == 3
         assert second["losses"] == first["losses"], (rank, first, second)
         for run in (first, second):
-            # closed: no process group, no cached DeepSpeed group, no thread of the run
+            # closed: no process group, no cached DeepSpeed group, no thread of the run,
+            # no parameter (each holds its groups' connections open; a peer blocked in a
+            # collective with this process would wait out the timeout)
             assert not run["initialized"] and run["deepspeed_expert_groups"] == 0, run
+            assert run["parameters"] == 0, run
             assert run["threads"] == [], run
     # each run persisted its own checkpoints and freed the node's memory at its end
     for n in (0, 1):
