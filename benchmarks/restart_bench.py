@@ -4,7 +4,7 @@ MoC's supervisor with a hot spare (``--moc-restart in-job``), side by side in on
 repeated.
 
     python benchmarks/restart_bench.py [--ranks 2|4] [--repeats 2] [--iters 16]
-        [--crash-at 8] [--out-dir DIR] [--quick]
+        [--crash-at 8] [--fault crash|hang] [--hang-timeout 2] [--out-dir DIR] [--quick]
 
 Each repeat runs four jobs of ``pretrain_gpt_moe.py`` under ``scripts/run_elastic.sh``
 on the same data (the quickstart's corpus, prepared by ``megatron.data.stdlib_corpus`` if
@@ -95,7 +95,7 @@ JOBS = ("fault-free", "relaunch", "in-job-no-fault", "in-job")
 FAILED_JOBS = ("relaunch", "in-job")
 RESULTS = "restart_bench.json"
 
-FAULT = re.compile(r"\[fault\] rank \d+: injected crash at iteration")
+FAULT = re.compile(r"\[fault\] rank \d+: injected (crash|hang) at iteration")
 ITERATION = re.compile(r"^\s*iteration\s+(\d+)/")
 STARTED = re.compile(r"slot (\d+) pid (\d+) \(rank \d+\)")
 """The supervisor's start line: each training slot's first process."""
@@ -127,8 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Training ranks (EP 2); the in-job jobs have one more, the spare.")
     p.add_argument("--repeats", type=int, default=2, help="Repeats of the four jobs.")
     p.add_argument("--iters", type=int, default=16, help="Training iterations per job.")
-    p.add_argument("--crash-at", type=int, help="Rank 1 is SIGKILLed at the top of this "
-                                                "iteration (default: --iters / 2).")
+    p.add_argument("--crash-at", type=int, help="Rank 1 is SIGKILLed (or hangs) at the top "
+                                                "of this iteration (default: --iters / 2).")
+    p.add_argument("--fault", choices=("crash", "hang"), default="crash",
+                   help="crash: rank 1 SIGKILLed; hang: rank 1 sleeps before its next "
+                        "collective, every job runs --moc-monitor with --hang-timeout, which "
+                        "ends it (relaunch: every rank exits 75; in-job: the hung rank alone).")
+    p.add_argument("--hang-timeout", type=float, default=2.0,
+                   help="--moc-hang-timeout of every job with --fault hang (seconds).")
     p.add_argument("--out-dir", metavar="DIR",
                    help=f"Where the jobs' logs, metrics, checkpoints and {RESULTS} (every "
                         "measurement) go, kept; an empty or absent directory (default: a "
@@ -161,7 +167,10 @@ def _job_command(opts, job: str, data: str, job_dir: str, shm: str) -> list:
     ckpt = os.path.join(job_dir, "ckpt")
     extra = []
     if job in FAILED_JOBS:
-        extra = ["--moc-fault", f"crash@{opts.crash_at}:rank=1"]
+        extra = ["--moc-fault", f"{opts.fault}@{opts.crash_at}:rank=1"]
+    if opts.fault == "hang":  # every job watched alike, the reference too
+        extra += ["--moc-monitor", "--moc-hang-timeout", f"{opts.hang_timeout:g}",
+                  "--moc-monitor-poll", f"{opts.hang_timeout / 8:g}"]
     if job == "relaunch":
         restarts = 1
     if job.startswith("in-job"):
@@ -400,11 +409,13 @@ def summary(repeats: list) -> dict:
 
 
 def print_report(opts, command: str, repeats: list, total: dict) -> None:
-    launch.print_header("One crash: relaunch against in-job restart with a hot spare",
-                        command)
+    launch.print_header(f"One {opts.fault}: relaunch against in-job restart with a hot "
+                        "spare", command)
+    watched = (f"; every job --moc-monitor --moc-hang-timeout {opts.hang_timeout:g}"
+               if opts.fault == "hang" else "")
     print(f"jobs: configs/tiny.yaml, {opts.ranks} training ranks (EP 2), {opts.iters} "
           f"iterations, a two-level snapshot every iteration; relaunch and in-job: "
-          f"crash@{opts.crash_at}:rank=1; in-job jobs: {opts.ranks} ranks + 1 spare under "
+          f"{opts.fault}@{opts.crash_at}:rank=1{watched}; in-job jobs: {opts.ranks} ranks + 1 spare under "
           "MoC's supervisor; gloo on CPU")
     table = [JOB_HEADER] + [_job_cells(i + 1, rows[job]) for i, rows in enumerate(repeats)
                             for job in JOBS]

@@ -31,29 +31,34 @@ class StampedRun:
     """What the clean-up found still there (keepers, shared memory)."""
 
 
-def _read(proc, start: float, lines: list, log_path: str) -> None:
+def _read(proc, start: float, lines: list, log_path: str, on_line=None) -> None:
     """The reader thread: each line of ``proc``'s output with its arrival time, and the
-    same into ``log_path`` with the seconds since the start."""
+    same into ``log_path`` with the seconds since the start; ``on_line(time, text)``
+    (optional) sees each line as it arrives."""
     with open(log_path, "w") as log:
         for line in proc.stdout:
             now = time.time()
             lines.append((now, line.rstrip("\n")))
             log.write(f"[{now - start:9.3f}] {line}")
             log.flush()
+            if on_line is not None:
+                on_line(now, line.rstrip("\n"))
 
 
 def run_stamped(cmd: Sequence[str], log_path: str, shm: str, timeout: float,
-                env_extra: dict = None) -> StampedRun:
+                env_extra: dict = None, on_line=None) -> StampedRun:
     """Run ``cmd`` from the repository root (stdout and stderr together, a line at a
     time), kill its whole session after ``timeout`` seconds, then clean up the job's
-    shared memory ``shm`` and whatever DeepSpeed buffers it left."""
+    shared memory ``shm`` and whatever DeepSpeed buffers it left. ``on_line(time, text)``
+    is called on the reader thread for each line (a fault injector reacts to them)."""
     shm_before, lines = _deepspeed_shm_files(), []
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **(env_extra or {}))
     start = time.time()
     proc = subprocess.Popen(list(cmd), cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True, text=True,
                             errors="replace", bufsize=1, env=env)
-    reader = threading.Thread(target=_read, daemon=True, args=(proc, start, lines, log_path))
+    reader = threading.Thread(target=_read, daemon=True,
+                              args=(proc, start, lines, log_path, on_line))
     reader.start()
     timed_out = False
     try:

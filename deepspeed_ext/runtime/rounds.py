@@ -12,8 +12,10 @@ earlier round's rendezvous is read again.
 
 The store keys (all under :data:`PREFIX`): ``round/<r>`` the round's
 :class:`RoundAssignment` as JSON, written once; ``current`` the newest round's number;
-``done`` the job's end (``ok`` or ``failed: why``), which releases the waiting spares.
-Plain data and pure functions here (the supervisor writes, the trainer reads); nothing
+``done`` the job's end (``ok`` or ``failed: why``), which releases the waiting spares;
+``kill/<r>/<rank>`` a request to kill round ``r``'s training rank ``rank`` (a watchdog
+found it hung; the value says why) and ``kill/<r>`` their count, which the supervisor
+polls. Plain data and pure functions here (the supervisor writes, the trainer reads); nothing
 from the store is trusted before :meth:`RoundAssignment.from_json` checks it.
 """
 
@@ -32,8 +34,29 @@ SLOT_ENV = "MOC_SLOT"
 ROUND_ENV = "MOC_ROUND"
 """The round this process trains in, set by the trainer's in-job loop before it forms
 the round's process group."""
+MAX_REASON_BYTES = 1000
+"""At most this much of a kill request's reason is read (and written)."""
 MAX_JSON_BYTES = 1 << 20
 """A round's record larger than this is refused (a million slots would not fit either)."""
+
+
+def kill_key(round_number: int, rank: int) -> str:
+    """Where a process asks the supervisor to kill round ``round_number``'s training rank
+    ``rank`` (its value: why, at most :data:`MAX_REASON_BYTES` read)."""
+    return f"{PREFIX}kill/{round_number}/{rank}"
+
+
+def kill_count_key(round_number: int) -> str:
+    """The number of kill requests made in round ``round_number`` (``store.add``): one
+    read tells the supervisor whether to look at :func:`kill_key`'s keys."""
+    return f"{PREFIX}kill/{round_number}"
+
+
+def request_kill(store, round_number: int, rank: int, why: str) -> None:
+    """Ask the supervisor to SIGKILL round ``round_number``'s rank ``rank``: its reason
+    first, then the count the supervisor polls. Asking twice is harmless."""
+    store.set(kill_key(round_number, rank), why.encode("utf-8")[:MAX_REASON_BYTES])
+    store.add(kill_count_key(round_number), 1)
 
 
 def round_key(round_number: int) -> str:

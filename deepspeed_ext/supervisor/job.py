@@ -20,7 +20,11 @@ The order, in one process (the supervisor; the children only read the store):
    later: exit status 1. A process that exits 2 refused its flags (the trainer's bad
    input): every process is stopped the same way, exit status 2 (a relaunch would not
    help either).
-5. SIGINT or SIGTERM to the supervisor (:meth:`Supervisor.request_stop`) is passed on to
+5. A process whose watchdog found a training rank of the current round hung asks for its
+   end in the store (:func:`~deepspeed_ext.runtime.rounds.request_kill`); the watch
+   SIGKILLs that rank's process (which ends a stopped process, or one holding the GIL,
+   too) and logs who asked and why; its death is then handled as in 3.
+6. SIGINT or SIGTERM to the supervisor (:meth:`Supervisor.request_stop`) is passed on to
    every process; ``done`` is ``failed: ...``, the processes get ``grace_s`` to end, then
    SIGKILL: exit status 128 + the signal's number.
 """
@@ -33,7 +37,8 @@ from typing import List, Optional, Set
 
 import torch.distributed as dist
 
-from deepspeed_ext.runtime.rounds import RoundAssignment, first_round, next_round
+from deepspeed_ext.runtime.rounds import (MAX_REASON_BYTES, RoundAssignment, first_round,
+                                          kill_count_key, kill_key, next_round)
 from deepspeed_ext.supervisor.children import (POLL_S, Child, child_env, describe_exit,
                                                kill_children, signal_children, start_child,
                                                stop_children, wait_children)
@@ -71,6 +76,8 @@ class Supervisor:
         self.finished: Set[int] = set()
         """Training slots that exited 0."""
         self.stop_signal: Optional[int] = None
+        self.kills_seen = 0
+        """Kill requests of the current round acted on."""
 
     def run(self) -> int:
         """Write round 0, start every process, watch until the job ends; returns the
@@ -115,7 +122,32 @@ class Supervisor:
                 status = self.on_exit(child)
                 if status is not None:
                     return status
+            self.kill_requested()
             time.sleep(POLL_S)
+
+    def kill_requested(self) -> List[int]:
+        """SIGKILL each training process of the current round another process asked to
+        end (:func:`~deepspeed_ext.runtime.rounds.request_kill`: a hang); returns the
+        ranks killed. Its death is seen by the watch's next look."""
+        round_number = self.current.round
+        if self.store.add(kill_count_key(round_number), 0) <= self.kills_seen:
+            return []
+        killed = []
+        for rank, slot in enumerate(self.current.slots):
+            key = kill_key(round_number, rank)
+            if not self.store.check([key]):
+                continue
+            why = self.store.get(key)[:MAX_REASON_BYTES].decode("utf-8", "replace")
+            self.store.delete_key(key)
+            self.kills_seen += 1
+            child = next((c for c in self.children if c.slot == slot), None)
+            if child is None or not child.running:
+                continue
+            LOG.warning(f"{PREFIX}slot {slot} (rank {rank}, pid {child.pid}) is hung ({why}): "
+                        "killing it (SIGKILL)")
+            signal_children([child], signal.SIGKILL)
+            killed.append(rank)
+        return killed
 
     def on_exit(self, child: Child) -> Optional[int]:
         """``child`` ended: a training process done, or a death (a new round); returns the
@@ -152,6 +184,7 @@ class Supervisor:
                              f"{self.options.max_rounds} recoveries in place")
         write_round(self.store, after)
         self.current = after
+        self.kills_seen = 0
         change = (f"rank {rank} -> slot {after.slots[rank]} (spare)" if rank is not None
                   else "the spare is dropped")
         LOG.info(f"{PREFIX}{who}: round {after.round}, {change}; "

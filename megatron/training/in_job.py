@@ -25,6 +25,7 @@ import argparse
 import gc
 import os
 import time
+import traceback
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
@@ -35,8 +36,9 @@ PEER_FAILURE_WAIT_S = 15.0
 """How long a process whose run raised waits for the supervisor's next round before it
 takes the error as its own (the supervisor notices a death within a fraction of a
 second)."""
-POLL_S = 0.1
-"""Between two reads of the store's round number while waiting."""
+POLL_S = 0.02
+"""Between two reads of the store's round number while waiting (a spare's takeover and
+a survivor's decision wait at most this long for a round the supervisor wrote)."""
 
 
 class RoundClient:
@@ -93,6 +95,43 @@ class RoundClient:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(POLL_S)
+
+
+def on_hang_in_job(event: Dict, rank: int, stop_job: Callable[[Dict], None],
+                   exit_hung: Callable[[], None],
+                   client: Optional[RoundClient] = None) -> str:
+    """``--moc-monitor`` under ``--moc-restart in-job``, on every rank whose watchdog found
+    a hang (its thread; the main thread may be blocked in a collective): end only the
+    hung process, so that the others recover in place with a spare instead of every
+    rank exiting for a relaunch. Returns what it did: ``exit``, ``kill`` or ``stop``.
+
+    - ``event`` names this rank as the hung one, which the others wait for:
+      ``exit_hung`` (exit 75 at once; the supervisor sees a death).
+    - It names another rank: ask the supervisor to SIGKILL it (:func:`rounds.request_kill`):
+      a stopped process, or one holding the GIL, cannot end itself. This rank's
+      collective with it then fails, and this rank joins the next round.
+    - Every rank stalled in the same iteration (the culprit unknown: a rank stopped
+      inside the iteration looks like the ones waiting for it): ask for every suspect's
+      end, this rank's too; the supervisor recovers in place while spares last, then
+      stops the job for a relaunch. Waiting for a collective's timeout instead would
+      leave the stopped process, and the job, hung.
+    - The store unreachable (no rank named): ``stop_job``, as without in-job restarts.
+    """
+    hung = event.get("rank", -1)
+    suspects = [hung] if event.get("waiting") else sorted(event.get("suspects") or [])
+    if hung is None or hung < 0 or not suspects:
+        stop_job(event)
+        return "stop"
+    if suspects == [rank]:
+        exit_hung()
+        return "exit"
+    client = client or RoundClient.from_env(timeout_s=10.0)
+    round_number = int(os.environ.get(rounds.ROUND_ENV, "0"))
+    for suspect in suspects:
+        rounds.request_kill(client.store, round_number, suspect,
+                            f"no progress for {event.get('seconds_since_progress')} s in "
+                            f"iteration {event.get('iteration')}, found by rank {rank}")
+    return "kill"
 
 
 def preload() -> None:
@@ -218,23 +257,63 @@ def run_in_job(argv: List[str], parse: Callable[[List[str]], argparse.Namespace]
         if assignment.round:
             log(f"[moc] slot {client.slot} (pid {os.getpid()}): round {assignment.round} as "
                 f"rank {rank} (slots {list(assignment.failed)} failed)")
-        try:
-            args = parse(argv)
-            _record_round(args, assignment, client.slot, left, joined)
-            train(args)
+        failure = _run_round(argv, parse, train, close,
+                             lambda args: _record_round(args, assignment, client.slot, left,
+                                                        joined))
+        if failure is None:
             return 0
-        except ConfigError:
-            raise
-        except Exception as e:  # noqa: BLE001  (a peer's death, or this process's own error)
-            left = LeftRound(assignment.round, caught=time.time())
-            if not client.peer_failed(assignment, PEER_FAILURE_WAIT_S):
-                raise
-            log(f"[moc] slot {client.slot} (rank {rank}, pid {os.getpid()}): round "
-                f"{assignment.round} failed "
-                f"({type(e).__name__}: {str(e)[:200]}); joining the next round")
-            seen = assignment.round
-        finally:
-            close()
-            if left is not None:
-                free_run_objects()
-                left.torn_down = time.time()
+        left = LeftRound(assignment.round, caught=failure.caught, torn_down=time.time())
+        if not client.peer_failed(assignment, PEER_FAILURE_WAIT_S):
+            failure.raise_again()
+        log(f"[moc] slot {client.slot} (rank {rank}, pid {os.getpid()}): round "
+            f"{assignment.round} failed ({failure.summary}); joining the next round")
+        seen = assignment.round
+
+
+def _run_round(argv, parse, train, close, record) -> Optional["OwnError"]:
+    """One round's run on this process: None when it finished, else its error, once the
+    failed run is left (its groups closed, its objects freed).
+
+    Out of the except clause the error and its frames (which hold the run's engine and
+    model) are gone, so the run is left before anyone asks why it failed: a peer blocked
+    in a collective with this process is released only once this process's groups, and
+    the parameters naming them, are."""
+    try:
+        args = parse(argv)
+        record(args)
+        train(args)
+    except ConfigError:
+        close()
+        raise
+    except Exception as e:  # noqa: BLE001  (a peer's death, or this process's own error)
+        failure = OwnError(e)
+    except BaseException:  # interrupted (KeyboardInterrupt, SystemExit): no next round
+        close()
+        raise
+    else:
+        close()
+        return None
+    close()
+    free_run_objects()
+    return failure
+
+
+class OwnError(RuntimeError):
+    """A failed run's error kept as text (its traceback printed when raised again), so
+    that the error object and the frames it holds do not keep the run alive while the
+    process leaves it."""
+
+    def __init__(self, error: BaseException):
+        self.caught = time.time()
+        self.summary = f"{type(error).__name__}: {str(error)[:200]}"
+        self.text = "".join(traceback.format_exception(error))
+        super().__init__(f"this process's run failed ({self.summary}) and no peer died: "
+                         "its traceback is above")
+
+    def raise_again(self) -> None:
+        """Print the original traceback to stderr and raise this error (no newer round
+        named a peer: the error is this process's own)."""
+        import sys
+        sys.stderr.write(self.text)
+        sys.stderr.flush()
+        raise self

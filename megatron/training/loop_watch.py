@@ -39,6 +39,7 @@ class LoopWatch:
     def __init__(self, args: argparse.Namespace):
         self.heartbeat = self.watchdog = self.clock = None
         self._last_top = None
+        self._in_job = getattr(args, "moc_restart", "relaunch") == "in-job"
         if not getattr(args, "moc_monitor", False):
             return
         from megatron.training import monitor
@@ -53,10 +54,24 @@ class LoopWatch:
         self.clock = monitor.CollectiveClock().install()
 
     def _on_hang(self, event) -> None:
+        if self._in_job:  # only the hung process ends; the others recover in place
+            from megatron.training.in_job import on_hang_in_job
+            on_hang_in_job(event, dist.get_rank(), self._stop_job, self._exit_hung)
+        else:
+            self._stop_job(event)
+
+    def _stop_job(self, event) -> None:
         # os._exit skips the normal end: free DeepSpeed's /dev/shm buffer first (no
         # barrier: the other ranks may be the ones that hang).
         unlink_deepspeed_shm_buffer()
         self.watchdog.stop_job(event)
+
+    def _exit_hung(self) -> None:
+        from megatron.training.monitor.exits import EXIT_HANG, exit_now, print_line
+        unlink_deepspeed_shm_buffer()
+        print_line(f"[monitor] rank {dist.get_rank()}: this rank is the hung one: exiting "
+                   f"with status {EXIT_HANG}; the others recover in place")
+        exit_now(EXIT_HANG)
 
     def beat(self, iteration: int) -> None:
         """Top of each iteration: its number, the last iteration's wall time and the part

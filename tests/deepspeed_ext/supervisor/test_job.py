@@ -229,3 +229,30 @@ def test_a_port_in_use_exits_2_naming_the_flag_and_starts_nothing(monkeypatch, c
     err = capsys.readouterr().err
     assert err.startswith(f"error: --port {port}: the job's store cannot be served"), err
     assert started == []
+
+
+def test_a_rank_reported_hung_is_killed_and_its_death_starts_the_next_round(caplog):
+    """A watchdog's request (rounds.request_kill) ends that rank's process with SIGKILL
+    (a stopped process ignores SIGTERM); a request for a rank of an older round, or a
+    second look with nothing new, kills nothing."""
+    from deepspeed_ext.runtime.rounds import request_kill
+    supervisor = supervised(3, 1)
+    assert supervisor.kill_requested() == []  # nothing asked
+    request_kill(supervisor.store, 0, 1, "no progress for 3.1 s after iteration 7, found "
+                 "by rank 0")
+    request_kill(supervisor.store, 0, 1, "the same, found by rank 2")  # asked twice
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        assert supervisor.kill_requested() == [1]
+        assert supervisor.kill_requested() == []  # each request acted on once
+    hung = supervisor.children[1]
+    assert hung.process.signals == [(signal.SIGKILL, None)]
+    assert lines(caplog) == [f"{PREFIX}slot 1 (rank 1, pid {hung.pid}) is hung (the same, "
+                             "found by rank 2): killing it (SIGKILL)"]
+    assert all(not c.process.signals for c in supervisor.children if c is not hung)
+    assert supervisor.on_exit(ended(hung, -signal.SIGKILL)) is None
+    assert rounds(supervisor.store)[-1] == RoundAssignment(1, (0, 3, 2), (), (1,))
+    request_kill(supervisor.store, 0, 2, "late: round 0 is over")
+    assert supervisor.kill_requested() == []  # round 1's count is still 0
+    request_kill(supervisor.store, 1, 1, "the spare hangs too")
+    assert supervisor.kill_requested() == [1]
+    assert supervisor.children[3].process.signals == [(signal.SIGKILL, None)]
