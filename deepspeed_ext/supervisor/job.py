@@ -33,7 +33,7 @@ import logging
 import os
 import signal
 import time
-from typing import List, Optional, Set
+from typing import Dict, List, Optional, Set
 
 import torch.distributed as dist
 
@@ -76,8 +76,10 @@ class Supervisor:
         self.finished: Set[int] = set()
         """Training slots that exited 0."""
         self.stop_signal: Optional[int] = None
-        self.kills_seen = 0
-        """Kill requests of the current round acted on."""
+        self.rounds: List[RoundAssignment] = [self.current]
+        """Every round written, oldest first."""
+        self.kills_seen: Dict[int, int] = {}
+        """Per round, the kill requests counted so far."""
 
     def run(self) -> int:
         """Write round 0, start every process, watch until the job ends; returns the
@@ -126,27 +128,30 @@ class Supervisor:
             time.sleep(POLL_S)
 
     def kill_requested(self) -> List[int]:
-        """SIGKILL each training process of the current round another process asked to
-        end (:func:`~deepspeed_ext.runtime.rounds.request_kill`: a hang); returns the
-        ranks killed. Its death is seen by the watch's next look."""
-        round_number = self.current.round
-        if self.store.add(kill_count_key(round_number), 0) <= self.kills_seen:
-            return []
+        """SIGKILL each process another process asked to end
+        (:func:`~deepspeed_ext.runtime.rounds.request_kill`: a hang), in the current round
+        or an earlier one (a survivor stuck in the failed round's collective never
+        joined the new one; its own watchdog asks in the round it is still in); returns
+        the slots killed. A death is seen by the watch's next look."""
         killed = []
-        for rank, slot in enumerate(self.current.slots):
-            key = kill_key(round_number, rank)
-            if not self.store.check([key]):
+        for assignment in self.rounds:
+            count = self.store.add(kill_count_key(assignment.round), 0)
+            if count <= self.kills_seen.get(assignment.round, 0):
                 continue
-            why = self.store.get(key)[:MAX_REASON_BYTES].decode("utf-8", "replace")
-            self.store.delete_key(key)
-            self.kills_seen += 1
-            child = next((c for c in self.children if c.slot == slot), None)
-            if child is None or not child.running:
-                continue
-            LOG.warning(f"{PREFIX}slot {slot} (rank {rank}, pid {child.pid}) is hung ({why}): "
-                        "killing it (SIGKILL)")
-            signal_children([child], signal.SIGKILL)
-            killed.append(rank)
+            self.kills_seen[assignment.round] = count
+            for rank, slot in enumerate(assignment.slots):
+                key = kill_key(assignment.round, rank)
+                if not self.store.check([key]):
+                    continue
+                why = self.store.get(key)[:MAX_REASON_BYTES].decode("utf-8", "replace")
+                self.store.delete_key(key)
+                child = next((c for c in self.children if c.slot == slot), None)
+                if child is None or not child.running:
+                    continue
+                LOG.warning(f"{PREFIX}slot {slot} (rank {rank} of round {assignment.round}, "
+                            f"pid {child.pid}) is hung ({why}): killing it (SIGKILL)")
+                signal_children([child], signal.SIGKILL)
+                killed.append(slot)
         return killed
 
     def on_exit(self, child: Child) -> Optional[int]:
@@ -184,7 +189,7 @@ class Supervisor:
                              f"{self.options.max_rounds} recoveries in place")
         write_round(self.store, after)
         self.current = after
-        self.kills_seen = 0
+        self.rounds.append(after)
         change = (f"rank {rank} -> slot {after.slots[rank]} (spare)" if rank is not None
                   else "the spare is dropped")
         LOG.info(f"{PREFIX}{who}: round {after.round}, {change}; "

@@ -233,12 +233,13 @@ def test_a_port_in_use_exits_2_naming_the_flag_and_starts_nothing(monkeypatch, c
 
 def test_a_rank_reported_hung_is_killed_and_its_death_starts_the_next_round(caplog):
     """A watchdog's request (rounds.request_kill) ends that rank's process with SIGKILL
-    (a stopped process ignores SIGTERM); a request for a rank of an older round, or a
-    second look with nothing new, kills nothing."""
+    (a stopped process ignores SIGTERM); a request counted once is not acted on again,
+    and one made in an older round still kills the process that rank had then (a
+    survivor stuck in the failed round asks from there)."""
     from deepspeed_ext.runtime.rounds import request_kill
     supervisor = supervised(3, 1)
     assert supervisor.kill_requested() == []  # nothing asked
-    request_kill(supervisor.store, 0, 1, "no progress for 3.1 s after iteration 7, found "
+    request_kill(supervisor.store, 0, 1, "no progress for 3.1 s in iteration 7, found "
                  "by rank 0")
     request_kill(supervisor.store, 0, 1, "the same, found by rank 2")  # asked twice
     with caplog.at_level(logging.INFO, logger=LOGGER):
@@ -246,13 +247,15 @@ def test_a_rank_reported_hung_is_killed_and_its_death_starts_the_next_round(capl
         assert supervisor.kill_requested() == []  # each request acted on once
     hung = supervisor.children[1]
     assert hung.process.signals == [(signal.SIGKILL, None)]
-    assert lines(caplog) == [f"{PREFIX}slot 1 (rank 1, pid {hung.pid}) is hung (the same, "
-                             "found by rank 2): killing it (SIGKILL)"]
+    assert lines(caplog) == [f"{PREFIX}slot 1 (rank 1 of round 0, pid {hung.pid}) is hung "
+                             "(the same, found by rank 2): killing it (SIGKILL)"]
     assert all(not c.process.signals for c in supervisor.children if c is not hung)
     assert supervisor.on_exit(ended(hung, -signal.SIGKILL)) is None
     assert rounds(supervisor.store)[-1] == RoundAssignment(1, (0, 3, 2), (), (1,))
-    request_kill(supervisor.store, 0, 2, "late: round 0 is over")
-    assert supervisor.kill_requested() == []  # round 1's count is still 0
+    request_kill(supervisor.store, 0, 1, "late: slot 1 is dead already")
+    assert supervisor.kill_requested() == []
+    request_kill(supervisor.store, 0, 2, "stuck in round 0's collective")
+    assert supervisor.kill_requested() == [2]  # round 0's rank 2: slot 2, still running
     request_kill(supervisor.store, 1, 1, "the spare hangs too")
-    assert supervisor.kill_requested() == [1]
+    assert supervisor.kill_requested() == [3]  # round 1's rank 1: the spare's slot
     assert supervisor.children[3].process.signals == [(signal.SIGKILL, None)]
