@@ -205,6 +205,13 @@ RUN_BY = {
     "8 --restart-s 120 --node-failure-fraction 0.2 --seeds 3 --restart in-job --spares 40":
         "tests/deepspeed_ext/planning/test_restart_cli.py::"
         "test_the_docs_in_job_simulation_at_4096_gpus",
+    "moc-plan simulate --config configs/moe-250b.yaml --gpus 4096 --mtbf 600 --iteration-time "
+    "8 --restart-s 120 --node-failure-fraction 0.2 --seeds 3 --restart in-job --spares 40 "
+    "--in-job-detection-s 0.105 --in-job-leave-s 0.046 --in-job-teardown-s 0.098 "
+    "--in-job-rendezvous-s 0.001 --in-job-groups-s 0.054 --in-job-engine-s 0.403 "
+    "--in-job-first-step-s 0.071":
+        "tests/deepspeed_ext/planning/test_restart_cli.py::"
+        "test_the_docs_in_job_simulation_with_the_measured_phases",
     "moc-plan pipeline --stages 8,16 --micro-batches 32 --window 8 --iteration-time 6 --mtbf "
     "600,3600 --restore-time 2 --downtime 30 [--log-overhead 0] [--json FILE]":
         "tests/deepspeed_ext/planning/test_pipeline.py::"

@@ -286,3 +286,24 @@ def test_a_malformed_restart_bench_names_the_file(tmp_path):
         "in-job", {k: "soon" for k in IN_JOB_MARKS}, 0.1)}])))
     with pytest.raises(ValueError, match=f"--from-json {bench}: its repeats cannot be read"):
         calibrate.from_benchmark_json([str(bench)])
+
+
+MEASURED = ["--in-job-detection-s", "0.105", "--in-job-leave-s", "0.046",
+            "--in-job-teardown-s", "0.098", "--in-job-rendezvous-s", "0.001",
+            "--in-job-groups-s", "0.054", "--in-job-engine-s", "0.403",
+            "--in-job-first-step-s", "0.071"]
+"""docs/planning.md's phases, from `moc-plan calibrate --from-json` over restart_bench.py's
+4-rank run (docs/failures.md)."""
+
+
+def test_the_docs_in_job_simulation_with_the_measured_phases(capsys):
+    """docs/planning.md's command with the phases measured on CPU: forming the groups at
+    4,096 ranks then dominates, and two-level reaches 0.989."""
+    assert main(["simulate"] + BIG + ["--seeds", "3", "--restart", "in-job",
+                                      "--spares", "40"] + MEASURED) == 0
+    out = capsys.readouterr().out
+    assert ("in-job restart: 2.86 s with a spare (detection 0.10, leave 0.05, teardown "
+            "0.10, rendezvous 0.00, groups 2.10, engine 0.40, state 0.04, first step 0.07;"
+            in out)
+    assert "largest phase: groups 2.10 s (73%)" in out
+    assert "600 two-level        0.989 ±0.001        0.987" in out
