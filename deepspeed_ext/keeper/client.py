@@ -69,13 +69,15 @@ def hand_over(directory: str, job: Dict[str, Any], patience_s: float = 600.0,
     return poll_until(attempt, patience_s, HAND_OVER_BACKOFF, timed_out)
 
 
-def job_id(name: str, rank: int) -> str:
-    """The ``id`` of a job (``name``: a tag or frame) this process hands over: the same
-    for its retries, new in every process. Names repeat across attempts (a restarted
-    job saving a tag, or taking a frame, again), and the keeper, which outlives them,
-    dropped the new attempt's job as a retry of the old one: that save never
-    committed, and every later persist waited behind it."""
-    return f"{name}:{PROCESS_TOKEN}:rank{rank}"
+def job_id(name: str, rank: int, attempt: float = 0.0) -> str:
+    """The ``id`` of a job (``name``: a tag or frame) this process hands over in job
+    attempt ``attempt`` (its start time): the same for its retries, new in every process
+    and every attempt. Names repeat across attempts (a restarted job saving a tag, or
+    taking a frame, again), and the keeper, which outlives them, dropped the new
+    attempt's job as a retry of the old one: that save never committed, and every later
+    persist waited behind it. An in-job restart's survivors start their next attempt in
+    the same process, so the process alone does not tell attempts apart."""
+    return f"{name}:{PROCESS_TOKEN}:{attempt:.6f}:rank{rank}"
 
 
 def alive(directory: str) -> bool:

@@ -66,7 +66,8 @@ class KeeperHandOver:
         """Hand ``job`` to the keeper; once it is gone, run it in a thread of this process."""
         place = self.place
         if not self.keeper_gone:
-            job = replace(job, id=keeper.job_id(job.tag, place.rank))
+            job = replace(job, id=keeper.job_id(job.tag, place.rank,
+                                                place.session.timeline.attempt_started))
             if _hand_over_is_late(place.rank, job.step):
                 self._hold_until_keeper_gone(job)
             try:

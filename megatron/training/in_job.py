@@ -105,20 +105,21 @@ def on_hang_in_job(event: Dict, rank: int, stop_job: Callable[[Dict], None],
     hung process, so that the others recover in place with a spare instead of every
     rank exiting for a relaunch. Returns what it did: ``exit``, ``kill`` or ``stop``.
 
-    - ``event`` names this rank as the hung one, which the others wait for:
-      ``exit_hung`` (exit 75 at once; the supervisor sees a death).
-    - It names another rank: ask the supervisor to SIGKILL it (:func:`rounds.request_kill`):
-      a stopped process, or one holding the GIL, cannot end itself. This rank's
-      collective with it then fails, and this rank joins the next round.
-    - Every rank stalled in the same iteration (the culprit unknown: a rank stopped
-      inside the iteration looks like the ones waiting for it): ask for every suspect's
-      end, this rank's too; the supervisor recovers in place while spares last, then
-      stops the job for a relaunch. Waiting for a collective's timeout instead would
-      leave the stopped process, and the job, hung.
+    - ``event``'s suspects are this rank alone (the others wait for it): ``exit_hung``
+      (exit 75 at once; the supervisor sees a death).
+    - They are other ranks (those that lag, or whose whole process is frozen: see
+      :func:`megatron.training.monitor.rules.find_hang`): ask the supervisor to SIGKILL
+      them (:func:`rounds.request_kill`): a stopped process, or one holding the GIL,
+      cannot end itself. This rank's collective with them then fails, and this rank
+      joins the next round.
+    - Every rank stalled in the same iteration and none is frozen (the culprit
+      unknown): the suspects are every rank, this one too; the supervisor recovers in
+      place while spares last, then stops the job for a relaunch. Waiting for a
+      collective's timeout instead would leave a stuck process, and the job, hung.
     - The store unreachable (no rank named): ``stop_job``, as without in-job restarts.
     """
     hung = event.get("rank", -1)
-    suspects = [hung] if event.get("waiting") else sorted(event.get("suspects") or [])
+    suspects = sorted(event.get("suspects") or [])
     if hung is None or hung < 0 or not suspects:
         stop_job(event)
         return "stop"
@@ -132,6 +133,13 @@ def on_hang_in_job(event: Dict, rank: int, stop_job: Callable[[Dict], None],
                             f"no progress for {event.get('seconds_since_progress')} s in "
                             f"iteration {event.get('iteration')}, found by rank {rank}")
     return "kill"
+
+
+def request_own_end(rank: int, why: str, client: Optional[RoundClient] = None) -> None:
+    """Ask the supervisor to SIGKILL this process, rank ``rank`` of its current round:
+    it is stuck in a run the others left (see :func:`on_hang_in_job`)."""
+    client = client or RoundClient.from_env(timeout_s=10.0)
+    rounds.request_kill(client.store, int(os.environ.get(rounds.ROUND_ENV, "0")), rank, why)
 
 
 def preload() -> None:

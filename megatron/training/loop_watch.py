@@ -9,6 +9,7 @@ without the flag.
 
 import argparse
 import os
+import threading
 import time
 
 import torch.distributed as dist
@@ -54,11 +55,25 @@ class LoopWatch:
         self.clock = monitor.CollectiveClock().install()
 
     def _on_hang(self, event) -> None:
-        if self._in_job:  # only the hung process ends; the others recover in place
-            from megatron.training.in_job import on_hang_in_job
-            on_hang_in_job(event, dist.get_rank(), self._stop_job, self._exit_hung)
-        else:
+        if not self._in_job:
             self._stop_job(event)
+            return
+        # Only the hung process ends; the others recover in place. One that is still
+        # in this run a hang timeout later never left the failed round (a peer's
+        # connection to it stayed open): it asks for its own end then.
+        from megatron.training.in_job import on_hang_in_job
+        if on_hang_in_job(event, dist.get_rank(), self._stop_job, self._exit_hung) == "kill":
+            rank, timeout_s = dist.get_rank(), self.watchdog.config.hang_timeout_s
+            timer = threading.Timer(timeout_s, self._still_here, args=(rank, timeout_s))
+            timer.daemon = True
+            timer.start()
+
+    def _still_here(self, rank: int, timeout_s: float) -> None:
+        if self.heartbeat is None:  # the run was left (stop() ran): nothing to do
+            return
+        from megatron.training.in_job import request_own_end
+        request_own_end(rank, f"still in the failed round {timeout_s:g} s after the "
+                              "hang was acted on")
 
     def _stop_job(self, event) -> None:
         # os._exit skips the normal end: free DeepSpeed's /dev/shm buffer first (no

@@ -9,10 +9,11 @@ import torch.distributed as dist
 
 from deepspeed_ext.runtime import rounds
 from megatron.training import in_job
-from megatron.training.in_job import OwnError, RoundClient, on_hang_in_job
+from megatron.training.in_job import (OwnError, RoundClient, on_hang_in_job,
+                                      request_own_end)
 
-HUNG = {"kind": "hang", "rank": 1, "waiting": [0, 2], "seconds_since_progress": 3.2,
-        "iteration": 7}
+HUNG = {"kind": "hang", "rank": 1, "suspects": [1], "waiting": [0, 2],
+        "seconds_since_progress": 3.2, "iteration": 7}
 
 
 class Calls:
@@ -43,6 +44,14 @@ def test_the_others_ask_the_supervisor_to_kill_the_hung_rank(monkeypatch):
         "no progress for 3.2 s in iteration 7, found by rank 0"
 
 
+def test_every_lagging_or_frozen_suspect_is_killed(monkeypatch):
+    store = dist.HashStore()
+    did, calls = _act(dict(HUNG, suspects=[1, 2], waiting=[0]), 0, store, monkeypatch)
+    assert (did, calls.exited) == ("kill", 0)
+    assert store.check([rounds.kill_key(2, 1)]) and store.check([rounds.kill_key(2, 2)])
+    assert not store.check([rounds.kill_key(2, 0)])
+
+
 def test_the_hung_rank_ends_itself_and_asks_nothing(monkeypatch):
     store = dist.HashStore()
     did, calls = _act(HUNG, 1, store, monkeypatch)
@@ -61,6 +70,15 @@ def test_without_a_culprit_every_suspect_is_killed_this_rank_too(monkeypatch):
     assert store.get(rounds.kill_key(2, 0)).decode() == \
         "no progress for 3.2 s in iteration 7, found by rank 0"
     assert store.check([rounds.kill_key(2, 1)])
+
+
+def test_a_process_stuck_in_the_failed_round_asks_for_its_own_end(monkeypatch):
+    store = dist.HashStore()
+    monkeypatch.setenv(rounds.ROUND_ENV, "2")
+    request_own_end(3, "still in the failed round 2 s after the hang was acted on",
+                    client=RoundClient(store, slot=3))
+    assert store.add(rounds.kill_count_key(2), 0) == 1
+    assert store.get(rounds.kill_key(2, 3)).decode().startswith("still in the failed round")
 
 
 def test_an_unreachable_store_stops_every_rank_as_without_in_job(monkeypatch):

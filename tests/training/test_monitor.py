@@ -151,6 +151,19 @@ def test_hang_rule():
     same = {0: _beat(0, 5), 1: _beat(1, 5), 2: _beat(2, 5)}
     hang = find_hang(same, {0: 7.0, 1: 8.0, 2: 6.0}, 3, 5.0)
     assert (hang.rank, hang.suspects, hang.waiting) == (1, [0, 1, 2], [])
+    # ... unless some of them are frozen (their watchdog stopped polling too): those are
+    # the suspects, and the ones still polling wait for them
+    hang = find_hang(same, {0: 7.0, 1: 8.0, 2: 6.0}, 3, 5.0, {0: 0.2, 1: 0.3, 2: 6.0})
+    assert (hang.rank, hang.suspects, hang.waiting, hang.seconds) == (2, [2], [0, 1], 6.0)
+    assert hang.frozen
+    # at half the timeout exactly a watchdog is not frozen yet; every one frozen (the
+    # whole machine stopped) or none known tells nothing either
+    for alive in ({0: 0.2, 1: 0.3, 2: 2.5}, {0: 6.0, 1: 6.0, 2: 6.0}, {}, None):
+        hang = find_hang(same, {0: 7.0, 1: 8.0, 2: 6.0}, 3, 5.0, alive)
+        assert (hang.rank, hang.suspects, hang.waiting) == (1, [0, 1, 2], []), alive
+    # a lagging rank is the culprit whatever the watchdogs say
+    hang = find_hang(beats, stale, 3, 5.0, {0: 9.0, 1: 0.1, 2: 0.1})
+    assert (hang.suspects, hang.waiting) == ([2], [0, 1])
     # a finished rank is not hung, and neither are ranks that only outlived it
     done = {0: _beat(0, 9, done=True), 1: _beat(1, 9, done=True), 2: _beat(2, 9)}
     assert find_hang(done, {0: 60.0, 1: 60.0, 2: 1.0}, 3, 5.0) is None
@@ -211,6 +224,27 @@ def test_watchdog_finds_the_lagging_rank_and_one_rank_emits():
     for d in dogs:
         d.poll_once()
     assert len(calls["hang"]) == 3  # reported once per watchdog
+
+
+def test_a_frozen_process_inside_an_iteration_is_the_culprit():
+    """Every rank beat iteration 4, then rank 1's whole process stopped inside it (its
+    watchdog polls no more) while ranks 0 and 2 wait for it in a collective (theirs
+    still poll): rank 1 alone is the suspect. Before, all three were."""
+    store, clock = dist.HashStore(), _Clock()
+    hbs = [Heartbeat(store, r) for r in range(3)]
+    dogs, calls = _watchdogs(store, 3, MonitorConfig(hang_timeout_s=5.0, poll_s=1.0), clock)
+    for hb in hbs:
+        hb.beat(4)
+    for d in dogs:
+        d.poll_once()
+    for _ in range(6):  # 6 s: rank 1's watchdog is frozen with its process
+        clock.now += 1.0
+        for d in (dogs[0], dogs[2]):
+            d.poll_once()
+    assert [(e["rank"], e["suspects"], e["waiting"]) for e in calls["hang"]] == \
+        [(1, [1], [0, 2])] * 2
+    assert "is frozen: no progress for 6.00 s in iteration 4 and its watchdog stopped " \
+        "polling too; ranks 0,2 wait for it" in calls["log"][0]
 
 
 def test_a_rank_hanging_before_its_first_beat_is_found():

@@ -29,6 +29,13 @@ def heartbeat_key(rank: int) -> str:
     return f"moc/hb/{rank}"
 
 
+def alive_key(rank: int) -> str:
+    """Store key of ``rank``'s watchdog's poll count: it advances while the process runs,
+    even with its main thread blocked in a collective, and stops when the whole process
+    is frozen (SIGSTOP, a debugger, a machine that stopped scheduling it)."""
+    return f"moc/alive/{rank}"
+
+
 def default_store():
     """The rendezvous store of the default process group (after ``init_process_group``).
     Launchers create a new one for every restart, so no heartbeat of an earlier attempt

@@ -8,8 +8,11 @@ training a rank cannot run more than one iteration ahead of the others, so the h
 rank is the one whose heartbeat lags: it last beat at the start of iteration ``i`` and
 never started ``i + 1``, while the others beat ``i + 1`` and then blocked in its first
 collective. When all ranks stalled in the same iteration (a hang inside an iteration)
-the culprit is unknown; the finding names the rank silent the longest and lists every
-suspect.
+the culprit is unknown, unless some of them are *frozen*: their watchdog thread, which
+polls while the main thread waits in a collective, stopped too (the whole process is
+stopped), while the others' still poll; the frozen ones are then the suspects and the
+others wait for them. Otherwise the finding names the rank silent the longest and lists
+every suspect.
 
 **Straggler** (:func:`find_stragglers`). In synchronous training every rank's
 *wall-clock* iteration time is the same: the fast ranks wait inside the collectives for
@@ -51,11 +54,15 @@ class HangFinding:
     suspects: List[int]
     """Every stalled rank at the lowest iteration (one rank when the culprit is known)."""
     waiting: List[int]
-    """Ranks that started a later iteration: they wait for the suspects in a collective."""
+    """Ranks that started a later iteration, or whose watchdog still polls while the
+    suspects' froze: they wait for the suspects in a collective."""
+    frozen: bool = False
+    """The suspects are frozen processes (their watchdog stopped polling too)."""
 
 
 def find_hang(beats: Mapping[int, Beat], ages: Mapping[int, float], world_size: int,
-              timeout_s: float) -> Optional[HangFinding]:
+              timeout_s: float,
+              alive_ages: Optional[Mapping[int, float]] = None) -> Optional[HangFinding]:
     """The hang rule (see the module doc); pure.
 
     Args:
@@ -63,6 +70,9 @@ def find_hang(beats: Mapping[int, Beat], ages: Mapping[int, float], world_size: 
         ages: seconds since each rank's heartbeat last advanced, as the caller observed.
         world_size: ranks in the job; no hang is found before all of them beat once.
         timeout_s: ``hang_timeout_s``.
+        alive_ages: seconds since each rank's watchdog last polled, as the caller
+            observed (None, or a rank missing: unknown); a rank silent for more than
+            half of ``timeout_s`` is frozen.
     """
     if len(beats) < world_size:
         return None  # not every rank is training yet: start-up is not watched
@@ -73,8 +83,15 @@ def find_hang(beats: Mapping[int, Beat], ages: Mapping[int, float], world_size: 
         return None
     low = min(b.iteration for b in active.values())
     suspects = sorted(r for r, b in active.items() if b.iteration == low)
-    culprit = max(suspects, key=lambda r: (ages[r], -r))
     waiting = sorted(r for r, b in active.items() if b.iteration > low)
+    if not waiting and alive_ages:
+        frozen = [r for r in suspects if alive_ages.get(r, 0.0) > timeout_s / 2]
+        if frozen and len(frozen) < len(suspects):
+            waiting = [r for r in suspects if r not in frozen]
+            culprit = max(frozen, key=lambda r: (ages[r], -r))
+            return HangFinding(rank=culprit, seconds=ages[culprit], iteration=low,
+                               suspects=frozen, waiting=waiting, frozen=True)
+    culprit = max(suspects, key=lambda r: (ages[r], -r))
     return HangFinding(rank=culprit, seconds=ages[culprit], iteration=low,
                        suspects=suspects, waiting=waiting)
 

@@ -29,7 +29,7 @@ import threading
 import time
 from typing import Callable, Dict, List, Mapping, Optional
 
-from megatron.training.monitor.beats import Beat, heartbeat_key
+from megatron.training.monitor.beats import Beat, alive_key, heartbeat_key
 from megatron.training.monitor.config import MonitorConfig
 from megatron.training.monitor.exits import (EXIT_HANG, EXIT_STRAGGLER, exit_now, print_event,
                                              print_line)
@@ -82,6 +82,9 @@ class Watchdog:
         self._clock = clock
         self._seen: Dict[int, tuple] = {}
         """rank -> (the beat's identity, when this watchdog first saw it)."""
+        self._polls = 0
+        self._alive_seen: Dict[int, tuple] = {}
+        """rank -> (its watchdog's poll count, when this watchdog first saw it)."""
         self._hang_reported = False
         self._stragglers_reported = set()
         self._store_failing_since: Optional[float] = None
@@ -156,10 +159,13 @@ class Watchdog:
             self._on_hang(event)
 
     def poll_once(self) -> List[Dict]:
-        """Read every heartbeat once and act on what it shows; returns the events found
-        (also the ones another rank emitted)."""
+        """Say this process is alive, read every heartbeat once and act on what it shows;
+        returns the events found (also the ones another rank emitted)."""
+        self._polls += 1
+        self._store.set(alive_key(self.rank), str(self._polls))
         beats = self._read_beats()
         now = self._clock()
+        alive_ages = self._alive_ages(now)
         for r, b in beats.items():
             identity = (b.t, b.iteration, b.done)
             if r not in self._seen or self._seen[r][0] != identity:
@@ -167,7 +173,7 @@ class Watchdog:
         ages = {r: now - self._seen[r][1] for r in beats}
         events = []
         hang = None if self._hang_reported else find_hang(
-            beats, ages, self.world_size, self.config.hang_timeout_s)
+            beats, ages, self.world_size, self.config.hang_timeout_s, alive_ages)
         if hang is not None:
             events.append(self._hang_event(hang, beats))
         for r, slowdown in sorted(find_stragglers(beats, self.config.straggler_factor).items()):
@@ -176,6 +182,19 @@ class Watchdog:
         for event in events:
             self._act(event)
         return events
+
+    def _alive_ages(self, now: float) -> Dict[int, float]:
+        """Seconds since each rank's watchdog poll count last changed, as this watchdog
+        saw it (ranks whose count it never read are left out)."""
+        keys = [alive_key(r) for r in range(self.world_size)]
+        if len(self._alive_seen) == self.world_size:
+            counts = dict(enumerate(self._store.multi_get(keys)))
+        else:
+            counts = {r: self._store.get(k) for r, k in enumerate(keys) if self._store.check([k])}
+        for r, count in counts.items():
+            if r not in self._alive_seen or self._alive_seen[r][0] != count:
+                self._alive_seen[r] = (count, now)
+        return {r: now - seen for r, (_, seen) in self._alive_seen.items()}
 
     def _read_beats(self) -> Dict[int, Beat]:
         keys = [heartbeat_key(r) for r in range(self.world_size)]
@@ -192,7 +211,13 @@ class Watchdog:
                  "seconds_since_progress": round(hang.seconds, 3), "iteration": hang.iteration,
                  "time": time.time(), "detected_by": self.rank, "last_beat_time": b.t,
                  "suspects": hang.suspects, "waiting": hang.waiting}
-        if hang.waiting:
+        if hang.frozen:
+            what = (f"rank {hang.rank} (host {b.host}, pid {b.pid}) is frozen: no progress "
+                    f"for {hang.seconds:.2f} s in iteration {hang.iteration} and its "
+                    f"watchdog stopped polling too; "
+                    f"{'rank' if len(hang.waiting) == 1 else 'ranks'} {_ranks(hang.waiting)} "
+                    f"{'waits' if len(hang.waiting) == 1 else 'wait'} for it")
+        elif hang.waiting:
             what = (f"rank {hang.rank} (host {b.host}, pid {b.pid}) made no progress for "
                     f"{hang.seconds:.2f} s: it never started iteration {hang.iteration + 1}, "
                     f"{'rank' if len(hang.waiting) == 1 else 'ranks'} {_ranks(hang.waiting)} "

@@ -196,13 +196,19 @@ def test_a_keeper_that_listens_but_never_answers_fails_the_hand_over(tmp_path):
 
 def test_job_ids_repeat_for_retries_but_not_across_processes(tmp_path):
     """A restarted attempt saving a tag (or taking a frame) again: the keeper that
-    outlived the first attempt must queue its job, not drop it as a retry."""
+    outlived the first attempt must queue its job, not drop it as a retry; in another
+    process, or in the same one (an in-job restart's survivor) with a later attempt."""
     ours = keeper.job_id("global_step150", 3)
     assert keeper.job_id("global_step150", 3) == ours  # a retry of this process
     theirs = subprocess.run([sys.executable, "-c", "from deepspeed_ext import keeper; "
                              "print(keeper.job_id('global_step150', 3))"],
                             capture_output=True, text=True, check=True).stdout.strip()
     assert theirs.startswith("global_step150:") and theirs != ours
+    # an in-job restart's survivor: the same process, a new attempt (its start time)
+    assert keeper.job_id("global_step150", 3, 1700000000.25) != \
+        keeper.job_id("global_step150", 3, 1700000042.5)
+    assert keeper.job_id("global_step150", 3, 1700000000.25) == \
+        keeper.job_id("global_step150", 3, 1700000000.25)
     real = keeper.Keeper(str(tmp_path), idle_timeout_s=60)
     for job_id in (theirs, ours, ours):
         assert real.handle({"op": "persist", "job": _job(tmp_path, job_id)})["ok"]
