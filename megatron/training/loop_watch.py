@@ -71,6 +71,13 @@ class LoopWatch:
     def _still_here(self, rank: int, timeout_s: float) -> None:
         if self.heartbeat is None:  # the run was left (stop() ran): nothing to do
             return
+        # Where it is stuck, for whoever finds out why (a connection a peer left open,
+        # a wait on the store, ...): every thread's stack, before it is killed.
+        import faulthandler
+        import sys
+        print(f"[monitor] rank {rank}: still in the failed round {timeout_s:g} s after the "
+              "hang was acted on; this process's threads:", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         from megatron.training.in_job import request_own_end
         request_own_end(rank, f"still in the failed round {timeout_s:g} s after the "
                               "hang was acted on")
