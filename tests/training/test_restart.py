@@ -117,7 +117,7 @@ def test_straggler_is_reported_without_stopping_the_job(corpus, tmp_path, fault)
     only the time each rank spends inside collectives tells them apart): reported as
     rank 1, job not stopped."""
     proc, records, events = _elastic(tmp_path, corpus, [
-        "--train-iters", "14", "--lr-decay-iters", "14", "--moc-monitor",
+        "--train-iters", "10", "--lr-decay-iters", "10", "--moc-monitor",
         # A 5-beat window: a healthy rank's noise must last 3 of 5 beats to be flagged.
         "--moc-straggler-window", "5", "--moc-straggler-factor", "1.5",
         "--moc-monitor-poll", "0.2", "--moc-fault", fault], restarts=0)
@@ -125,7 +125,7 @@ def test_straggler_is_reported_without_stopping_the_job(corpus, tmp_path, fault)
     stragglers = [e for e in events if e["kind"] == "straggler"]
     assert stragglers and {e["rank"] for e in stragglers} == {1}, events
     assert not [e for e in events if e["kind"] in ("hang", "recovery")]
-    assert _final_loss(records)[0] == 14
+    assert _final_loss(records)[0] == 10
 
 
 def test_two_level_faults_in_snapshot_persist_and_node_memory(corpus, tmp_path):
@@ -155,7 +155,7 @@ def test_two_level_faults_in_snapshot_persist_and_node_memory(corpus, tmp_path):
         # the keeper's own line went to its log in the node's (since deleted) memory
         # directory; the ranks say it is gone and persist from their own processes
         assert "WARNING: the keeper of node 0 is gone" in proc.stdout
-        assert _final_loss(records)[0] == 14
+        assert _final_loss(records)[0] == 10
         fired = json.load(open(tmp_path / "ckpt" / "moc-faults.json"))["fired"]
         assert sorted(fired) == ["lose-memory@11:rank=1", "persist-crash@5:rank=1",
                                  "slow@6:rank=1:slow=2", "slow@9:rank=1:slow=2",
