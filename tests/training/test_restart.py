@@ -155,7 +155,7 @@ def test_two_level_faults_in_snapshot_persist_and_node_memory(corpus, tmp_path):
         # the keeper's own line went to its log in the node's (since deleted) memory
         # directory; the ranks say it is gone and persist from their own processes
         assert "WARNING: the keeper of node 0 is gone" in proc.stdout
-        assert _final_loss(records)[0] == 10
+        assert _final_loss(records)[0] == 14
         fired = json.load(open(tmp_path / "ckpt" / "moc-faults.json"))["fired"]
         assert sorted(fired) == ["lose-memory@11:rank=1", "persist-crash@5:rank=1",
                                  "slow@6:rank=1:slow=2", "slow@9:rank=1:slow=2",
