@@ -38,7 +38,6 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from megatron.data.stdlib_corpus import prepare_stdlib_corpus  # noqa: E402  (the quickstart's corpus)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import launch  # noqa: E402
@@ -195,16 +194,12 @@ def _print_report(opts, command: str, table: list) -> None:
 
 def main(argv=None) -> int:
     opts = build_parser().parse_args(argv)
-    if any(f <= opts.window or f > opts.iters for f in opts.fail_at):
-        print("error: every --fail-at must be after the first window (> --window) and at "
-              "most --iters", file=sys.stderr)
+    bad = ("every --fail-at must be after the first window (> --window) and at most --iters"
+           if any(f <= opts.window or f > opts.iters for f in opts.fail_at) else None)
+    setup = launch.job_run_setup(opts, "moc-localized-bench-", bad)
+    if setup is None:
         return 2
-    prepared = launch.out_dir_or_error(opts.out_dir, "moc-localized-bench-")
-    if prepared is None:
-        return 2
-    out, created = prepared
-    data = prepare_stdlib_corpus(os.path.join(REPO, opts.data_prefix))
-    command = launch.command_line()
+    out, created, data, command = setup
     table = [HEADER]
     results = []
     for stages in opts.stages:

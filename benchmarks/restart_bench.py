@@ -81,16 +81,14 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from megatron.data.stdlib_corpus import prepare_stdlib_corpus  # noqa: E402  (the quickstart's corpus)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import launch  # noqa: E402
+from benchlib.job_files import elastic_job_command, final_losses, json_lines  # noqa: E402
 from benchlib.stamped_job import run_stamped  # noqa: E402
 from benchlib.ranks import finish_out_dir  # noqa: E402
 from benchlib.tables import fmt, print_aligned  # noqa: E402
 
-NEVER = 10 ** 6
-"""--save-interval / --eval-interval that a job never reaches."""
 JOBS = ("fault-free", "relaunch", "in-job-no-fault", "in-job")
 FAILED_JOBS = ("relaunch", "in-job")
 RESULTS = "restart_bench.json"
@@ -164,7 +162,6 @@ def _checked(opts):
 def _job_command(opts, job: str, data: str, job_dir: str, shm: str) -> list:
     """``scripts/run_elastic.sh``'s command line for ``job``."""
     nproc, restarts = opts.ranks, 0
-    ckpt = os.path.join(job_dir, "ckpt")
     extra = []
     if job in FAILED_JOBS:
         extra = ["--moc-fault", f"{opts.fault}@{opts.crash_at}:rank=1"]
@@ -176,14 +173,7 @@ def _job_command(opts, job: str, data: str, job_dir: str, shm: str) -> list:
     if job.startswith("in-job"):
         nproc += 1
         extra += ["--moc-restart", "in-job", "--moc-spares", "1"]
-    return ["bash", "scripts/run_elastic.sh", str(nproc), str(restarts),
-            "--config", "configs/tiny.yaml", "--data-path", data,
-            "--train-iters", str(opts.iters), "--lr-decay-iters", str(opts.iters),
-            "--eval-interval", str(NEVER), "--eval-iters", "1", "--log-interval", "1",
-            "--save", ckpt, "--load", ckpt, "--save-interval", str(NEVER),
-            "--metrics-file", os.path.join(job_dir, "metrics.jsonl"),
-            "--moc-checkpoint", "--moc-two-level", "--moc-snapshot-interval", "1",
-            "--moc-shm-dir", shm, *extra]
+    return elastic_job_command(nproc, restarts, data, opts.iters, job_dir, shm, extra)
 
 
 def run_job(opts, job: str, data: str, job_dir: str) -> dict:
@@ -202,20 +192,6 @@ def run_job(opts, job: str, data: str, job_dir: str) -> dict:
             "start": run.start, "lines": run.lines, "dir": job_dir,
             "ckpt": os.path.join(job_dir, "ckpt"), "command": shlex.join(cmd),
             "leftover": run.leftover}
-
-
-def _json_lines(path: str) -> list:
-    if not os.path.isfile(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def final_losses(job_dir: str) -> dict:
-    """{iteration: lm loss} of the job's metrics file, the last record of each iteration
-    (a redone iteration's second record replaces its first)."""
-    return {r["iteration"]: r["lm_loss"] for r in _json_lines(os.path.join(job_dir, "metrics.jsonl"))
-            if r.get("kind") == "train"}
 
 
 def _nth_match(lines: list, first: int, pattern: str, count: int):
@@ -295,7 +271,7 @@ def measure(run: dict, ranks: int, reference: dict) -> tuple:
     """One job's figures from its raw run and its final losses: (row, losses);
     ``reference``: the fault-free job's losses (None for that job itself)."""
     ok = run["rc"] == 0 and not run["timed_out"]
-    events = _json_lines(os.path.join(run["ckpt"], "moc-events.jsonl"))
+    events = json_lines(os.path.join(run["ckpt"], "moc-events.jsonl"))
     losses = final_losses(run["dir"])
     row = {"job": run["job"], "ok": ok, "rc": run["rc"], "timed_out": run["timed_out"],
            "wall_s": run["wall_s"], "command": run["command"], "dir": run["dir"],
@@ -442,16 +418,10 @@ def print_report(opts, command: str, repeats: list, total: dict) -> None:
 
 def main() -> int:
     opts = build_parser().parse_args()
-    error = _checked(opts)
-    if error:
-        print(f"error: {error}", file=sys.stderr)
+    setup = launch.job_run_setup(opts, "moc-restart-bench-", _checked(opts))
+    if setup is None:
         return 2
-    prepared = launch.out_dir_or_error(opts.out_dir, "moc-restart-bench-")
-    if prepared is None:
-        return 2
-    out, created = prepared
-    data = prepare_stdlib_corpus(os.path.join(REPO, opts.data_prefix))
-    command = launch.command_line()
+    out, created, data, command = setup
     repeats = [run_repeat(opts, data, out, r) for r in range(opts.repeats)]
     total = summary(repeats)
     print_report(opts, command, repeats, total)

@@ -47,15 +47,13 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from megatron.data.stdlib_corpus import prepare_stdlib_corpus  # noqa: E402
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from benchlib import launch  # noqa: E402
 from benchlib.ranks import finish_out_dir  # noqa: E402
+from benchlib.job_files import elastic_job_command, final_losses  # noqa: E402
 from benchlib.stamped_job import run_stamped  # noqa: E402
 from benchlib.tables import print_aligned  # noqa: E402
 
-NEVER = 10 ** 6
 KINDS = ("rank",) * 8 + ("spare",) * 3 + ("second",) * 5 + ("stop",) * 4
 STARTED = re.compile(r"\[moc supervisor\] store .* started (.*?): ")
 SLOT_PID = re.compile(r"slot (\d+) pid (\d+) \((rank \d+|spare)\)")
@@ -144,25 +142,9 @@ class Killer:
 
 
 def job_command(opts, data: str, job_dir: str, shm: str) -> list:
-    ckpt = os.path.join(job_dir, "ckpt")
-    return ["bash", "scripts/run_elastic.sh", str(opts.ranks + 1), "1",
-            "--config", "configs/tiny.yaml", "--data-path", data,
-            "--train-iters", str(opts.iters), "--lr-decay-iters", str(opts.iters),
-            "--eval-interval", str(NEVER), "--eval-iters", "1", "--log-interval", "1",
-            "--save", ckpt, "--load", ckpt, "--save-interval", str(NEVER),
-            "--metrics-file", os.path.join(job_dir, "metrics.jsonl"),
-            "--moc-checkpoint", "--moc-two-level", "--moc-snapshot-interval", "1",
-            "--moc-shm-dir", shm, "--moc-restart", "in-job", "--moc-spares", "1",
-            "--moc-monitor", "--moc-hang-timeout", "2", "--moc-monitor-poll", "0.25"]
-
-
-def final_losses(job_dir: str) -> dict:
-    path = os.path.join(job_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
-        return {}
-    with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    return {r["iteration"]: r["lm_loss"] for r in records if r.get("kind") == "train"}
+    return elastic_job_command(opts.ranks + 1, 1, data, opts.iters, job_dir, shm, [
+        "--moc-restart", "in-job", "--moc-spares", "1",
+        "--moc-monitor", "--moc-hang-timeout", "2", "--moc-monitor-poll", "0.25"])
 
 
 def run_trial(opts, data: str, out: str, name: str, fault) -> dict:
@@ -214,15 +196,12 @@ def print_report(opts, command: str, reference: dict, rows: list) -> None:
 
 def main() -> int:
     opts = build_parser().parse_args()
-    if opts.trials < 1 or opts.iters < 4:
-        print("error: --trials must be at least 1 and --iters at least 4", file=sys.stderr)
+    bad = "--trials must be at least 1 and --iters at least 4" \
+        if opts.trials < 1 or opts.iters < 4 else None
+    setup = launch.job_run_setup(opts, "moc-restart-trials-", bad)
+    if setup is None:
         return 2
-    prepared = launch.out_dir_or_error(opts.out_dir, "moc-restart-trials-")
-    if prepared is None:
-        return 2
-    out, created = prepared
-    data = prepare_stdlib_corpus(os.path.join(REPO, opts.data_prefix))
-    command = launch.command_line()
+    out, created, data, command = setup
     reference = run_trial(opts, data, out, "reference", None)
     rows = []
     for trial in range(opts.trials):

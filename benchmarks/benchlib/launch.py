@@ -49,6 +49,25 @@ def out_dir_or_error(out_dir, prefix: str):
         return None
 
 
+def job_run_setup(opts, prefix: str, error: str = None):
+    """The start of a benchmark that runs training jobs on the quickstart's corpus:
+    ``error`` (a refused option) or a refused ``--out-dir`` printed as ``error: ...``
+    (returns None: the script exits 2), else ``(out, created, data, command)``: the
+    output directory, whether it was made here, the corpus prefix (prepared from
+    ``opts.data_prefix`` if missing) and the command line."""
+    if error:
+        print(f"error: {error}", file=sys.stderr)
+        return None
+    prepared = out_dir_or_error(opts.out_dir, prefix)
+    if prepared is None:
+        return None
+    from megatron.data.stdlib_corpus import prepare_stdlib_corpus
+    out, created = prepared
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    data = prepare_stdlib_corpus(os.path.join(repo, opts.data_prefix))
+    return out, created, data, command_line()
+
+
 def worker_argv(script: str, out_dir: str, opts, flags, shm_root: str = None) -> list:
     """The command line of ``script``'s ranks: ``--worker --out-dir OUT_DIR``, then
     ``--shm-root`` if given, then each of ``flags`` (names of ``opts``) with the value the
