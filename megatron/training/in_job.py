@@ -24,6 +24,7 @@ MoC's supervisor (``python -m deepspeed_ext.supervisor``, started by
 import argparse
 import gc
 import os
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -126,20 +127,18 @@ def on_hang_in_job(event: Dict, rank: int, stop_job: Callable[[Dict], None],
     if suspects == [rank]:
         exit_hung()
         return "exit"
-    client = client or RoundClient.from_env(timeout_s=10.0)
-    round_number = int(os.environ.get(rounds.ROUND_ENV, "0"))
-    for suspect in suspects:
-        rounds.request_kill(client.store, round_number, suspect,
-                            f"no progress for {event.get('seconds_since_progress')} s in "
-                            f"iteration {event.get('iteration')}, found by rank {rank}")
+    request_kills(suspects, f"no progress for {event.get('seconds_since_progress')} s in "
+                            f"iteration {event.get('iteration')}, found by rank {rank}", client)
     return "kill"
 
 
-def request_own_end(rank: int, why: str, client: Optional[RoundClient] = None) -> None:
-    """Ask the supervisor to SIGKILL this process, rank ``rank`` of its current round:
-    it is stuck in a run the others left (see :func:`on_hang_in_job`)."""
+def request_kills(ranks: List[int], why: str, client: Optional[RoundClient] = None) -> None:
+    """Ask the supervisor to SIGKILL ``ranks`` of this process's current round (this
+    process's own rank too when it is stuck in a run the others left)."""
     client = client or RoundClient.from_env(timeout_s=10.0)
-    rounds.request_kill(client.store, int(os.environ.get(rounds.ROUND_ENV, "0")), rank, why)
+    round_number = int(os.environ.get(rounds.ROUND_ENV, "0"))
+    for rank in ranks:
+        rounds.request_kill(client.store, round_number, rank, why)
 
 
 def preload() -> None:
@@ -213,10 +212,9 @@ def _record_round(args, assignment, slot, left, joined) -> None:
 
 def free_run_objects(max_passes: int = 5) -> int:
     """This process, after a run's groups are destroyed (a failed run's above all): free
-    the run's engine
-    and model now, and with them the connections of every group its parameters still
-    name, so that a peer blocked in a collective with this process sees them close and
-    leaves the round too (4 training ranks, one SIGKILLed: rank 3 waited in ZeRO's
+    the run's engine and model now, and with them the connections of every group its
+    parameters still name, so that a peer blocked in a collective with this process sees
+    them close and leaves the round too (4 training ranks, one SIGKILLed: rank 3 waited in ZeRO's
     gradient all-reduce until its peers' round-1 group timed out).
 
     One collection is not enough: a parameter whose tensor autograd still held when the
@@ -321,7 +319,6 @@ class OwnError(RuntimeError):
     def raise_again(self) -> None:
         """Print the original traceback to stderr and raise this error (no newer round
         named a peer: the error is this process's own)."""
-        import sys
         sys.stderr.write(self.text)
         sys.stderr.flush()
         raise self

@@ -78,9 +78,9 @@ class LoopWatch:
         print(f"[monitor] rank {rank}: still in the failed round {timeout_s:g} s after the "
               "hang was acted on; this process's threads:", file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        from megatron.training.in_job import request_own_end
-        request_own_end(rank, f"still in the failed round {timeout_s:g} s after the "
-                              "hang was acted on")
+        from megatron.training.in_job import request_kills
+        request_kills([rank], f"still in the failed round {timeout_s:g} s after the hang "
+                              "was acted on")
 
     def _stop_job(self, event) -> None:
         # os._exit skips the normal end: free DeepSpeed's /dev/shm buffer first (no

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from deepspeed_ext.runtime import rounds
 from megatron.training import in_job
 from megatron.training.in_job import (OwnError, RoundClient, on_hang_in_job,
-                                      request_own_end)
+                                      request_kills)
 
 HUNG = {"kind": "hang", "rank": 1, "suspects": [1], "waiting": [0, 2],
         "seconds_since_progress": 3.2, "iteration": 7}
@@ -75,8 +75,8 @@ def test_without_a_culprit_every_suspect_is_killed_this_rank_too(monkeypatch):
 def test_a_process_stuck_in_the_failed_round_asks_for_its_own_end(monkeypatch):
     store = dist.HashStore()
     monkeypatch.setenv(rounds.ROUND_ENV, "2")
-    request_own_end(3, "still in the failed round 2 s after the hang was acted on",
-                    client=RoundClient(store, slot=3))
+    request_kills([3], "still in the failed round 2 s after the hang was acted on",
+                  client=RoundClient(store, slot=3))
     assert store.add(rounds.kill_count_key(2), 0) == 1
     assert store.get(rounds.kill_key(2, 3)).decode().startswith("still in the failed round")
 

@@ -186,23 +186,24 @@ class Watchdog:
     def _alive_ages(self, now: float) -> Dict[int, float]:
         """Seconds since each rank's watchdog poll count last changed, as this watchdog
         saw it (ranks whose count it never read are left out)."""
-        keys = [alive_key(r) for r in range(self.world_size)]
-        if len(self._alive_seen) == self.world_size:
-            counts = dict(enumerate(self._store.multi_get(keys)))
-        else:
-            counts = {r: self._store.get(k) for r, k in enumerate(keys) if self._store.check([k])}
+        counts = self._per_rank(alive_key, all_exist=len(self._alive_seen) == self.world_size)
         for r, count in counts.items():
             if r not in self._alive_seen or self._alive_seen[r][0] != count:
                 self._alive_seen[r] = (count, now)
         return {r: now - seen for r, (_, seen) in self._alive_seen.items()}
 
     def _read_beats(self) -> Dict[int, Beat]:
-        keys = [heartbeat_key(r) for r in range(self.world_size)]
-        if len(self._seen) == self.world_size:  # every key exists: one round trip
-            return {r: Beat.from_json(r, v) for r, v in enumerate(self._store.multi_get(keys))}
-        # ``get`` of a missing key blocks until the store's timeout: check first.
-        return {r: Beat.from_json(r, self._store.get(k))
-                for r, k in enumerate(keys) if self._store.check([k])}
+        return {r: Beat.from_json(r, v) for r, v in self._per_rank(
+            heartbeat_key, all_exist=len(self._seen) == self.world_size).items()}
+
+    def _per_rank(self, key_of: Callable[[int], str], all_exist: bool) -> Dict[int, bytes]:
+        """``{rank: value}`` of each rank's key that exists; one round trip once every
+        key is known to exist (``get`` of a missing key blocks until the store's
+        timeout, so until then each is checked first)."""
+        keys = [key_of(r) for r in range(self.world_size)]
+        if all_exist:
+            return dict(enumerate(self._store.multi_get(keys)))
+        return {r: self._store.get(k) for r, k in enumerate(keys) if self._store.check([k])}
 
     def _hang_event(self, hang: HangFinding, beats: Mapping[int, Beat]) -> Dict:
         self._hang_reported = True
