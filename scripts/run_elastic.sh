@@ -9,11 +9,13 @@
 #   NNODES=2 RDZV_ENDPOINT=host0:29400 RDZV_ID=myjob bash scripts/run_elastic.sh 8 3 ...
 # Give --save and --load the same directory, or restarts start from scratch.
 #
-# With --moc-restart in-job (one node): MoC's supervisor starts the processes instead and
-# keeps the job's store; the last --moc-spares N of the NPROC_PER_NODE processes wait as
-# hot spares, and a failed process is replaced by one in place, the others keeping their
-# processes and memory. When no spare is left the job is relaunched (up to MAX_RESTARTS
-# times), as without the flag.
+# With --moc-restart in-job: MoC's supervisor starts the processes instead and keeps the
+# job's store; the last --moc-spares N of each node's NPROC_PER_NODE processes wait as hot
+# spares, and a failed process is replaced by one of its node's in place, the others
+# keeping their processes and memory. When no spare is left the job is relaunched (up to
+# MAX_RESTARTS times), as without the flag. Several nodes: the same command on every node
+# with NNODES, RDZV_ENDPOINT=node0:port and NODE_RANK=0..NNODES-1 (node 0's supervisor
+# serves the store at RDZV_ENDPOINT, on its port plus the relaunch attempt).
 set -euo pipefail
 if [ $# -lt 2 ]; then
     sed -n '2,10p' "$0" >&2
@@ -54,14 +56,23 @@ if [ "$restart" = in-job ]; then
         echo "error: --moc-spares $spares leaves no training process of NPROC_PER_NODE $NPROC" >&2
         exit 2
     fi
+    NODES=(); port="${MASTER_PORT:-0}"
     if [ -n "${NNODES:-}" ] && [ "${NNODES}" != 1 ]; then
-        echo "error: --moc-restart in-job runs on one node for now (NNODES=$NNODES)" >&2
-        exit 2
+        : "${NODE_RANK:?set NODE_RANK=0..NNODES-1 (the index of this node; node 0 serves the store)}"
+        NODES=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --master-addr "${RDZV_ENDPOINT%:*}")
+        port="${RDZV_ENDPOINT##*:}"
     fi
+    case "$port" in
+        *[!0-9]*|"") echo "error: RDZV_ENDPOINT (or MASTER_PORT) must end in a port number," \
+                          "got '$port'" >&2; exit 2 ;;
+    esac
     attempt=0
     while :; do
         status=0
-        python -m deepspeed_ext.supervisor \
+        # each attempt's store on a port of its own: a node relaunched early must not join
+        # the store the failed attempt's node 0 still serves while its nodes leave
+        [ "$port" -gt 0 ] && PORT=(--port "$((port + attempt))") || PORT=()
+        python -m deepspeed_ext.supervisor "${NODES[@]}" "${PORT[@]}" \
             --nproc "$((NPROC - spares))" --spares "$spares" -- pretrain_gpt_moe.py "$@" \
             || status=$?
         # 0 done, 2 bad input, 128+N stopped by a signal (Ctrl-C): no relaunch helps

@@ -102,8 +102,18 @@ RUN_BY = {
     "bash scripts/run_elastic.sh 3 0 --config configs/tiny.yaml --data-path DATA --save ckpt "
     "--load ckpt --moc-checkpoint --moc-two-level --moc-snapshot-interval 1 --moc-restart "
     "in-job --moc-spares 1":
+        "not run: one node of it is the two-node test's supervisor with --nnodes 1 "
+        "(tests/deepspeed_ext/supervisor/test_supervisor.py); benchmarks/restart_bench.py "
+        "runs it with 4 ranks",
+    "NNODES=2 NODE_RANK=I RDZV_ENDPOINT=NODE0:29500 bash scripts/run_elastic.sh 2 0 --config "
+    "configs/tiny.yaml --data-path DATA --save ckpt --load ckpt --moc-checkpoint --moc-two-level "
+    "--moc-snapshot-interval 1 --moc-restart in-job --moc-spares 1":
         "tests/training/test_restart.py::"
-        "test_in_job_restart_a_spare_takes_the_crashed_rank_and_the_survivor_lives_on",
+        "test_in_job_restart_a_spare_of_its_node_takes_the_crashed_rank_and_the_survivor_lives_on",
+    "python -m deepspeed_ext.supervisor --nproc 2 --spares 1 --nnodes 2 --node-rank 1 "
+    "--master-addr NODE0 --port 29500 -- PROGRAM [ARGS...]":
+        "tests/deepspeed_ext/supervisor/test_supervisor.py::"
+        "test_two_nodes_supervisors_replace_a_rank_on_its_own_node_and_end_together",
     "python -m deepspeed_ext.supervisor --nproc 2 --spares 1 [--max-rounds 3] [--grace-s 10] "
     "[--port 29500] -- PROGRAM [ARGS...]":
         "tests/deepspeed_ext/supervisor/test_supervisor.py::"

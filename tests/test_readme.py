@@ -343,13 +343,13 @@ def torchrun_problems(args: List[str]) -> List[str]:
     return python_problems("python", [ns.training_script, *ns.training_script_args], world)
 
 
-def _launch_world(script: str, positional: List[str],
-                  flags: Sequence[str] = ()) -> Optional[int]:
+def _launch_world(script: str, positional: List[str], flags: Sequence[str] = (),
+                  env: Optional[Dict[str, str]] = None) -> Optional[int]:
     if script == "scripts/run_elastic.sh":  # with --moc-restart in-job, less the spares
-        nproc = _int(positional[0])
+        nproc, nodes = _int(positional[0]), _int((env or {}).get("NNODES", "1"))
         spares = (_int(flags[flags.index("--moc-spares") + 1])
                   if "--moc-spares" in flags[:-1] and "in-job" in flags else 0)
-        return nproc - spares if nproc and spares is not None else None
+        return (nproc - spares) * nodes if nproc and nodes and spares is not None else None
     if script == "scripts/launch_cluster.sh":
         nodes, gpus = _int(positional[3]), _int(positional[4])
         return nodes * gpus if nodes and gpus else None
@@ -384,8 +384,9 @@ def _launch_argv(script: str, positional: List[str], flags: List[str]) -> List[s
             for w in (flag, value)] + flags
 
 
-def shell_problems(args: List[str]) -> List[str]:
-    """``bash SCRIPT words`` / ``source SCRIPT``."""
+def shell_problems(args: List[str], env: Optional[Dict[str, str]] = None) -> List[str]:
+    """``bash SCRIPT words`` / ``source SCRIPT``, run with the assignments ``env`` before
+    it (``NNODES=2 bash scripts/run_elastic.sh ...``)."""
     script = args[0] if args else ""
     if docs.repo_path(script) is None:
         return []  # the user's (source .venv/bin/activate)
@@ -409,7 +410,7 @@ def shell_problems(args: List[str]) -> List[str]:
     if rest == "trainer":
         with _under_supervisor(script == "scripts/run_elastic.sh" and "in-job" in flags):
             return trainer_problems(_launch_argv(script, positional, flags),
-                                    _launch_world(script, positional, flags))
+                                    _launch_world(script, positional, flags, env))
     if rest == "scripts/gpu_check.py":
         flags = [f for f in flags if f not in GPU_CHECK_SH_FLAGS]
         return python_problems("python", [rest, *flags])
@@ -426,7 +427,7 @@ def pip_problems(args: List[str]) -> List[str]:
 def step_problems(step: Step, whole: bool = True) -> List[str]:
     program, args = step.program, step.args
     if program in ("bash", "sh", "source", "."):
-        return shell_problems(args)
+        return shell_problems(args, step.env)
     if program in ("python", "python3") or program.startswith("moc-"):
         return python_problems(program, args, whole=whole)
     if program == "deepspeed":

@@ -1,10 +1,11 @@
 """Recovery rounds of an in-job restart: which launched process runs which training rank,
 kept in the job's store by the node's supervisor (``deepspeed_ext.supervisor``).
 
-A launch starts ``world_size`` training processes and ``spares`` hot spares; each has a
-*slot*, its index in the launch (``MOC_SLOT``). Round 0 gives slot ``i`` rank ``i`` and
-keeps the last ``spares`` slots waiting. When a training process dies, the supervisor
-writes the next round: the dead slot's rank goes to the first waiting spare, the
+A launch starts ``world_size`` training processes and ``spares`` hot spares (on several
+nodes: that many on each); each has a *slot*, its index in the launch (``MOC_SLOT``).
+Round 0 gives slot ``i`` rank ``i`` and keeps the last ``spares`` slots waiting (several
+nodes: :func:`first_round`). When a training process dies, its node's supervisor writes
+the next round: the dead slot's rank goes to the first waiting spare (of its node), the
 survivors keep their ranks (and with them their expert placement, data position and
 snapshot slots), a dead spare is dropped. Every process of a round forms its process
 group on the store under the round's own prefix (:func:`group_prefix`), so nothing of an
@@ -15,7 +16,9 @@ The store keys (all under :data:`PREFIX`): ``round/<r>`` the round's
 ``done`` the job's end (``ok`` or ``failed: why``), which releases the waiting spares;
 ``kill/<r>/<rank>`` a request to kill round ``r``'s training rank ``rank`` (a watchdog
 found it hung; the value says why) and ``kill/<r>`` their count, which the supervisor
-polls. Plain data and pure functions here (the supervisor writes, the trainer reads); nothing
+polls; ``claim/<r>`` which node's supervisor writes round ``r``; ``finished`` the training
+processes that exited 0 and ``left`` the supervisors done with the store. Plain data and
+pure functions here (the supervisor writes, the trainer reads); nothing
 from the store is trusted before :meth:`RoundAssignment.from_json` checks it.
 """
 
@@ -27,6 +30,12 @@ from typing import Iterable, Optional, Tuple
 PREFIX = "moc/restart/"
 CURRENT_KEY = PREFIX + "current"
 DONE_KEY = PREFIX + "done"
+FINISHED_KEY = PREFIX + "finished"
+"""How many training processes exited 0 (``store.add``, by every node's supervisor): the
+job is done when it reaches the world size."""
+LEFT_KEY = PREFIX + "left"
+"""How many supervisors are done with the store (``store.add``): the one serving it
+keeps it until every node's has left."""
 STORE_ENV = "MOC_RESTART_STORE"
 """``host:port`` of the job's store, set by the supervisor for every process it starts."""
 SLOT_ENV = "MOC_SLOT"
@@ -57,6 +66,13 @@ def request_kill(store, round_number: int, rank: int, why: str) -> None:
     first, then the count the supervisor polls. Asking twice is harmless."""
     store.set(kill_key(round_number, rank), why.encode("utf-8")[:MAX_REASON_BYTES])
     store.add(kill_count_key(round_number), 1)
+
+
+def claim_key(round_number: int) -> str:
+    """Which supervisor writes round ``round_number`` (``store.add``: the one that reads
+    1). With one supervisor per node, two deaths on two nodes at once would otherwise
+    write two different records under one round number."""
+    return f"{PREFIX}claim/{round_number}"
 
 
 def round_key(round_number: int) -> str:
@@ -151,28 +167,44 @@ class RoundAssignment:
         return record
 
 
-def first_round(world_size: int, spares: int) -> RoundAssignment:
-    """Round 0 of a launch of ``world_size + spares`` processes: slot ``i`` trains as rank
-    ``i``, the last ``spares`` slots wait."""
-    if world_size < 1 or spares < 0:
-        raise ValueError(f"world size {world_size} and {spares} spares")
-    return RoundAssignment(0, tuple(range(world_size)),
-                           tuple(range(world_size, world_size + spares)))
+def first_round(nproc: int, spares: int, nodes: int = 1) -> RoundAssignment:
+    """Round 0 of a launch of ``nodes`` nodes, each starting ``nproc + spares`` processes:
+    node ``n``'s slots are ``n * (nproc + spares)`` onwards, its first ``nproc`` train as
+    ranks ``n * nproc`` onwards (ranks fill nodes in order, as the keepers and the
+    redundancy placement expect) and its last ``spares`` wait. One node: slot ``i`` trains
+    as rank ``i``."""
+    if nproc < 1 or spares < 0 or nodes < 1:
+        raise ValueError(f"{nproc} training processes and {spares} spares on {nodes} nodes")
+    launched = nproc + spares
+    return RoundAssignment(
+        0, tuple(n * launched + i for n in range(nodes) for i in range(nproc)),
+        tuple(n * launched + nproc + j for n in range(nodes) for j in range(spares)))
 
 
-def next_round(previous: RoundAssignment, dead: Iterable[int]) -> Optional[RoundAssignment]:
+def node_of_slot(slot: int, launched: int) -> int:
+    """The node of ``slot`` when every node starts ``launched`` processes."""
+    return slot // launched
+
+
+def next_round(previous: RoundAssignment, dead: Iterable[int],
+               launched: Optional[int] = None) -> Optional[RoundAssignment]:
     """The round after ``previous`` once the slots ``dead`` died: each dead training slot's
     rank goes to the first waiting spare that is alive, in rank order; dead spares leave
-    the waiting list. None when the spares alive are fewer than the dead training slots
-    (the job cannot go on in place: relaunch it)."""
+    the waiting list. With ``launched`` (processes per node), only a spare of the dead
+    slot's own node may take its rank: its state is in that node's keeper, and the rank
+    stays where the node layout puts it. None when the spares alive are fewer than the
+    dead training slots (the job cannot go on in place: relaunch it)."""
     dead = set(dead)
     waiting = [s for s in previous.spares if s not in dead]
     slots = list(previous.slots)
     for rank, slot in enumerate(slots):
         if slot in dead:
-            if not waiting:
+            usable = [s for s in waiting if launched is None
+                      or node_of_slot(s, launched) == node_of_slot(slot, launched)]
+            if not usable:
                 return None
-            slots[rank] = waiting.pop(0)
+            slots[rank] = usable[0]
+            waiting.remove(usable[0])
     return RoundAssignment(previous.round + 1, tuple(slots), tuple(waiting),
                            tuple(sorted(s for s in dead
                                         if s in previous.slots or s in previous.spares)))

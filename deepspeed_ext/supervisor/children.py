@@ -1,10 +1,11 @@
 """The processes one supervisor starts: their environment, their exits, their stop.
 
-Every process of the launch has a *slot* (its index, ``MOC_SLOT``). Slots ``0 .. N-1``
-start as training ranks with the variables torchrun sets (``RANK``, ``LOCAL_RANK``,
-``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); the spares after
-them get the same less ``RANK`` and ``LOCAL_RANK`` (a spare learns its rank from the round
-that gives it one). Every process gets the store's address (``MOC_RESTART_STORE``).
+Every process of the launch has a *slot* (its index in the whole job, ``MOC_SLOT``; node
+``n`` starts slots ``n * (N + S)`` onwards). A node's first ``N`` slots start as training
+ranks with the variables torchrun sets (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); its ``S`` spares after them get
+the same less ``RANK`` and ``LOCAL_RANK`` (a spare learns its rank from the round that
+gives it one). Every process gets the store's address (``MOC_RESTART_STORE``).
 """
 
 import signal
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, Mapping, Optional, Sequence
 
 from deepspeed_ext.runtime.rounds import SLOT_ENV, STORE_ENV
+from deepspeed_ext.supervisor.options import SupervisorOptions
 
 POLL_S = 0.1
 """How often exits are looked for: a death is seen within it, and a waiting supervisor
@@ -49,17 +51,21 @@ class Child:
         return self.returncode is not None
 
 
-def child_env(base: Mapping[str, str], slot: int, nproc: int, host: str,
+def child_env(base: Mapping[str, str], slot: int, options: SupervisorOptions,
               port: int) -> Dict[str, str]:
-    """The environment of slot ``slot`` of a launch of ``nproc`` training processes whose
-    store is at ``host:port``: ``base`` plus the variables of the module docstring."""
+    """The environment of slot ``slot`` (one of ``options.own_slots``) of the launch
+    ``options`` describes, whose store is at ``options.host:port``: ``base`` plus the
+    variables of the module docstring."""
     env = dict(base)
     for name in RANK_VARIABLES:
         env.pop(name, None)
-    env.update({STORE_ENV: f"{host}:{port}", SLOT_ENV: str(slot), "WORLD_SIZE": str(nproc),
-                "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": host, "MASTER_PORT": str(port)})
-    if slot < nproc:
-        env.update(RANK=str(slot), LOCAL_RANK=str(slot))
+    host = options.host
+    env.update({STORE_ENV: f"{host}:{port}", SLOT_ENV: str(slot),
+                "WORLD_SIZE": str(options.world_size), "LOCAL_WORLD_SIZE": str(options.nproc),
+                "MASTER_ADDR": host, "MASTER_PORT": str(port)})
+    local = slot - options.own_slots.start
+    if local < options.nproc:
+        env.update(RANK=str(options.node_rank * options.nproc + local), LOCAL_RANK=str(local))
     return env
 
 

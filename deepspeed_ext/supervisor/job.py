@@ -1,32 +1,42 @@
-"""One node's supervisor of an in-job restart: it starts the training processes and the
-hot spares, watches them, and when one dies writes the next recovery round into the job's
-store instead of stopping the survivors (torchrun's agent stops every process of the job
-about 0.3 s after one death, so nothing survives to recover in place).
+"""One node's supervisor of an in-job restart: it starts the node's training processes
+and hot spares, watches them, and when one dies writes the next recovery round into the
+job's store instead of stopping the survivors (torchrun's agent stops every process of the
+job about 0.3 s after one death, so nothing survives to recover in place).
 
-The order, in one process (the supervisor; the children only read the store):
+The order, in each node's supervisor (the children only read the store; with several
+nodes node 0's serves the store and the others join it):
 
-1. :meth:`Supervisor.run` writes round 0 (``first_round(nproc, spares)``) and ``current``,
-   then starts slot 0, 1, ... (:func:`~deepspeed_ext.supervisor.children.child_env`).
-2. :meth:`Supervisor.watch` looks for exits every ``POLL_S``. A training process that
-   exits 0 is done; once every training slot of the current round is, ``done`` is ``ok``,
-   the spares get ``grace_s`` to exit on their own and are then stopped: exit status 0.
+1. :meth:`Supervisor.run` writes round 0 (``first_round(nproc, spares, nnodes)``) and
+   ``current`` (node 0; the others wait for it), then starts the node's slots in order
+   (:func:`~deepspeed_ext.supervisor.children.child_env`).
+2. :meth:`Supervisor.watch` looks every ``POLL_S`` for the rounds and the end other nodes
+   wrote (:meth:`Supervisor.follow`) and for its own processes' exits. A training process
+   that exits 0 is counted in the store; once every training process of the job has,
+   ``done`` is ``ok``, the spares of every node get ``grace_s`` to exit on their own and
+   are then stopped: exit status 0.
 3. Any other exit (non-zero, a signal; a spare ending before the job does) is a death:
-   round ``r + 1`` (:func:`~deepspeed_ext.runtime.rounds.next_round`) is written, its
-   record before ``current``, and one line is logged. Deaths close together are one
-   round each, in the order they are seen.
-4. No round possible (no spare left, a training process already finished, more than
-   ``max_rounds`` recoveries): ``done`` is ``failed: why``, one line says why and that
-   the job must be relaunched, every process gets SIGTERM, then SIGKILL ``grace_s``
-   later: exit status 1. A process that exits 2 refused its flags (the trainer's bad
-   input): every process is stopped the same way, exit status 2 (a relaunch would not
-   help either).
+   round ``r + 1`` (:func:`~deepspeed_ext.runtime.rounds.next_round`: a spare of the dead
+   slot's own node takes its rank) is claimed in the store (two nodes' deaths at once
+   must not write two rounds under one number; the later builds on the earlier) and
+   written, its record before ``current``, and one line is logged. Deaths close together
+   are one round each, in the order they are seen.
+4. No round possible (no spare left on the node, a training process already finished,
+   more than ``max_rounds`` recoveries): ``done`` is ``failed: why``, one line says why
+   and that the job must be relaunched, every process gets SIGTERM, then SIGKILL
+   ``grace_s`` later: exit status 1; the other nodes' supervisors read ``done`` and stop
+   theirs the same way (exit status 1). A process that exits 2 refused its flags (the
+   trainer's bad input): every process is stopped the same way, exit status 2 (a
+   relaunch would not help either).
 5. A process whose watchdog found a training rank of the current round hung asks for its
-   end in the store (:func:`~deepspeed_ext.runtime.rounds.request_kill`); the watch
-   SIGKILLs that rank's process (which ends a stopped process, or one holding the GIL,
-   too) and logs who asked and why; its death is then handled as in 3.
+   end in the store (:func:`~deepspeed_ext.runtime.rounds.request_kill`); the supervisor
+   of that rank's node SIGKILLs its process (which ends a stopped process, or one holding
+   the GIL, too) and logs who asked and why; its death is then handled as in 3.
 6. SIGINT or SIGTERM to the supervisor (:meth:`Supervisor.request_stop`) is passed on to
    every process; ``done`` is ``failed: ...``, the processes get ``grace_s`` to end, then
    SIGKILL: exit status 128 + the signal's number.
+7. A store that cannot be reached any more (node 0, and its supervisor, gone): every
+   process of the node is stopped, exit status 1 (relaunch). Last, each supervisor leaves
+   the store; node 0's keeps serving it until every node's has left.
 """
 
 import logging
@@ -37,13 +47,15 @@ from typing import Dict, List, Optional, Set
 
 import torch.distributed as dist
 
-from deepspeed_ext.runtime.rounds import (MAX_REASON_BYTES, RoundAssignment, first_round,
-                                          kill_count_key, kill_key, next_round)
+from deepspeed_ext.runtime.rounds import (CURRENT_KEY, DONE_KEY, FINISHED_KEY, LEFT_KEY,
+                                          MAX_REASON_BYTES, RoundAssignment, claim_key,
+                                          first_round, kill_count_key, kill_key, next_round,
+                                          round_key)
 from deepspeed_ext.supervisor.children import (POLL_S, Child, child_env, describe_exit,
                                                kill_children, signal_children, start_child,
                                                stop_children, wait_children)
 from deepspeed_ext.supervisor.options import SupervisorOptions, program_argv
-from deepspeed_ext.supervisor.store import write_done, write_round
+from deepspeed_ext.supervisor.store import STORE_TIMEOUT, write_done, write_round
 
 LOG = logging.getLogger(__name__)
 PREFIX = "[moc supervisor] "
@@ -71,40 +83,51 @@ class Supervisor:
         self.options = options
         self.store = store
         self.port = port
-        self.current: RoundAssignment = first_round(options.nproc, options.spares)
+        self.current: RoundAssignment = first_round(options.nproc, options.spares,
+                                                    options.nnodes)
         self.children: List[Child] = []
         self.finished: Set[int] = set()
-        """Training slots that exited 0."""
+        """This node's training slots that exited 0."""
         self.stop_signal: Optional[int] = None
         self.rounds: List[RoundAssignment] = [self.current]
         """Every round written, oldest first."""
         self.kills_seen: Dict[int, int] = {}
         """Per round, the kill requests counted so far."""
+        self.prefix = PREFIX if options.nnodes == 1 else \
+            f"[moc supervisor, node {options.node_rank}] "
 
     def run(self) -> int:
-        """Write round 0, start every process, watch until the job ends; returns the
-        supervisor's exit status (module docstring)."""
-        write_round(self.store, self.current)
-        failure = self.start()
-        if failure:
-            return self.fail(failure)
-        return self.watch()
+        """Write round 0 (node 0; the other nodes wait for it), start this node's
+        processes, watch until the job ends, then leave the store (node 0, which serves
+        it, waits for every node's to leave); returns the supervisor's exit status
+        (module docstring)."""
+        try:
+            if self.options.serves_store:
+                write_round(self.store, self.current)
+            else:
+                self.store.wait([CURRENT_KEY], STORE_TIMEOUT)
+            failure = self.start()
+            status = self.fail(failure) if failure else self.watch()
+        except dist.DistError as err:  # node 0's supervisor, and the store, are gone
+            return self.lost_store(err)
+        self.leave()
+        return status
 
     def start(self) -> str:
         """Start every slot, in order; returns why one could not start ("" when all did)."""
         argv = program_argv(self.options.command)
         base = dict(os.environ)
-        for slot in range(self.options.launched):
+        for slot in self.options.own_slots:
             if self.stop_signal is not None:  # stopped while starting: start no more
                 return ""
-            env = child_env(base, slot, self.options.nproc, self.options.host, self.port)
+            env = child_env(base, slot, self.options, self.port)
             try:
                 self.children.append(start_child(argv, env, slot))
             except OSError as err:
                 return f"slot {slot} could not start {argv[0]} ({err})"
         started = ", ".join(f"slot {c.slot} pid {c.pid} ({self._role(c.slot)})"
                             for c in self.children)
-        LOG.info(f"{PREFIX}store {self.options.host}:{self.port}, up to "
+        LOG.info(f"{self.prefix}store {self.options.host}:{self.port}, up to "
                  f"{self.options.max_rounds} recoveries in place; started {started}: "
                  f"{' '.join(self.options.command)}")
         return ""
@@ -120,6 +143,9 @@ class Supervisor:
         while True:
             if self.stop_signal is not None:
                 return self.stopped()
+            status = self.follow()
+            if status is not None:
+                return status
             for child in [c for c in self.children if c.poll()]:
                 status = self.on_exit(child)
                 if status is not None:
@@ -127,8 +153,26 @@ class Supervisor:
             self.kill_requested()
             time.sleep(POLL_S)
 
+    def follow(self) -> Optional[int]:
+        """Catch up with the store: the rounds other nodes' supervisors wrote, and the
+        job's end when another one ended it; returns this supervisor's exit status then
+        (0: the job is done; 1: it failed there), else None."""
+        if self.store.check([DONE_KEY]):
+            return self.ended_elsewhere(self.store.get(DONE_KEY).decode("utf-8", "replace"))
+        self.follow_rounds()
+        return None
+
+    def follow_rounds(self) -> None:
+        """Read every round newer than :attr:`current` (written by another node's
+        supervisor: one supervisor never misses its own)."""
+        newest = int(self.store.get(CURRENT_KEY))
+        while self.current.round < newest:
+            self.current = RoundAssignment.from_json(
+                self.store.get(round_key(self.current.round + 1)))
+            self.rounds.append(self.current)
+
     def kill_requested(self) -> List[int]:
-        """SIGKILL each process another process asked to end
+        """SIGKILL each of this node's processes another process asked to end
         (:func:`~deepspeed_ext.runtime.rounds.request_kill`: a hang), in the current round
         or an earlier one (a survivor stuck in the failed round's collective never
         joined the new one; its own watchdog asks in the round it is still in); returns
@@ -140,16 +184,17 @@ class Supervisor:
                 continue
             self.kills_seen[assignment.round] = count
             for rank, slot in enumerate(assignment.slots):
+                child = next((c for c in self.children if c.slot == slot), None)
                 key = kill_key(assignment.round, rank)
-                if not self.store.check([key]):
+                if child is None or not self.store.check([key]):  # another node's
                     continue
                 why = self.store.get(key)[:MAX_REASON_BYTES].decode("utf-8", "replace")
                 self.store.delete_key(key)
-                child = next((c for c in self.children if c.slot == slot), None)
-                if child is None or not child.running:
+                if not child.running:
                     continue
-                LOG.warning(f"{PREFIX}slot {slot} (rank {rank} of round {assignment.round}, "
-                            f"pid {child.pid}) is hung ({why}): killing it (SIGKILL)")
+                LOG.warning(f"{self.prefix}slot {slot} (rank {rank} of round "
+                            f"{assignment.round}, pid {child.pid}) is hung ({why}): "
+                            "killing it (SIGKILL)")
                 signal_children([child], signal.SIGKILL)
                 killed.append(slot)
         return killed
@@ -159,10 +204,11 @@ class Supervisor:
         exit status when the job ends with it, else None."""
         if self.stop_signal is not None:  # its end is the signal passed on: no round
             return self.stopped()
+        self.follow_rounds()
         rank = self.current.rank_of(child.slot)
         if child.returncode == 0 and rank is not None:
             self.finished.add(child.slot)
-            if self.finished.issuperset(self.current.slots):
+            if self.store.add(FINISHED_KEY, 1) >= self.current.world_size:
                 return self.finish()
             return None
         if child.returncode == BAD_INPUT:
@@ -178,12 +224,13 @@ class Supervisor:
         if child.returncode == 0:
             how += " before the job ended"
         who = f"slot {child.slot} ({self._role(child.slot)}, pid {child.pid}) {how}"
-        if rank is not None and self.finished:
-            return self.fail(f"{who} after slot(s) {sorted(self.finished)} finished: "
-                             "no round can go on without them")
-        after = next_round(self.current, {child.slot})
+        if rank is not None and self.store.add(FINISHED_KEY, 0) > 0:
+            return self.fail(f"{who} after {self._finished_text()} finished: no round can "
+                             "go on without them")
+        after = self.claim_next_round(child.slot)
         if after is None:
-            return self.fail(f"{who} and no spare is left to take rank {rank}")
+            where = " of its node" if self.options.nnodes > 1 else ""
+            return self.fail(f"{who} and no spare{where} is left to take rank {rank}")
         if after.round > self.options.max_rounds:
             return self.fail(f"{who}: round {after.round} would be more than --max-rounds "
                              f"{self.options.max_rounds} recoveries in place")
@@ -192,32 +239,104 @@ class Supervisor:
         self.rounds.append(after)
         change = (f"rank {rank} -> slot {after.slots[rank]} (spare)" if rank is not None
                   else "the spare is dropped")
-        LOG.info(f"{PREFIX}{who}: round {after.round}, {change}; "
-                 f"{_spares_left(len(after.spares))}")
+        left = _spares_left(len(after.spares))
+        if self.options.nnodes > 1:
+            left += f", {sum(s in self.options.own_slots for s in after.spares)} on this node"
+        LOG.info(f"{self.prefix}{who}: round {after.round}, {change}; {left}")
         return None
+
+    def claim_next_round(self, slot: int) -> Optional[RoundAssignment]:
+        """The round after the newest once ``slot`` died, claimed for this supervisor to
+        write (``claim_key``: when another node's claimed that number first, wait for its
+        round and build on it); None when no spare can take the rank, and past
+        ``max_rounds`` the unclaimed round (the caller fails either way)."""
+        while True:
+            self.follow_rounds()
+            after = next_round(self.current, {slot}, self.options.launched)
+            if after is None or after.round > self.options.max_rounds:
+                return after
+            if self.store.add(claim_key(after.round), 1) == 1:
+                return after
+            self.wait_for_round(after.round)
+
+    def wait_for_round(self, number: int) -> None:
+        """Wait until round ``number`` is current (another node's supervisor claimed it
+        and writes it at once).
+
+        Raises:
+            dist.DistError: not within the store's timeout (that supervisor died between
+                its claim and its write): the job cannot agree on a round.
+        """
+        deadline = time.monotonic() + STORE_TIMEOUT.total_seconds()
+        while int(self.store.get(CURRENT_KEY)) < number:
+            if time.monotonic() > deadline:
+                raise dist.DistStoreError(f"round {number} was claimed but never written")
+            time.sleep(POLL_S)
 
     def finish(self) -> int:
         """Every training process of the round exited 0: release the spares; returns 0."""
         write_done(self.store, "ok")
+        self.release_spares("every training process exited 0 (round "
+                            f"{self.current.round}, slots {list(self.current.slots)})")
+        return 0
+
+    def release_spares(self, why: str) -> None:
+        """The job is done (``why``): the spares still running get ``grace_s`` to exit on
+        their own (they read ``done``), then they are stopped."""
         spares = [c for c in self.children if c.running]
-        LOG.info(f"{PREFIX}every training process exited 0 (round {self.current.round}, "
-                 f"slots {list(self.current.slots)}): job done; releasing {len(spares)} "
-                 "spare(s)")
+        LOG.info(f"{self.prefix}{why}: job done; releasing {len(spares)} spare(s)")
         late = wait_children(spares, self.options.grace_s)
         if late:
             stop_children(late, self.options.grace_s)
-            LOG.warning(f"{PREFIX}WARNING: slot(s) {[c.slot for c in late]} did not exit "
+            LOG.warning(f"{self.prefix}WARNING: slot(s) {[c.slot for c in late]} did not exit "
                         f"within --grace-s {self.options.grace_s:g} of the job's end: stopped")
-        return 0
+
+    def ended_elsewhere(self, outcome: str) -> int:
+        """Another node's supervisor ended the job with ``outcome`` (``done``): release
+        this node's spares (``ok``: returns 0) or stop every process here (returns 1)."""
+        if outcome == "ok":
+            self.release_spares("every training process of the job exited 0")
+            return 0
+        LOG.error(f"{self.prefix}ERROR: the job ended on another node ({outcome}); "
+                  "stopping this node's processes")
+        stop_children(self.children, self.options.grace_s)
+        return 1
+
+    def lost_store(self, err: Exception) -> int:
+        """The job's store cannot be reached (node 0's supervisor is gone, its node with
+        it): no round can be agreed on, so every process here is stopped; returns 1."""
+        LOG.error(f"{self.prefix}ERROR: the job's store at {self.options.host}:{self.port} "
+                  f"is gone ({err}); {RELAUNCH}")
+        stop_children(self.children, self.options.grace_s)
+        return 1
+
+    def leave(self) -> None:
+        """Say this supervisor is done with the store; node 0's, which serves it, waits
+        until every node's has left (each reads ``done`` within ``POLL_S`` and then
+        gives its processes ``grace_s``), so none loses the store while it still needs it."""
+        try:
+            left = self.store.add(LEFT_KEY, 1)
+            deadline = time.monotonic() + 2 * self.options.grace_s + 10.0
+            while self.options.serves_store and left < self.options.nnodes \
+                    and time.monotonic() < deadline:
+                time.sleep(POLL_S)
+                left = self.store.add(LEFT_KEY, 0)
+        except dist.DistError as err:  # leaving cannot fail the job: it ended already
+            LOG.warning(f"{self.prefix}WARNING: could not leave the job's store ({err})")
+
+    def _finished_text(self) -> str:
+        if self.finished:
+            return f"slot(s) {sorted(self.finished)}"
+        return "training process(es) of another node"
 
     def fail(self, why: str, status: int = 1, relaunch: str = RELAUNCH) -> int:
         """No round can go on: ``done`` says why, every process is stopped; returns
         ``status`` (1; :data:`BAD_INPUT` when a process refused its flags)."""
         write_done(self.store, f"failed: {why}")
-        LOG.error(f"{PREFIX}ERROR: {why}; {relaunch}")
+        LOG.error(f"{self.prefix}ERROR: {why}; {relaunch}")
         killed = stop_children(self.children, self.options.grace_s)
         if killed:
-            LOG.warning(f"{PREFIX}WARNING: slot(s) {[c.slot for c in killed]} did not end "
+            LOG.warning(f"{self.prefix}WARNING: slot(s) {[c.slot for c in killed]} did not end "
                         f"within --grace-s {self.options.grace_s:g} of SIGTERM: killed")
         return status
 
@@ -226,7 +345,7 @@ class Supervisor:
         ``grace_s`` to end, then SIGKILL; returns 128 + the signal's number."""
         name = signal.Signals(self.stop_signal).name
         write_done(self.store, f"failed: the supervisor was stopped by {name}")
-        LOG.error(f"{PREFIX}ERROR: stopped by {name}, passed on to every process; "
+        LOG.error(f"{self.prefix}ERROR: stopped by {name}, passed on to every process; "
                   "the job must be relaunched")
         kill_children(wait_children(self.children, self.options.grace_s))
         return 128 + self.stop_signal

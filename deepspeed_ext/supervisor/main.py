@@ -1,7 +1,7 @@
 """The supervisor's entry point: check the command line, serve the store, run the job.
 
     python -m deepspeed_ext.supervisor --nproc N --spares S [--max-rounds R] [--port P]
-        [--grace-s G] -- PROGRAM [ARGS...]
+        [--grace-s G] [--nnodes M --node-rank I --master-addr HOST] -- PROGRAM [ARGS...]
 
 Exit status: 0 every training process exited 0; 1 the job stopped (no round could replace
 a dead process: relaunch it); 2 bad input, nothing started (``error: ...`` names the
@@ -49,12 +49,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     configure_logging()
     # torch only now: a mistyped flag is answered without its import (a second or more)
     from deepspeed_ext.supervisor.job import Supervisor
-    from deepspeed_ext.supervisor.store import host_store
+    from deepspeed_ext.supervisor.store import host_store, join_store
     try:
-        store = host_store(options.host, options.port)
+        if options.serves_store:
+            store = host_store(options.host, options.port)
+        else:
+            store = join_store(options.host, options.port)
     except RuntimeError as err:
-        print(f"error: --port {options.port}: the job's store cannot be served there ({err})",
-              file=sys.stderr)
+        how = "served there" if options.serves_store else "reached there from this node"
+        print(f"error: --master-addr {options.host} --port {options.port}: the job's store "
+              f"cannot be {how} ({err})", file=sys.stderr)
         return 2
     supervisor = Supervisor(options, store, store.port)
     previous = {signum: signal.signal(signum, lambda s, _: supervisor.request_stop(s))

@@ -1,7 +1,10 @@
 """The supervisor's command line, checked before anything starts (no store, no process):
 
     python -m deepspeed_ext.supervisor --nproc N --spares S [--max-rounds R] [--port P]
-        [--grace-s G] -- PROGRAM [ARGS...]
+        [--grace-s G] [--nnodes M --node-rank I --master-addr HOST] -- PROGRAM [ARGS...]
+
+Several nodes: the same command on every node, each with its ``--node-rank``; node 0's
+supervisor serves the job's store at ``--master-addr:--port``, the others join it.
 
 Bad input prints ``error: ...`` naming the flag on stderr and exits 2. Nothing here
 imports torch, so a mistyped flag answers at once.
@@ -16,22 +19,20 @@ from typing import List, Mapping, Optional, Sequence, Tuple
 
 PROG = "python -m deepspeed_ext.supervisor"
 USAGE = (f"{PROG} --nproc N --spares S [--max-rounds R] [--port P] [--grace-s G] "
-         "-- PROGRAM [ARGS...]")
+         "[--nnodes M --node-rank I --master-addr HOST] -- PROGRAM [ARGS...]")
 LOCALHOST = "127.0.0.1"
-"""The store's address for the processes of this node: one node, one supervisor."""
+"""The store's address on one node (``--master-addr``'s default there)."""
 MAX_PORT = 65535
 
 
 @dataclass(frozen=True)
 class SupervisorOptions:
-    """What one node's supervisor runs. One supervisor per node later keeps these fields:
-    the slots become the node's share of the launch and the store's address is given
-    (``--store HOST:PORT``) instead of hosted here (``--host-store``)."""
+    """What one node's supervisor runs (every node's runs the same but ``node_rank``)."""
 
     nproc: int
-    """Training processes (the world size): slots ``0 .. nproc - 1``."""
+    """Training processes on this node (one node: the world size)."""
     spares: int
-    """Hot spares after them: slots ``nproc .. nproc + spares - 1``."""
+    """Hot spares on this node, started after its training processes."""
     command: Tuple[str, ...]
     """The program and its arguments, as given after ``--``."""
     max_rounds: int = 3
@@ -41,12 +42,31 @@ class SupervisorOptions:
     grace_s: float = 10.0
     """How long a process is given to end on its own before it is killed."""
     host: str = LOCALHOST
-    """The store's address as the processes reach it."""
+    """The store's address as every process reaches it (node 0's supervisor serves it)."""
+    nnodes: int = 1
+    """Nodes of the job, one supervisor each."""
+    node_rank: int = 0
+    """This node's index: its slots are ``node_rank * launched`` onwards."""
 
     @property
     def launched(self) -> int:
-        """How many processes the supervisor starts: training ones and spares."""
+        """How many processes this supervisor starts: training ones and spares."""
         return self.nproc + self.spares
+
+    @property
+    def world_size(self) -> int:
+        """Training processes of the whole job."""
+        return self.nproc * self.nnodes
+
+    @property
+    def own_slots(self) -> range:
+        """The slots this supervisor starts and watches."""
+        return range(self.node_rank * self.launched, (self.node_rank + 1) * self.launched)
+
+    @property
+    def serves_store(self) -> bool:
+        """Whether this supervisor serves the job's store (node 0's) or joins it."""
+        return self.node_rank == 0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -64,9 +84,17 @@ def build_parser() -> argparse.ArgumentParser:
         "the job's store, and when a process dies hand its rank to a spare instead of "
         "stopping the survivors."))
     parser.add_argument("--nproc", type=int, required=True, metavar="N",
-                        help="training processes (the world size)")
+                        help="training processes on this node (one node: the world size)")
     parser.add_argument("--spares", type=int, required=True, metavar="S",
-                        help="hot spares started after them, waiting to take a dead rank")
+                        help="hot spares on this node, started after them, waiting to take "
+                             "a dead rank of this node")
+    parser.add_argument("--nnodes", type=int, default=1, metavar="M",
+                        help="nodes of the job, one supervisor each (default 1)")
+    parser.add_argument("--node-rank", type=int, default=0, metavar="I",
+                        help="this node's index, 0 to M-1; node 0 serves the store (default 0)")
+    parser.add_argument("--master-addr", default=None, metavar="HOST",
+                        help="node 0's address, where every process reaches the store "
+                             f"(default: MASTER_ADDR, else {LOCALHOST})")
     parser.add_argument("--max-rounds", type=int, default=3, metavar="R",
                         help="recoveries in place before the job stops to be relaunched "
                              "(default 3; 0: none)")
@@ -95,12 +123,13 @@ def parse_options(argv: Optional[Sequence[str]] = None,
     if command[:1] == ["--"]:
         command = command[1:]
     problem = (_count_problem(ns) or _port_problem(ns, environ)
-               or _program_problem(command))
+               or _nodes_problem(ns, environ) or _program_problem(command))
     if problem:
         parser.error(problem)
     return SupervisorOptions(nproc=ns.nproc, spares=ns.spares, command=tuple(command),
                              max_rounds=ns.max_rounds, port=_port(ns, environ),
-                             grace_s=ns.grace_s)
+                             grace_s=ns.grace_s, host=_host(ns, environ),
+                             nnodes=ns.nnodes, node_rank=ns.node_rank)
 
 
 def _count_problem(ns: argparse.Namespace) -> str:
@@ -128,6 +157,25 @@ def _port_problem(ns: argparse.Namespace, environ: Mapping[str, str]) -> str:
     text = environ.get("MASTER_PORT") or "0"
     if not (text.isdigit() and int(text) <= MAX_PORT):
         return f"--port not given and MASTER_PORT={text!r} is not a port (0 to {MAX_PORT})"
+    return ""
+
+
+def _host(ns: argparse.Namespace, environ: Mapping[str, str]) -> str:
+    return ns.master_addr or environ.get("MASTER_ADDR") or LOCALHOST
+
+
+def _nodes_problem(ns: argparse.Namespace, environ: Mapping[str, str]) -> str:
+    if ns.nnodes < 1:
+        return f"--nnodes {ns.nnodes}: at least 1"
+    if not 0 <= ns.node_rank < ns.nnodes:
+        return f"--node-rank {ns.node_rank}: 0 to --nnodes - 1 ({ns.nnodes - 1})"
+    if ns.nnodes > 1 and _port(ns, environ) == 0:
+        # a free port chosen on node 0 could not be known to the other nodes
+        return (f"--port not given (nor MASTER_PORT) with --nnodes {ns.nnodes}: every "
+                "node's supervisor must reach node 0's store on the same port")
+    if ns.nnodes > 1 and not (ns.master_addr or environ.get("MASTER_ADDR")):
+        return (f"--master-addr not given (nor MASTER_ADDR) with --nnodes {ns.nnodes}: "
+                "the other nodes reach node 0's store there, not on their own loopback")
     return ""
 
 

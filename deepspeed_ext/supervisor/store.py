@@ -1,6 +1,7 @@
 """The job's store, as the supervisor keeps it: a ``torch.distributed.TCPStore`` whose
 server lives in the supervisor for the job's whole life (no training process's death
-takes it along, as rank 0's did when it hosted the store), and the writes of the
+takes it along, as rank 0's did when it hosted the store; with several nodes node 0's
+supervisor serves it and the others join it), and the writes of the
 recovery rounds (:mod:`deepspeed_ext.runtime.rounds`' keys) into it.
 """
 
@@ -26,6 +27,16 @@ def host_store(host: str, port: int) -> dist.TCPStore:
     """
     return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                          timeout=STORE_TIMEOUT)
+
+
+def join_store(host: str, port: int) -> dist.TCPStore:
+    """The job's store served by node 0's supervisor at ``host:port``, joined (waits up to
+    :data:`STORE_TIMEOUT` for it to come up: the nodes start in any order).
+
+    Raises:
+        RuntimeError: not reachable there within the timeout.
+    """
+    return dist.TCPStore(host, port, is_master=False, timeout=STORE_TIMEOUT)
 
 
 def write_round(store: dist.Store, assignment: RoundAssignment) -> None:

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from tests.launch import REPO, run_ranks
+from tests.launch import REPO, free_port, run_ranks
 from tests.shm import new_shm_dir, stop_keepers
 
 TINY = ["--config", "configs/tiny.yaml", "--split", "90,10,0", "--eval-iters", "0"]
@@ -164,40 +164,75 @@ def test_two_level_faults_in_snapshot_persist_and_node_memory(corpus, tmp_path):
         stop_keepers(shm)
 
 
-def test_in_job_restart_a_spare_takes_the_crashed_rank_and_the_survivor_lives_on(
+def _elastic_nodes(tmp_path, corpus, extra, nproc, nodes=2, timeout=400):
+    """:func:`_elastic` as ``nodes`` nodes run it, on this host: one run_elastic.sh per
+    node (``NNODES``, ``NODE_RANK``, ``RDZV_ENDPOINT`` on loopback), started together;
+    returns (processes, metrics, events)."""
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    cmd = ["bash", "scripts/run_elastic.sh", str(nproc), "0", *TINY, "--data-path", corpus,
+           "--save", str(ckpt), "--load", str(ckpt), "--metrics-file", str(metrics),
+           "--moc-checkpoint", *extra]
+    endpoint = f"127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env=dict(os.environ, OMP_NUM_THREADS="1",
+                                                  PYTHONWARNINGS="ignore", NNODES=str(nodes),
+                                                  NODE_RANK=str(node), RDZV_ENDPOINT=endpoint))
+             for node in range(nodes)]
+    done = []
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            out, _ = proc.communicate()
+        done.append(subprocess.CompletedProcess(cmd, proc.returncode, out, ""))
+    events = [json.loads(line) for line in open(ckpt / "moc-events.jsonl")] \
+        if (ckpt / "moc-events.jsonl").exists() else []
+    records = [json.loads(line) for line in open(metrics)] if metrics.exists() else []
+    return done, records, events
+
+
+def test_in_job_restart_a_spare_of_its_node_takes_the_crashed_rank_and_the_survivor_lives_on(
         corpus, tmp_path, reference):
-    """--moc-restart in-job with one spare (3 processes, 2 training ranks): rank 1 is
-    SIGKILLed at the top of 7; MoC's supervisor keeps rank 0's process and gives rank 1 to
-    the spare, both resume from the keeper's memory in round 1, and every iteration's
-    loss is the uninterrupted run's, to the bit. (It replaced the same crash under
-    torchrun's relaunch, recovered from memory: a relaunch from memory is
+    """--moc-restart in-job on two nodes (one supervisor each, on this host), each with one
+    training rank and one spare: rank 1 (node 1's slot 2) is SIGKILLed at the top of 7;
+    node 1's supervisor gives rank 1 to node 1's spare (slot 3), node 0's rank keeps its
+    process, both resume from their node keeper's memory in round 1, and every
+    iteration's loss is the uninterrupted run's, to the bit. (It replaced the same crash
+    under torchrun's relaunch, recovered from memory: a relaunch from memory is
     tests/deepspeed_ext/two_level/test_two_level.py's crash test, and torchrun's restart
-    is test_crash_restarts_and_finishes_exactly here.)"""
+    is test_crash_restarts_and_finishes_exactly here; one node is the supervisor's
+    nnodes=1 case, tests/deepspeed_ext/supervisor/.)"""
     import re
     shm = new_shm_dir()
     try:
-        proc, records, events = _elastic(tmp_path, corpus, [
+        procs, records, events = _elastic_nodes(tmp_path, corpus, [
             "--save-interval", "4", "--moc-two-level", "--moc-snapshot-interval", "1",
             "--moc-persist-interval", "4", "--moc-shm-dir", shm,
             "--moc-restart", "in-job", "--moc-spares", "1",
-            "--moc-fault", "crash@7:rank=1"], nproc=3, restarts=0)
-        _ok(proc)
-        out = proc.stdout + proc.stderr
+            "--moc-fault", "crash@7:rank=1"], nproc=2)
+        for proc in procs:
+            _ok(proc)
+        out = procs[0].stdout + procs[1].stdout
         # the survivor (slot 0) left round 0 and trained in round 1 in the same process
         failed = re.findall(r"slot 0 \(rank 0, pid (\d+)\): round 0 failed", out)
         joined = re.findall(r"slot 0 \(pid (\d+)\): round 1 as rank 0", out)
         assert failed and failed == joined, out[-6000:]
-        assert re.search(r"slot 2 \(pid \d+\): round 1 as rank 1 \(slots \[1\] failed\)", out)
+        assert re.search(r"slot 3 \(pid \d+\): round 1 as rank 1 \(slots \[2\] failed\)", out)
+        assert "[moc supervisor, node 1] slot 2 (rank 1, pid " in procs[1].stdout
+        assert "round 1, rank 1 -> slot 3 (spare); 1 spare left, 0 on this node" in \
+            procs[1].stdout, procs[1].stdout[-4000:]
         recovery = [e for e in events if e["kind"] == "recovery"]
         assert len(recovery) == 1 and recovery[0]["source"] == "memory", events
         # each process of round 1 recorded how it got there, timed from the round's write
         rounds = {e["slot"]: e for e in events if e["kind"] == "in-job-round"}
-        assert sorted(rounds) == [0, 2] and all(e["round"] == 1 for e in rounds.values())
-        survivor, spare = rounds[0], rounds[2]
+        assert sorted(rounds) == [0, 3] and all(e["round"] == 1 for e in rounds.values())
+        survivor, spare = rounds[0], rounds[3]
         assert (survivor["role"], survivor["rank"], str(survivor["pid"])) == ("survivor", 0,
                                                                             failed[0])
         assert survivor["left_s"] <= survivor["torn_down_s"] <= survivor["joined_s"] < 60
-        assert (spare["role"], spare["rank"], spare["failed_slots"]) == ("spare", 1, [1])
+        assert (spare["role"], spare["rank"], spare["failed_slots"]) == ("spare", 1, [2])
         assert 0 <= spare["joined_s"] < 60 and "left_s" not in spare
         last = {r["iteration"]: r for r in records if r["kind"] == "train"}
         want = {r["iteration"]: r for r in reference if r["kind"] == "train"}

@@ -9,7 +9,7 @@ import pytest
 
 from deepspeed_ext.runtime.rounds import (CURRENT_KEY, DONE_KEY, MAX_JSON_BYTES, PREFIX, BadRound,
                                           RoundAssignment, first_round, group_prefix, next_round,
-                                          round_key, store_address)
+                                          node_of_slot, round_key, store_address)
 
 
 def test_the_first_round_gives_slot_i_rank_i_and_keeps_the_last_slots_waiting():
@@ -21,10 +21,28 @@ def test_the_first_round_gives_slot_i_rank_i_and_keeps_the_last_slots_waiting():
     assert first_round(1, 0) == RoundAssignment(0, (0,), (), ())
 
 
-@pytest.mark.parametrize("world_size, spares", [(0, 1), (-1, 0), (2, -1)])
-def test_the_first_round_refuses_no_training_process_or_negative_spares(world_size, spares):
-    with pytest.raises(ValueError, match="world size"):
-        first_round(world_size, spares)
+@pytest.mark.parametrize("nproc, spares, nodes", [(0, 1, 1), (-1, 0, 1), (2, -1, 1), (2, 1, 0)])
+def test_the_first_round_refuses_no_training_process_negative_spares_or_no_node(nproc, spares,
+                                                                              nodes):
+    with pytest.raises(ValueError, match="training processes and"):
+        first_round(nproc, spares, nodes)
+
+
+def test_several_nodes_fill_ranks_node_by_node_each_with_its_own_spares():
+    first = first_round(2, 1, nodes=3)  # slots 0-2 on node 0, 3-5 on node 1, 6-8 on node 2
+    assert first.slots == (0, 1, 3, 4, 6, 7) and first.spares == (2, 5, 8)
+    assert first_round(3, 0, nodes=2) == RoundAssignment(0, (0, 1, 2, 3, 4, 5), (), ())
+
+
+def test_with_nodes_a_dead_rank_goes_to_a_spare_of_its_own_node_only():
+    first = first_round(2, 1, nodes=2)  # slots (0, 1 | 3, 4), spares (2 | 5)
+    after = next_round(first, {4}, launched=3)
+    assert after == RoundAssignment(1, (0, 1, 3, 5), (2,), (4,))  # not slot 2, node 0's
+    assert next_round(after, {3}, launched=3) is None  # node 1 has no spare left
+    assert next_round(after, {3}).slots == (0, 1, 2, 5)  # without nodes: any spare
+    both = next_round(first, {0, 3}, launched=3)
+    assert both.slots == (2, 1, 5, 4) and both.spares == ()
+    assert node_of_slot(5, 3) == 1 and node_of_slot(6, 3) == 2
 
 
 def test_a_dead_training_slot_s_rank_goes_to_the_first_spare_and_the_survivors_keep_theirs():

@@ -227,7 +227,8 @@ def test_a_port_in_use_exits_2_naming_the_flag_and_starts_nothing(monkeypatch, c
         assert main(["--nproc", "1", "--spares", "0", "--port", str(port), "--",
                      PROGRAM]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: --port {port}: the job's store cannot be served"), err
+    assert err.startswith(f"error: --master-addr 127.0.0.1 --port {port}: the job's store "
+                          "cannot be served"), err
     assert started == []
 
 

@@ -58,15 +58,26 @@ def test_a_python_program_runs_with_this_python_and_another_as_given():
 
 def test_a_training_slot_gets_torchrun_s_variables_and_a_spare_no_rank():
     base = {"PATH": "/bin", "RANK": "7", "LOCAL_RANK": "7", "MASTER_PORT": "1"}
-    trainer = child_env(base, 1, 2, "127.0.0.1", 4242)
+    one_node = SupervisorOptions(2, 1, ("train.py",))
+    trainer = child_env(base, 1, one_node, 4242)
     assert trainer == {"PATH": "/bin", STORE_ENV: "127.0.0.1:4242", SLOT_ENV: "1",
                        "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2",
                        "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": "4242"}
-    spare = child_env(base, 2, 2, "127.0.0.1", 4242)
+    spare = child_env(base, 2, one_node, 4242)
     assert "RANK" not in spare and "LOCAL_RANK" not in spare  # not the supervisor's own
     assert (spare[SLOT_ENV], spare["WORLD_SIZE"], spare[STORE_ENV]) == ("2", "2", "127.0.0.1:4242")
     assert base["RANK"] == "7"  # the supervisor's environment is not changed
+
+
+def test_a_second_node_s_slots_train_as_the_ranks_after_the_first_node_s():
+    node_1 = SupervisorOptions(2, 1, ("train.py",), host="10.0.0.1", nnodes=2, node_rank=1)
+    assert list(node_1.own_slots) == [3, 4, 5] and node_1.world_size == 4
+    second = child_env({}, 4, node_1, 4242)
+    assert (second["RANK"], second["LOCAL_RANK"], second["WORLD_SIZE"],
+            second["LOCAL_WORLD_SIZE"], second[STORE_ENV], second["MASTER_ADDR"]) == \
+        ("3", "1", "4", "2", "10.0.0.1:4242", "10.0.0.1")
+    assert "RANK" not in child_env({}, 5, node_1, 4242)  # its spare
 
 
 def test_an_exit_reads_as_a_status_or_a_signal():
