@@ -39,9 +39,18 @@
 # One node (NODES=1): DeepSpeed starts every rank on this machine whatever host the
 # hostfile names, so the launch skips DeepSpeed's ssh check and rank 0 listens on 127.0.0.1
 # (MASTER_ADDR overrides): no passwordless ssh to this machine is needed.
+#
+# In-job restart (--moc-restart in-job --moc-spares S): instead of DeepSpeed's launcher,
+# every one of the NODES hosts runs scripts/run_elastic.sh GPUS_PER_NODE 0 (MoC's
+# supervisor: GPUS_PER_NODE - S training ranks and S hot spares), started over ssh
+# (SSH: the command, default ssh; one node runs here) with NNODES, NODE_RANK and
+# RDZV_ENDPOINT (MASTER_ADDR, default the first host's name, and MASTER_PORT, default
+# 29500, plus the attempt) and the variables listed above. A crash is recovered in
+# place by a spare of its node; when no spare can (a whole node lost), the attempt
+# fails and MAX_RESTARTS relaunches it on the hosts then left, spare hosts included.
 set -euo pipefail
 if [ $# -lt 6 ]; then
-    sed -n '2,41p' "$0" >&2
+    sed -n '2,50p' "$0" >&2
     exit 2
 fi
 HOSTFILE="$1"; DATA_PATH="$2"; CONFIG="$3"; NODES="$4"; GPUS="$5"; EP="$6"; shift 6
@@ -57,9 +66,28 @@ MAX_RESTARTS="${MAX_RESTARTS:-0}"
 # shellcheck disable=SC1091  # the project's venv, made by scripts/setup_env.sh
 [ -x .venv/bin/python ] && source .venv/bin/activate
 
+restart=relaunch; spares=0; prev=""
+for word in "$@"; do  # what the launch path depends on; the trainer checks both again
+    case "$prev" in --moc-restart) restart="$word" ;; --moc-spares) spares="$word" ;; esac
+    case "$word" in
+        --moc-restart=*) restart="${word#*=}" ;;
+        --moc-spares=*) spares="${word#*=}" ;;
+    esac
+    prev="$word"
+done
+if [ "$restart" = in-job ]; then
+    case "$spares" in *[!0-9]*|'') echo "error: --moc-spares must be an integer >= 0" >&2; exit 2 ;; esac
+    if [ "$spares" -ge "$GPUS" ]; then
+        echo "error: --moc-spares $spares leaves no training rank of GPUS_PER_NODE $GPUS" >&2
+        exit 2
+    fi
+    # checked as the supervisor starts them: its store named, the spares left out
+    export MOC_RESTART_STORE="${MOC_RESTART_STORE:-127.0.0.1:29500}"
+fi
 # The trainer's flags, checked once here: a flag it refuses, or a tokenizer without its
 # files, would otherwise stop every rank of every node after the launch.
 python -m megatron.training.launch_check "$CONFIG" "$DATA_PATH" "$EP" "$@" || exit 2
+unset MOC_RESTART_STORE  # the supervisor sets it for its processes
 # TORCH_NCCL_ASYNC_ERROR_HANDLING is the current name (NCCL_ASYNC_ERROR_HANDLING is
 # deprecated); a value given under the old name still counts.
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-${NCCL_ASYNC_ERROR_HANDLING:-1}}"
@@ -156,6 +184,44 @@ print(hosts[0])
 PY
 }
 
+# One attempt of an in-job launch: run_elastic.sh on each of the first NODES hosts of
+# $1 (the attempt's hostfile), rank 0's being $2, the attempt's number $3, the trainer's
+# flags after; waits for every node's, returns the first non-zero status.
+launch_in_job() {
+    local hostfile="$1" first="$2" try="$3"; shift 3
+    local -a cmd=(bash scripts/run_elastic.sh "$GPUS" 0 --config "$CONFIG"
+                  --data-path "$DATA_PATH" --moe-expert-parallel-size "$EP" "$@"
+                  --moc-restart-count "$try")
+    local port=$(( ${MASTER_PORT:-29500} + try ))
+    if [ "$NODES" = 1 ]; then
+        MASTER_PORT="$port" "${cmd[@]}"
+        return
+    fi
+    local addr="${MASTER_ADDR:-$first}" node=0 host remote status=0 pid rc line
+    [ "$first" = "$FIRST_HOST" ] || addr="$first"
+    local -a pids=() hosts
+    mapfile -t hosts < <(awk '!/^[[:space:]]*#/ && $2 ~ /^slots=/ {print $1}' "$hostfile" \
+                         | head -n "$NODES")
+    for host in "${hosts[@]}"; do
+        # the variables the deepspeed launcher would have sent, then this node's place
+        remote="cd $(printf %q "$PWD") && env"
+        while IFS= read -r line; do
+            [ -n "$line" ] && remote+=" $(printf %q "$line")"
+        done < "$DS_ENV_FILE"
+        remote+=" NNODES=${#hosts[@]} NODE_RANK=$node RDZV_ENDPOINT=$(printf %q "$addr:$port")"
+        remote+="$(printf ' %q' "${cmd[@]}")"
+        ${SSH:-ssh} "$host" "$remote" &
+        pids+=("$!")
+        node=$((node + 1))
+    done
+    for pid in "${pids[@]}"; do
+        rc=0
+        wait "$pid" || rc=$?
+        [ "$status" != 0 ] || status="$rc"
+    done
+    return "$status"
+}
+
 FIRST_HOST="$(hostfile_without "")" || exit 2
 attempt=0
 while true; do
@@ -190,10 +256,14 @@ while true; do
     # The attempt number as a flag: the launcher carries only some of its environment
     # (NCCL_*, PYTHON*, ...) to other nodes' ranks, which then all counted as attempt 0
     # and ETTR covered only the last attempt.
-    "${DEEPSPEED:-deepspeed}" --hostfile "$hostfile" --num_nodes "$NODES" \
-        --num_gpus "$GPUS" "${master[@]}" pretrain_gpt_moe.py --config "$CONFIG" \
-        --data-path "$DATA_PATH" --moe-expert-parallel-size "$EP" "$@" \
-        --moc-restart-count "$attempt" || status=$?
+    if [ "$restart" = in-job ]; then
+        launch_in_job "$hostfile" "$first" "$attempt" "$@" || status=$?
+    else
+        "${DEEPSPEED:-deepspeed}" --hostfile "$hostfile" --num_nodes "$NODES" \
+            --num_gpus "$GPUS" "${master[@]}" pretrain_gpt_moe.py --config "$CONFIG" \
+            --data-path "$DATA_PATH" --moe-expert-parallel-size "$EP" "$@" \
+            --moc-restart-count "$attempt" || status=$?
+    fi
     if [ "$status" = 0 ] || [ "$status" = 2 ] || [ "$attempt" -ge "$MAX_RESTARTS" ]; then
         exit "$status"  # done, bad input (a restart would fail the same way), or out of restarts
     fi

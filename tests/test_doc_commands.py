@@ -110,6 +110,12 @@ RUN_BY = {
     "--moc-snapshot-interval 1 --moc-restart in-job --moc-spares 1":
         "tests/training/test_restart.py::"
         "test_in_job_restart_a_spare_of_its_node_takes_the_crashed_rank_and_the_survivor_lives_on",
+    "MAX_RESTARTS=3 bash scripts/launch_cluster.sh hostfile data/web_text_document "
+    "configs/small.yaml 2 8 2 --global-batch-size 56 "
+    "--save ckpt --load ckpt --moc-checkpoint --moc-two-level --moc-restart in-job "
+    "--moc-spares 1":
+        "tests/test_launch_scripts.py::"
+        "test_an_in_job_launch_runs_one_supervisor_per_host_and_relaunches_on_the_next_port",
     "python -m deepspeed_ext.supervisor --nproc 2 --spares 1 --nnodes 2 --node-rank 1 "
     "--master-addr NODE0 --port 29500 -- PROGRAM [ARGS...]":
         "tests/deepspeed_ext/supervisor/test_supervisor.py::"

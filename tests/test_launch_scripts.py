@@ -39,7 +39,8 @@ def _clean_env(**extra):
     return env
 
 
-def _run(tmp_path, exit_codes, max_restarts, extra_env=None, hosts=HOSTS, nodes=2, gpus=8):
+def _run(tmp_path, exit_codes, max_restarts, extra_env=None, hosts=HOSTS, nodes=2, gpus=8,
+         flags=("--save", "ckpt")):
     """launch_cluster.sh HOSTFILE corpus configs/tiny.yaml NODES GPUS 8 --save ckpt; returns
     the process, each launch's arguments, and what DeepSpeed's runner made of each."""
     tmp_path.mkdir(exist_ok=True)
@@ -57,7 +58,7 @@ def _run(tmp_path, exit_codes, max_restarts, extra_env=None, hosts=HOSTS, nodes=
                      EXIT_CODES=" ".join(map(str, exit_codes)), MAX_RESTARTS=str(max_restarts),
                      RESTART_DELAY="0", **(extra_env or {}))
     proc = subprocess.run(["bash", "scripts/launch_cluster.sh", str(hostfile), str(data),
-                           "configs/tiny.yaml", str(nodes), str(gpus), "8", "--save", "ckpt"],
+                           "configs/tiny.yaml", str(nodes), str(gpus), "8", *flags],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     launches = (state / "launches").read_text().splitlines() if (state / "launches").exists() else []
     records = [json.loads(line) for line in (state / "launches.jsonl").read_text().splitlines()] \
@@ -149,6 +150,49 @@ def test_master_address_and_port_reach_the_launcher(tmp_path):
     proc, launches, _ = _run(tmp_path / "bad", [0], max_restarts=0,
                              extra_env={"MASTER_PORT": "29k"})
     assert proc.returncode == 2 and not launches and "MASTER_PORT must be an integer" in proc.stderr
+
+
+IN_JOB = ("--moc-checkpoint", "--save", "ckpt", "--load", "ckpt", "--moc-restart", "in-job",
+          "--moc-spares", "1")
+FAKE_SSH = """#!/bin/sh
+"{python}" -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "$@" >> "{state}/ssh.jsonl"
+case "$2" in *":29500 "*) exit 1 ;; esac
+"""
+
+
+def test_an_in_job_launch_runs_one_supervisor_per_host_and_relaunches_on_the_next_port(
+        tmp_path):
+    """--moc-restart in-job: each of the first NODES hosts runs run_elastic.sh over ssh (a
+    stand-in records each call; every call of the first attempt fails, as every node's
+    supervisor does when the job cannot go on in place) with its node rank, node 0's
+    address and the attempt's port, the MOC_* variables and the trainer's flags; the
+    relaunch uses the next port. DeepSpeed's launcher is not used."""
+    import shlex
+    state = tmp_path / "state"
+    ssh = _executable(tmp_path / "ssh", FAKE_SSH.format(python=sys.executable, state=state))
+    proc, launches, _ = _run(tmp_path, [], max_restarts=1, gpus=3, flags=IN_JOB,
+                             extra_env={"SSH": str(ssh), "MOC_TEST_VALUE": "a b"})
+    assert proc.returncode == 0, proc.stderr
+    assert launches == []  # no deepspeed launcher
+    calls = [json.loads(line) for line in (state / "ssh.jsonl").read_text().splitlines()]
+    assert sorted(host for host, _ in calls) == ["node-a", "node-a", "node-b", "node-b"]
+    for host, remote in calls:
+        words = shlex.split(remote)
+        assert words[:4] == ["cd", str(REPO), "&&", "env"], remote
+        attempt = int(words[-1])
+        node = {"node-a": "0", "node-b": "1"}[host]
+        assert "MOC_TEST_VALUE=a b" in words and "NNODES=2" in words
+        assert f"NODE_RANK={node}" in words
+        assert f"RDZV_ENDPOINT=node-a:{29500 + attempt}" in words
+        start = words.index("bash")
+        assert words[start:start + 6] == ["bash", "scripts/run_elastic.sh", "3", "0",
+                                          "--config", "configs/tiny.yaml"]
+        assert words[-len(IN_JOB) - 2:] == [*IN_JOB, "--moc-restart-count", str(attempt)]
+    assert sorted(int(shlex.split(r)[-1]) for _, r in calls) == [0, 0, 1, 1]
+    assert "restart 1 of 1" in proc.stderr
+    proc, _, _ = _run(tmp_path / "bad", [], max_restarts=0, gpus=3,
+                      flags=(*IN_JOB[:-1], "3"), extra_env={"SSH": str(ssh)})
+    assert proc.returncode == 2 and "--moc-spares 3 leaves no training rank" in proc.stderr
 
 
 def test_moc_omp_and_torch_nccl_variables_reach_other_nodes(tmp_path):

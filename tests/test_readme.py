@@ -352,7 +352,9 @@ def _launch_world(script: str, positional: List[str], flags: Sequence[str] = (),
         return (nproc - spares) * nodes if nproc and nodes and spares is not None else None
     if script == "scripts/launch_cluster.sh":
         nodes, gpus = _int(positional[3]), _int(positional[4])
-        return nodes * gpus if nodes and gpus else None
+        spares = (_int(flags[flags.index("--moc-spares") + 1])
+                  if "--moc-spares" in flags[:-1] and "in-job" in flags else 0)
+        return nodes * (gpus - spares) if nodes and gpus and spares is not None else None
     return None  # the fixed layouts: tests/test_doc_commands.py launches them
 
 
@@ -408,7 +410,7 @@ def shell_problems(args: List[str], env: Optional[Dict[str, str]] = None) -> Lis
         return [f"{script} takes {least}-{most} positional words and "
                 f"{'flags' if rest else 'no flags'}: got {' '.join(words)}"]
     if rest == "trainer":
-        with _under_supervisor(script == "scripts/run_elastic.sh" and "in-job" in flags):
+        with _under_supervisor("in-job" in flags):
             return trainer_problems(_launch_argv(script, positional, flags),
                                     _launch_world(script, positional, flags, env))
     if rest == "scripts/gpu_check.py":
