@@ -72,7 +72,8 @@ if [ "$restart" = in-job ]; then
         # each attempt's store on a port of its own: a node relaunched early must not join
         # the store the failed attempt's node 0 still serves while its nodes leave
         [ "$port" -gt 0 ] && PORT=(--port "$((port + attempt))") || PORT=()
-        python -m deepspeed_ext.supervisor "${NODES[@]}" "${PORT[@]}" \
+        # the attempt, for the event file and the ETTR (each round adds its own number)
+        MOC_RESTART_COUNT="$attempt" python -m deepspeed_ext.supervisor "${NODES[@]}" "${PORT[@]}" \
             --nproc "$((NPROC - spares))" --spares "$spares" -- pretrain_gpt_moe.py "$@" \
             || status=$?
         # 0 done, 2 bad input, 128+N stopped by a signal (Ctrl-C): no relaunch helps

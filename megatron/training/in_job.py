@@ -161,8 +161,7 @@ def enter_round(assignment: rounds.RoundAssignment, slot: int) -> int:
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or assignment.world_size)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank % per_node),
                       WORLD_SIZE=str(assignment.world_size),
-                      **{rounds.ROUND_ENV: str(assignment.round),
-                         "MOC_RESTART_COUNT": str(assignment.round)})
+                      **{rounds.ROUND_ENV: str(assignment.round)})
     return rank
 
 

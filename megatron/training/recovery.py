@@ -251,14 +251,20 @@ def restart_count(args: Optional[argparse.Namespace] = None) -> int:
     """Which attempt of the job this is: ``--moc-restart-count`` (scripts/launch_cluster.sh
     passes it: the DeepSpeed launcher does not carry its own environment to other
     nodes' ranks), else torchrun's elastic agent's ``TORCHELASTIC_RESTART_COUNT``, else
-    ``MOC_RESTART_COUNT``."""
+    ``MOC_RESTART_COUNT``; plus, under ``--moc-restart in-job``, the recovery round this
+    process trains in (``MOC_ROUND``): a round after a failure is a restart too, and the
+    ETTR takes the job's start from the one start with 0 (when round 1 of a launch that
+    passed ``--moc-restart-count 0`` counted 0 as well, its start hid the failure)."""
+    from deepspeed_ext.runtime.rounds import ROUND_ENV
+    recovery_round = os.environ.get(ROUND_ENV, "")
+    extra = int(recovery_round) if recovery_round.isdigit() else 0
     given = getattr(args, "moc_restart_count", None)
     if given is not None:
-        return int(given)
+        return int(given) + extra
     for key in ("TORCHELASTIC_RESTART_COUNT", "MOC_RESTART_COUNT"):
         if os.environ.get(key, "").isdigit():
-            return int(os.environ[key])
-    return 0
+            return int(os.environ[key]) + extra
+    return extra
 
 
 _FAULTS_TRAINED_THROUGH = ("slow", "slow-compute", "persist-crash")

@@ -85,6 +85,12 @@ def test_restart_count_comes_from_the_flag_before_the_environment(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     assert restart_count(parse_args(BASE)) == 2
     assert restart_count(parse_args(BASE + ["--moc-restart-count", "5"])) == 5
+    monkeypatch.setenv("MOC_ROUND", "2")  # an in-job round: a restart within the attempt
+    assert restart_count(parse_args(BASE + ["--moc-restart-count", "0"])) == 2
+    assert restart_count(parse_args(BASE)) == 4
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    monkeypatch.delenv("MOC_RESTART_COUNT")
+    assert restart_count(parse_args(BASE)) == 2
     with pytest.raises(ConfigError, match="--moc-restart-count must be >= 0"):
         validate_args(parse_args(BASE + ["--moc-restart-count", "-1"]), 1)
 
