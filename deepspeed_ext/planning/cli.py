@@ -29,8 +29,8 @@ from deepspeed_ext.cli.entry_point import ENTRY_POINT, ask_entry_point, find_ent
 from deepspeed_ext.planning import costs as cm
 from deepspeed_ext.planning import restart_cli as rc
 from deepspeed_ext.planning.restart import RestartPlan
-from deepspeed_ext.planning.search import (IN_JOB_REFUSES, Constraints, in_job_kinds,
-                                           recommend, recommend_restart, restart_plans)
+from deepspeed_ext.planning.search import (Constraints, recommend, recommend_restart,
+                                           restart_plans)
 from deepspeed_ext.planning.simulate import load_trace, simulate_many
 from deepspeed_ext.planning.tables import (describe, plot_sweep, print_policies,
                                            print_simulation)
@@ -198,9 +198,6 @@ def cmd_recommend(opts) -> int:
           f"memory; PLT limit {constraints.plt_limit:.2%}; policies under the chosen "
           f"restart: {chosen.plan.label(node)}\n")
     rows = print_policies(chosen.choices)
-    if chosen.plan.in_job and set(kinds) - set(in_job_kinds(kinds)):
-        print(f"({', '.join(k for k in kinds if k in IN_JOB_REFUSES)}: the trainer refuses "
-              f"it with --moc-restart in-job)")
     print()
     restart_rows = rc.print_restart_table(ranked, layout)
     best = chosen.best
@@ -277,16 +274,8 @@ def _simulate_policies(opts, model, layout, hw, mtbf: float, plan: RestartPlan):
         PlanError: naming the ``--policy`` or ``--policies`` the trainer refuses.
     """
     kinds = opts.policies.split(",")
-    if plan.in_job and not opts.policy:
-        kinds = in_job_kinds(kinds)
-        if not kinds:
-            raise PlanError(f"--policies {opts.policies}: the trainer refuses each of them "
-                            f"with --moc-restart in-job (--restart in-job)")
     explicit = [parse_policy(p) for p in opts.policy or []]
     for text, p in zip(opts.policy or [], explicit):
-        if plan.in_job and p.kind in IN_JOB_REFUSES:
-            raise PlanError(f"--policy {text}: the trainer refuses --moc-mode {p.kind} with "
-                            f"--moc-restart in-job (--restart in-job; use two-level)")
         try:
             cm.policy_costs(p, model, layout, hw, mtbf)
         except ValueError as err:
@@ -339,9 +328,6 @@ def cmd_simulate(opts) -> int:
     if plan.in_job:
         print(rc.in_job_line(plan, model, layout, hw) + "\n")
     print_simulation(table, plan.in_job)
-    refused = [k for k in opts.policies.split(",") if k in IN_JOB_REFUSES]
-    if plan.in_job and refused and not opts.policy:
-        print(f"({', '.join(refused)}: the trainer refuses it with --moc-restart in-job)")
     if opts.json:
         _write_json("--json", opts.json, {
             "model": asdict(model), "layout": asdict(layout), "hardware": asdict(hw),

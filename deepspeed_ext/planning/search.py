@@ -139,16 +139,6 @@ def recommend(model: ModelShape, layout: Layout, hw: Hardware, mtbf_s: float,
     return sorted(choices, key=lambda c: -(c.best.ettr if c.best else -1.0))
 
 
-IN_JOB_REFUSES = ("exact",)
-"""Families the trainer refuses with ``--moc-restart in-job`` (``--moc-mode exact``, for
-now: ``megatron/training/args/restart.py``)."""
-
-
-def in_job_kinds(kinds: Sequence[str]) -> List[str]:
-    """``kinds`` less the families the trainer refuses with an in-job restart."""
-    return [k for k in kinds if k not in IN_JOB_REFUSES]
-
-
 def restart_plans(layout: Layout, max_spare_nodes: int, phases: InJobPhases,
                   repair_s: float) -> List[RestartPlan]:
     """A relaunch, then an in-job restart with 1 .. ``max_spare_nodes`` whole spare nodes
@@ -184,14 +174,13 @@ class RestartChoice:
 def recommend_restart(model: ModelShape, layout: Layout, hw: Hardware, mtbf_s: float,
                       constraints: Constraints, kinds: Sequence[str],
                       plans: Sequence[RestartPlan]) -> List[RestartChoice]:
-    """:func:`recommend` under each plan (in-job plans without the families the trainer
-    refuses with them), best effective throughput first (ties: fewer spares).
+    """:func:`recommend` under each plan, best effective throughput first (ties: fewer
+    spares).
 
     Raises:
         ValueError: MTBF <= 0 or an unknown family.
     """
-    out = [RestartChoice(plan, tuple(recommend(model, layout, hw, mtbf_s, constraints,
-                                               in_job_kinds(kinds) if plan.in_job else kinds,
+    out = [RestartChoice(plan, tuple(recommend(model, layout, hw, mtbf_s, constraints, kinds,
                                                plan)), layout.gpus)
            for plan in plans]
     return sorted(out, key=lambda c: (-round(c.effective, 9), c.plan.spares))

@@ -46,6 +46,3 @@ def check_restart(args: argparse.Namespace, world_size: int) -> None:
     if not (args.moc_checkpoint and args.save and args.load == args.save):
         raise ConfigError("--moc-restart in-job needs --moc-checkpoint and --load equal to "
                           "--save (each round resumes from the newest checkpoint there)")
-    if getattr(args, "moc_mode", "pec") == "exact":
-        raise ConfigError("--moc-restart in-job does not combine with --moc-mode exact yet "
-                          "(use --moc-two-level)")

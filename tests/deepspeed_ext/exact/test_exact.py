@@ -1,5 +1,5 @@
-"""Exact recovery end to end: a crash in the middle of a window, torchrun's restart, and
-sparse-to-dense replay; the run must end with every tensor of the uninterrupted run,
+"""Exact recovery end to end: a crash in the middle of a window, torchrun's restart or an
+in-job one, and sparse-to-dense replay; the run must end with every tensor of the uninterrupted run,
 to the bit (parameters and optimizer state, 2 and 4 ranks, fp32 and bf16)."""
 
 import json
@@ -50,8 +50,13 @@ def reference(tmp_path_factory, corpus):
     return get
 
 
-def _crashed(tmp_path, corpus, extra, nproc, faults, restarts=3, ok=True):
+def _crashed(tmp_path, corpus, extra, nproc, faults, restarts=3, ok=True, spares=0):
+    """The job under run_elastic.sh with ``faults``; with ``spares``, restarted in-job
+    (MoC's supervisor, that many hot spares, no relaunch)."""
     ckpt = tmp_path / "ckpt"
+    if spares:
+        extra = [*extra, "--moc-restart", "in-job", "--moc-spares", str(spares)]
+        nproc, restarts = nproc + spares, 0
     cmd = ["bash", "scripts/run_elastic.sh", str(nproc), str(restarts), *BASE, *extra,
            "--data-path", corpus, "--save", str(ckpt), "--load", str(ckpt),
            "--metrics-file", str(tmp_path / "m.jsonl"), *faults]
@@ -81,12 +86,16 @@ def _train_losses(path):
 ])
 def test_crash_mid_window_replays_to_the_bit(tmp_path, corpus, reference, nproc, extra):
     """W = 3, frames from iteration 0: the crash at the top of iteration 9 (8 steps done)
-    finds windows [0..2] and [3..5] complete and [6..8] not; the restart replays 6 from
-    frame 6's window... no: from the newest complete one, [3..5], then trains on."""
+    finds windows [0..2] and [3..5] complete and [6..8] not; the recovery replays from the
+    newest complete one, [3..5], then trains on. Recovered in-job (one hot spare takes
+    rank 1, the survivor keeps its process and both replay from the node's memory); the
+    relaunch's replay from memory is the next test's."""
     if "--bf16" in extra:
         skip_without("bf16", "the replays below check fp32 to the bit")
     ref = reference(extra, nproc)
-    ckpt, out, events = _crashed(tmp_path, corpus, extra, nproc, ["--moc-fault", "crash@9:rank=1"])
+    ckpt, out, events = _crashed(tmp_path, corpus, extra, nproc, ["--moc-fault", "crash@9:rank=1"],
+                                 spares=1)
+    assert "[moc supervisor] slot 1 (rank 1, pid " in out and "rank 1 -> slot 2 (spare)" in out
     recoveries = [e for e in events if e["kind"] == "recovery"]
     assert len(recoveries) == 1, events
     # The keeper kept the frames in memory across the crash.
