@@ -17,7 +17,8 @@ The store keys (all under :data:`PREFIX`): ``round/<r>`` the round's
 ``kill/<r>/<rank>`` a request to kill round ``r``'s training rank ``rank`` (a watchdog
 found it hung; the value says why) and ``kill/<r>`` their count, which the supervisor
 polls; ``claim/<r>`` which node's supervisor writes round ``r``; ``finished`` the training
-processes that exited 0 and ``left`` the supervisors done with the store. Plain data and
+processes that exited 0, ``left`` the supervisors done with the store and
+``node/<n>/beats`` node ``n``'s supervisor's heartbeat. Plain data and
 pure functions here (the supervisor writes, the trainer reads); nothing
 from the store is trusted before :meth:`RoundAssignment.from_json` checks it.
 """
@@ -25,7 +26,7 @@ from the store is trusted before :meth:`RoundAssignment.from_json` checks it.
 import json
 import math
 from dataclasses import dataclass
-from typing import Iterable, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Set, Tuple
 
 PREFIX = "moc/restart/"
 CURRENT_KEY = PREFIX + "current"
@@ -73,6 +74,11 @@ def claim_key(round_number: int) -> str:
     1). With one supervisor per node, two deaths on two nodes at once would otherwise
     write two different records under one round number."""
     return f"{PREFIX}claim/{round_number}"
+
+
+def node_beat_key(node: int) -> str:
+    """Node ``node``'s supervisor's beat counter (``store.add``), which node 0's watches."""
+    return f"{PREFIX}node/{node}/beats"
 
 
 def round_key(round_number: int) -> str:
@@ -167,18 +173,21 @@ class RoundAssignment:
         return record
 
 
-def first_round(nproc: int, spares: int, nodes: int = 1) -> RoundAssignment:
+def first_round(nproc: int, spares: int, nodes: int = 1, spare_nodes: int = 0) -> RoundAssignment:
     """Round 0 of a launch of ``nodes`` nodes, each starting ``nproc + spares`` processes:
     node ``n``'s slots are ``n * (nproc + spares)`` onwards, its first ``nproc`` train as
     ranks ``n * nproc`` onwards (ranks fill nodes in order, as the keepers and the
-    redundancy placement expect) and its last ``spares`` wait. One node: slot ``i`` trains
-    as rank ``i``."""
-    if nproc < 1 or spares < 0 or nodes < 1:
-        raise ValueError(f"{nproc} training processes and {spares} spares on {nodes} nodes")
-    launched = nproc + spares
+    redundancy placement expect) and its last ``spares`` wait; the last ``spare_nodes``
+    nodes train nothing (every slot of theirs waits, to take a lost node's ranks). One
+    node: slot ``i`` trains as rank ``i``."""
+    if nproc < 1 or spares < 0 or nodes < 1 or not 0 <= spare_nodes < nodes:
+        raise ValueError(f"{nproc} training processes and {spares} spares on {nodes} nodes, "
+                         f"{spare_nodes} of them spare")
+    launched, training = nproc + spares, nodes - spare_nodes
     return RoundAssignment(
-        0, tuple(n * launched + i for n in range(nodes) for i in range(nproc)),
-        tuple(n * launched + nproc + j for n in range(nodes) for j in range(spares)))
+        0, tuple(n * launched + i for n in range(training) for i in range(nproc)),
+        tuple(n * launched + nproc + j for n in range(training) for j in range(spares))
+        + tuple(range(training * launched, nodes * launched)))
 
 
 def node_of_slot(slot: int, launched: int) -> int:
@@ -191,12 +200,19 @@ def next_round(previous: RoundAssignment, dead: Iterable[int],
     """The round after ``previous`` once the slots ``dead`` died: each dead training slot's
     rank goes to the first waiting spare that is alive, in rank order; dead spares leave
     the waiting list. With ``launched`` (processes per node), only a spare of the dead
-    slot's own node may take its rank: its state is in that node's keeper, and the rank
-    stays where the node layout puts it. None when the spares alive are fewer than the
-    dead training slots (the job cannot go on in place: relaunch it)."""
+    slot's own node may take its rank (its state is in that node's keeper, and the rank
+    stays where the node layout puts it), except when every training slot of a node
+    died and its own spares cannot take them all: then a spare node (every slot of it
+    waiting) takes the node's ranks in order, its other slots becoming that node's
+    spares. None when no spare can take a dead rank (the job cannot go on in place:
+    relaunch it)."""
     dead = set(dead)
     waiting = [s for s in previous.spares if s not in dead]
     slots = list(previous.slots)
+    if launched is not None:
+        for rank, slot in _spare_node_moves(previous, dead, waiting, launched).items():
+            slots[rank] = slot
+            waiting.remove(slot)
     for rank, slot in enumerate(slots):
         if slot in dead:
             usable = [s for s in waiting if launched is None
@@ -208,3 +224,22 @@ def next_round(previous: RoundAssignment, dead: Iterable[int],
     return RoundAssignment(previous.round + 1, tuple(slots), tuple(waiting),
                            tuple(sorted(s for s in dead
                                         if s in previous.slots or s in previous.spares)))
+
+
+def _spare_node_moves(previous: RoundAssignment, dead: Set[int], waiting: List[int],
+                      launched: int) -> Dict[int, int]:
+    """{rank: slot} moving each node whose training slots all died, and whose own live
+    spares are too few, onto a spare node's first slots (lowest spare node first)."""
+    moves: Dict[int, int] = {}
+    free = [n for n in sorted({node_of_slot(s, launched) for s in waiting})
+            if all(n * launched + i in waiting for i in range(launched))]
+    by_node: Dict[int, List[int]] = {}
+    for rank, slot in enumerate(previous.slots):
+        by_node.setdefault(node_of_slot(slot, launched), []).append(rank)
+    for node, ranks in sorted(by_node.items()):
+        own = [s for s in waiting if node_of_slot(s, launched) == node]
+        if not free or not all(previous.slots[r] in dead for r in ranks) or len(own) >= len(ranks):
+            continue
+        target = free.pop(0)
+        moves.update({rank: target * launched + i for i, rank in enumerate(ranks)})
+    return moves

@@ -5,7 +5,7 @@ Every process of the launch has a *slot* (its index in the whole job, ``MOC_SLOT
 ranks with the variables torchrun sets (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); its ``S`` spares after them get
 the same less ``RANK`` and ``LOCAL_RANK`` (a spare learns its rank from the round that
-gives it one). Every process gets the store's address (``MOC_RESTART_STORE``).
+gives it one), as does every process of a spare node. Every process gets the store's address (``MOC_RESTART_STORE``).
 """
 
 import signal
@@ -64,7 +64,7 @@ def child_env(base: Mapping[str, str], slot: int, options: SupervisorOptions,
                 "WORLD_SIZE": str(options.world_size), "LOCAL_WORLD_SIZE": str(options.nproc),
                 "MASTER_ADDR": host, "MASTER_PORT": str(port)})
     local = slot - options.own_slots.start
-    if local < options.nproc:
+    if local < options.nproc and not options.spare_node:
         env.update(RANK=str(options.node_rank * options.nproc + local), LOCAL_RANK=str(local))
     return env
 

@@ -47,15 +47,17 @@ from typing import Dict, List, Optional, Set
 
 import torch.distributed as dist
 
-from deepspeed_ext.runtime.rounds import (CURRENT_KEY, DONE_KEY, FINISHED_KEY, LEFT_KEY,
-                                          MAX_REASON_BYTES, RoundAssignment, claim_key,
-                                          first_round, kill_count_key, kill_key, next_round,
-                                          round_key)
+from deepspeed_ext.runtime.rounds import (CURRENT_KEY, DONE_KEY, FINISHED_KEY,
+                                          MAX_REASON_BYTES, RoundAssignment, first_round,
+                                          kill_count_key, kill_key, node_beat_key)
 from deepspeed_ext.supervisor.children import (POLL_S, Child, child_env, describe_exit,
                                                kill_children, signal_children, start_child,
                                                stop_children, wait_children)
+from deepspeed_ext.supervisor.nodes import NodeWatch
 from deepspeed_ext.supervisor.options import SupervisorOptions, program_argv
-from deepspeed_ext.supervisor.store import STORE_TIMEOUT, write_done, write_round
+from deepspeed_ext.supervisor.round_book import RoundBook
+from deepspeed_ext.supervisor.store import (STORE_TIMEOUT, leave_store, write_done,
+                                            write_round)
 
 LOG = logging.getLogger(__name__)
 PREFIX = "[moc supervisor] "
@@ -83,18 +85,27 @@ class Supervisor:
         self.options = options
         self.store = store
         self.port = port
-        self.current: RoundAssignment = first_round(options.nproc, options.spares,
-                                                    options.nnodes)
+        self.book = RoundBook(store, first_round(options.nproc, options.spares,
+                                                 options.nnodes, options.spare_nodes),
+                              options.launched, options.max_rounds)
         self.children: List[Child] = []
         self.finished: Set[int] = set()
         """This node's training slots that exited 0."""
         self.stop_signal: Optional[int] = None
-        self.rounds: List[RoundAssignment] = [self.current]
-        """Every round written, oldest first."""
         self.kills_seen: Dict[int, int] = {}
         """Per round, the kill requests counted so far."""
+        self.nodes = NodeWatch(options.node_timeout_s)
+        """Node 0's: the other nodes' supervisors' beats."""
+        self.fenced: Set[int] = set()
+        """This node's slots a round named failed while they ran (their node was found
+        lost): killed, and their deaths start no round."""
         self.prefix = PREFIX if options.nnodes == 1 else \
             f"[moc supervisor, node {options.node_rank}] "
+
+    @property
+    def current(self) -> RoundAssignment:
+        """The newest round this supervisor knows."""
+        return self.book.current
 
     def run(self) -> int:
         """Write round 0 (node 0; the other nodes wait for it), start this node's
@@ -143,7 +154,9 @@ class Supervisor:
         while True:
             if self.stop_signal is not None:
                 return self.stopped()
+            self.store.add(node_beat_key(self.options.node_rank), 1)
             status = self.follow()
+            status = self.watch_nodes() if status is None else status
             if status is not None:
                 return status
             for child in [c for c in self.children if c.poll()]:
@@ -159,17 +172,60 @@ class Supervisor:
         (0: the job is done; 1: it failed there), else None."""
         if self.store.check([DONE_KEY]):
             return self.ended_elsewhere(self.store.get(DONE_KEY).decode("utf-8", "replace"))
-        self.follow_rounds()
+        self.book.follow()
+        return self.fence()
+
+    def fence(self) -> Optional[int]:
+        """SIGKILL this node's processes a round named failed while they run (node 0 found
+        this node lost: a stalled machine whose ranks were given away must not come back
+        into the job); returns 1 once none of this node's slots is in the job any more."""
+        named = {s for r in self.book.rounds for s in r.failed}
+        stale = [c for c in self.children if c.running and c.slot in named]
+        if stale:
+            self.fenced.update(c.slot for c in stale)
+            LOG.error(f"{self.prefix}ERROR: slot(s) {[c.slot for c in stale]} were given "
+                      "away while running (this node was found lost): killing them")
+            signal_children(stale, signal.SIGKILL)
+        taken = set(self.current.slots) | set(self.current.spares)
+        if self.fenced and not taken & set(self.options.own_slots):
+            kill_children(self.children)
+            return 1
         return None
 
-    def follow_rounds(self) -> None:
-        """Read every round newer than :attr:`current` (written by another node's
-        supervisor: one supervisor never misses its own)."""
-        newest = int(self.store.get(CURRENT_KEY))
-        while self.current.round < newest:
-            self.current = RoundAssignment.from_json(
-                self.store.get(round_key(self.current.round + 1)))
-            self.rounds.append(self.current)
+    def watch_nodes(self) -> Optional[int]:
+        """Node 0's: find the nodes whose supervisors went silent and give their ranks to
+        a spare node; returns 1 when one cannot be (the job then stopped), else None."""
+        if not self.options.serves_store or self.options.nnodes == 1:
+            return None
+        now = time.monotonic()
+        counts = {n: self.store.add(node_beat_key(n), 0)
+                  for n in range(1, self.options.nnodes)}
+        for node in self.nodes.look(counts, now):
+            status = self.node_lost(node, self.nodes.silent_s(node, now))
+            if status is not None:
+                return status
+        return None
+
+    def node_lost(self, node: int, silent_s: float) -> Optional[int]:
+        """Node ``node``'s supervisor has been silent ``silent_s`` s: every slot of that
+        node still in the job dies at once (one round); returns 1 when no spare node can
+        take its ranks (the job then stopped), else None."""
+        self.book.follow()
+        dead = {s for s in self.current.slots + self.current.spares if s in
+                range(node * self.options.launched, (node + 1) * self.options.launched)}
+        who = f"node {node}'s supervisor has been silent for {silent_s:.1f} s: node lost"
+        after = self.book.claim_next(dead)
+        ranks = [r for r, s in enumerate(self.current.slots) if s in dead]
+        if after is None:
+            return self.fail(f"{who} and no spare node can take its ranks {ranks}")
+        if after.round > self.options.max_rounds:
+            return self.fail(f"{who}: round {after.round} would be more than --max-rounds "
+                             f"{self.options.max_rounds} recoveries in place")
+        self.book.publish(after)
+        moved = ", ".join(f"rank {r} -> slot {after.slots[r]}" for r in ranks)
+        LOG.warning(f"{self.prefix}{who}; round {after.round}: {moved or 'no rank'}; "
+                    f"{_spares_left(len(after.spares))}")
+        return None
 
     def kill_requested(self) -> List[int]:
         """SIGKILL each of this node's processes another process asked to end
@@ -178,7 +234,7 @@ class Supervisor:
         joined the new one; its own watchdog asks in the round it is still in); returns
         the slots killed. A death is seen by the watch's next look."""
         killed = []
-        for assignment in self.rounds:
+        for assignment in self.book.rounds:
             count = self.store.add(kill_count_key(assignment.round), 0)
             if count <= self.kills_seen.get(assignment.round, 0):
                 continue
@@ -204,7 +260,9 @@ class Supervisor:
         exit status when the job ends with it, else None."""
         if self.stop_signal is not None:  # its end is the signal passed on: no round
             return self.stopped()
-        self.follow_rounds()
+        if child.slot in self.fenced:  # its round was written when its node was found lost
+            return None
+        self.book.follow()
         rank = self.current.rank_of(child.slot)
         if child.returncode == 0 and rank is not None:
             self.finished.add(child.slot)
@@ -225,18 +283,17 @@ class Supervisor:
             how += " before the job ended"
         who = f"slot {child.slot} ({self._role(child.slot)}, pid {child.pid}) {how}"
         if rank is not None and self.store.add(FINISHED_KEY, 0) > 0:
-            return self.fail(f"{who} after {self._finished_text()} finished: no round can "
-                             "go on without them")
-        after = self.claim_next_round(child.slot)
+            done = (f"slot(s) {sorted(self.finished)}" if self.finished
+                    else "training process(es) of another node")
+            return self.fail(f"{who} after {done} finished: no round can go on without them")
+        after = self.book.claim_next({child.slot})
         if after is None:
             where = " of its node" if self.options.nnodes > 1 else ""
             return self.fail(f"{who} and no spare{where} is left to take rank {rank}")
         if after.round > self.options.max_rounds:
             return self.fail(f"{who}: round {after.round} would be more than --max-rounds "
                              f"{self.options.max_rounds} recoveries in place")
-        write_round(self.store, after)
-        self.current = after
-        self.rounds.append(after)
+        self.book.publish(after)
         change = (f"rank {rank} -> slot {after.slots[rank]} (spare)" if rank is not None
                   else "the spare is dropped")
         left = _spares_left(len(after.spares))
@@ -244,34 +301,6 @@ class Supervisor:
             left += f", {sum(s in self.options.own_slots for s in after.spares)} on this node"
         LOG.info(f"{self.prefix}{who}: round {after.round}, {change}; {left}")
         return None
-
-    def claim_next_round(self, slot: int) -> Optional[RoundAssignment]:
-        """The round after the newest once ``slot`` died, claimed for this supervisor to
-        write (``claim_key``: when another node's claimed that number first, wait for its
-        round and build on it); None when no spare can take the rank, and past
-        ``max_rounds`` the unclaimed round (the caller fails either way)."""
-        while True:
-            self.follow_rounds()
-            after = next_round(self.current, {slot}, self.options.launched)
-            if after is None or after.round > self.options.max_rounds:
-                return after
-            if self.store.add(claim_key(after.round), 1) == 1:
-                return after
-            self.wait_for_round(after.round)
-
-    def wait_for_round(self, number: int) -> None:
-        """Wait until round ``number`` is current (another node's supervisor claimed it
-        and writes it at once).
-
-        Raises:
-            dist.DistError: not within the store's timeout (that supervisor died between
-                its claim and its write): the job cannot agree on a round.
-        """
-        deadline = time.monotonic() + STORE_TIMEOUT.total_seconds()
-        while int(self.store.get(CURRENT_KEY)) < number:
-            if time.monotonic() > deadline:
-                raise dist.DistStoreError(f"round {number} was claimed but never written")
-            time.sleep(POLL_S)
 
     def finish(self) -> int:
         """Every training process of the round exited 0: release the spares; returns 0."""
@@ -311,23 +340,13 @@ class Supervisor:
         return 1
 
     def leave(self) -> None:
-        """Say this supervisor is done with the store; node 0's, which serves it, waits
-        until every node's has left (each reads ``done`` within ``POLL_S`` and then
-        gives its processes ``grace_s``), so none loses the store while it still needs it."""
+        """Leave the store (:func:`~deepspeed_ext.supervisor.store.leave_store`); node 0's
+        waits for every node's, each of which gives its processes ``grace_s`` first."""
         try:
-            left = self.store.add(LEFT_KEY, 1)
-            deadline = time.monotonic() + 2 * self.options.grace_s + 10.0
-            while self.options.serves_store and left < self.options.nnodes \
-                    and time.monotonic() < deadline:
-                time.sleep(POLL_S)
-                left = self.store.add(LEFT_KEY, 0)
+            leave_store(self.store, self.options.nnodes, self.options.serves_store,
+                        2 * self.options.grace_s + 10.0)
         except dist.DistError as err:  # leaving cannot fail the job: it ended already
             LOG.warning(f"{self.prefix}WARNING: could not leave the job's store ({err})")
-
-    def _finished_text(self) -> str:
-        if self.finished:
-            return f"slot(s) {sorted(self.finished)}"
-        return "training process(es) of another node"
 
     def fail(self, why: str, status: int = 1, relaunch: str = RELAUNCH) -> int:
         """No round can go on: ``done`` says why, every process is stopped; returns

@@ -1,7 +1,8 @@
 """The supervisor's entry point: check the command line, serve the store, run the job.
 
     python -m deepspeed_ext.supervisor --nproc N --spares S [--max-rounds R] [--port P]
-        [--grace-s G] [--nnodes M --node-rank I --master-addr HOST] -- PROGRAM [ARGS...]
+        [--grace-s G] [--nnodes M --node-rank I --master-addr HOST [--spare-nodes K]
+        [--node-timeout S]] -- PROGRAM [ARGS...]
 
 Exit status: 0 every training process exited 0; 1 the job stopped (no round could replace
 a dead process: relaunch it); 2 bad input, nothing started (``error: ...`` names the

@@ -1,10 +1,12 @@
 """The supervisor's command line, checked before anything starts (no store, no process):
 
     python -m deepspeed_ext.supervisor --nproc N --spares S [--max-rounds R] [--port P]
-        [--grace-s G] [--nnodes M --node-rank I --master-addr HOST] -- PROGRAM [ARGS...]
+        [--grace-s G] [--nnodes M --node-rank I --master-addr HOST [--spare-nodes K]
+        [--node-timeout S]] -- PROGRAM [ARGS...]
 
 Several nodes: the same command on every node, each with its ``--node-rank``; node 0's
-supervisor serves the job's store at ``--master-addr:--port``, the others join it.
+supervisor serves the job's store at ``--master-addr:--port``, the others join it; the
+last ``--spare-nodes`` nodes wait whole to take a lost node's ranks.
 
 Bad input prints ``error: ...`` naming the flag on stderr and exits 2. Nothing here
 imports torch, so a mistyped flag answers at once.
@@ -19,7 +21,8 @@ from typing import List, Mapping, Optional, Sequence, Tuple
 
 PROG = "python -m deepspeed_ext.supervisor"
 USAGE = (f"{PROG} --nproc N --spares S [--max-rounds R] [--port P] [--grace-s G] "
-         "[--nnodes M --node-rank I --master-addr HOST] -- PROGRAM [ARGS...]")
+         "[--nnodes M --node-rank I --master-addr HOST [--spare-nodes K] [--node-timeout S]] "
+         "-- PROGRAM [ARGS...]")
 LOCALHOST = "127.0.0.1"
 """The store's address on one node (``--master-addr``'s default there)."""
 MAX_PORT = 65535
@@ -47,6 +50,10 @@ class SupervisorOptions:
     """Nodes of the job, one supervisor each."""
     node_rank: int = 0
     """This node's index: its slots are ``node_rank * launched`` onwards."""
+    spare_nodes: int = 0
+    """The last this many nodes train nothing: each waits whole to take a lost node's ranks."""
+    node_timeout_s: float = 5.0
+    """Node 0's supervisor finds a node lost once its supervisor has not beaten for this long."""
 
     @property
     def launched(self) -> int:
@@ -56,7 +63,12 @@ class SupervisorOptions:
     @property
     def world_size(self) -> int:
         """Training processes of the whole job."""
-        return self.nproc * self.nnodes
+        return self.nproc * (self.nnodes - self.spare_nodes)
+
+    @property
+    def spare_node(self) -> bool:
+        """Whether this node is a spare node (every process of it waits)."""
+        return self.node_rank >= self.nnodes - self.spare_nodes
 
     @property
     def own_slots(self) -> range:
@@ -92,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="nodes of the job, one supervisor each (default 1)")
     parser.add_argument("--node-rank", type=int, default=0, metavar="I",
                         help="this node's index, 0 to M-1; node 0 serves the store (default 0)")
+    parser.add_argument("--spare-nodes", type=int, default=0, metavar="K",
+                        help="the last K of the M nodes are spare nodes: every process of "
+                             "theirs waits, and one takes a lost node's ranks (default 0)")
+    parser.add_argument("--node-timeout", type=float, default=5.0, metavar="S",
+                        help="node 0's supervisor finds a node lost once its supervisor has "
+                             "been silent this long (default 5; below the trainers' 15 s "
+                             "wait for a round)")
     parser.add_argument("--master-addr", default=None, metavar="HOST",
                         help="node 0's address, where every process reaches the store "
                              f"(default: MASTER_ADDR, else {LOCALHOST})")
@@ -129,7 +148,8 @@ def parse_options(argv: Optional[Sequence[str]] = None,
     return SupervisorOptions(nproc=ns.nproc, spares=ns.spares, command=tuple(command),
                              max_rounds=ns.max_rounds, port=_port(ns, environ),
                              grace_s=ns.grace_s, host=_host(ns, environ),
-                             nnodes=ns.nnodes, node_rank=ns.node_rank)
+                             nnodes=ns.nnodes, node_rank=ns.node_rank,
+                             spare_nodes=ns.spare_nodes, node_timeout_s=ns.node_timeout)
 
 
 def _count_problem(ns: argparse.Namespace) -> str:
@@ -169,6 +189,11 @@ def _nodes_problem(ns: argparse.Namespace, environ: Mapping[str, str]) -> str:
         return f"--nnodes {ns.nnodes}: at least 1"
     if not 0 <= ns.node_rank < ns.nnodes:
         return f"--node-rank {ns.node_rank}: 0 to --nnodes - 1 ({ns.nnodes - 1})"
+    if not 0 <= ns.spare_nodes < ns.nnodes:
+        return (f"--spare-nodes {ns.spare_nodes}: 0 to --nnodes - 1 ({ns.nnodes - 1}): at "
+                "least one node must train")
+    if not (ns.node_timeout > 0 and ns.node_timeout < 1e6):  # also refuses nan
+        return f"--node-timeout {ns.node_timeout}: a positive number of seconds"
     if ns.nnodes > 1 and _port(ns, environ) == 0:
         # a free port chosen on node 0 could not be known to the other nodes
         return (f"--port not given (nor MASTER_PORT) with --nnodes {ns.nnodes}: every "

@@ -11,7 +11,11 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from deepspeed_ext.runtime.rounds import CURRENT_KEY, DONE_KEY, RoundAssignment, round_key
+from deepspeed_ext.runtime.rounds import (CURRENT_KEY, DONE_KEY, LEFT_KEY, RoundAssignment,
+                                          round_key)
+
+LEAVE_POLL_S = 0.1
+"""Between two reads of how many supervisors left, while node 0's waits for them."""
 
 STORE_TIMEOUT = timedelta(seconds=60)
 """The timeout of the supervisor's own store calls (each a local set or get)."""
@@ -52,3 +56,19 @@ def write_done(store: dist.Store, outcome: str) -> None:
     """End the job in the store: ``ok`` or ``failed: why``; the waiting spares read it and
     exit."""
     store.set(DONE_KEY, outcome)
+
+
+def leave_store(store: dist.Store, nnodes: int, serves: bool, wait_s: float) -> None:
+    """Say this supervisor is done with the store; the one that ``serves`` it waits up to
+    ``wait_s`` until every one of the ``nnodes`` nodes' has left (each reads ``done``
+    within its poll, then gives its processes their grace time), so none loses the store
+    while it still needs it.
+
+    Raises:
+        dist.DistError: the store is gone.
+    """
+    left = store.add(LEFT_KEY, 1)
+    deadline = time.monotonic() + wait_s
+    while serves and left < nnodes and time.monotonic() < deadline:
+        time.sleep(LEAVE_POLL_S)
+        left = store.add(LEFT_KEY, 0)

@@ -177,3 +177,18 @@ def test_the_write_time_round_trips_and_a_bad_one_is_refused():
         record["at"] = bad
         with pytest.raises(BadRound, match="is not a time"):
             RoundAssignment.from_json(json.dumps(record, allow_nan=True))
+
+
+def test_a_spare_node_waits_whole_and_takes_a_lost_node_s_ranks_in_order():
+    first = first_round(2, 1, nodes=3, spare_nodes=1)  # nodes 0, 1 train; node 2 waits
+    assert first.slots == (0, 1, 3, 4) and first.spares == (2, 5, 6, 7, 8)
+    lost = next_round(first, {3, 4, 5}, launched=3)  # node 1, its spare included
+    assert lost == RoundAssignment(1, (0, 1, 6, 7), (2, 8), (3, 4, 5))
+    # both ranks dead, one spare of its own: not split over two nodes, the spare node
+    assert next_round(first, {3, 4}, launched=3).slots == (0, 1, 6, 7)
+    assert next_round(first, {4}, launched=3).slots == (0, 1, 3, 5)  # one death: own spare
+    # the spare node used, node 0 lost next: node 0's own spare cannot take two ranks
+    assert next_round(lost, {0, 1}, launched=3) is None
+    assert next_round(lost, {6}, launched=3).slots == (0, 1, 8, 7)  # node 2 has a spare now
+    with pytest.raises(ValueError, match="spare"):
+        first_round(2, 1, nodes=2, spare_nodes=2)  # no training node

@@ -15,7 +15,7 @@ import pytest
 import torch.distributed as dist
 
 from deepspeed_ext.runtime.rounds import (LEFT_KEY, RoundAssignment, claim_key, first_round,
-                                          next_round, request_kill)
+                                          next_round, node_beat_key, request_kill)
 from deepspeed_ext.supervisor import job
 from deepspeed_ext.supervisor.children import Child
 from deepspeed_ext.supervisor.job import Supervisor
@@ -177,3 +177,65 @@ def test_bad_node_flags_name_the_flag(capsys, flags, needle):
         parse_options(["--nproc", "1", "--spares", "1", *flags, "--", PROGRAM], environ={})
     assert stop.value.code == 2
     assert capsys.readouterr().err.startswith(f"error: {needle}")
+
+
+def test_a_node_is_lost_once_its_beats_stop_for_the_timeout_and_never_before_its_first():
+    from deepspeed_ext.supervisor.nodes import NodeWatch
+    watch = NodeWatch(timeout_s=2.0)
+    assert watch.look({1: 0, 2: 5}, now=0.0) == []  # node 1 has not started yet
+    assert watch.look({1: 0, 2: 5}, now=10.0) == [2]  # node 2 stuck at 5 for 10 s
+    assert watch.look({1: 3, 2: 5}, now=11.0) == []  # found once; node 1 starts beating
+    assert watch.look({1: 4}, now=12.9) == [] and watch.look({1: 4}, now=14.8) == []
+    assert watch.look({1: 4}, now=15.0) == [1]  # unmoved since 12.9
+    assert watch.silent_s(1, 15.5) == pytest.approx(2.6)
+
+
+def three_nodes(timeout_s=0.2):
+    """Nodes 0 and 1 train 2 ranks each, node 2 is a spare node (2 slots waiting)."""
+    store = dist.HashStore()
+    nodes = []
+    for node in range(3):
+        supervisor = Supervisor(SupervisorOptions(2, 0, (PROGRAM,), grace_s=0.0,
+                                                  host="10.0.0.1", nnodes=3, node_rank=node,
+                                                  spare_nodes=1, node_timeout_s=timeout_s),
+                                store, port=29500)
+        supervisor.children = [Child(slot, StandIn(FIRST_PID + slot, store))
+                               for slot in supervisor.options.own_slots]
+        nodes.append(supervisor)
+    write_round(store, nodes[0].current)
+    return nodes
+
+
+def test_node_0_gives_a_silent_node_s_ranks_to_the_spare_node_and_the_stalled_node_is_fenced(
+        caplog):
+    zero, one, two = three_nodes()
+    assert zero.current == RoundAssignment(0, (0, 1, 2, 3), (4, 5), ())
+    for node in (1, 2):
+        zero.store.add(node_beat_key(node), 1)
+    assert zero.watch_nodes() is None  # first beats seen
+    time.sleep(0.3)
+    zero.store.add(node_beat_key(2), 1)  # node 2 beats on, node 1 is silent
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        assert zero.watch_nodes() is None
+    assert rounds(zero.store)[1:] == [RoundAssignment(1, (0, 1, 4, 5), (), (2, 3))]
+    (line,) = lines(caplog)
+    assert line.startswith("[moc supervisor, node 0] node 1's supervisor has been silent for ")
+    assert line.endswith(" s: node lost; round 1: rank 2 -> slot 4, rank 3 -> slot 5; "
+                         "0 spares left")
+    # node 1 was only stalled: its processes were given away, it kills them and leaves
+    assert one.follow() == 1
+    assert [c.process.signals for c in one.children] == [[(signal.SIGKILL, None)]] * 2
+    assert one.on_exit(one.children[0]) is None  # a fenced death starts no round
+    assert two.follow() is None and two.current.round == 1  # the spare node trains now
+
+
+def test_a_lost_node_without_a_spare_node_fails_the_job():
+    zero, one, _ = three_nodes()
+    zero.store.add(node_beat_key(1), 1)
+    zero.watch_nodes()
+    # the spare node was used already: node 2's slots are gone from the waiting list
+    write_round(zero.store, RoundAssignment(1, (0, 1, 2, 3), (), (4, 5)))
+    time.sleep(0.3)
+    assert zero.watch_nodes() == 1
+    assert done(zero.store).startswith("failed: node 1's supervisor has been silent for ")
+    assert done(zero.store).endswith("node lost and no spare node can take its ranks [2, 3]")
