@@ -15,7 +15,9 @@
 # keeping their processes and memory. When no spare is left the job is relaunched (up to
 # MAX_RESTARTS times), as without the flag. Several nodes: the same command on every node
 # with NNODES, RDZV_ENDPOINT=node0:port and NODE_RANK=0..NNODES-1 (node 0's supervisor
-# serves the store at RDZV_ENDPOINT, on its port plus the relaunch attempt).
+# serves the store at RDZV_ENDPOINT, on its port plus the relaunch attempt); SPARE_NODES=K
+# makes the last K nodes spare nodes, one of which takes the ranks of a node whose
+# supervisor node 0's has not heard from for NODE_TIMEOUT seconds (5).
 set -euo pipefail
 if [ $# -lt 2 ]; then
     sed -n '2,10p' "$0" >&2
@@ -59,7 +61,8 @@ if [ "$restart" = in-job ]; then
     NODES=(); port="${MASTER_PORT:-0}"
     if [ -n "${NNODES:-}" ] && [ "${NNODES}" != 1 ]; then
         : "${NODE_RANK:?set NODE_RANK=0..NNODES-1 (the index of this node; node 0 serves the store)}"
-        NODES=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --master-addr "${RDZV_ENDPOINT%:*}")
+        NODES=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --master-addr "${RDZV_ENDPOINT%:*}"
+               --spare-nodes "${SPARE_NODES:-0}" --node-timeout "${NODE_TIMEOUT:-5}")
         port="${RDZV_ENDPOINT##*:}"
     fi
     case "$port" in

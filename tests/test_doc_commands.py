@@ -109,7 +109,7 @@ RUN_BY = {
     "configs/tiny.yaml --data-path DATA --save ckpt --load ckpt --moc-checkpoint --moc-two-level "
     "--moc-snapshot-interval 1 --moc-restart in-job --moc-spares 1":
         "tests/training/test_restart.py::"
-        "test_in_job_restart_a_spare_of_its_node_takes_the_crashed_rank_and_the_survivor_lives_on",
+        "test_in_job_restart_a_crash_goes_to_its_node_s_spare_and_a_lost_node_to_the_spare_node",
     "MAX_RESTARTS=3 bash scripts/launch_cluster.sh hostfile data/web_text_document "
     "configs/small.yaml 2 8 2 --global-batch-size 56 "
     "--save ckpt --load ckpt --moc-checkpoint --moc-two-level --moc-restart in-job "
@@ -118,8 +118,8 @@ RUN_BY = {
         "test_an_in_job_launch_runs_one_supervisor_per_host_and_relaunches_on_the_next_port",
     "python -m deepspeed_ext.supervisor --nproc 2 --spares 1 --nnodes 2 --node-rank 1 "
     "--master-addr NODE0 --port 29500 -- PROGRAM [ARGS...]":
-        "tests/deepspeed_ext/supervisor/test_supervisor.py::"
-        "test_two_nodes_supervisors_replace_a_rank_on_its_own_node_and_end_together",
+        "tests/training/test_restart.py::"
+        "test_in_job_restart_a_crash_goes_to_its_node_s_spare_and_a_lost_node_to_the_spare_node",
     "python -m deepspeed_ext.supervisor --nproc 2 --spares 1 [--max-rounds 3] [--grace-s 10] "
     "[--port 29500] -- PROGRAM [ARGS...]":
         "tests/deepspeed_ext/supervisor/test_supervisor.py::"

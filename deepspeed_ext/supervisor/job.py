@@ -341,10 +341,10 @@ class Supervisor:
 
     def leave(self) -> None:
         """Leave the store (:func:`~deepspeed_ext.supervisor.store.leave_store`); node 0's
-        waits for every node's, each of which gives its processes ``grace_s`` first."""
+        waits for every node's not found lost, each giving its processes ``grace_s``."""
         try:
-            leave_store(self.store, self.options.nnodes, self.options.serves_store,
-                        2 * self.options.grace_s + 10.0)
+            leave_store(self.store, self.options.nnodes - len(self.nodes.lost),
+                        self.options.serves_store, 2 * self.options.grace_s + 10.0)
         except dist.DistError as err:  # leaving cannot fail the job: it ended already
             LOG.warning(f"{self.prefix}WARNING: could not leave the job's store ({err})")
 

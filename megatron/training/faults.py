@@ -22,6 +22,10 @@ Kinds (what the chosen rank does when the fault fires):
   (armed through :meth:`FaultInjector.persist_env`).
 - ``lose-memory``: calls ``lose_memory()`` (the node's in-memory snapshots are gone),
   then SIGKILLs itself.
+- ``lose-node``: the same, then SIGKILLs its whole process group: under MoC's supervisor
+  (``--moc-restart in-job``) started by ``scripts/run_elastic.sh`` in a session of its
+  own, that is the node's launch (its supervisor, its ranks and spares), as when a
+  machine is gone.
 - ``lose-stage``: the chosen rank's pipeline stage loses its training state in place
   (weights, optimizer state, upstream logs; the processes live on) and the job recovers
   without a restart, localized or global. Fired by the trainer on every rank
@@ -60,6 +64,7 @@ arms it through the environment (:meth:`FaultInjector.persist_env`).
 import argparse
 import os
 import random
+import signal
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -70,11 +75,11 @@ from deepspeed_ext.keeper.faults import (FAULT_KEY_ENV, FAULT_STATE_ENV, PERSIST
 from megatron.errors import ConfigError
 
 KINDS = ("crash", "raise", "hang", "slow", "slow-compute", "snapshot-crash", "persist-crash",
-         "lose-memory", "lose-stage")
+         "lose-memory", "lose-node", "lose-stage")
 SLOW_KINDS = ("slow", "slow-compute")
 """Every fault kind ``--moc-fault`` accepts."""
 
-_LOOP_KINDS = ("slow", "slow-compute", "lose-memory", "crash", "raise", "hang")
+_LOOP_KINDS = ("slow", "slow-compute", "lose-memory", "lose-node", "crash", "raise", "hang")
 """Kinds :meth:`FaultInjector.before_iteration` fires, in firing order: ``slow`` first,
 since it lets the rank go on and another fault due at the same iteration still fires."""
 
@@ -292,7 +297,8 @@ class FaultInjector:
         if slow_compute is None and any(s.kind == "slow-compute" for s in self._pending):
             raise ConfigError("--moc-fault slow-compute needs the trainer's model hook "
                               "(slow_compute callback)")
-        if lose_memory is None and any(s.kind == "lose-memory" for s in self._pending):
+        if lose_memory is None and any(s.kind in ("lose-memory", "lose-node")
+                                       for s in self._pending):
             raise ConfigError("--moc-fault lose-memory needs in-memory snapshots "
                               "(--moc-two-level): there is nothing to lose")
         self._slow_s = 0.0
@@ -379,8 +385,10 @@ class FaultInjector:
             while True:  # the rank stops answering; only a kill ends it
                 time.sleep(3600)
         else:
-            if spec.kind == "lose-memory":
+            if spec.kind in ("lose-memory", "lose-node"):
                 self._lose_memory()
+            if spec.kind == "lose-node":
+                os.killpg(os.getpgid(0), signal.SIGKILL)
             sigkill_self()
 
     def _mtbf_key(self, index: int) -> str:

@@ -284,9 +284,13 @@ def check_fault_flags(args: argparse.Namespace, world_size: int) -> None:
     # after the process group exists (the others then hang), or never fires them.
     two_level = getattr(args, "moc_two_level", False)
     exact = getattr(args, "moc_mode", "pec") == "exact"
-    if "lose-memory" in kinds and not (two_level or exact):
-        raise ConfigError("--moc-fault lose-memory needs in-memory snapshots (--moc-two-level, "
-                          "or --moc-mode exact's frames): there is nothing to lose")
+    for kind in ("lose-memory", "lose-node"):
+        if kind in kinds and not (two_level or exact):
+            raise ConfigError(f"--moc-fault {kind} needs in-memory snapshots (--moc-two-level, "
+                              "or --moc-mode exact's frames): there is nothing to lose")
+    if "lose-node" in kinds and getattr(args, "moc_restart", "relaunch") != "in-job":
+        raise ConfigError("--moc-fault lose-node needs --moc-restart in-job: it kills its "
+                          "process group, which only MoC's supervisor launch confines to a node")
     for kind in ("snapshot-crash", "persist-crash"):
         if kind in kinds and not two_level:
             raise ConfigError(f"--moc-fault {kind} needs --moc-two-level: without it there is "

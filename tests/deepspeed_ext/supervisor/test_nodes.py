@@ -227,6 +227,10 @@ def test_node_0_gives_a_silent_node_s_ranks_to_the_spare_node_and_the_stalled_no
     assert [c.process.signals for c in one.children] == [[(signal.SIGKILL, None)]] * 2
     assert one.on_exit(one.children[0]) is None  # a fenced death starts no round
     assert two.follow() is None and two.current.round == 1  # the spare node trains now
+    two.leave()
+    start = time.monotonic()
+    zero.leave()  # waits for node 2's leave only: node 1 is lost and never leaves
+    assert time.monotonic() - start < 5
 
 
 def test_a_lost_node_without_a_spare_node_fails_the_job():

@@ -36,10 +36,9 @@ STORE_WAIT = timedelta(seconds=TIMEOUT_S)
 class Job:
     """One supervisor over child.py: started, watched through its store, ended."""
 
-    def __init__(self, tmp_path, nproc: int, spares: int, *flags: str, act: str = "",
-                 port: int = 0, name: str = "records"):
-        self.records_path = tmp_path / f"{name}.jsonl"
-        self.port = port or free_port()
+    def __init__(self, tmp_path, nproc: int, spares: int, *flags: str, act: str = ""):
+        self.records_path = tmp_path / "records.jsonl"
+        self.port = free_port()
         env = dict(os.environ, MOC_TEST_RECORDS=str(self.records_path), MOC_TEST_ACT=act,
                    PYTHONPATH=REPO)
         self.proc = subprocess.Popen(
@@ -172,31 +171,6 @@ def test_a_death_without_a_spare_stops_every_process_and_the_job_fails(jobs):
     (line,) = [line for line in job.lines() if "ERROR" in line]
     assert "no spare is left to take rank 1" in line and "must be relaunched" in line
     assert not any("round 1" in line for line in job.lines()), job.stderr
-
-
-def test_two_nodes_supervisors_replace_a_rank_on_its_own_node_and_end_together(jobs):
-    """Two supervisors on one host as two nodes would run them (``--nnodes 2``, node 0
-    serving the store): node 1's rank is SIGKILLed and node 1's spare takes it; node 0's
-    rank keeps its process; when both ranks finish, both supervisors exit 0 and node 0's
-    unused spare is released by the ``done`` node 1's supervisor wrote."""
-    nodes = ("--nnodes", "2", "--master-addr", "127.0.0.1")
-    zero = jobs(1, 1, *nodes, "--node-rank", "0", name="node0")
-    one = jobs(1, 1, *nodes, "--node-rank", "1", port=zero.port, name="node1")
-    assert zero.round(0) == first_round(1, 1, nodes=2)
-    survivor = zero.joined(0, 0)
-    assert (one.joined(0, 2)["rank"], one.joined(0, 2)["env_rank"]) == (1, "1")
-    one.tell(2, "kill")
-    assert zero.round(1) == RoundAssignment(1, (0, 3), (1,), (2,))
-    assert zero.joined(1, 0)["pid"] == survivor["pid"] and one.joined(1, 3)["rank"] == 1
-    zero.tell(0, "finish")
-    one.tell(3, "finish")
-    assert one.end() == 0, one.stderr
-    assert zero.end() == 0, zero.stderr
-    assert any(line.startswith("[moc supervisor, node 1] slot 2 (rank 1, pid ") and
-               "round 1, rank 1 -> slot 3 (spare); 1 spare left, 0 on this node" in line
-               for line in one.lines()), one.stderr
-    released = zero.records("released")
-    assert [(r["slot"], r["done"]) for r in released] == [(1, "ok")], zero.stderr
 
 
 @pytest.mark.parametrize("flags, flag", [
