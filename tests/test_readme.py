@@ -491,6 +491,8 @@ def known_flags() -> set:
     flags |= set(_option_actions(torchrun.get_args_parser()))
     flags |= set(_option_actions(catch_parser(runner.main, []).parser))
     flags |= set(GPU_CHECK_SH_FLAGS)
+    from deepspeed_ext.supervisor.options import build_parser as supervisor_parser
+    flags |= set(_option_actions(supervisor_parser()))  # python -m deepspeed_ext.supervisor
     for program in _console_scripts():
         if program != "moc-pretrain":
             flags |= set(_option_actions(catch_parser(_entry_of(program, [])[0], []).parser))
