@@ -217,6 +217,7 @@ launch_in_job() {
     for pid in "${pids[@]}"; do
         rc=0
         wait "$pid" || rc=$?
+        [ "$rc" != 3 ] || rc=0  # that node left the job, its ranks on a spare node
         [ "$status" != 0 ] || status="$rc"
     done
     return "$status"

@@ -79,8 +79,10 @@ if [ "$restart" = in-job ]; then
         MOC_RESTART_COUNT="$attempt" python -m deepspeed_ext.supervisor "${NODES[@]}" "${PORT[@]}" \
             --nproc "$((NPROC - spares))" --spares "$spares" -- pretrain_gpt_moe.py "$@" \
             || status=$?
-        # 0 done, 2 bad input, 128+N stopped by a signal (Ctrl-C): no relaunch helps
-        if [ "$status" -eq 0 ] || [ "$status" -eq 2 ] || [ "$status" -ge 128 ] \
+        # 0 done, 2 bad input, 3 this node left the job (its ranks went to a spare node;
+        # the job goes on on the others), 128+N stopped by a signal (Ctrl-C): no relaunch
+        if [ "$status" -eq 0 ] || [ "$status" -eq 2 ] || [ "$status" -eq 3 ] \
+                || [ "$status" -ge 128 ] \
                 || [ "$attempt" -ge "$MAX_RESTARTS" ]; then
             exit "$status"
         fi

@@ -201,18 +201,21 @@ def next_round(previous: RoundAssignment, dead: Iterable[int],
     rank goes to the first waiting spare that is alive, in rank order; dead spares leave
     the waiting list. With ``launched`` (processes per node), only a spare of the dead
     slot's own node may take its rank (its state is in that node's keeper, and the rank
-    stays where the node layout puts it), except when every training slot of a node
-    died and its own spares cannot take them all: then a spare node (every slot of it
-    waiting) takes the node's ranks in order, its other slots becoming that node's
-    spares. None when no spare can take a dead rank (the job cannot go on in place:
-    relaunch it)."""
+    stays where the node layout puts it). When a node's own live spares are fewer than
+    its dead ranks, a spare node (every slot of it waiting) takes *all* of that node's
+    ranks in order, its other slots becoming that node's spares: the node's live
+    processes are *displaced* (listed as failed, so that their supervisor ends them; a
+    node's ranks never straddle two machines). None when no spare can take a dead rank
+    (the job cannot go on in place: relaunch it)."""
     dead = set(dead)
     waiting = [s for s in previous.spares if s not in dead]
     slots = list(previous.slots)
+    displaced: Set[int] = set()
     if launched is not None:
-        for rank, slot in _spare_node_moves(previous, dead, waiting, launched).items():
+        moves, displaced = _spare_node_moves(previous, dead, waiting, launched)
+        for rank, slot in moves.items():
             slots[rank] = slot
-            waiting.remove(slot)
+        waiting = [s for s in waiting if s not in set(moves.values()) | displaced]
     for rank, slot in enumerate(slots):
         if slot in dead:
             usable = [s for s in waiting if launched is None
@@ -221,16 +224,18 @@ def next_round(previous: RoundAssignment, dead: Iterable[int],
                 return None
             slots[rank] = usable[0]
             waiting.remove(usable[0])
+    failed = {s for s in dead if s in previous.slots or s in previous.spares} | displaced
     return RoundAssignment(previous.round + 1, tuple(slots), tuple(waiting),
-                           tuple(sorted(s for s in dead
-                                        if s in previous.slots or s in previous.spares)))
+                           tuple(sorted(failed)))
 
 
 def _spare_node_moves(previous: RoundAssignment, dead: Set[int], waiting: List[int],
-                      launched: int) -> Dict[int, int]:
-    """{rank: slot} moving each node whose training slots all died, and whose own live
-    spares are too few, onto a spare node's first slots (lowest spare node first)."""
+                      launched: int) -> Tuple[Dict[int, int], Set[int]]:
+    """``({rank: slot}, displaced)``: each node with more dead ranks than live spares of
+    its own moved whole onto a spare node's first slots (lowest spare node first), and
+    the node's live slots (training and waiting) that the move displaces."""
     moves: Dict[int, int] = {}
+    displaced: Set[int] = set()
     free = [n for n in sorted({node_of_slot(s, launched) for s in waiting})
             if all(n * launched + i in waiting for i in range(launched))]
     by_node: Dict[int, List[int]] = {}
@@ -238,8 +243,10 @@ def _spare_node_moves(previous: RoundAssignment, dead: Set[int], waiting: List[i
         by_node.setdefault(node_of_slot(slot, launched), []).append(rank)
     for node, ranks in sorted(by_node.items()):
         own = [s for s in waiting if node_of_slot(s, launched) == node]
-        if not free or not all(previous.slots[r] in dead for r in ranks) or len(own) >= len(ranks):
+        lost = [r for r in ranks if previous.slots[r] in dead]
+        if not free or not lost or len(own) >= len(lost):
             continue
         target = free.pop(0)
         moves.update({rank: target * launched + i for i, rank in enumerate(ranks)})
-    return moves
+        displaced |= {previous.slots[r] for r in ranks if r not in lost} | set(own)
+    return moves, displaced

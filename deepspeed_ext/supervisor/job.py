@@ -51,17 +51,18 @@ from deepspeed_ext.runtime.rounds import (CURRENT_KEY, DONE_KEY, FINISHED_KEY,
                                           MAX_REASON_BYTES, RoundAssignment, first_round,
                                           kill_count_key, kill_key, node_beat_key)
 from deepspeed_ext.supervisor.children import (POLL_S, Child, child_env, describe_exit,
-                                               kill_children, signal_children, start_child,
-                                               stop_children, wait_children)
+                                               kill_children, signal_children, start_child)
+from deepspeed_ext.supervisor.ending import JobEnding
 from deepspeed_ext.supervisor.nodes import NodeWatch
 from deepspeed_ext.supervisor.options import SupervisorOptions, program_argv
-from deepspeed_ext.supervisor.round_book import RoundBook
-from deepspeed_ext.supervisor.store import (STORE_TIMEOUT, leave_store, write_done,
-                                            write_round)
+from deepspeed_ext.supervisor.round_book import RoundBook, change_text
+from deepspeed_ext.supervisor.store import STORE_TIMEOUT, write_round
 
 LOG = logging.getLogger(__name__)
 PREFIX = "[moc supervisor] "
-RELAUNCH = "stopping every process: the job must be relaunched"
+LEFT_JOB = 3
+"""This node's exit status when every slot of it was given away (its ranks went to a
+spare node): not a failure of the job, which goes on on the other nodes; no relaunch."""
 BAD_INPUT = 2
 """A process's exit status for bad input (the trainer's ``ConfigError``): the same flags
 would stop every replacement the same way, so no round follows; the supervisor stops
@@ -72,7 +73,7 @@ def _spares_left(count: int) -> str:
     return f"{count} spare{'' if count == 1 else 's'} left"
 
 
-class Supervisor:
+class Supervisor(JobEnding):
     """The processes of one launch and the rounds that say who trains.
 
     Args:
@@ -177,19 +178,22 @@ class Supervisor:
 
     def fence(self) -> Optional[int]:
         """SIGKILL this node's processes a round named failed while they run (node 0 found
-        this node lost: a stalled machine whose ranks were given away must not come back
-        into the job); returns 1 once none of this node's slots is in the job any more."""
+        this node lost, or a death moved the node's ranks to a spare node: a machine whose
+        ranks were given away must not come back into the job); returns :data:`LEFT_JOB`
+        once none of this node's slots is in the job any more."""
         named = {s for r in self.book.rounds for s in r.failed}
         stale = [c for c in self.children if c.running and c.slot in named]
         if stale:
             self.fenced.update(c.slot for c in stale)
-            LOG.error(f"{self.prefix}ERROR: slot(s) {[c.slot for c in stale]} were given "
-                      "away while running (this node was found lost): killing them")
+            LOG.warning(f"{self.prefix}slot(s) {[c.slot for c in stale]} were given away "
+                        "while running (their ranks went to a spare node): killing them")
             signal_children(stale, signal.SIGKILL)
         taken = set(self.current.slots) | set(self.current.spares)
         if self.fenced and not taken & set(self.options.own_slots):
             kill_children(self.children)
-            return 1
+            LOG.warning(f"{self.prefix}no slot of this node is in the job any more: leaving "
+                        f"it (exit {LEFT_JOB}); the job goes on on the other nodes")
+            return LEFT_JOB
         return None
 
     def watch_nodes(self) -> Optional[int]:
@@ -214,18 +218,30 @@ class Supervisor:
         dead = {s for s in self.current.slots + self.current.spares if s in
                 range(node * self.options.launched, (node + 1) * self.options.launched)}
         who = f"node {node}'s supervisor has been silent for {silent_s:.1f} s: node lost"
-        after = self.book.claim_next(dead)
         ranks = [r for r, s in enumerate(self.current.slots) if s in dead]
+        before = self.current
+        after = self.advance(dead, who, f"{who} and no spare node can take its ranks {ranks}")
         if after is None:
-            return self.fail(f"{who} and no spare node can take its ranks {ranks}")
-        if after.round > self.options.max_rounds:
-            return self.fail(f"{who}: round {after.round} would be more than --max-rounds "
-                             f"{self.options.max_rounds} recoveries in place")
-        self.book.publish(after)
-        moved = ", ".join(f"rank {r} -> slot {after.slots[r]}" for r in ranks)
-        LOG.warning(f"{self.prefix}{who}; round {after.round}: {moved or 'no rank'}; "
+            return 1
+        LOG.warning(f"{self.prefix}{who}; round {after.round}: "
+                    f"{change_text(before, after, dead) or 'no rank'}; "
                     f"{_spares_left(len(after.spares))}")
         return None
+
+    def advance(self, dead: Set[int], who: str, none_left: str) -> Optional[RoundAssignment]:
+        """Claim and write the round after the slots ``dead`` died (``who``: how, for the
+        lines); returns it, or None when no round can be (``none_left``: no spare can
+        take a rank; or past ``--max-rounds``): the job then stopped (:meth:`fail`)."""
+        after = self.book.claim_next(dead)
+        if after is None:
+            self.fail(none_left)
+            return None
+        if after.round > self.options.max_rounds:
+            self.fail(f"{who}: round {after.round} would be more than --max-rounds "
+                      f"{self.options.max_rounds} recoveries in place")
+            return None
+        self.book.publish(after)
+        return after
 
     def kill_requested(self) -> List[int]:
         """SIGKILL each of this node's processes another process asked to end
@@ -286,88 +302,19 @@ class Supervisor:
             done = (f"slot(s) {sorted(self.finished)}" if self.finished
                     else "training process(es) of another node")
             return self.fail(f"{who} after {done} finished: no round can go on without them")
-        after = self.book.claim_next({child.slot})
+        where = " of its node" if self.options.nnodes > 1 else ""
+        before = self.current
+        after = self.advance({child.slot}, who,
+                             f"{who} and no spare{where} is left to take rank {rank}")
         if after is None:
-            where = " of its node" if self.options.nnodes > 1 else ""
-            return self.fail(f"{who} and no spare{where} is left to take rank {rank}")
-        if after.round > self.options.max_rounds:
-            return self.fail(f"{who}: round {after.round} would be more than --max-rounds "
-                             f"{self.options.max_rounds} recoveries in place")
-        self.book.publish(after)
-        change = (f"rank {rank} -> slot {after.slots[rank]} (spare)" if rank is not None
-                  else "the spare is dropped")
+            return 1
+        change = change_text(before, after, {child.slot}) or "the spare is dropped"
+        change += " (spare)" if change.count("->") == 1 and "displaced" not in change else ""
         left = _spares_left(len(after.spares))
         if self.options.nnodes > 1:
             left += f", {sum(s in self.options.own_slots for s in after.spares)} on this node"
         LOG.info(f"{self.prefix}{who}: round {after.round}, {change}; {left}")
         return None
-
-    def finish(self) -> int:
-        """Every training process of the round exited 0: release the spares; returns 0."""
-        write_done(self.store, "ok")
-        self.release_spares("every training process exited 0 (round "
-                            f"{self.current.round}, slots {list(self.current.slots)})")
-        return 0
-
-    def release_spares(self, why: str) -> None:
-        """The job is done (``why``): the spares still running get ``grace_s`` to exit on
-        their own (they read ``done``), then they are stopped."""
-        spares = [c for c in self.children if c.running]
-        LOG.info(f"{self.prefix}{why}: job done; releasing {len(spares)} spare(s)")
-        late = wait_children(spares, self.options.grace_s)
-        if late:
-            stop_children(late, self.options.grace_s)
-            LOG.warning(f"{self.prefix}WARNING: slot(s) {[c.slot for c in late]} did not exit "
-                        f"within --grace-s {self.options.grace_s:g} of the job's end: stopped")
-
-    def ended_elsewhere(self, outcome: str) -> int:
-        """Another node's supervisor ended the job with ``outcome`` (``done``): release
-        this node's spares (``ok``: returns 0) or stop every process here (returns 1)."""
-        if outcome == "ok":
-            self.release_spares("every training process of the job exited 0")
-            return 0
-        LOG.error(f"{self.prefix}ERROR: the job ended on another node ({outcome}); "
-                  "stopping this node's processes")
-        stop_children(self.children, self.options.grace_s)
-        return 1
-
-    def lost_store(self, err: Exception) -> int:
-        """The job's store cannot be reached (node 0's supervisor is gone, its node with
-        it): no round can be agreed on, so every process here is stopped; returns 1."""
-        LOG.error(f"{self.prefix}ERROR: the job's store at {self.options.host}:{self.port} "
-                  f"is gone ({err}); {RELAUNCH}")
-        stop_children(self.children, self.options.grace_s)
-        return 1
-
-    def leave(self) -> None:
-        """Leave the store (:func:`~deepspeed_ext.supervisor.store.leave_store`); node 0's
-        waits for every node's not found lost, each giving its processes ``grace_s``."""
-        try:
-            leave_store(self.store, self.options.nnodes - len(self.nodes.lost),
-                        self.options.serves_store, 2 * self.options.grace_s + 10.0)
-        except dist.DistError as err:  # leaving cannot fail the job: it ended already
-            LOG.warning(f"{self.prefix}WARNING: could not leave the job's store ({err})")
-
-    def fail(self, why: str, status: int = 1, relaunch: str = RELAUNCH) -> int:
-        """No round can go on: ``done`` says why, every process is stopped; returns
-        ``status`` (1; :data:`BAD_INPUT` when a process refused its flags)."""
-        write_done(self.store, f"failed: {why}")
-        LOG.error(f"{self.prefix}ERROR: {why}; {relaunch}")
-        killed = stop_children(self.children, self.options.grace_s)
-        if killed:
-            LOG.warning(f"{self.prefix}WARNING: slot(s) {[c.slot for c in killed]} did not end "
-                        f"within --grace-s {self.options.grace_s:g} of SIGTERM: killed")
-        return status
-
-    def stopped(self) -> int:
-        """The supervisor was told to stop: every process got the signal; they get
-        ``grace_s`` to end, then SIGKILL; returns 128 + the signal's number."""
-        name = signal.Signals(self.stop_signal).name
-        write_done(self.store, f"failed: the supervisor was stopped by {name}")
-        LOG.error(f"{self.prefix}ERROR: stopped by {name}, passed on to every process; "
-                  "the job must be relaunched")
-        kill_children(wait_children(self.children, self.options.grace_s))
-        return 128 + self.stop_signal
 
     def _role(self, slot: int) -> str:
         rank = self.current.rank_of(slot)

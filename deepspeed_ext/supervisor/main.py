@@ -6,7 +6,9 @@
 
 Exit status: 0 every training process exited 0; 1 the job stopped (no round could replace
 a dead process: relaunch it); 2 bad input, nothing started (``error: ...`` names the
-flag); 128 + N stopped by signal N (SIGINT, SIGTERM), passed on to every process.
+flag); 3 this node left the job, every slot of it given to a spare node (the job goes on
+on the other nodes: no relaunch); 128 + N stopped by signal N (SIGINT, SIGTERM), passed
+on to every process.
 """
 
 import logging

@@ -79,3 +79,13 @@ class RoundBook:
         write_round(self.store, after)
         self.current = after
         self.rounds.append(after)
+
+
+def change_text(before: RoundAssignment, after: RoundAssignment, dead: Set[int]) -> str:
+    """The ranks ``after`` moves, ``rank 2 -> slot 4, rank 3 -> slot 5``, and the live
+    slots it displaces (a node moved whole to a spare node), for a supervisor's line;
+    ``""`` when no rank moved (a spare was dropped)."""
+    text = ", ".join(f"rank {rank} -> slot {slot}" for rank, slot in enumerate(after.slots)
+                     if before.slots[rank] != slot)
+    displaced = sorted(set(after.failed) - dead)
+    return text + (f" (slot(s) {displaced} displaced)" if displaced else "")

@@ -184,11 +184,21 @@ def test_a_spare_node_waits_whole_and_takes_a_lost_node_s_ranks_in_order():
     assert first.slots == (0, 1, 3, 4) and first.spares == (2, 5, 6, 7, 8)
     lost = next_round(first, {3, 4, 5}, launched=3)  # node 1, its spare included
     assert lost == RoundAssignment(1, (0, 1, 6, 7), (2, 8), (3, 4, 5))
-    # both ranks dead, one spare of its own: not split over two nodes, the spare node
-    assert next_round(first, {3, 4}, launched=3).slots == (0, 1, 6, 7)
+    # both ranks dead, one spare of its own: not split over two nodes, the spare node;
+    # node 1's live spare is displaced (its supervisor ends it)
+    assert next_round(first, {3, 4}, launched=3) == RoundAssignment(1, (0, 1, 6, 7), (2, 8),
+                                                                    (3, 4, 5))
     assert next_round(first, {4}, launched=3).slots == (0, 1, 3, 5)  # one death: own spare
     # the spare node used, node 0 lost next: node 0's own spare cannot take two ranks
     assert next_round(lost, {0, 1}, launched=3) is None
     assert next_round(lost, {6}, launched=3).slots == (0, 1, 8, 7)  # node 2 has a spare now
     with pytest.raises(ValueError, match="spare"):
         first_round(2, 1, nodes=2, spare_nodes=2)  # no training node
+
+
+def test_a_node_without_a_spare_of_its_own_moves_whole_to_the_spare_node():
+    """One crash on a node with no spare left: its live rank is displaced with it (a
+    node's ranks never straddle two machines), and the spare node trains both."""
+    first = first_round(2, 0, nodes=3, spare_nodes=1)  # slots (0, 1 | 2, 3), node 2 waits
+    assert next_round(first, {2}, launched=2) == RoundAssignment(1, (0, 1, 4, 5), (), (2, 3))
+    assert next_round(first, {2}) == RoundAssignment(1, (0, 1, 4, 3), (5,), (2,))  # one node

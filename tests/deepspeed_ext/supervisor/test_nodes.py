@@ -223,7 +223,7 @@ def test_node_0_gives_a_silent_node_s_ranks_to_the_spare_node_and_the_stalled_no
     assert line.endswith(" s: node lost; round 1: rank 2 -> slot 4, rank 3 -> slot 5; "
                          "0 spares left")
     # node 1 was only stalled: its processes were given away, it kills them and leaves
-    assert one.follow() == 1
+    assert one.follow() == job.LEFT_JOB  # 3: not a failure of the job, no relaunch
     assert [c.process.signals for c in one.children] == [[(signal.SIGKILL, None)]] * 2
     assert one.on_exit(one.children[0]) is None  # a fenced death starts no round
     assert two.follow() is None and two.current.round == 1  # the spare node trains now
@@ -243,3 +243,18 @@ def test_a_lost_node_without_a_spare_node_fails_the_job():
     assert zero.watch_nodes() == 1
     assert done(zero.store).startswith("failed: node 1's supervisor has been silent for ")
     assert done(zero.store).endswith("node lost and no spare node can take its ranks [2, 3]")
+
+
+def test_a_crash_on_a_node_without_a_spare_moves_the_whole_node_to_the_spare_node(caplog):
+    zero, one, two = three_nodes()
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        assert one.on_exit(ended(one.children[0], -signal.SIGKILL)) is None
+    assert rounds(one.store)[1:] == [RoundAssignment(1, (0, 1, 4, 5), (), (2, 3))]
+    assert lines(caplog) == [
+        f"[moc supervisor, node 1] slot 2 (rank 2, pid {FIRST_PID + 2}) exited with signal 9: "
+        "round 1, rank 2 -> slot 4, rank 3 -> slot 5 (slot(s) [3] displaced); 0 spares left, "
+        "0 on this node"]
+    assert one.follow() == job.LEFT_JOB  # its live rank 3 was displaced: killed, node left
+    assert one.children[1].process.signals == [(signal.SIGKILL, None)]
+    assert zero.follow() is None and two.follow() is None and two.current.round == 1
+    assert [c.process.signals for c in zero.children + two.children] == [[]] * 4
