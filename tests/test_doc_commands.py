@@ -218,11 +218,11 @@ RUN_BY = {
         "tests/deepspeed_ext/planning/test_calibrate.py::"
         "test_calibrate_cli_from_json_writes_a_hardware_file",
     "moc-plan simulate --config configs/moe-250b.yaml --gpus 4096 --mtbf 600 --iteration-time "
-    "8 --restart-s 120 --node-failure-fraction 0.2 --seeds 3 --restart in-job --spares 40":
+    "8 --restart-s 120 --node-failure-fraction 0.2 --seeds 3 --restart in-job --spares 96":
         "tests/deepspeed_ext/planning/test_restart_cli.py::"
         "test_the_docs_in_job_simulation_at_4096_gpus",
     "moc-plan simulate --config configs/moe-250b.yaml --gpus 4096 --mtbf 600 --iteration-time "
-    "8 --restart-s 120 --node-failure-fraction 0.2 --seeds 3 --restart in-job --spares 40 "
+    "8 --restart-s 120 --node-failure-fraction 0.2 --seeds 3 --restart in-job --spares 96 "
     "--in-job-detection-s 0.105 --in-job-leave-s 0.046 --in-job-teardown-s 0.098 "
     "--in-job-rendezvous-s 0.001 --in-job-groups-s 0.054 --in-job-engine-s 0.403 "
     "--in-job-first-step-s 0.071":

@@ -2,7 +2,7 @@
 
     moc-plan recommend --config configs/gpt-350m-16e.yaml --gpus 16 --mtbf 3600 \\
         --iteration-time 1.2 [--hardware hw.json] [--node-failure-fraction 0.3] \\
-        [--max-spare-nodes 8] [--repair-s 3600] [--in-job-engine-s 2.5 ...]
+        [--max-spare-nodes 16] [--repair-s 3600] [--in-job-engine-s 2.5 ...]
     moc-plan simulate --config configs/moe-250b.yaml --gpus 4096 --mtbf 600,1800,3600 \\
         --iteration-time 6 --seeds 5 --json out.json --plot out.png \\
         [--restart in-job --spares 16 --repair-s 3600 --in-job-engine-s 2.5 ...]
@@ -209,6 +209,8 @@ def cmd_recommend(opts) -> int:
         if in_job is not None:
             print("  " + rc.in_job_line(in_job, model, layout, hw, chosen.plan.in_job))
         print("  trainer flags: " + " ".join(training_flags(p) + rc.restart_flags(chosen.plan)))
+        if chosen.plan.in_job:
+            print("  " + rc.launch_line(chosen.plan, node))
     if opts.json:
         _write_json("--json", opts.json, {
             "model": asdict(model), "layout": asdict(layout), "hardware": asdict(hw),

@@ -30,14 +30,17 @@ split of a parent communicator, several bootstrap roots), which a group formed a
 after a failure does not have (its parent was aborted). Linear is also the cautious
 choice: it overestimates rather than hides the cost at scale.
 
-**Spares** (:class:`RestartPlan`): ``spares`` spare processes (one GPU each) wait per
-job. A failure is recovered in place while enough are free: a software failure (a
-process died) needs one, a node failure a node's worth (``gpus_per_node``: every rank
-of the lost node). The spares a failure takes come back ``repair_s`` after it (the
-failed node repaired or replaced; a software failure's GPU is healthy, but today's
-supervisor starts no new spare in its place, so it waits as long: a cautious
-simplification). A failure that finds too few free spares costs a relaunch and takes
-none. The analytic model (:func:`blocked`) treats the pool as a loss system (failures
+**Spares** (:class:`RestartPlan`): ``spares`` spare GPUs wait per job, as whole spare
+nodes (the supervisor's ``--spare-nodes``: ``spares / gpus_per_node`` of them). A
+failure is recovered in place while a spare node is free, and takes it whole, software
+failure or node failure alike: a lost node's ranks go to a spare node, and so do a
+crashed process's node's (the supervisor moves a node with no spare process of its own
+whole, so that a node's ranks never straddle two machines; the node it leaves is
+displaced). The spares a failure takes come back ``repair_s`` after it (the failed node
+repaired or replaced; a software failure's node is healthy, but it left the job and
+waits as long: a cautious simplification). A failure that finds no free spare node
+costs a relaunch and takes none. Spare processes inside the training nodes (the
+supervisor's ``--spares``) are not modelled. The analytic model (:func:`blocked`) treats the pool as a loss system (failures
 arrive as a Poisson process, each holds its spares for ``repair_s``; Kaufman-Roberts);
 the simulator (:func:`take`) follows the pool failure by failure.
 """
@@ -231,11 +234,11 @@ class RestartPlan:
 
 
 def spares_needed(kind: str, node_size: int) -> int:
-    """Spare processes a failure of ``kind`` needs to be recovered in place: one for a
-    software failure, every rank of the node for a node failure."""
+    """Spare GPUs a failure of ``kind`` (software or node) needs to be recovered in
+    place: a spare node's, ``node_size``, either way (module docstring)."""
     if kind not in ("software", "node"):
         raise ValueError(f"a failure kind is software or node, got {kind!r}")
-    return node_size if kind == "node" else 1
+    return node_size
 
 
 @dataclass(frozen=True)
@@ -273,8 +276,8 @@ def blocked(plan: RestartPlan, mtbf_s: float, node_fraction: float,
     spares and cost a relaunch, in the long run (1, 1 for a relaunch plan).
 
     The pool is a loss system with ``plan.spares`` places: software failures arrive at
-    ``(1 - f) / MTBF`` and hold one place, node failures at ``f / MTBF`` and hold
-    ``node_size``; each holds them ``repair_s``. Kaufman-Roberts: ``q(0) = 1``,
+    ``(1 - f) / MTBF``, node failures at ``f / MTBF``, each holds ``node_size`` places
+    (:func:`spares_needed`) for ``repair_s``. Kaufman-Roberts: ``q(0) = 1``,
     ``j q(j) = sum_k a_k b_k q(j - b_k)`` (``a_k`` a class's arrivals x ``repair_s``,
     ``b_k`` its places), normalised; a class of ``b`` places is refused in the states
     ``j > spares - b``.
@@ -282,8 +285,8 @@ def blocked(plan: RestartPlan, mtbf_s: float, node_fraction: float,
     if not plan.in_job:
         return 1.0, 1.0
     c = plan.spares
-    classes = ((1, (1 - node_fraction) / mtbf_s * plan.repair_s),
-               (node_size, node_fraction / mtbf_s * plan.repair_s))
+    classes = ((spares_needed("software", node_size), (1 - node_fraction) / mtbf_s * plan.repair_s),
+               (spares_needed("node", node_size), node_fraction / mtbf_s * plan.repair_s))
     q = [1.0] + [0.0] * c
     for j in range(1, c + 1):
         q[j] = sum(load * size * q[j - size] for size, load in classes if size <= j) / j

@@ -40,10 +40,10 @@ def add_restart_flags(p: argparse.ArgumentParser, command: str) -> None:
                        help="How a failure comes back: relaunch every process (restart-s), "
                             "or in-job while a spare is free.")
         g.add_argument("--spares", type=int, default=0,
-                       help="Spare processes (GPUs) of the job, --restart in-job: a software "
-                            "failure takes one, a node failure --gpus-per-node.")
+                       help="Spare GPUs of the job, --restart in-job, as whole spare nodes "
+                            "(a multiple of --gpus-per-node): any failure takes a node's.")
     else:
-        g.add_argument("--max-spare-nodes", type=int, default=8,
+        g.add_argument("--max-spare-nodes", type=int, default=16,
                        help="Weigh a relaunch against an in-job restart with 1 .. this many "
                             "whole spare nodes (0: relaunch only).")
     g.add_argument("--repair-s", type=float, default=REPAIR_S,
@@ -72,15 +72,14 @@ def simulate_plan(opts, layout: cm.Layout, node_fraction: float) -> RestartPlan:
     """``simulate``'s plan from ``--restart``, ``--spares``, ``--repair-s`` and the phases.
 
     Raises:
-        ValueError: what :class:`RestartPlan` refuses, or spares that can never take a
-            node failure's ranks while node failures are expected (naming the flags).
+        ValueError: what :class:`RestartPlan` refuses, or spares that are not whole spare
+            nodes (naming the flags).
     """
     plan = RestartPlan(opts.restart, opts.spares, opts.repair_s, in_job_phases_of(opts))
     node = min(layout.gpus, layout.gpus_per_node)
-    if plan.in_job and node_fraction > 0 and 0 < plan.spares < node:
-        raise ValueError(f"--spares {plan.spares}: with --node-failure-fraction "
-                         f"{node_fraction:g} a node failure needs a spare node's worth of "
-                         f"processes ({node}, --gpus-per-node): give 0 or at least {node}")
+    if plan.in_job and plan.spares % node:
+        raise ValueError(f"--spares {plan.spares}: spares are whole spare nodes, a multiple "
+                         f"of {node} (--gpus-per-node): every failure moves a node's ranks")
     return plan
 
 
@@ -102,8 +101,18 @@ def in_job_line(plan: RestartPlan, model: cm.ModelShape, layout: cm.Layout,
 
 
 def restart_flags(plan: RestartPlan) -> List[str]:
-    """The trainer's flags of a plan (``--moc-spares``: the launch's spare processes)."""
-    return ["--moc-restart", "in-job", "--moc-spares", str(plan.spares)] if plan.in_job else []
+    """The trainer's flags of a plan (no spare process inside a node: its spares are
+    spare nodes, :func:`launch_line`)."""
+    return ["--moc-restart", "in-job", "--moc-spares", "0"] if plan.in_job else []
+
+
+def launch_line(plan: RestartPlan, node_size: int) -> str:
+    """How the launch gets a plan's spares (whole spare nodes); "" for a relaunch."""
+    if not plan.in_job:
+        return ""
+    nodes = plan.spares // node_size
+    return (f"launch: SPARE_NODES={nodes} (scripts/run_elastic.sh on {nodes} more node(s), "
+            "each waiting whole to take a failed node's ranks)")
 
 
 def print_restart_table(ranked: List[RestartChoice], layout: cm.Layout) -> List[dict]:

@@ -98,7 +98,7 @@ def test_labels_and_spares_needed():
     assert RestartPlan().label(8) == "relaunch"
     assert RestartPlan("in-job", 16).label(8) == "in-job, 16 spares (2 nodes)"
     assert RestartPlan("in-job", 8).label(8) == "in-job, 8 spares (1 node)"
-    assert spares_needed("software", 8) == 1
+    assert spares_needed("software", 8) == 8  # a crash moves its node to a spare node
     assert spares_needed("node", 8) == 8
     with pytest.raises(ValueError, match="software or node"):
         spares_needed("disk", 8)
@@ -134,20 +134,23 @@ def test_blocking_by_hand():
     # no spares, or a relaunch: every failure relaunches
     assert blocked(RestartPlan("in-job", 0), 600, 0.2, 8) == (1.0, 1.0)
     assert blocked(RestartPlan(), 600, 0.2, 8) == (1.0, 1.0)
-    # one spare, software only, load a = 100 / 100 = 1: Erlang B = a / (1 + a) = 0.5
-    assert blocked(RestartPlan("in-job", 1, 100.0), 100.0, 0.0, 4) == (approx(0.5), 1.0)
-    # two spares, a = 1: (a^2 / 2) / (1 + a + a^2 / 2) = 0.5 / 2.5 = 0.2
-    assert blocked(RestartPlan("in-job", 2, 100.0), 100.0, 0.0, 4)[0] == approx(0.2)
-    # two spares, nodes of 2, half the failures each kind, MTBF 1 s, repair 2 s: loads
-    # 1 and 1; q0 = 1, q1 = 1, q2 = (1 x 1 + 1 x 2 x 1) / 2 = 1.5, total 3.5: software
-    # refused in state 2 (1.5 / 3.5), node failures in states 1 and 2 (2.5 / 3.5)
+    # fewer spares than a node: every failure relaunches, of either kind
+    assert blocked(RestartPlan("in-job", 3, 100.0), 100.0, 0.0, 4) == (1.0, 1.0)
+    # one spare node (nodes of 1 GPU), software only, load a = 100 / 100 = 1: Erlang B
+    # = a / (1 + a) = 0.5, for a node failure as for a software one
+    assert blocked(RestartPlan("in-job", 1, 100.0), 100.0, 0.0, 1) == (approx(0.5),) * 2
+    # two spare nodes, a = 1: (a^2 / 2) / (1 + a + a^2 / 2) = 0.5 / 2.5 = 0.2
+    assert blocked(RestartPlan("in-job", 2, 100.0), 100.0, 0.0, 1)[0] == approx(0.2)
+    # one spare node of 2 GPUs, half the failures each kind, MTBF 1 s, repair 2 s: loads
+    # 1 and 1, each holding 2 places; q0 = 1, q1 = 0, q2 = (1 x 2 x 1 + 1 x 2 x 1) / 2 =
+    # 2, total 3: both kinds refused in states 1 and 2, 2 / 3 (Erlang B(1, 2) = 2 / 3)
     soft, node = blocked(RestartPlan("in-job", 2, 2.0), 1.0, 0.5, 2)
-    assert soft == approx(1.5 / 3.5) and node == approx(2.5 / 3.5)
+    assert soft == approx(2 / 3) and node == approx(2 / 3)
     # an instant repair: never refused when a node fits
     assert blocked(RestartPlan("in-job", 8, 0.0), 600, 0.2, 8) == (0.0, 0.0)
     # a repair so long the floats would overflow: still a share
     soft, node = blocked(RestartPlan("in-job", 64, 1e9), 600, 0.2, 8)
-    assert 0.99 < soft <= 1 and node == approx(1.0)
+    assert 0.99 < soft <= 1 and node == approx(soft)  # both hold a whole spare node
 
 
 def test_blocking_is_what_the_pool_does_failure_by_failure():
@@ -160,7 +163,7 @@ def test_blocking_is_what_the_pool_does_failure_by_failure():
         ok, pool = take(pool, t, spares_needed(kind, 8), plan.repair_s)
         counts[kind][0] += 1
         counts[kind][1] += not ok
-    soft, node = blocked(plan, 600, 0.2, 8)          # 0.035 and 0.554
+    soft, node = blocked(plan, 600, 0.2, 8)  # 2 spare nodes at load 6: 18 / 25 = 0.72
     assert counts["software"][1] / counts["software"][0] == approx(soft, abs=0.015)
     assert counts["node"][1] / counts["node"][0] == approx(node, abs=0.04)
 
@@ -196,14 +199,15 @@ def test_an_in_place_recovery_costs_the_phases_and_the_policys_load(model, layou
 
 
 def test_the_mix_weighs_each_kind_by_its_refusals(model, layout, hw):
-    # one spare, nodes of 4: a node failure (needs 4) always relaunches; software
-    # failures arrive at 0.5 / 600 per second and hold the spare 1200 s: load 1, Erlang
-    # B(1 spare, load 1) = 0.5 of them relaunch
+    # one spare node of 4: software and node failures each arrive at 0.5 / 600 per
+    # second and hold the spare node 1200 s: load 1 each, 2 in all; Erlang B(1, 2) = 2 / 3
+    # of either kind relaunch
     p = Policy("full-async", interval=10)
-    plan = RestartPlan("in-job", 1, 1200.0, PHASES_A)
+    plan = RestartPlan("in-job", 4, 1200.0, PHASES_A)
     pred = predict(p, model, layout, hw, 600.0, 0.5, plan)
     relaunch = policy_costs(p, model, layout, hw)
     in_place = in_job_costs(p, model, layout, hw, plan)
-    soft = 0.5 * relaunch.software.downtime_s + 0.5 * in_place.software.downtime_s
-    assert pred.expected_downtime_s == approx(0.5 * soft + 0.5 * relaunch.node.downtime_s)
-    assert pred.in_place == approx(0.5 * 0.5)
+    soft = 2 / 3 * relaunch.software.downtime_s + 1 / 3 * in_place.software.downtime_s
+    node = 2 / 3 * relaunch.node.downtime_s + 1 / 3 * in_place.node.downtime_s
+    assert pred.expected_downtime_s == approx(0.5 * soft + 0.5 * node)
+    assert pred.in_place == approx(1 / 3)

@@ -1,5 +1,5 @@
 """The simulator with an in-job restart: hand-built traces (in place while a spare is
-free, relaunched when none is, spares back after the repair, a node's worth for a node
+free, relaunched when none is, spares back after the repair, a node's worth for any
 failure, failures during a recovery), and seeded runs against the analytic model.
 
 The toy cluster (conftest.py): full-async every 10 on it loads 13.5e6 B at 2e8 B/s =
@@ -29,7 +29,7 @@ def test_one_failure_in_place(model, layout, hw):
     # progress 123.4 it, back to the durable 120 (redone 3.4); 3.0675 s down; 80 more
     for uptime_clock in (False, True):
         r = simulate_run(ASYNC, model, layout, hw, 200, [Failure(123.4)], 600.0,
-                         uptime_clock=uptime_clock, restart=_in_job(1))
+                         uptime_clock=uptime_clock, restart=_in_job(4))
         assert r.wall_s == approx(123.4 + 3.0675 + 80)
         assert r.in_place == 1 and r.failures == 1
         assert r.redone_iterations == approx(3.4)
@@ -44,23 +44,26 @@ def test_the_spare_is_gone_until_its_repair(model, layout, hw):
     # redone 3.5325; then 400 - 290 = 110 iterations.
     failures = [Failure(123.4), Failure(300.0)]
     slow = simulate_run(ASYNC, model, layout, hw, 400, failures, 600.0,
-                        restart=_in_job(1, repair_s=1000.0))
+                        restart=_in_job(4, repair_s=1000.0))
     assert slow.in_place == 1                        # the spare is back only at 1123.4 s
     assert slow.wall_s == approx(300.0 + 10.0675 + 110)
     fast = simulate_run(ASYNC, model, layout, hw, 400, failures, 600.0,
-                        restart=_in_job(1, repair_s=100.0))
+                        restart=_in_job(4, repair_s=100.0))
     assert fast.in_place == 2                        # back at 223.4 s, before the second
     assert fast.wall_s == approx(300.0 + 3.0675 + 110)
     assert slow.redone_iterations == approx(fast.redone_iterations) == approx(3.4 + 3.5325)
 
 
-def test_a_node_failure_needs_a_node_of_spares(model, layout):
+def test_a_failure_needs_a_node_of_spares(model, layout):
     # nodes of 4 ranks; a relaunched node failure also waits 20 s for a replacement node
     hw = toy_hardware(node_replace_s=20.0)
     trace = [Failure(123.4, "node")]
     three = simulate_run(ASYNC, model, layout, hw, 200, trace, 600.0, restart=_in_job(3))
     assert three.in_place == 0
     assert three.wall_s == approx(123.4 + 30.0675 + 80)
+    soft = simulate_run(ASYNC, model, layout, hw, 200, [Failure(123.4)], 600.0,
+                        restart=_in_job(3))
+    assert soft.in_place == 0  # a crash moves its node whole: 4 spares, not 1
     four = simulate_run(ASYNC, model, layout, hw, 200, trace, 600.0, restart=_in_job(4))
     assert four.in_place == 1
     assert four.wall_s == approx(123.4 + 3.0675 + 80)
@@ -70,28 +73,26 @@ def test_a_failure_during_an_in_job_recovery_takes_its_own_spare(model, layout, 
     # The first recovery runs 123.4 .. 126.4675 s; a second failure at 125 s starts it
     # over: in place with a second spare (3.0675 s), else relaunched (10.0675 s).
     failures = [Failure(123.4), Failure(125.0)]
-    one = simulate_run(ASYNC, model, layout, hw, 200, failures, 600.0, restart=_in_job(1))
+    one = simulate_run(ASYNC, model, layout, hw, 200, failures, 600.0, restart=_in_job(4))
     assert (one.failures, one.in_place) == (2, 1)
     assert one.wall_s == approx(125.0 + 10.0675 + 80)
-    two = simulate_run(ASYNC, model, layout, hw, 200, failures, 600.0, restart=_in_job(2))
+    two = simulate_run(ASYNC, model, layout, hw, 200, failures, 600.0, restart=_in_job(8))
     assert (two.failures, two.in_place) == (2, 2)
     assert two.wall_s == approx(125.0 + 3.0675 + 80)
 
 
-def test_each_failure_during_a_recovery_needs_the_spares_of_its_own_kind(model, layout, hw):
-    # Five spares, nodes of 4: a node failure at 123.4 s takes 4, a software failure at
-    # 125 s during its recovery the last one (in place); a node failure then would need
-    # 4 and relaunch the recovery, which becomes a node one.
-    soft = simulate_run(ASYNC, model, layout, hw, 200,
-                        [Failure(123.4, "node"), Failure(125.0, "software")], 600.0,
-                        restart=_in_job(5))
-    assert (soft.failures, soft.in_place) == (2, 2)
-    assert soft.wall_s == approx(125.0 + 3.0675 + 80)
-    node = simulate_run(ASYNC, model, layout, hw, 200,
-                        [Failure(123.4, "software"), Failure(125.0, "node")], 600.0,
-                        restart=_in_job(4))
-    assert (node.failures, node.in_place) == (2, 1)
-    assert node.wall_s == approx(125.0 + 10.0675 + 80)
+def test_each_failure_during_a_recovery_needs_a_spare_node_whatever_its_kind(model, layout,
+                                                                            hw):
+    # Five spares, nodes of 4: a node failure at 123.4 s takes 4; a software failure at
+    # 125 s during its recovery needs a whole spare node too, and the one spare left is
+    # not one: relaunched. With eight, both in place.
+    trace = [Failure(123.4, "node"), Failure(125.0, "software")]
+    five = simulate_run(ASYNC, model, layout, hw, 200, trace, 600.0, restart=_in_job(5))
+    assert (five.failures, five.in_place) == (2, 1)
+    assert five.wall_s == approx(125.0 + 10.0675 + 80)
+    eight = simulate_run(ASYNC, model, layout, hw, 200, trace, 600.0, restart=_in_job(8))
+    assert (eight.failures, eight.in_place) == (2, 2)
+    assert eight.wall_s == approx(125.0 + 3.0675 + 80)
 
 
 def test_no_spares_is_exactly_a_relaunch(model, layout, hw):
