@@ -64,6 +64,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"cannot be {how} ({err})", file=sys.stderr)
         return 2
     supervisor = Supervisor(options, store, store.port)
+    if options.serves_store and options.nnodes > 1 and not options.spare_nodes:
+        logging.getLogger(LOGGER).info(
+            f"{supervisor.prefix}no spare node (--spare-nodes 0): a lost node, or a crash "
+            "on a node with no spare process left, relaunches the job")
     previous = {signum: signal.signal(signum, lambda s, _: supervisor.request_stop(s))
                 for signum in FORWARDED}
     try:

@@ -258,3 +258,18 @@ def test_a_crash_on_a_node_without_a_spare_moves_the_whole_node_to_the_spare_nod
     assert one.children[1].process.signals == [(signal.SIGKILL, None)]
     assert zero.follow() is None and two.follow() is None and two.current.round == 1
     assert [c.process.signals for c in zero.children + two.children] == [[]] * 4
+
+
+@pytest.mark.parametrize("spare_nodes, said", [("0", True), ("1", False)])
+def test_node_0_says_when_no_spare_node_can_take_a_lost_node(monkeypatch, caplog, spare_nodes,
+                                                              said):
+    from deepspeed_ext.supervisor.main import main
+    from tests.launch import free_port
+    monkeypatch.setattr(job.Supervisor, "run", lambda self: 0)  # the line comes before
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        assert main(["--nproc", "1", "--spares", "0", "--nnodes", "2", "--node-rank", "0",
+                     "--master-addr", "127.0.0.1", "--port", str(free_port()),
+                     "--spare-nodes", spare_nodes, "--", PROGRAM]) == 0
+    line = ("[moc supervisor, node 0] no spare node (--spare-nodes 0): a lost node, or a "
+            "crash on a node with no spare process left, relaunches the job")
+    assert (line in lines(caplog)) == said
