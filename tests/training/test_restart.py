@@ -167,15 +167,17 @@ def test_two_level_faults_in_snapshot_persist_and_node_memory(corpus, tmp_path):
 def _elastic_nodes(tmp_path, corpus, extra, nproc, nodes=2, spare_nodes=0, timeout=400):
     """:func:`_elastic` as ``nodes`` nodes run it, on this host: one run_elastic.sh per
     node (``NNODES``, ``NODE_RANK``, ``RDZV_ENDPOINT`` on loopback, ``SPARE_NODES``, a
-    1 s ``NODE_TIMEOUT``), each in a session of its own (a lost node's process group is
-    its own), started together; returns (processes, metrics, events)."""
+    4 s ``NODE_TIMEOUT``: with 1 s, a supervisor starved by ten processes importing torch
+    on 2 loaded cores went 1.7 s without a beat and was found lost), each in a session of
+    its own (a lost node's process group is its own), started together; returns
+    (processes, metrics, events)."""
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     cmd = ["bash", "scripts/run_elastic.sh", str(nproc), "0", *TINY, "--data-path", corpus,
            "--save", str(ckpt), "--load", str(ckpt), "--metrics-file", str(metrics),
            "--moc-checkpoint", *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", NNODES=str(nodes),
                RDZV_ENDPOINT=f"127.0.0.1:{free_port()}", SPARE_NODES=str(spare_nodes),
-               NODE_TIMEOUT="1")
+               NODE_TIMEOUT="4")
     procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, start_new_session=True,
                               env=dict(env, NODE_RANK=str(node)))
