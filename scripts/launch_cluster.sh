@@ -66,21 +66,11 @@ MAX_RESTARTS="${MAX_RESTARTS:-0}"
 # shellcheck disable=SC1091  # the project's venv, made by scripts/setup_env.sh
 [ -x .venv/bin/python ] && source .venv/bin/activate
 
-restart=relaunch; spares=0; prev=""
-for word in "$@"; do  # what the launch path depends on; the trainer checks both again
-    case "$prev" in --moc-restart) restart="$word" ;; --moc-spares) spares="$word" ;; esac
-    case "$word" in
-        --moc-restart=*) restart="${word#*=}" ;;
-        --moc-spares=*) spares="${word#*=}" ;;
-    esac
-    prev="$word"
-done
+# shellcheck source=lib/in_job_flags.sh
+source scripts/lib/in_job_flags.sh
+in_job_flags "$GPUS" GPUS_PER_NODE "$@"
+restart="$RESTART"
 if [ "$restart" = in-job ]; then
-    case "$spares" in *[!0-9]*|'') echo "error: --moc-spares must be an integer >= 0" >&2; exit 2 ;; esac
-    if [ "$spares" -ge "$GPUS" ]; then
-        echo "error: --moc-spares $spares leaves no training rank of GPUS_PER_NODE $GPUS" >&2
-        exit 2
-    fi
     # checked as the supervisor starts them: its store named, the spares left out
     export MOC_RESTART_STORE="${MOC_RESTART_STORE:-127.0.0.1:29500}"
 fi

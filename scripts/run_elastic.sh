@@ -38,26 +38,11 @@ if [ -n "${NNODES:-}" ] && [ "${NNODES}" != 1 ]; then
 else
     RDZV=(--standalone)
 fi
-restart=relaunch; spares=0; prev=""
-for word in "$@"; do  # the trainer validates both flags again; here only what launching needs
-    case "$prev" in
-        --moc-restart) restart="$word" ;;
-        --moc-spares) spares="$word" ;;
-    esac
-    case "$word" in
-        --moc-restart=*) restart="${word#*=}" ;;
-        --moc-spares=*) spares="${word#*=}" ;;
-    esac
-    prev="$word"
-done
-if [ "$restart" = in-job ]; then
-    case "$spares" in
-        *[!0-9]*|"") echo "error: --moc-spares must be an integer >= 0, got '$spares'" >&2; exit 2 ;;
-    esac
-    if [ "$spares" -ge "$NPROC" ]; then
-        echo "error: --moc-spares $spares leaves no training process of NPROC_PER_NODE $NPROC" >&2
-        exit 2
-    fi
+# shellcheck source=lib/in_job_flags.sh
+source scripts/lib/in_job_flags.sh
+in_job_flags "$NPROC" NPROC_PER_NODE "$@"
+if [ "$RESTART" = in-job ]; then
+    spares="$SPARES"
     NODES=(); port="${MASTER_PORT:-0}"
     if [ -n "${NNODES:-}" ] && [ "${NNODES}" != 1 ]; then
         : "${NODE_RANK:?set NODE_RANK=0..NNODES-1 (the index of this node; node 0 serves the store)}"

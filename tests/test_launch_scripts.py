@@ -192,7 +192,22 @@ def test_an_in_job_launch_runs_one_supervisor_per_host_and_relaunches_on_the_nex
     assert "restart 1 of 1" in proc.stderr
     proc, _, _ = _run(tmp_path / "bad", [], max_restarts=0, gpus=3,
                       flags=(*IN_JOB[:-1], "3"), extra_env={"SSH": str(ssh)})
-    assert proc.returncode == 2 and "--moc-spares 3 leaves no training rank" in proc.stderr
+    assert proc.returncode == 2
+    assert "--moc-spares 3 leaves no training process of GPUS_PER_NODE 3" in proc.stderr
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--moc-restart", "in-job", "--moc-spares", "2"],
+     "error: --moc-spares 2 leaves no training process of NPROC_PER_NODE 2"),
+    (["--moc-restart=in-job", "--moc-spares=-1"],
+     "error: --moc-spares must be an integer >= 0, got '-1'"),
+])
+def test_run_elastic_refuses_spares_that_leave_no_training_process(flags, needle):
+    """scripts/run_elastic.sh reads the in-job flags as launch_cluster.sh does
+    (scripts/lib/in_job_flags.sh) and stops before anything starts."""
+    proc = subprocess.run(["bash", "scripts/run_elastic.sh", "2", "0", *flags], cwd=REPO,
+                          capture_output=True, text=True, timeout=60, env=_clean_env())
+    assert proc.returncode == 2 and proc.stderr.strip() == needle, proc.stderr
 
 
 def test_moc_omp_and_torch_nccl_variables_reach_other_nodes(tmp_path):
