@@ -47,11 +47,29 @@ def test_upstream_expert_files_are_flat_and_named_by_global_expert(moe_layer, la
 
 
 def test_the_dense_file_needs_an_allow_list_to_load_without_pickled_code():
-    """Its stored ``args`` reference megatron's ``ModelType``: a plain ``weights_only``
-    load refuses it (an importer must allow-list those few globals, never unpickle)."""
-    with pytest.raises(Exception, match=re.escape("weights_only")):
-        torch.load(os.path.join(STEP, "mp_rank_00_model_states.pt"), map_location="cpu",
-                   weights_only=True)
+    """Its stored ``args`` reference megatron's ``ModelType`` (and an ``argparse.Namespace``
+    and numpy's RNG state): a ``weights_only`` load with torch's own allow-list refuses it,
+    and loads it once those globals are allowed. An importer allow-lists those few
+    globals, never unpickles. importing ``megatron.core`` allows them for the whole
+    process (its ``safe_globals.register_safe_globals``), which another test of the same
+    worker may have done: the allow-list is emptied here and put back after."""
+    import argparse
+    import numpy
+    from megatron.core.enums import ModelType
+    dense = os.path.join(STEP, "mp_rank_00_model_states.pt")
+    before = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    try:
+        with pytest.raises(Exception, match=re.escape("weights_only")):
+            torch.load(dense, map_location="cpu", weights_only=True)
+        allowed = [argparse.Namespace, ModelType, numpy.ndarray, numpy.dtype,
+                   numpy.dtypes.UInt32DType, numpy._core.multiarray._reconstruct]
+        with torch.serialization.safe_globals(allowed):
+            state = torch.load(dense, map_location="cpu", weights_only=True)
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(before)
+    assert state["iteration"] == 6 and state["args"].num_experts == [4]
 
 
 def test_the_recorded_losses_are_upstream_s_logged_ones():
