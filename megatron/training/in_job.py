@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
 from deepspeed_ext.runtime import rounds
+from megatron.training.group_leaks import describe, group_refs, outlived
 from megatron.errors import ConfigError
 
 PEER_FAILURE_WAIT_S = 15.0
@@ -298,8 +299,13 @@ def _run_round(argv, parse, train, close, record) -> Optional["OwnError"]:
     else:
         close()
         return None
+    refs = group_refs()
     close()
     free_run_objects()
+    survivors = outlived(refs)
+    if survivors:  # a peer blocked in one of them waits out its timeout (group_leaks)
+        sys.stderr.write(f"[moc] WARNING: {len(survivors)} process group(s) of the failed run "
+                         f"outlived its teardown: {describe(survivors)}\n")
     return failure
 
 
