@@ -76,12 +76,32 @@ def release_engine(engine) -> None:
     one SIGKILLed: rank 3 waited out the group's timeout in ZeRO's gradient all-reduce).
     """
     destroy = getattr(engine, "destroy", None)
-    if destroy is None:
-        return
-    try:
-        destroy()
-    except Exception as e:  # noqa: BLE001  (a half-built engine: nothing more to free)
-        print_rank_0(f"> releasing the engine: {type(e).__name__}: {e}")
+    if destroy is not None:
+        try:
+            destroy()
+        except Exception as e:  # noqa: BLE001  (a half-built engine: nothing more to free)
+            print_rank_0(f"> releasing the engine: {type(e).__name__}: {e}")
+    unlink_parameter_groups(getattr(engine, "module", None))
+
+
+PARAMETER_LINKS = ("_dp_group", "_hp_mapping")
+"""What DeepSpeed's ZeRO pins on each model parameter: its data-parallel process group and
+its fp32 fragment (``deepspeed.utils.mixed_precision_linkage``)."""
+
+
+def unlink_parameter_groups(module) -> int:
+    """Drop :data:`PARAMETER_LINKS` from every parameter of ``module``; returns how many
+    were dropped. A parameter a closure still holds after ``destroy()`` then no longer
+    keeps the run's data-parallel group, and its gloo connections, alive: seeded trials
+    found a failed run's 4-rank group held through two parameters' ``_dp_group`` (and a
+    closure), and a peer stayed blocked in its ZeRO gradient all-reduce."""
+    dropped = 0
+    for param in (module.parameters() if module is not None else ()):
+        for name in PARAMETER_LINKS:
+            if getattr(param, name, None) is not None:
+                setattr(param, name, None)
+                dropped += 1
+    return dropped
 
 
 def _check_expert_layout(model, args, ep_rank: int) -> None:

@@ -54,6 +54,11 @@ def describe(groups: list) -> str:
             if isinstance(holder, dict):
                 keys = [str(k) for k, v in holder.items() if v is group][:2]
                 holders.append(f"dict[{', '.join(keys)}]")
+            elif type(holder).__name__ == "cell":  # a closure's variable: name its function
+                owners = [f.__qualname__ for cells in gc.get_referrers(holder)
+                          if isinstance(cells, tuple) for f in gc.get_referrers(cells)
+                          if getattr(f, "__closure__", None) is cells][:2]
+                holders.append(f"a closure of {', '.join(owners) or 'an unknown function'}")
             elif not isinstance(holder, list):  # this function's own list of groups
                 holders.append(type(holder).__name__)
         size = group.size() if hasattr(group, "size") else "?"
