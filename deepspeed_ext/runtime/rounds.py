@@ -119,7 +119,8 @@ class RoundAssignment:
     spares: Tuple[int, ...]
     """Slots waiting, in the order they will be used."""
     failed: Tuple[int, ...] = ()
-    """Slots whose death started this round (empty for round 0)."""
+    """Slots whose death started this round, and live slots it displaced (a node moved
+    whole to a spare node: their supervisor ends them); empty for round 0."""
     at: float = 0.0
     """Wall-clock time (``time.time()``) the supervisor wrote the round: for a recovery,
     right after it saw the death; 0.0 when not stamped."""

@@ -155,7 +155,8 @@ class Supervisor(JobEnding):
         while True:
             if self.stop_signal is not None:
                 return self.stopped()
-            self.store.add(node_beat_key(self.options.node_rank), 1)
+            if self.options.nnodes > 1:  # node 0's NodeWatch reads it
+                self.store.add(node_beat_key(self.options.node_rank), 1)
             status = self.follow()
             status = self.watch_nodes() if status is None else status
             if status is not None:
@@ -309,7 +310,8 @@ class Supervisor(JobEnding):
         if after is None:
             return 1
         change = change_text(before, after, {child.slot}) or "the spare is dropped"
-        change += " (spare)" if change.count("->") == 1 and "displaced" not in change else ""
+        if rank is not None and after.failed == (child.slot,):  # one rank, to its node's spare
+            change += " (spare)"
         left = _spares_left(len(after.spares))
         if self.options.nnodes > 1:
             left += f", {sum(s in self.options.own_slots for s in after.spares)} on this node"
