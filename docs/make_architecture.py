@@ -74,7 +74,7 @@ SUBPACKAGES: Dict[str, str] = {
     "runtime": "runtime", "policy": "policy", "format": "format", "store": "store",
     "engine": "engine", "two_level": "modes", "exact": "modes", "peers": "modes",
     "snapshot": "modes", "state": "modes", "planning": "tools", "cli": "tools",
-    "keeper": "keeper", "supervisor": "tools",
+    "keeper": "keeper", "supervisor": "tools", "interop": "tools",
 }
 """Subpackage of ``deepspeed_ext`` -> layer of every module in it."""
 

@@ -176,6 +176,12 @@ RUN_BY = {
     "moc-ckpt densify runs/a/ckpt --out runs/a/dense -- --config my.yaml --data-path data/x":
         "tests/deepspeed_ext/cli/test_cli.py::test_densify_uses_the_flags_given_after_double_dash",
     "python benchmarks/checkpoint_bench.py": BENCHMARK,
+    "moc-ckpt import UPSTREAM_SAVE_DIR --out runs/imported":
+        "tests/training/test_import_upstream.py::"
+        "test_moc_s_model_from_the_import_gives_upstream_s_next_loss",
+    "moc-ckpt import DIR --out NEW":
+        "tests/deepspeed_ext/cli/test_import_cmd.py::"
+        "test_import_writes_a_loadable_checkpoint_and_says_what_it_carried",
     # docs/moe-schedules.md
     "python benchmarks/moe_schedule_bench.py --json FILE --plot FILE": BENCHMARK,
     "python benchmarks/moe_schedule_bench.py --nproc 8 --experts-per-rank 1": BENCHMARK,

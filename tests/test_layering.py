@@ -53,7 +53,8 @@ LAYERS: List[Tuple[str, Tuple[str, ...]]] = [
     ("facade", ("deepspeed_ext", "deepspeed_ext.checkpointer", "deepspeed_ext.patch")),
     ("tools", ("deepspeed_ext.cli", "deepspeed_ext.cli.*", "deepspeed_ext.planning",
                "deepspeed_ext.planning.*", "deepspeed_ext.supervisor",
-               "deepspeed_ext.supervisor.*")),
+               "deepspeed_ext.supervisor.*", "deepspeed_ext.interop",
+               "deepspeed_ext.interop.*")),
 ]
 """Layers, lowest first, as module name patterns; a module is in the first layer one of
 whose patterns it matches. A module may import modules of its own layer and of lower

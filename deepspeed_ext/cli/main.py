@@ -8,6 +8,7 @@ from typing import Optional, Sequence
 from deepspeed_ext.cli.common import UsageError, stderr
 from deepspeed_ext.cli.consolidate import cmd_consolidate
 from deepspeed_ext.cli.densify import cmd_densify
+from deepspeed_ext.cli.import_cmd import add_import_parser
 from deepspeed_ext.cli.inspection import cmd_inspect
 from deepspeed_ext.cli.verify import cmd_verify
 from deepspeed_ext.format.errors import CheckpointError
@@ -15,7 +16,7 @@ from deepspeed_ext.format.errors import CheckpointError
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="moc-ckpt", description="Inspect, verify and consolidate MoC checkpoints.")
+        prog="moc-ckpt", description="Inspect, verify, consolidate and import MoC checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="steps, layout, saved experts, bytes per rank, "
                                        "expert ages")
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replay across these hosts with DeepSpeed's launcher (as many "
                         "slots as the run had ranks; default: this host, torchrun)")
     p.set_defaults(func=cmd_densify, train_args=None)
+    add_import_parser(sub)
     return parser
 
 

@@ -203,6 +203,36 @@ def _split_ranges(num_documents: int, split_matrix) -> List[Optional[Tuple[int, 
     return ranges
 
 
+def _first_rank() -> bool:
+    """Whether this process logs the data checks' warnings (rank 0, or no process group)."""
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+def _described_bytes(dataset, lengths, itemsize: int, prefix: str, flag: str) -> int:
+    """The ``.bin`` bytes ``prefix``'s ``.idx`` describes; ConfigError unless the ``.bin``
+    has them (or upstream's one extra eod token per document)."""
+    idx_path, bin_path = prefix + ".idx", prefix + ".bin"
+    count = int(lengths.shape[0])
+    expected_bytes = int(dataset.index.sequence_pointers[-1]) + int(lengths[-1]) * itemsize
+    actual_bytes = os.path.getsize(bin_path)
+    # Megatron-DeepSpeed's tools/preprocess_data.py with --append-eod writes each
+    # document's eod into the .bin but leaves it out of the .idx's sizes (and
+    # pointers): upstream trains on the data so described, and so does this run.
+    upstream_eod = actual_bytes - expected_bytes == count * itemsize
+    if upstream_eod and _first_rank():
+        logger.warning(f"{flag}: {idx_path} describes one token per document less than "
+                       f"{bin_path} holds (Megatron-DeepSpeed's preprocess_data.py "
+                       f"--append-eod records sizes without the eod); read as it "
+                       f"describes, as upstream reads it")
+    if expected_bytes != actual_bytes and not upstream_eod:
+        raise ConfigError(
+            f"{flag}: {bin_path} has {actual_bytes} bytes but {idx_path} describes "
+            f"{expected_bytes}; the pair comes from different or interrupted preprocessing "
+            "runs, preprocess the data again"
+        )
+    return expected_bytes
+
+
 def _check_prefix_contents(prefix: str, tokenizer, split_matrix,
                            flag: str = "--data-path") -> None:
     """The index and data files of ``prefix`` (named by ``flag``) agree and fit the
@@ -223,14 +253,7 @@ def _check_prefix_contents(prefix: str, tokenizer, split_matrix,
             raise ConfigError(f"{flag}: {prefix} contains only empty documents (megatron.core "
                               "would loop forever on it)")
         itemsize = numpy.dtype(dataset.index.dtype).itemsize
-        expected_bytes = int(dataset.index.sequence_pointers[-1]) + int(lengths[-1]) * itemsize
-        actual_bytes = os.path.getsize(bin_path)
-        if expected_bytes != actual_bytes:
-            raise ConfigError(
-                f"{flag}: {bin_path} has {actual_bytes} bytes but {idx_path} describes "
-                f"{expected_bytes}; the pair comes from different or interrupted preprocessing "
-                "runs, preprocess the data again"
-            )
+        expected_bytes = _described_bytes(dataset, lengths, itemsize, prefix, flag)
         if expected_bytes:
             num_tokens = min(expected_bytes // itemsize, _TOKEN_CHECK_LIMIT)
             tokens = numpy.memmap(

@@ -267,9 +267,9 @@ def _deepspeed_tag(load_dir: str) -> Tuple[Optional[str], Dict]:
     and its meta, marked ``format: deepspeed``; ``(None, {})`` when there is none.
 
     Without it, a run brought over with ``--moc-checkpoint --load`` started from scratch.
-    A checkpoint without ``megatron_meta.json`` (Megatron-DeepSpeed's own) goes unchecked
-    here, and DeepSpeed's load then stops on its parameter names, which are not this
-    model's (``language_model.encoder...``): nothing maps them yet.
+    A checkpoint without ``megatron_meta.json`` (Megatron-DeepSpeed's own) never gets
+    here with ``--moc-checkpoint``: :mod:`megatron.training.upstream_import` imports it
+    into ``--save`` first and the load reads that.
     """
     tag = find_latest_tag(load_dir)
     if tag is None or not fs.isfile(os.path.join(load_dir, tag, DEEPSPEED_MODEL_FILE)):
@@ -295,6 +295,7 @@ def check_compatible(meta: Dict, args: argparse.Namespace, path: str) -> None:
             raise ConfigError(f"checkpoint {path} was saved with --{flag} {saved[name]} but this "
                               f"run has --{flag} {getattr(args, name, None)}; use the same setting "
                               "or another --load directory")
+    _warn_weight_decay(saved, args, path)
     moc = getattr(args, "moc_checkpoint", False) and meta.get("format") != DEEPSPEED_FORMAT
     refusal = vocab_refusal(saved, args, reshards=moc)
     if refusal:
@@ -308,6 +309,19 @@ def check_compatible(meta: Dict, args: argparse.Namespace, path: str) -> None:
             f"--moe-expert-parallel-size {saved.get('moe_expert_parallel_size')}; DeepSpeed's "
             f"checkpoints only load on the same layout (this run: {dist.get_world_size()} ranks, "
             f"--moe-expert-parallel-size {args.moe_expert_parallel_size})")
+
+
+def _warn_weight_decay(saved: Dict, args: argparse.Namespace, path: str) -> None:
+    """One line when the checkpoint's Adam applied weight decay otherwise than this run's
+    will (an import of Megatron-DeepSpeed's CPU run: L2), which changes every update."""
+    if "l2_weight_decay" not in saved:
+        return
+    then, now = bool(saved["l2_weight_decay"]), bool(getattr(args, "l2_weight_decay", False))
+    if then != now:
+        kind = {True: "L2 weight decay (torch.optim.Adam)", False: "decoupled weight decay (AdamW)"}
+        print_rank_0(f"WARNING: checkpoint {path} was trained with {kind[then]}, this run "
+                     f"uses {kind[now]}; {'add' if then else 'leave out'} --l2-weight-decay "
+                     f"to continue it as it was trained")
 
 
 def saved_meta(engine, load_dir: str, tag: str) -> Dict:

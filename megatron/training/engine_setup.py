@@ -47,9 +47,11 @@ def setup_model_and_optimizer(args: argparse.Namespace):
             raise ConfigError(str(err)) from None
     else:
         model = GPTMoEModel(config, ep_rank=place.ep_rank)
-    optimizer = torch.optim.AdamW(param_groups(model, args.weight_decay), lr=args.lr,
-                                  betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
-                                  foreach=False)
+    # A checkpoint imported from Megatron-DeepSpeed's CPU run continues exactly only
+    # with its optimizer's weight decay (torch.optim.Adam's L2, not AdamW's decoupled).
+    adam = torch.optim.Adam if getattr(args, "l2_weight_decay", False) else torch.optim.AdamW
+    optimizer = adam(param_groups(model, args.weight_decay), lr=args.lr,
+                     betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps, foreach=False)
     mpu = None  # a pipeline's groups come from its module's grid
     if config.tensor_model_parallel_size > 1 and stages == 1:
         from megatron.training.mpu import CoreMPU

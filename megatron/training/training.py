@@ -37,6 +37,7 @@ from megatron.training.process import (close_process_groups, initialize_distribu
                                        remove_deepspeed_shm_buffers, set_determinism,
                                        set_threads, unlink_deepspeed_shm_buffer)
 from megatron.training.step import StepStats, evaluate, optimizer_loss_scale, train_step
+from megatron.training.upstream_import import redirect_upstream_load
 from megatron.training.stopping import DurationLimit
 from megatron.training.train_loop import TrainLoop, TrainResult
 from megatron.training.wandb_log import open_wandb
@@ -160,6 +161,7 @@ def _load(args: argparse.Namespace, engine, scheduler,
     state = checkpointing.ResumeState()
     checkpointing.record_attempt(engine, args)
     if args.load:
+        redirect_upstream_load(args)  # a Megatron-DeepSpeed --load: imported into --save
         state = checkpointing.load_checkpoint(engine, args, scheduler, exact=ft.exact)
         ft.after_load()
     return state

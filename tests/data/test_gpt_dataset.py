@@ -181,6 +181,26 @@ def test_truncated_bin(corpus, tok, tmp_path):
         build_train_valid_test_datasets(make_args([prefix], tmp_path), tok)
 
 
+def test_upstream_idx_without_eod_sizes_is_read_as_it_describes(tok, tmp_path, caplog):
+    """Megatron-DeepSpeed's preprocess_data.py --append-eod leaves each document's eod out
+    of the .idx's sizes (the fixture of tests/fixtures/megatron_deepspeed_moe): read as
+    upstream reads it, with a warning; one more token than that is still refused."""
+    fixture = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "fixtures", "megatron_deepspeed_moe", "data", "bytes_text_document")
+    prefix = str(tmp_path / "upstream")
+    for ext in (".bin", ".idx"):
+        shutil.copy(fixture + ext, prefix + ext)
+    with caplog.at_level("WARNING", logger="megatron.data.gpt_dataset"):
+        train, _, _ = build_train_valid_test_datasets(
+            make_args([prefix], tmp_path, split="98,2,0", seq_length=64), tok)
+    assert "--append-eod records sizes without the eod" in caplog.text
+    assert len(train) > 0
+    with open(prefix + ".bin", "ab") as f:
+        f.write(b"\x00\x00")
+    with pytest.raises(ConfigError, match="different or interrupted"):
+        build_train_valid_test_datasets(make_args([prefix], tmp_path, split="98,2,0"), tok)
+
+
 def test_tokenizer_mismatch(corpus, tmp_path):
     small = build_tokenizer("NullTokenizer", vocab_size=100)
     with pytest.raises(ConfigError, match=r"token id 256"):

@@ -41,6 +41,10 @@ def add_training_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-beta1", type=float, default=0.9, help="AdamW beta1.")
     g.add_argument("--adam-beta2", type=float, default=0.999, help="AdamW beta2.")
     g.add_argument("--adam-eps", type=float, default=1e-8, help="AdamW epsilon.")
+    g.add_argument("--l2-weight-decay", action="store_true",
+                   help="Adam with weight decay added to the gradient (torch.optim.Adam), as "
+                        "Megatron-DeepSpeed trains on a CPU without --torch-adam; default: "
+                        "decoupled weight decay (AdamW, as apex's FusedAdam on GPUs).")
     g.add_argument("--bf16", action="store_true", help="bfloat16 compute with fp32 master weights.")
     g.add_argument("--fp16", action="store_true", help="float16 compute with dynamic loss scaling.")
     g.add_argument("--loss-scale", type=float, default=0.0, help="fp16 static loss scale; 0: dynamic.")
