@@ -125,6 +125,7 @@ RUN_BY = {
         "tests/deepspeed_ext/supervisor/test_supervisor.py::"
         "test_a_killed_rank_goes_to_a_spare_the_survivors_keep_running_and_the_other_is_released",
     "python benchmarks/restart_bench.py --ranks 4 --repeats 3": BENCHMARK,
+    "python benchmarks/restart_bench.py --ranks 4 --repeats 3 --iters 48 --crash-at 32": BENCHMARK,
     "python benchmarks/restart_bench.py --ranks 4 --repeats 2 --fault hang": BENCHMARK,
     "python benchmarks/restart_trials.py --trials 20 --seed 1 --ranks 4": BENCHMARK,
     "python benchmarks/restart_trials.py --trials 20 --seed 5 --ranks 4": BENCHMARK,
@@ -179,6 +180,12 @@ RUN_BY = {
     "moc-ckpt import UPSTREAM_SAVE_DIR --out runs/imported":
         "tests/training/test_import_upstream.py::"
         "test_moc_s_model_from_the_import_gives_upstream_s_next_loss",
+    "moc-ckpt export runs/a/ckpt --format megatron-deepspeed --out runs/a/upstream":
+        "tests/deepspeed_ext/interop/test_export.py::"
+        "test_the_export_of_the_import_is_upstream_s_checkpoint_again",
+    "moc-ckpt export DIR --format megatron-deepspeed --out NEW":
+        "tests/deepspeed_ext/interop/test_export.py::"
+        "test_an_export_imported_again_is_bitwise_the_checkpoint_it_came_from",
     "moc-ckpt import DIR --out NEW":
         "tests/deepspeed_ext/cli/test_import_cmd.py::"
         "test_import_writes_a_loadable_checkpoint_and_says_what_it_carried",

@@ -8,6 +8,7 @@ from typing import Optional, Sequence
 from deepspeed_ext.cli.common import UsageError, stderr
 from deepspeed_ext.cli.consolidate import cmd_consolidate
 from deepspeed_ext.cli.densify import cmd_densify
+from deepspeed_ext.cli.export_cmd import add_export_parser
 from deepspeed_ext.cli.import_cmd import add_import_parser
 from deepspeed_ext.cli.inspection import cmd_inspect
 from deepspeed_ext.cli.verify import cmd_verify
@@ -16,7 +17,7 @@ from deepspeed_ext.format.errors import CheckpointError
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="moc-ckpt", description="Inspect, verify, consolidate and import MoC checkpoints.")
+        prog="moc-ckpt", description="Inspect, verify, consolidate, import and export MoC checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="steps, layout, saved experts, bytes per rank, "
                                        "expert ages")
@@ -65,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "slots as the run had ranks; default: this host, torchrun)")
     p.set_defaults(func=cmd_densify, train_args=None)
     add_import_parser(sub)
+    add_export_parser(sub)
     return parser
 
 

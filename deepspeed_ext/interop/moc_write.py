@@ -85,7 +85,10 @@ def import_objects(ckpt: UpstreamCheckpoint, layout: ImportLayout) -> Dict[str, 
               "opt_param_scheduler": scheduler_in_iterations(ckpt.scheduler,
                                                              model.global_batch_size),
               "rng_states": None,
-              "args": dict(model.moc_args(), l2_weight_decay=ckpt.l2_weight_decay)}
+              "args": dict(model.moc_args(), l2_weight_decay=ckpt.l2_weight_decay,
+                           adam_beta1=ckpt.adam.betas[0], adam_beta2=ckpt.adam.betas[1],
+                           adam_eps=ckpt.adam.eps, weight_decay=ckpt.adam.weight_decay,
+                           clip_grad=ckpt.adam.clip_grad)}
     return {"client_state": client,
             "engine": {"global_steps": ckpt.iteration, "global_samples": ckpt.global_samples,
                        "skipped_steps": 0},

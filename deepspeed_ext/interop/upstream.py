@@ -29,7 +29,7 @@ from deepspeed_ext.format.naming import check_tag
 from deepspeed_ext.interop.megatron_names import (expert_of, flatten_module, is_qkv, moc_name,
                                                   qkv_to_moc)
 from deepspeed_ext.interop.safe_load import check_inside, load_upstream_file
-from deepspeed_ext.interop.upstream_model import UpstreamModel
+from deepspeed_ext.interop.upstream_model import AdamSettings, UpstreamModel
 from deepspeed_ext.interop.zero_files import ZeroState, assemble_zero
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,8 @@ class UpstreamCheckpoint:
     l2_weight_decay: bool = False
     """Upstream's Adam added weight decay to the gradient (``torch.optim.Adam``); MoC's
     trainer continues it exactly with ``--l2-weight-decay``."""
+    adam: AdamSettings = field(default_factory=AdamSettings)
+    """Adam's settings and the clipping norm (what an export records again)."""
 
     def experts(self) -> Dict[str, Tuple[int, int]]:
         """MoC name -> ``(moe layer ordinal, global expert)`` of every expert tensor."""
@@ -137,6 +139,7 @@ def read_upstream(root: str, tag: Optional[str] = None,
     ckpt = UpstreamCheckpoint(
         tag=tag, model=model, iteration=int(state.get("iteration", state.get("global_steps", 0))),
         global_samples=int(state.get("global_samples", 0)), weights={},
+        adam=AdamSettings.from_values(vars(state["args"])),
         scheduler=dict(state.get("lr_scheduler") or {}),
         rng_states=[_rng_state(r) for r in state.get("rng_state") or []])
     source = {**module, **experts}

@@ -3,7 +3,7 @@ stores, and what MoC cannot train of it yet. Pure."""
 
 import argparse
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 REFUSED = (
     # (upstream argument, value MoC needs, the flag to name)
@@ -21,6 +21,30 @@ REFUSED = (
 )
 """Upstream settings the import refuses until MoC's model has them (issue 38's
 architectures); a missing argument counts as the needed value."""
+
+
+@dataclass(frozen=True)
+class AdamSettings:
+    """The optimizer settings a checkpoint's files record (upstream's ZeRO files, DeepSpeed
+    config)."""
+
+    betas: Tuple[float, float] = (0.9, 0.999)
+    """Adam's betas."""
+    eps: float = 1e-8
+    """Adam's epsilon."""
+    weight_decay: float = 0.0
+    """Weight decay of the decaying groups."""
+    clip_grad: float = 1.0
+    """Gradient clipping norm (0: none)."""
+
+    @classmethod
+    def from_values(cls, values: Mapping[str, Any]) -> "AdamSettings":
+        """From stored arguments (upstream's Namespace as a dict, or MoC's trainer's)."""
+        return cls(betas=(float(values.get("adam_beta1", 0.9)),
+                          float(values.get("adam_beta2", 0.999))),
+                   eps=float(values.get("adam_eps", 1e-8)),
+                   weight_decay=float(values.get("weight_decay", 0.0)),
+                   clip_grad=float(values.get("clip_grad", 1.0) or 0.0))
 
 
 @dataclass
@@ -113,6 +137,47 @@ class UpstreamModel:
                              f"{model.num_experts} experts nor {model.dp_world_size} ranks")
         return model
 
+    @classmethod
+    def from_moc_args(cls, args: Mapping[str, Any], ep_size: int,
+                      dp_world_size: int) -> "UpstreamModel":
+        """From the arguments MoC's trainer records in its checkpoints (a dict), for an
+        upstream run of ``dp_world_size`` ranks and expert-parallel size ``ep_size``.
+
+        Raises:
+            ValueError: a model upstream's GPT does not have (rotary embeddings in MoC's
+                layout), no experts, or a layout the experts do not fit.
+        """
+        if args.get("position_embedding_type", "learned_absolute") != "learned_absolute":
+            raise ValueError(f"--position-embedding-type {args['position_embedding_type']}: "
+                             f"MoC's rotary embedding is not laid out as Megatron-DeepSpeed's; "
+                             f"only learned absolute position embeddings are exported")
+        missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                               "padded_vocab_size", "num_experts", "global_batch_size")
+                   if args.get(k) is None]
+        if missing:
+            raise ValueError(f"the checkpoint's arguments lack {', '.join(missing)}")
+        hidden = int(args["hidden_size"])
+        model = cls(
+            num_layers=int(args["num_layers"]), hidden_size=hidden,
+            ffn_hidden_size=int(args.get("ffn_hidden_size") or 4 * hidden),
+            num_attention_heads=int(args["num_attention_heads"]),
+            seq_length=int(args["seq_length"]),
+            max_position_embeddings=int(args.get("max_position_embeddings") or args["seq_length"]),
+            padded_vocab_size=int(args["padded_vocab_size"]),
+            true_vocab_size=int(args.get("true_vocab_size") or args["padded_vocab_size"]),
+            make_vocab_size_divisible_by=int(args.get("make_vocab_size_divisible_by", 128)),
+            num_experts=int(args["num_experts"]), expert_interval=int(args.get("expert_interval", 2)),
+            topk=int(args.get("topk", 1)), ep_size=ep_size, dp_world_size=dp_world_size,
+            global_batch_size=int(args["global_batch_size"]),
+            micro_batch_size=int(args.get("micro_batch_size") or 1),
+            tokenizer_type=str(args.get("tokenizer_type")))
+        if model.num_experts < 2:
+            raise ValueError("the checkpoint's model has no experts (--num-experts 1)")
+        if model.num_experts % ep_size or dp_world_size % ep_size:
+            raise ValueError(f"expert-parallel size {ep_size} divides neither "
+                             f"{model.num_experts} experts nor {dp_world_size} ranks")
+        return model
+
     def check_moe_layers(self, gate_layers: List[int]) -> None:
         """Raise ValueError unless the layers with a gate are MoC's MoE layers."""
         if gate_layers != self.moe_layers:
@@ -182,4 +247,25 @@ def scheduler_in_iterations(saved: Mapping[str, Any], global_batch_size: int) ->
         for key in ("num_tokens", "lr_warmup_tokens", "lr_decay_tokens"):
             if saved.get(key) is not None:
                 out[key] = int(saved[key])
+    return out
+
+
+def scheduler_in_samples(saved: Mapping[str, Any], global_batch_size: int,
+                         tokens: int) -> Dict[str, Any]:
+    """The inverse of :func:`scheduler_in_iterations`: MoC's trainer's scheduler state
+    (steps in iterations) as upstream's (steps in samples); ``tokens`` stands for
+    ``num_tokens`` when the schedule counts none (an iteration-based one).
+
+    Raises:
+        ValueError: a field upstream's scheduler needs is missing (named).
+    """
+    missing = [k for k in SAMPLE_COUNTS + KEPT if k not in saved]
+    if missing:
+        raise ValueError(f"the checkpoint's opt_param_scheduler lacks {', '.join(missing)}")
+    out: Dict[str, Any] = {k: saved[k] for k in KEPT}
+    for key in SAMPLE_COUNTS:
+        out[key] = int(saved[key] or 0) * global_batch_size
+    for key in ("lr_warmup_tokens", "lr_decay_tokens"):
+        out[key] = int(saved[key]) if saved.get(key) is not None else None
+    out["num_tokens"] = int(saved["num_tokens"]) if saved.get("num_tokens") is not None else tokens
     return out
