@@ -62,10 +62,34 @@ class GPTMoEConfig:
     checkpoint_activations: bool = False
     """Recompute each transformer layer in the backward pass instead of keeping its
     activations (``--checkpoint-activations``); the losses and gradients are the same."""
+    swiglu: bool = False
+    """The dense MLP and the experts gated with SiLU: ``dense_h_to_4h`` gives
+    ``2 * ffn_hidden_size`` rows, the gate's then the up projection's (``--swiglu``)."""
+    normalization: str = "layernorm"
+    """``layernorm`` or ``rmsnorm`` (weight only) for every norm (``--normalization``)."""
+    add_bias_linear: bool = True
+    """Biases in every linear layer (``--disable-bias-linear`` turns them off)."""
+    untie_embeddings_and_output_weights: bool = False
+    """An output layer of its own (``output_layer.weight``) instead of the word embedding
+    (``--untie-embeddings-and-output-weights``)."""
+    num_key_value_heads: int = 0
+    """Key and value heads (grouped-query attention); 0: one per attention head
+    (``--num-key-value-heads``)."""
+    rotary_interleaved: bool = True
+    """With rope: rotate adjacent pairs of dimensions (this trainer's ``rope``); False:
+    the two halves of each head, as Megatron-DeepSpeed's and Hugging Face's
+    (``--use-rotary-position-embeddings``)."""
+    rope_theta: float = 10000.0
+    """The rotary embedding's base (``--rope-theta``)."""
+    moe_top2_2nd_expert_sampling: bool = True
+    """Top-2: draw each token's second expert with Gumbel noise, as DeepSpeed does by
+    default; False: the second-largest gate (``--disable-moe-top2-2nd-expert-sampling``)."""
 
     def __post_init__(self):
         if self.ffn_hidden_size == 0:
             self.ffn_hidden_size = 4 * self.hidden_size
+        if self.num_key_value_heads == 0:
+            self.num_key_value_heads = self.num_attention_heads
         positive = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size",
                     "max_position_embeddings", "ffn_hidden_size", "num_experts",
                     "expert_interval", "moe_expert_parallel_size", "topk",
@@ -92,6 +116,31 @@ class GPTMoEConfig:
             raise ValueError(f"--topk ({self.topk}) cannot exceed --num-experts ({self.num_experts})")
         if self.num_experts > 1 and self.topk > 2:
             raise ValueError(f"--topk must be 1 or 2 with deepspeed.moe, got {self.topk}")
+        self._check_architecture()
+
+    def _check_architecture(self) -> None:
+        if self.normalization not in ("layernorm", "rmsnorm"):
+            raise ValueError(f"--normalization must be layernorm or rmsnorm, got "
+                             f"{self.normalization!r}")
+        kv, heads = self.num_key_value_heads, self.num_attention_heads
+        if kv < 1 or heads % kv:
+            raise ValueError(f"--num-key-value-heads ({kv}) must divide --num-attention-heads "
+                             f"({heads})")
+        if kv % self.tensor_model_parallel_size:
+            raise ValueError(f"--num-key-value-heads ({kv}) must be divisible by "
+                             f"--tensor-model-parallel-size ({self.tensor_model_parallel_size})")
+
+    @property
+    def grouped_query(self) -> bool:
+        """Fewer key-value heads than attention heads: the fused QKV rows are then grouped
+        per key-value head, ``[kv_heads, heads / kv_heads + 2, head_dim]`` (upstream's
+        layout); otherwise ``[3, heads, head_dim]``."""
+        return self.num_key_value_heads < self.num_attention_heads
+
+    @property
+    def qkv_rows(self) -> int:
+        """Output rows of the fused QKV projection."""
+        return (self.num_attention_heads + 2 * self.num_key_value_heads) * self.head_dim
 
     @property
     def head_dim(self) -> int:

@@ -24,7 +24,10 @@ EXPERTS_KEY = "deepspeed_moe.experts.deepspeed_experts."
 
 
 def layer_norm(config: GPTMoEConfig) -> nn.Module:
-    """A LayerNorm: apex's fused kernel on CUDA when apex is installed, torch's otherwise."""
+    """The config's norm: an RMSNorm (weight only) with ``--normalization rmsnorm``, else a
+    LayerNorm: apex's fused kernel on CUDA when apex is installed, torch's otherwise."""
+    if config.normalization == "rmsnorm":
+        return nn.RMSNorm(config.hidden_size, eps=config.layernorm_epsilon)
     if torch.cuda.is_available():
         try:
             from apex.normalization import FusedLayerNorm  # optional `gpu` extra
@@ -35,10 +38,15 @@ def layer_norm(config: GPTMoEConfig) -> nn.Module:
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary position embedding applied to queries and keys."""
+    """Rotary position embedding applied to queries and keys: dimension pair ``i`` turns by
+    ``position / base ** (2 i / head_dim)``. ``interleaved``: the pairs are adjacent
+    dimensions (``2i, 2i + 1``); else dimension ``i`` pairs with ``i + head_dim / 2``
+    (upstream's and Hugging Face's layout)."""
 
-    def __init__(self, head_dim: int, max_positions: int, base: float = 10000.0):
+    def __init__(self, head_dim: int, max_positions: int, base: float = 10000.0,
+                 interleaved: bool = True):
         super().__init__()
+        self.interleaved = interleaved
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         # Not parameters: recomputed from the config, so never checkpointed.
@@ -49,49 +57,81 @@ class RotaryEmbedding(nn.Module):
         """Rotate ``x`` [batch, heads, seq, head_dim] by the angles of ``position_ids`` [batch, seq]."""
         cos = self.cos[position_ids].unsqueeze(1).to(x.dtype)
         sin = self.sin[position_ids].unsqueeze(1).to(x.dtype)
+        if not self.interleaved:
+            x1, x2 = x.chunk(2, dim=-1)
+            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         x1, x2 = x[..., 0::2], x[..., 1::2]
         rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
         return rotated.flatten(-2)
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention (fused QKV projection, SDPA kernel)."""
+    """Causal self-attention (fused QKV projection, SDPA kernel), multi-head or grouped-query
+    (``num_key_value_heads`` below the head count: query head ``h`` attends with key-value
+    head ``h // (heads / kv_heads)``)."""
 
     def __init__(self, config: GPTMoEConfig):
         super().__init__()
         size = config.tensor_model_parallel_size
         self.num_heads = config.num_attention_heads // size  # this rank's heads
+        self.num_kv_heads = config.num_key_value_heads // size
+        self.grouped = config.grouped_query
         self.head_dim = config.head_dim
         self.dropout = config.attention_dropout
-        self.query_key_value = tp.linear(config.hidden_size, 3 * config.hidden_size, size, "column")
-        self.dense = tp.linear(config.hidden_size, config.hidden_size, size, "row")
-        self.rotary = (RotaryEmbedding(self.head_dim, config.max_position_embeddings)
+        bias = config.add_bias_linear
+        self.query_key_value = tp.linear(config.hidden_size, config.qkv_rows, size, "column", bias)
+        self.dense = tp.linear(config.hidden_size, config.hidden_size, size, "row", bias)
+        self.rotary = (RotaryEmbedding(self.head_dim, config.max_position_embeddings,
+                                       config.rope_theta, config.rotary_interleaved)
                        if config.position_embedding_type == "rope" else None)
+
+    def _split(self, qkv: torch.Tensor):
+        """``[batch, seq, rows]`` -> q ``[batch, heads, seq, d]``, k and v ``[batch, kv, seq, d]``."""
+        batch, seq, _ = qkv.shape
+        if not self.grouped:
+            q, k, v = qkv.view(batch, seq, 3, self.num_heads, self.head_dim).permute(
+                2, 0, 3, 1, 4).unbind(0)
+            return q, k, v
+        per = self.num_heads // self.num_kv_heads
+        groups = qkv.view(batch, seq, self.num_kv_heads, per + 2, self.head_dim)
+        q = groups[:, :, :, :per].reshape(batch, seq, self.num_heads, self.head_dim)
+        k, v = groups[:, :, :, per], groups[:, :, :, per + 1]
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
-        qkv = self.query_key_value(x).view(batch, seq, 3, self.num_heads, self.head_dim)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        q, k, v = self._split(self.query_key_value(x))
         if self.rotary is not None:
             q, k = self.rotary(q, position_ids), self.rotary(k, position_ids)
+        if self.num_kv_heads != self.num_heads:
+            per = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(per, dim=1), v.repeat_interleave(per, dim=1)
         out = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         return self.dense(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
 
 
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU of the first half of the last dimension times the second half."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class MLP(nn.Module):
     """The dense feed-forward block; also the module each expert is a copy of (split over
     ``tp_size`` ranks: the dense MLP's tensor-parallel size, an expert's with expert
-    tensor parallelism, else 1)."""
-
-    activation = staticmethod(F.gelu)
-    """Between the two linears; Parm's S1 runs the expert shards with it too
-    (``megatron.model.moe_schedules``)."""
+    tensor parallelism, else 1). With SwiGLU ``dense_h_to_4h`` gives the gate's rows then
+    the up projection's (each tensor-parallel rank its slice of both)."""
 
     def __init__(self, config: GPTMoEConfig, tp_size: int = 1):
         super().__init__()
-        self.dense_h_to_4h = tp.linear(config.hidden_size, config.ffn_hidden_size, tp_size, "column")
-        self.dense_4h_to_h = tp.linear(config.ffn_hidden_size, config.hidden_size, tp_size, "row")
+        rows = 2 * config.ffn_hidden_size if config.swiglu else config.ffn_hidden_size
+        bias = config.add_bias_linear
+        self.activation = swiglu if config.swiglu else F.gelu
+        """Between the two linears; Parm's S1 runs the expert shards with it too
+        (``megatron.model.moe_schedules``)."""
+        self.dense_h_to_4h = tp.linear(config.hidden_size, rows, tp_size, "column", bias)
+        self.dense_4h_to_h = tp.linear(config.ffn_hidden_size, config.hidden_size, tp_size, "row", bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dense_4h_to_h(self.activation(self.dense_h_to_4h(x)))
@@ -122,6 +162,7 @@ class TransformerLayer(nn.Module):
                 drop_tokens=config.moe_token_dropping,
                 use_rts=False,  # random token selection would make the gate depend on RNG draws
                 enable_expert_tensor_parallelism=config.enable_expert_tensor_parallelism,
+                top2_2nd_expert_sampling=config.moe_top2_2nd_expert_sampling,
             )
             # The layer splits each expert's capacity slots over the tensor-parallel
             # ranks and stopped on a capacity T does not divide (an odd largest expert
@@ -168,7 +209,11 @@ class GPTMoEModel(nn.Module):
         self.layers = nn.ModuleList(TransformerLayer(config, i in moe_layers)
                                     for i in range(config.num_layers))
         self.final_layernorm = layer_norm(config)
-        tp.mark_partition_views(self, tp_size, config.enable_expert_tensor_parallelism)
+        self.output_layer = (tp.linear(config.hidden_size, config.vocab_size, tp_size, "column",
+                                       bias=False)
+                             if config.untie_embeddings_and_output_weights else None)
+        tp.mark_partition_views(self, tp_size, config.enable_expert_tensor_parallelism,
+                                tp.Layout.of(config))
         if tp_size > 1 and not config.enable_expert_tensor_parallelism:
             tp.mark_replicated_experts(self)
         self.init_weights()
@@ -209,10 +254,12 @@ class GPTMoEModel(nn.Module):
                 aux_losses.append(aux)
                 counts.append(cnt.to(torch.int64))
         x = self.final_layernorm(x)
+        output = (self.output_layer.weight if self.output_layer is not None
+                  else self.word_embeddings.weight)  # tied: the input embedding
         if self.config.tensor_model_parallel_size > 1:  # this rank's slice of the vocabulary
-            logits = tp.parallel_logits(x, self.word_embeddings.weight)
+            logits = tp.parallel_logits(x, output)
         else:
-            logits = F.linear(x, self.word_embeddings.weight)  # tied output embedding
+            logits = F.linear(x, output)
         if labels is None:
             return logits
         return self._losses(logits, labels, loss_mask, aux_losses, counts)
@@ -255,7 +302,8 @@ def init_parameter(config: GPTMoEConfig, global_name: str, param: torch.nn.Param
     if param.dim() == 1:
         param.fill_(1.0 if "layernorm" in global_name and global_name.endswith("weight") else 0.0)
         return
-    split = tp.split_of(global_name, tuple(param.shape), size, config.enable_expert_tensor_parallelism)
+    split = tp.split_of(global_name, tuple(param.shape), size, config.enable_expert_tensor_parallelism,
+                        tp.Layout.of(config))
     out_std = config.init_method_std / math.sqrt(2.0 * config.num_layers)
     std = out_std if global_name.endswith(("dense.weight", "dense_4h_to_h.weight")) \
         else config.init_method_std
@@ -265,14 +313,16 @@ def init_parameter(config: GPTMoEConfig, global_name: str, param: torch.nn.Param
 
 
 def count_parameters(config: GPTMoEConfig) -> dict:
-    """Global parameter counts (all experts, tied embeddings counted once) by kind."""
-    h, f = config.hidden_size, config.ffn_hidden_size
-    mlp = h * f + f + f * h + h
-    attn = 3 * h * h + 3 * h + h * h + h
-    ln = 2 * h
+    """Global parameter counts (all experts, a tied embedding counted once) by kind."""
+    h, f, bias = config.hidden_size, config.ffn_hidden_size, int(config.add_bias_linear)
+    rows = 2 * f if config.swiglu else f
+    mlp = h * rows + f * h + bias * (rows + h)
+    qkv = config.qkv_rows
+    attn = qkv * h + h * h + bias * (qkv + h)
+    ln = h if config.normalization == "rmsnorm" else 2 * h
     n_moe = len(config.moe_layer_indices)
     dense_layers = config.num_layers - n_moe
-    non_expert = (config.vocab_size * h
+    non_expert = (config.vocab_size * h * (2 if config.untie_embeddings_and_output_weights else 1)
                   + (config.max_position_embeddings * h if config.position_embedding_type == "learned_absolute" else 0)
                   + config.num_layers * (attn + 2 * ln) + dense_layers * mlp
                   + n_moe * h * config.num_experts  # gate

@@ -82,6 +82,26 @@ def head_forward(embedding: EmbeddingPipe, inputs):
     return F.linear(x, embedding.word_embeddings.weight), aux
 
 
+class OutputPipe(nn.Module):
+    """The output layer of its own (``--untie-embeddings-and-output-weights``):
+    ``(hidden, aux)`` -> ``(logits, aux)``, this rank's vocabulary slice under tensor
+    parallelism."""
+
+    global_prefix = ""
+
+    def __init__(self, config: GPTMoEConfig):
+        super().__init__()
+        self.tensor_parallel = config.tensor_model_parallel_size > 1
+        self.output_layer = tp.linear(config.hidden_size, config.vocab_size,
+                                      config.tensor_model_parallel_size, "column", bias=False)
+
+    def forward(self, inputs):
+        x, aux = inputs
+        if self.tensor_parallel:
+            return tp.parallel_logits(x, self.output_layer.weight), aux
+        return F.linear(x, self.output_layer.weight), aux
+
+
 class TransformerLayerPipe(TransformerLayer):
     """One decoder layer on ``(hidden, aux, position_ids)``."""
 
@@ -177,11 +197,14 @@ class PipeLoss:
 def pipe_layers(config: GPTMoEConfig) -> List:
     """The layer specs of :func:`build_pipe_model`, in order."""
     from deepspeed.pipe import LayerSpec, TiedLayerSpec
-    specs = [TiedLayerSpec(TIED_EMBEDDING, EmbeddingPipe, config,
+    untied = config.untie_embeddings_and_output_weights
+    specs = [LayerSpec(EmbeddingPipe, config) if untied else
+             TiedLayerSpec(TIED_EMBEDDING, EmbeddingPipe, config,
                            tied_weight_attr=["word_embeddings.weight"])]
     specs += [LayerSpec(TransformerLayerPipe, config, i) for i in range(config.num_layers)]
     specs.append(LayerSpec(FinalNormPipe, config))
-    specs.append(TiedLayerSpec(TIED_EMBEDDING, EmbeddingPipe, config, forward_fn=head_forward,
+    specs.append(LayerSpec(OutputPipe, config) if untied else
+                 TiedLayerSpec(TIED_EMBEDDING, EmbeddingPipe, config, forward_fn=head_forward,
                                tied_weight_attr=["word_embeddings.weight"]))
     return specs
 
@@ -214,7 +237,8 @@ def build_pipe_model(config: GPTMoEConfig, stages: int, ep_rank: int):
                             partition_method="type:TransformerLayerPipe")
     check_stages_hold_experts(config, module.parts)
     if size > 1:  # the same marks as GPTMoEModel's (checkpoints, the gradient norm)
-        tp.mark_partition_views(module, size, config.enable_expert_tensor_parallelism)
+        tp.mark_partition_views(module, size, config.enable_expert_tensor_parallelism,
+                                tp.Layout.of(config))
         if not config.enable_expert_tensor_parallelism:
             tp.mark_replicated_experts(module)
     init_pipe_weights(module, config, ep_rank, tp_rank)

@@ -16,7 +16,9 @@ of a tensor-parallel run has to record about each fragment.
 
 The fused QKV projection keeps the T = 1 layout ``[3, heads, head_dim]`` of its output
 rows: a rank's heads are a slice along the heads dimension of the ``[3, hidden, hidden]``
-view, not a contiguous block of rows.
+view, not a contiguous block of rows (with grouped-query attention the rows are grouped
+per key-value head, and a rank's are a contiguous block of groups). With SwiGLU the
+MLP's ``dense_h_to_4h`` rows are ``[2, ffn]`` (gate, up), split along ``ffn`` alike.
 """
 
 import copy
@@ -56,8 +58,35 @@ class TPSplit:
         return rank * self.view[self.dim] // size
 
 
+@dataclass(frozen=True)
+class Layout:
+    """What of the model's architecture decides how its fused tensors split."""
+
+    swiglu: bool = False
+    """``dense_h_to_4h`` holds ``[2, ffn]`` rows (gate, up): each rank a slice of both."""
+    grouped_qkv: bool = False
+    """The fused QKV rows are ``[kv_heads, ...]`` groups (grouped-query attention): split
+    in contiguous blocks of key-value heads, not along the heads of ``[3, heads, ...]``."""
+
+    @classmethod
+    def of(cls, config) -> "Layout":
+        """The layout of a :class:`~megatron.model.config.GPTMoEConfig`."""
+        return cls(swiglu=bool(getattr(config, "swiglu", False)),
+                   grouped_qkv=bool(getattr(config, "grouped_query", False)))
+
+
+def _rows(shape: Tuple[int, ...], size: int, parts: int = 1) -> TPSplit:
+    """Output rows split: contiguous blocks (``parts`` 1), or along the second dimension
+    of a ``[parts, rows / parts, ...]`` view."""
+    rows = shape[0] * size
+    whole = (rows,) + shape[1:]
+    if parts == 1:
+        return TPSplit(whole, whole, 0)
+    return TPSplit(whole, (parts, rows // parts) + shape[1:], 1)
+
+
 def split_of(name: str, shape: Tuple[int, ...], size: int,
-             expert_tp: bool = False) -> Optional[TPSplit]:
+             expert_tp: bool = False, layout: Layout = Layout()) -> Optional[TPSplit]:
     """The split of parameter ``name`` (local ``shape``) among ``size`` tensor-parallel
     ranks, or None for a replicated one; experts' MLPs are split like the dense MLP with
     ``expert_tp`` (expert tensor parallelism), the gate never. Pure: the same answer on
@@ -67,14 +96,12 @@ def split_of(name: str, shape: Tuple[int, ...], size: int,
     shape = tuple(shape)
     leaf = name.rsplit(".", 2)[-2:]  # (module, "weight"|"bias")
     module, kind = leaf if len(leaf) == 2 else ("", leaf[0])
-    if module == "word_embeddings":  # vocabulary rows
-        return TPSplit((shape[0] * size,) + shape[1:], (shape[0] * size,) + shape[1:], 0)
+    if module in ("word_embeddings", "output_layer"):  # vocabulary rows
+        return _rows(shape, size)
     if module == "query_key_value":  # [3, heads, head_dim] rows: split along heads
-        rows = shape[0] * size
-        view = (3, rows // 3) + shape[1:]
-        return TPSplit((rows,) + shape[1:], view, 1)
-    if module == "dense_h_to_4h":  # column-parallel: output rows
-        return TPSplit((shape[0] * size,) + shape[1:], (shape[0] * size,) + shape[1:], 0)
+        return _rows(shape, size, 1 if layout.grouped_qkv else 3)
+    if module == "dense_h_to_4h":  # column-parallel: output rows ([2, ffn] with SwiGLU)
+        return _rows(shape, size, 2 if layout.swiglu else 1)
     if module in ("dense", "dense_4h_to_h") and kind == "weight":  # row-parallel: inputs
         return TPSplit((shape[0], shape[1] * size), (shape[0], shape[1] * size), 1)
     return None  # LayerNorms, position embeddings, row-parallel biases: replicated
@@ -126,14 +153,15 @@ def mark_replicated_experts(model: nn.Module) -> None:
             param.model_parallel = True
 
 
-def mark_partition_views(model: nn.Module, size: int, expert_tp: bool) -> None:
+def mark_partition_views(model: nn.Module, size: int, expert_tp: bool,
+                         layout: Layout = Layout()) -> None:
     """Mark every parameter split along an inner dimension of a view (the fused QKV
     projection's ``[3, heads, ...]``) with ``moc_partition_view = (view, dim)``, which MoC
     checkpoints read to place its parts (``deepspeed_ext.state``); megatron-core's
     ``partition_dim`` 0 alone would have them stored as contiguous row blocks, and a load
     under another tensor-parallel size would then mix queries, keys and values."""
     for name, param in model.named_parameters():
-        split = split_of(name, tuple(param.shape), size, expert_tp)
+        split = split_of(name, tuple(param.shape), size, expert_tp, layout)
         if split is not None and split.view != split.global_shape:
             param.moc_partition_view = (split.view, split.dim)
 
@@ -207,18 +235,19 @@ def _flat_call(forward, x: torch.Tensor) -> torch.Tensor:
     return out.reshape(x.shape[:-1] + out.shape[-1:])
 
 
-def linear(in_features: int, out_features: int, size: int, kind: str) -> nn.Module:
+def linear(in_features: int, out_features: int, size: int, kind: str,
+           bias: bool = True) -> nn.Module:
     """A linear layer for ``size`` tensor-parallel ranks: ``nn.Linear`` at size 1, else a
-    ``kind`` (``column`` or ``row``) parallel one."""
+    ``kind`` (``column`` or ``row``) parallel one; ``bias`` False: none."""
     if size == 1:
-        return nn.Linear(in_features, out_features)
+        return nn.Linear(in_features, out_features, bias=bias)
     column, row = _layer_classes()
     if kind == "column":
         layer = column(in_features, out_features, config=_core_config(size),
-                       init_method=lambda w: None, bias=True, gather_output=False)
+                       init_method=lambda w: None, bias=bias, gather_output=False)
         return _mark_split(layer, 0)
     layer = row(in_features, out_features, config=_core_config(size), init_method=lambda w: None,
-                bias=True, input_is_parallel=True, skip_bias_add=False)
+                bias=bias, input_is_parallel=True, skip_bias_add=False)
     return _mark_split(layer, 1)
 
 

@@ -10,9 +10,11 @@ maps each of their flags to ours.
 
 Their scripts also pass switches that have nothing to switch here (fused kernels this
 model does not have, the communication backend DeepSpeed picks): those are accepted, and
-rank 0 prints one line per flag saying so (:func:`ignored_flag_notes`). Options that
-change the model's architecture (SwiGLU, RMSNorm, grouped-query attention, upstream's
-rotary embedding, untied or bias-free layers) are refused until the model has them.
+rank 0 prints one line per flag saying so (:func:`ignored_flag_notes`). The architecture
+options (SwiGLU, RMSNorm, grouped-query attention, upstream's rotary embedding, untied or
+bias-free layers) are the model's own flags (``megatron.training.args.model``); a
+rotary embedding over part of each head and Megatron-LM's ``--group-query-attention``
+are refused.
 """
 
 import argparse
@@ -99,11 +101,6 @@ def add_unsupported_args(p: argparse.ArgumentParser) -> None:
                    help="Refused: the global batch size is fixed for the run.")
     g.add_argument("--mlp-type", choices=("standard", "residual"), default="standard",
                    help="standard only; residual (PR-MoE's Residual MoE) is refused.")
-    g.add_argument("--normalization", choices=("layernorm", "rmsnorm"), default="layernorm",
-                   help="layernorm only; rmsnorm is refused.")
-    g.add_argument("--num-key-value-heads", type=int, default=None,
-                   help="Equal to --num-attention-heads only; other values (grouped-query "
-                        "attention) are refused.")
     g.add_argument("--rotary-percent", type=float, default=1.0,
                    help="1.0 only (--position-embedding-type rope rotates whole heads).")
     for flag, _ in UNSUPPORTED_MODEL_SWITCHES:
@@ -134,22 +131,9 @@ FUSION_SWITCHES = (
 """Megatron-DeepSpeed's ``--no-*-fusion`` switches and why each changes nothing here."""
 
 UNSUPPORTED_MODEL_SWITCHES = (
-    ("--swiglu", "not supported yet: the dense MLP and the experts use GeLU; drop the flag to "
-                 "train with GeLU"),
-    ("--use-rotary-position-embeddings",
-     "not supported yet: upstream's rotary embedding rotates the two halves of each head. "
-     "--position-embedding-type rope is a rotary embedding over whole heads (base 10000, no "
-     "learned position table) that rotates adjacent pairs of dimensions instead: the same "
-     "model family up to a fixed permutation of the query and key features, not upstream's "
-     "layout (its checkpoints would not match); pass --position-embedding-type rope instead, "
-     "and drop --no-position-embedding if the script passes it"),
-    ("--untie-embeddings-and-output-weights",
-     "not supported yet: the output layer shares the input embedding's weights; drop the flag"),
-    ("--disable-bias-linear",
-     "not supported yet: the linear layers have biases; drop the flag to train with them"),
     ("--group-query-attention",
-     "not supported yet: grouped-query attention (this is Megatron-LM's switch; "
-     "Megatron-DeepSpeed's is --num-key-value-heads); drop the flag"),
+     "not supported: this is Megatron-LM's switch; grouped-query attention is "
+     "--num-key-value-heads N (Megatron-DeepSpeed's), with N dividing --num-attention-heads"),
 )
 """Architecture switches the model does not have, and the message refusing each."""
 
@@ -168,16 +152,6 @@ def check_unsupported_options(args: argparse.Namespace) -> None:
         raise ConfigError("--mlp-type residual: Residual MoE (PR-MoE's dense MLP beside each "
                           "MoE layer's experts) is not supported; drop the flag or pass "
                           "--mlp-type standard")
-    if getattr(args, "normalization", "layernorm") == "rmsnorm":
-        raise ConfigError("--normalization rmsnorm: not supported yet: every layer uses "
-                          "LayerNorm; drop the flag or pass --normalization layernorm")
-    kv_heads = getattr(args, "num_key_value_heads", None)
-    heads = getattr(args, "num_attention_heads", None)
-    if kv_heads is not None and kv_heads != heads:
-        raise ConfigError(f"--num-key-value-heads {kv_heads} with --num-attention-heads {heads}: "
-                          "not supported yet: grouped-query attention (key/value heads shared "
-                          "by groups of query heads); drop the flag, or give it the number of "
-                          "attention heads (every head with its own keys and values)")
     percent = getattr(args, "rotary_percent", 1.0)
     if percent != 1.0:
         raise ConfigError(f"--rotary-percent {percent:g}: not supported yet: a rotary "

@@ -36,6 +36,8 @@ def moc_config_from_args(args: argparse.Namespace):
 VOCAB_TENSORS = ("word_embeddings.weight",)
 """The model's tensors whose rows are the padded vocabulary: the word embedding, which is
 also the output layer (tied)."""
+UNTIED_VOCAB_TENSORS = VOCAB_TENSORS + ("output_layer.weight",)
+"""The same with ``--untie-embeddings-and-output-weights``."""
 
 
 def padded_vocab_from_args(args: argparse.Namespace):
@@ -47,7 +49,9 @@ def padded_vocab_from_args(args: argparse.Namespace):
     real = getattr(args, "true_vocab_size", None)
     if real is None or getattr(args, "padded_vocab_size", None) is None:
         return None
-    return PaddedVocab(VOCAB_TENSORS, args.padded_vocab_size, real)
+    names = (UNTIED_VOCAB_TENSORS if getattr(args, "untie_embeddings_and_output_weights", False)
+             else VOCAB_TENSORS)
+    return PaddedVocab(names, args.padded_vocab_size, real)
 
 
 def model_config_from_args(args: argparse.Namespace):
@@ -69,4 +73,20 @@ def model_config_from_args(args: argparse.Namespace):
         tensor_model_parallel_size=getattr(args, "tensor_model_parallel_size", 1),
         enable_expert_tensor_parallelism=bool(getattr(args, "enable_expert_tensor_parallelism", False)),
         checkpoint_activations=bool(getattr(args, "checkpoint_activations", False)
-                                    or getattr(args, "deepspeed_activation_checkpointing", False)))
+                                    or getattr(args, "deepspeed_activation_checkpointing", False)),
+        **_architecture(args))
+
+
+def _architecture(args: argparse.Namespace) -> dict:
+    """The architecture fields of :func:`model_config_from_args` (defaults: GPT's)."""
+    rotary_halves = bool(getattr(args, "use_rotary_position_embeddings", False))
+    return dict(
+        swiglu=bool(getattr(args, "swiglu", False)),
+        normalization=getattr(args, "normalization", "layernorm"),
+        add_bias_linear=bool(getattr(args, "add_bias_linear", True)),
+        untie_embeddings_and_output_weights=bool(
+            getattr(args, "untie_embeddings_and_output_weights", False)),
+        num_key_value_heads=getattr(args, "num_key_value_heads", None) or 0,
+        rotary_interleaved=not rotary_halves,
+        rope_theta=float(getattr(args, "rope_theta", 10000.0)),
+        moe_top2_2nd_expert_sampling=bool(getattr(args, "moe_top2_2nd_expert_sampling", True)))

@@ -14,7 +14,9 @@ from megatron.training.megatron_compat import NumExpertsAction
 # cannot be loaded, and the error names the first one that differs.
 MODEL_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                     "num_experts", "expert_interval", "padded_vocab_size",
-                    "max_position_embeddings", "position_embedding_type")
+                    "max_position_embeddings", "position_embedding_type", "swiglu",
+                    "normalization", "add_bias_linear", "untie_embeddings_and_output_weights",
+                    "num_key_value_heads", "use_rotary_position_embeddings")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -30,13 +32,37 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--position-embedding-type", default="learned_absolute",
                    choices=["learned_absolute", "rope"],
                    help="A learned position table, or rope: a rotary embedding over whole heads "
-                        "(base 10000, adjacent pairs of dimensions rotated).")
+                        "(base --rope-theta, adjacent pairs of dimensions rotated; "
+                        "--use-rotary-position-embeddings rotates each head's halves).")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="Pad the vocabulary to a multiple of this.")
     g.add_argument("--init-method-std", type=float, default=0.02, help="Std of the normal weight init.")
     g.add_argument("--layernorm-epsilon", type=float, default=1e-5, help="LayerNorm epsilon.")
     g.add_argument("--hidden-dropout", type=float, default=0.1, help="Dropout after attention and MLP.")
     g.add_argument("--attention-dropout", type=float, default=0.1, help="Dropout on attention probabilities.")
+    add_architecture_args(g)
+
+
+def add_architecture_args(g) -> None:
+    """Today's MoE architectures (Mixtral, Qwen-MoE, DeepSeek style), by upstream's flags."""
+    g.add_argument("--swiglu", action="store_true",
+                   help="SwiGLU MLPs and experts: SiLU of a gate projection times an up "
+                        "projection (dense_h_to_4h holds both, gate first).")
+    g.add_argument("--normalization", choices=("layernorm", "rmsnorm"), default="layernorm",
+                   help="Every norm a LayerNorm or an RMSNorm (weight only).")
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false",
+                   help="No biases in the linear layers (attention, MLPs, experts).")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="An output layer of its own instead of the word embedding.")
+    g.add_argument("--num-key-value-heads", type=int, default=None,
+                   help="Key and value heads (grouped-query attention; must divide "
+                        "--num-attention-heads); default: one per attention head.")
+    g.add_argument("--use-rotary-position-embeddings", action="store_true",
+                   help="Upstream's rotary embedding (each head's two halves rotated, as "
+                        "Hugging Face's; no position table): --position-embedding-type rope "
+                        "with that layout.")
+    g.add_argument("--rope-theta", type=float, default=10000.0,
+                   help="The rotary embedding's base.")
 
 
 def add_moe_args(p: argparse.ArgumentParser) -> None:
@@ -57,6 +83,10 @@ def add_moe_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-min-capacity", type=int, default=4, help="Minimum expert capacity in tokens.")
     g.add_argument("--disable-moe-token-dropping", action="store_true",
                    help="Never drop tokens over an expert's capacity.")
+    g.add_argument("--disable-moe-top2-2nd-expert-sampling", dest="moe_top2_2nd_expert_sampling",
+                   action="store_false",
+                   help="Top-2: each token's second expert is the second-largest gate (as "
+                        "Mixtral's router), not drawn with Gumbel noise (DeepSpeed's default).")
     g.add_argument("--moe-schedule", default="deepspeed",
                    choices=["deepspeed", "parm-s1", "parm-s2", "auto"],
                    help="How MoE layers with experts split over the tensor-parallel ranks "
@@ -69,9 +99,12 @@ def add_moe_args(p: argparse.ArgumentParser) -> None:
 
 
 def fill_position_embeddings(args: argparse.Namespace) -> None:
-    """``--max-position-embeddings`` defaults to ``--seq-length``."""
+    """``--max-position-embeddings`` defaults to ``--seq-length``;
+    ``--use-rotary-position-embeddings`` means ``--position-embedding-type rope``."""
     if args.max_position_embeddings is None:
         args.max_position_embeddings = args.seq_length
+    if getattr(args, "use_rotary_position_embeddings", False):
+        args.position_embedding_type = "rope"
 
 
 def check_model(args: argparse.Namespace) -> None:
@@ -87,6 +120,14 @@ def check_model(args: argparse.Namespace) -> None:
     if args.num_experts % ep:
         raise ConfigError(f"--num-experts ({args.num_experts}) must be divisible by "
                           f"--moe-expert-parallel-size ({ep})")
+    kv = getattr(args, "num_key_value_heads", None)
+    if kv is not None and (kv < 1 or args.num_attention_heads % kv):
+        raise ConfigError(f"--num-key-value-heads ({kv}) must divide --num-attention-heads "
+                          f"({args.num_attention_heads})")
+    if args.position_embedding_type == "rope" and (args.hidden_size // args.num_attention_heads) % 2:
+        raise ConfigError(f"a rotary embedding needs an even head size; --hidden-size "
+                          f"{args.hidden_size} / --num-attention-heads {args.num_attention_heads} "
+                          f"is odd")
 
 
 def check_tensor_parallel(args: argparse.Namespace) -> None:
@@ -94,6 +135,8 @@ def check_tensor_parallel(args: argparse.Namespace) -> None:
     tp = getattr(args, "tensor_model_parallel_size", 1)
     if tp > 1:
         for flag, value in (("--num-attention-heads", args.num_attention_heads),
+                            ("--num-key-value-heads", getattr(args, "num_key_value_heads", None)
+                             or args.num_attention_heads),
                             ("--ffn-hidden-size", args.ffn_hidden_size or 4 * args.hidden_size)):
             if value % tp:
                 raise ConfigError(f"{flag} ({value}) must be divisible by "

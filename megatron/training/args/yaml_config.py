@@ -48,7 +48,9 @@ def yaml_to_argv(path: str, parser: argparse.ArgumentParser) -> List[str]:
         action = actions.get(flag)
         if action is None or flag == "--config":
             raise ConfigError(f"unknown key '{key}' in {path} (no flag {flag})")
-        if isinstance(action, argparse._StoreTrueAction):
+        # A switch (``swiglu: true``; ``disable-bias-linear: true`` for a store_false one):
+        # the flag when true, nothing when false.
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
             if not isinstance(value, bool):
                 raise ConfigError(f"key '{key}' in {path} must be true or false, got {value!r}")
             if value:

@@ -1,0 +1,101 @@
+"""A Mixtral-shaped model through the trainer (configs/mixtral-tiny.yaml: SwiGLU experts
+in every layer, top-2 without second-expert noise or token dropping, RMSNorm, no biases,
+an untied output layer, grouped-query attention, upstream's rotary embedding): the same
+losses at T = 1 x E = 2, T = 2 x E = 2 (experts split over the tensor-parallel pair) and
+PP = 2; its MoC checkpoints read as the same whole tensors whatever layout saved them,
+and a T = 2 checkpoint resumed at T = 1 continues as the T = 1 run did."""
+
+import json
+
+import pytest
+import torch
+
+from deepspeed_ext.store.reader import CheckpointReader
+from tests.launch import describe, run_ranks
+
+MIXTRAL = ["--config", "configs/mixtral-tiny.yaml", "--split", "90,10,0", "--lr-decay-iters", "8",
+           "--eval-interval",
+           "3", "--moc-checkpoint", "--save-interval", "3", "--moc-pec-k", "2"]
+LAYOUTS = {
+    # name: (ranks, flags, iterations). T = 1 pads the vocabulary as T = 2 does (272 rows:
+    # 257 tokens to a multiple of 8 x 2): the padding rows' logits enter the softmax.
+    "t1": (2, ["--make-vocab-size-divisible-by", "16"], 8),
+    "t2": (4, ["--tensor-model-parallel-size", "2", "--enable-expert-tensor-parallelism"], 6),
+    "pp2": (4, ["--pipeline-model-parallel-size", "2", "--zero-stage", "1",
+                "--make-vocab-size-divisible-by", "16"], 6),
+}
+
+
+def _losses(path):
+    with open(path) as f:
+        return {(r["kind"], r["iteration"]): (r["lm_loss"], r.get("grad_norm"))
+                for r in map(json.loads, f) if r["kind"] in ("train", "valid")}
+
+
+def _whole(ckpt, tag):
+    with CheckpointReader(str(ckpt), tag) as reader:
+        return {(name, kind): reader.read_full(name, kind) for name, kind in reader.keys()}
+
+
+@pytest.fixture(scope="module")
+def runs(corpus, tmp_path_factory):
+    out = {}
+    for name, (nproc, flags, iters) in LAYOUTS.items():
+        where = tmp_path_factory.mktemp(name)
+        results = run_ranks(nproc, MIXTRAL + flags + [
+            "--data-path", corpus, "--train-iters", str(iters), "--metrics-file",
+            str(where / "m.jsonl"), "--save", str(where / "ckpt")], timeout=240)
+        assert all(r.returncode == 0 for r in results), describe(results)
+        out[name] = (_losses(where / "m.jsonl"), where / "ckpt")
+    return out
+
+
+@pytest.mark.parametrize("layout", ["t2", "pp2"])
+def test_every_layout_trains_the_same_model(runs, layout):
+    """Losses and gradient norms of 6 steps within 1e-4 relative of T = 1's: a split in
+    the wrong place (a rank's gate rows with another's up rows, queries of one key-value
+    group with another's keys) would differ at O(1)."""
+    want, got = runs["t1"][0], runs[layout][0]
+    assert len(got) == 6 + 2
+    for key, (loss, grad_norm) in got.items():
+        assert loss == pytest.approx(want[key][0], rel=1e-4), (key, loss, want[key])
+        if key[0] == "train" and grad_norm is not None:
+            assert grad_norm == pytest.approx(want[key][1], rel=1e-4), (key, grad_norm)
+
+
+def test_checkpoints_hold_the_same_whole_tensors_in_every_layout(runs):
+    """Step 3 (every expert): each layout's checkpoint, read whole, is the same model and
+    optimizer state (float noise apart), the new tensors included: the untied output
+    layer, SwiGLU's [gate; up] rows, the grouped QKV rows, the RMSNorm weights."""
+    whole = {name: _whole(runs[name][1], "global_step3") for name in LAYOUTS}
+    ref = whole["t1"]
+    names = {n for n, _ in ref}
+    assert {"output_layer.weight", "layers.1.self_attention.query_key_value.weight",
+            "layers.0.mlp.deepspeed_moe.experts.deepspeed_experts.3.dense_h_to_4h.weight"} <= names
+    assert ref[("layers.1.self_attention.query_key_value.weight", "fp32")].shape == (64, 32)
+    assert ref[("layers.0.mlp.deepspeed_moe.experts.deepspeed_experts.3.dense_h_to_4h.weight",
+                "fp32")].shape == (128, 32)
+    assert not [n for n in names if n.endswith(".bias")]
+    for layout in ("t2", "pp2"):
+        assert whole[layout].keys() == ref.keys(), layout
+        for key, tensor in ref.items():
+            assert torch.allclose(whole[layout][key], tensor, rtol=1e-3, atol=1e-6), (layout, key)
+
+
+def test_a_t2_checkpoint_continues_at_t1(runs, corpus, tmp_path):
+    """T = 2's step-3 checkpoint (every expert) loaded by 2 ranks at T = 1: iterations 4-8
+    as T = 1's own run logged them, within 1e-4 (its step 6 would not do: PEC saved 2 of
+    the 4 experts there, and the others' step-3 versions lose 3 steps of their training)."""
+    load = tmp_path / "load"
+    load.mkdir()
+    (load / "global_step3").symlink_to(runs["t2"][1] / "global_step3")
+    (load / "latest").write_text("global_step3")
+    nproc, flags, _ = LAYOUTS["t1"]
+    results = run_ranks(nproc, MIXTRAL + flags + [
+        "--data-path", corpus, "--train-iters", "8", "--metrics-file", str(tmp_path / "m.jsonl"),
+        "--load", str(load), "--save", str(tmp_path / "save")], timeout=240)
+    assert all(r.returncode == 0 for r in results), describe(results)
+    got, want = _losses(tmp_path / "m.jsonl"), runs["t1"][0]
+    assert sorted(k[1] for k in got if k[0] == "train") == [4, 5, 6, 7, 8]
+    for key, (loss, _) in got.items():
+        assert loss == pytest.approx(want[key][0], rel=1e-4), (key, loss, want[key])
