@@ -1,7 +1,10 @@
-"""``moc-ckpt export --format megatron-deepspeed``: a MoC checkpoint written in
-Megatron-DeepSpeed's layout (DeepSpeed's format, ZeRO stage 1, a chosen expert-parallel
-and data-parallel size), so that a run can go back to upstream's code; weights, Adam's
-state, the schedule, the counters and RNG states."""
+"""``moc-ckpt export``: a MoC checkpoint written in another format.
+
+- ``--format megatron-deepspeed``: Megatron-DeepSpeed's layout (DeepSpeed's format, ZeRO
+  stage 1, a chosen expert-parallel and data-parallel size), so that a run can go back to
+  upstream's code; weights, Adam's state, the schedule, the counters and RNG states.
+- ``--format hf``: a Hugging Face ``transformers`` Mixtral (``config.json`` and
+  safetensors shards) of a Mixtral-shaped model; the weights only."""
 
 import argparse
 import os
@@ -12,17 +15,21 @@ from deepspeed_ext.format.errors import CheckpointError
 from deepspeed_ext.interop.moc_read import read_moc
 from deepspeed_ext.interop.upstream_write import write_upstream_checkpoint
 
-FORMATS = ("megatron-deepspeed",)
+FORMATS = ("megatron-deepspeed", "hf")
+SIZE_UNITS = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 1 << 10,
+              "MIB": 1 << 20, "GIB": 1 << 30}
 
 
 def add_export_parser(sub) -> None:
     """The ``export`` subcommand's flags (called by :func:`deepspeed_ext.cli.main.build_parser`)."""
-    p = sub.add_parser("export", help="write a MoC checkpoint in Megatron-DeepSpeed's layout")
+    p = sub.add_parser("export", help="write a MoC checkpoint in Megatron-DeepSpeed's layout "
+                                      "or as a Hugging Face model")
     p.add_argument("dir", help="MoC checkpoint save directory")
     p.add_argument("--format", required=True, choices=FORMATS,
                    help="megatron-deepspeed: DeepSpeed's files as upstream's pretrain_gpt.py "
-                        "saves them (ZeRO stage 1)")
-    p.add_argument("--out", required=True, help="new directory (upstream's --load)")
+                        "saves them (ZeRO stage 1); hf: a transformers Mixtral directory")
+    p.add_argument("--out", required=True, help="new directory (upstream's --load, or the "
+                                                "model directory)")
     p.add_argument("--tag", default=None, help="checkpoint to export (default: the newest "
                                                "that verifies)")
     p.add_argument("--expert-parallel-size", type=int, default=None, metavar="E",
@@ -30,6 +37,10 @@ def add_export_parser(sub) -> None:
     p.add_argument("--data-parallel-size", type=int, default=None, metavar="W",
                    help="upstream's data-parallel ranks, one ZeRO file each (default: the "
                         "saving run's world size)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="hf: the tensors' type (default float32)")
+    p.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                   help="hf: largest safetensors shard (5GB, 500MB, 2GiB; default 5GB)")
     p.set_defaults(func=cmd_export)
 
 
@@ -40,9 +51,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     check_tag_dir(args.dir, args.tag)
     if fs.is_url(args.out):
         raise UsageError(f"--out {args.out}: export into a local directory, then copy it")
-    if os.path.exists(os.path.join(args.out, "latest")):
-        raise UsageError(f"--out {args.out} already holds a checkpoint; export into a new "
-                         f"directory")
+    if any(os.path.exists(os.path.join(args.out, n)) for n in ("latest", "config.json")):
+        raise UsageError(f"--out {args.out} already holds a checkpoint or a model; export "
+                         f"into a new directory")
+    if args.format == "hf":
+        return _export_hf(args)
     for flag, value in (("--expert-parallel-size", args.expert_parallel_size),
                         ("--data-parallel-size", args.data_parallel_size)):
         if value is not None and value < 1:
@@ -70,3 +83,34 @@ def cmd_export(args: argparse.Namespace) -> int:
           + ("; its Adam added weight decay to the gradient (torch.optim.Adam, as upstream "
              "runs on a CPU)" if ckpt.l2_weight_decay else ""))
     return 0
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    from deepspeed_ext.interop.hf_write import write_hf_mixtral
+    tag, shape, plan = write_hf_mixtral(args.dir, args.tag, args.out, args.dtype,
+                                        parse_size(args.max_shard_size))
+    files = plan.file_names()
+    nbytes = sum(os.path.getsize(os.path.join(args.out, f)) for f in files)
+    print(f"exported {tag} as a Hugging Face Mixtral to {args.out}: {len(plan.sources)} tensors "
+          f"({shape.num_layers} layers x {shape.num_experts} experts, top-{shape.topk}), "
+          f"{args.dtype}, {len(files)} file(s), {size_text(nbytes)}")
+    print(f"load it with transformers: MixtralForCausalLM.from_pretrained({args.out!r})")
+    return 0
+
+
+def parse_size(text: str) -> int:
+    """``5GB``, ``500MB``, ``2GiB`` or a byte count.
+
+    Raises:
+        UsageError: naming ``--max-shard-size``.
+    """
+    value = text.strip().upper()
+    digits = value.rstrip("KMGIB")
+    unit = value[len(digits):]
+    try:
+        size = int(float(digits) * SIZE_UNITS[unit])
+    except (ValueError, KeyError):
+        raise UsageError(f"--max-shard-size {text}: give a size such as 5GB, 500MB or 2GiB") from None
+    if size < 1:
+        raise UsageError(f"--max-shard-size {text}: give a positive size")
+    return size

@@ -99,3 +99,56 @@ def test_a_t2_checkpoint_continues_at_t1(runs, corpus, tmp_path):
     assert sorted(k[1] for k in got if k[0] == "train") == [4, 5, 6, 7, 8]
     for key, (loss, _) in got.items():
         assert loss == pytest.approx(want[key][0], rel=1e-4), (key, loss, want[key])
+
+
+def _our_model(ckpt, tag):
+    """MoC's model (one rank, every expert local) holding checkpoint ``tag``'s weights, in
+    evaluation mode, and the trainer arguments it was saved with."""
+    from megatron.model.config import GPTMoEConfig
+    from megatron.model.gpt_moe import GPTMoEModel
+    with CheckpointReader(str(ckpt), tag) as reader:
+        args = reader.objects()["client_state"]["args"]
+        config = GPTMoEConfig(
+            num_layers=args["num_layers"], hidden_size=args["hidden_size"],
+            num_attention_heads=args["num_attention_heads"], vocab_size=args["padded_vocab_size"],
+            max_position_embeddings=args["max_position_embeddings"],
+            ffn_hidden_size=args["ffn_hidden_size"], position_embedding_type="rope",
+            num_experts=args["num_experts"], expert_interval=1, topk=2,
+            moe_token_dropping=False, hidden_dropout=0.0, attention_dropout=0.0,
+            layernorm_epsilon=args["layernorm_epsilon"], swiglu=True, normalization="rmsnorm",
+            add_bias_linear=False, untie_embeddings_and_output_weights=True,
+            num_key_value_heads=args["num_key_value_heads"], rotary_interleaved=False,
+            rope_theta=args["rope_theta"], moe_top2_2nd_expert_sampling=False,
+            moe_eval_capacity_factor=1.0)
+        model = GPTMoEModel(config)
+        for layer in model.layers:
+            layer.mlp.set_deepspeed_parallelism()
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(reader.read_full(name, "fp32"))
+    return model.eval()
+
+
+def test_the_hugging_face_export_gives_the_same_logits_in_transformers(runs, tmp_path):
+    """T = 2's step-6 checkpoint (tensor-parallel pieces, PEC's expert versions) exported
+    with ``moc-ckpt export --format hf``, loaded by ``transformers``' MixtralForCausalLM on
+    the CPU: its logits on 2 sequences of 32 tokens equal MoC's model's within 1e-4."""
+    transformers = pytest.importorskip("transformers")  # the test extra installs it
+    from deepspeed_ext.cli.main import main
+    from tests.ds_world import deepspeed_world_of_one
+    out = tmp_path / "hf"
+    assert main(["export", str(runs["t2"][1]), "--format", "hf", "--out", str(out),
+                 "--max-shard-size", "100KB"]) == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1  # sharded
+    hf = transformers.MixtralForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32).eval()
+    tokens = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
+    with deepspeed_world_of_one():
+        ours = _our_model(runs["t2"][1], "global_step6")
+        with torch.no_grad():
+            want = ours(tokens, torch.arange(32).expand(2, -1))
+    with torch.no_grad():
+        got = hf(input_ids=tokens).logits
+    assert got.shape == want.shape == (2, 32, 272)
+    print("max |logit difference|", float((got - want).abs().max()))
+    assert torch.allclose(got, want, atol=1e-4, rtol=0), (got - want).abs().max()

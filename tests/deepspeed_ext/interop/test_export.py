@@ -115,3 +115,23 @@ def test_a_weights_only_checkpoint_exports_without_zero_files(tmp_path, capsys):
     assert not again.moments and again.source_weights == "module"
     first = read_upstream(ROOT)
     assert all(torch.equal(first.weights[n], again.weights[n]) for n in first.weights)
+
+
+def test_a_model_that_is_not_mixtral_s_is_not_exported_to_hugging_face(imported, tmp_path, capsys):
+    assert main(["export", imported, "--format", "hf", "--out", str(tmp_path / "hf")]) == 1
+    err = capsys.readouterr().err
+    assert "not a Mixtral-shaped model" in err and "--swiglu" in err and "--expert-interval 1" in err
+    assert not (tmp_path / "hf" / "config.json").exists()
+
+
+@pytest.mark.parametrize("text,size", [("5GB", 5 * 10 ** 9), ("500MB", 5 * 10 ** 8),
+                                       ("2GiB", 2 << 30), ("1000", 1000)])
+def test_shard_sizes_read_as_people_write_them(text, size):
+    from deepspeed_ext.cli.export_cmd import parse_size
+    assert parse_size(text) == size
+
+
+def test_a_bad_shard_size_is_a_usage_error(imported, tmp_path, capsys):
+    assert main(["export", imported, "--format", "hf", "--out", str(tmp_path / "hf"),
+                 "--max-shard-size", "lots"]) == 2
+    assert "--max-shard-size lots" in capsys.readouterr().err
