@@ -186,6 +186,9 @@ RUN_BY = {
     "moc-ckpt export DIR --format megatron-deepspeed --out NEW":
         "tests/deepspeed_ext/interop/test_export.py::"
         "test_an_export_imported_again_is_bitwise_the_checkpoint_it_came_from",
+    "moc-ckpt export runs/a/ckpt --format hf --out runs/a/hf":
+        "tests/training/test_mixtral_shape.py::"
+        "test_the_hugging_face_export_gives_the_same_logits_in_transformers",
     "moc-ckpt import DIR --out NEW":
         "tests/deepspeed_ext/cli/test_import_cmd.py::"
         "test_import_writes_a_loadable_checkpoint_and_says_what_it_carried",

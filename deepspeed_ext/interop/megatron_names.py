@@ -10,6 +10,7 @@ both (upstream's expert files; MoC's checkpoints).
 | ``language_model.embedding.position_embeddings.weight`` | ``position_embeddings.weight`` |
 | ``language_model.encoder.layers.N.<rest>`` | ``layers.N.<rest>`` |
 | ``language_model.encoder.final_layernorm.{weight,bias}`` | ``final_layernorm.{weight,bias}`` |
+| ``language_model.output_layer.weight`` (untied) | ``output_layer.weight`` |
 
 The fused QKV projection (``self_attention.query_key_value``) differs in its row order:
 upstream groups the rows per head, ``[heads, 3, head_dim]``; MoC's rows are
@@ -30,7 +31,8 @@ STRAY_PREFIX = "encoderlayers."
 ``encoderlayers...`` (no dot, local ids); the expert files are the truth."""
 
 _PLAIN = {"embedding.word_embeddings.weight": "word_embeddings.weight",
-          "embedding.position_embeddings.weight": "position_embeddings.weight"}
+          "embedding.position_embeddings.weight": "position_embeddings.weight",
+          "output_layer.weight": "output_layer.weight"}
 
 
 def moc_name(upstream: str) -> Optional[str]:
@@ -38,8 +40,8 @@ def moc_name(upstream: str) -> Optional[str]:
     ``language_model.`` prefix); None for a name MoC does not take (the stray expert copies).
 
     Raises:
-        ValueError: a parameter MoC's model has no place for (an untied output layer, a
-            name of another model), named.
+        ValueError: a parameter MoC's model has no place for (a name of another model),
+            named.
     """
     name = upstream[len(UPSTREAM_PREFIX):] if upstream.startswith(UPSTREAM_PREFIX) else upstream
     if name.startswith(STRAY_PREFIX):
@@ -49,8 +51,7 @@ def moc_name(upstream: str) -> Optional[str]:
     if name.startswith("encoder.layers.") or name.startswith("encoder.final_layernorm."):
         return name[len("encoder."):]
     raise ValueError(f"upstream parameter {upstream!r} has no counterpart in MoC's GPT-MoE "
-                     f"(an untied output layer, another position embedding or another "
-                     f"model's module)")
+                     f"(another model's module)")
 
 
 def upstream_name(moc: str) -> str:

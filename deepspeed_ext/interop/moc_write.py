@@ -78,8 +78,8 @@ def import_objects(ckpt: UpstreamCheckpoint, layout: ImportLayout) -> Dict[str, 
     ledger = TokenLedger(len(model.moe_layers), model.num_experts)
     ledger.mark_saved([(l, e) for l in range(len(model.moe_layers))
                        for e in range(model.num_experts)], ckpt.iteration)
-    vocab = PaddedVocab(["word_embeddings.weight"], model.padded_vocab_size,
-                        model.true_vocab_size)
+    names = ["word_embeddings.weight"] + (["output_layer.weight"] if model.untie else [])
+    vocab = PaddedVocab(names, model.padded_vocab_size, model.true_vocab_size)
     client = {"iteration": ckpt.iteration,
               "consumed_train_samples": ckpt.global_samples,
               "opt_param_scheduler": scheduler_in_iterations(ckpt.scheduler,

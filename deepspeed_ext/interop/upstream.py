@@ -134,6 +134,7 @@ def read_upstream(root: str, tag: Optional[str] = None,
     module = _module_weights(state, tag_dir)
     model.check_moe_layers(_gate_layers(module))
     experts = _expert_weights(root, tag_dir, model)
+    _check_shapes(tag_dir, model, {**module, **experts})
     names = list(module) + list(experts)
     zero = None if weights_only else _zero_state(root, tag_dir, model, state, experts)
     ckpt = UpstreamCheckpoint(
@@ -160,7 +161,9 @@ def read_upstream(root: str, tag: Optional[str] = None,
 
 def _to_moc(name: str, tensor: torch.Tensor, model: UpstreamModel) -> torch.Tensor:
     tensor = tensor.detach().to(torch.float32).contiguous()
-    return qkv_to_moc(tensor, model.num_attention_heads) if is_qkv(name) else tensor
+    if is_qkv(name) and not model.grouped:  # grouped-query rows: the same order in both
+        return qkv_to_moc(tensor, model.num_attention_heads)
+    return tensor
 
 
 def _refuse_other_layouts(tag_dir: str) -> None:
@@ -196,6 +199,25 @@ def _module_weights(state: Mapping, tag_dir: str) -> Dict[str, torch.Tensor]:
         logger.info(f"[moc] {MODEL_FILE}: {dropped} stray expert tensors (DeepSpeed's "
                     f"'encoderlayers...' copies) ignored; the expert files are read instead")
     return kept
+
+
+def _check_shapes(tag_dir: str, model: UpstreamModel, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Every tensor the stored arguments describe, with their shape, and no other.
+
+    Raises:
+        CheckpointError: naming the first tensor that differs (arguments that do not
+            describe these files: a hand-edited ``args``, another model's files).
+    """
+    from deepspeed_ext.interop.upstream_layout import expected_shapes
+    expected = expected_shapes(model)
+    for name in sorted(set(expected) | set(tensors)):
+        want, got = expected.get(name), tuple(tensors[name].shape) if name in tensors else None
+        if want != got:
+            raise CheckpointError(
+                f"{tag_dir}: {name} is {got or 'missing'}, but the stored arguments describe "
+                f"{want or 'no such tensor'} (--swiglu {model.swiglu}, --normalization "
+                f"{model.normalization}, biases {model.add_bias_linear}, key-value heads "
+                f"{model.kv_heads}): the files and their arguments disagree")
 
 
 def _gate_layers(module: Mapping[str, torch.Tensor]) -> List[int]:

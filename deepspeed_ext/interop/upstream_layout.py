@@ -5,8 +5,9 @@ partition of each group over the data-parallel ranks. Pure.
 Upstream's ``named_parameters`` order: the word and position embeddings, then per layer
 ``input_layernorm``, ``self_attention.query_key_value``, ``self_attention.dense``,
 ``post_attention_layernorm`` and the MLP (a dense layer's two linears, or an MoE layer's
-gate followed by its local experts' linears), weight before bias; the final LayerNorm
-last. Megatron puts every parameter that is a bias or one-dimensional in the group
+gate followed by its local experts' linears), weight before bias (no bias with
+``--disable-bias-linear``, an RMSNorm without one); the final norm, then an untied output
+layer, last. Megatron puts every parameter that is a bias or one-dimensional in the group
 without weight decay; DeepSpeed moves the experts' parameters of each group into a group
 of their own (``ep_size_E``, ``moe``) after the dense ones.
 
@@ -52,41 +53,67 @@ class GroupSlices:
     """``(name, start in the partition, numel, offset in the flattened parameter)``."""
 
 
+def _norm(name: str, h: int, model: UpstreamModel) -> List[Tuple[str, Tuple[int, ...], int]]:
+    """A norm's parameters: a LayerNorm's weight and bias, an RMSNorm's weight."""
+    out = [(f"{name}.weight", (h,), -1)]
+    return out + ([] if model.normalization == "rmsnorm" else [(f"{name}.bias", (h,), -1)])
+
+
+def _linear(name: str, rows: int, cols: int, model: UpstreamModel, expert: int = -1):
+    out = [(f"{name}.weight", (rows, cols), expert)]
+    return out + ([(f"{name}.bias", (rows,), expert)] if model.add_bias_linear else [])
+
+
 def _layer_params(model: UpstreamModel, layer: int) -> List[Tuple[str, Tuple[int, ...], int]]:
     h, f, prefix = model.hidden_size, model.ffn_hidden_size, f"language_model.encoder.layers.{layer}."
-    out = [("input_layernorm.weight", (h,), -1), ("input_layernorm.bias", (h,), -1),
-           ("self_attention.query_key_value.weight", (3 * h, h), -1),
-           ("self_attention.query_key_value.bias", (3 * h,), -1),
-           ("self_attention.dense.weight", (h, h), -1), ("self_attention.dense.bias", (h,), -1),
-           ("post_attention_layernorm.weight", (h,), -1),
-           ("post_attention_layernorm.bias", (h,), -1)]
-    mlp = [("dense_h_to_4h.weight", (f, h)), ("dense_h_to_4h.bias", (f,)),
-           ("dense_4h_to_h.weight", (h, f)), ("dense_4h_to_h.bias", (h,))]
+    qkv = (model.num_attention_heads + 2 * model.kv_heads) * (h // model.num_attention_heads)
+    up = 2 * f if model.swiglu else f
+    out = (_norm("input_layernorm", h, model)
+           + _linear("self_attention.query_key_value", qkv, h, model)
+           + _linear("self_attention.dense", h, h, model)
+           + _norm("post_attention_layernorm", h, model))
     if layer in model.moe_layers:
         out.append(("mlp.deepspeed_moe.gate.wg.weight", (model.num_experts, h), -1))
         for local in range(model.local_experts):
-            out += [(f"mlp.deepspeed_moe.experts.deepspeed_experts.{local}.{n}", s, local)
-                    for n, s in mlp]
+            base = f"mlp.deepspeed_moe.experts.deepspeed_experts.{local}."
+            out += (_linear(base + "dense_h_to_4h", up, h, model, local)
+                    + _linear(base + "dense_4h_to_h", h, f, model, local))
     else:
-        out += [(f"mlp.{n}", s, -1) for n, s in mlp]
+        out += _linear("mlp.dense_h_to_4h", up, h, model) + _linear("mlp.dense_4h_to_h", h, f, model)
     return [(prefix + n, s, e) for n, s, e in out]
 
 
 def upstream_params(model: UpstreamModel) -> List[UpstreamParam]:
     """Every parameter of one expert-parallel rank's model, in upstream's order."""
     h = model.hidden_size
-    raw = [("language_model.embedding.word_embeddings.weight", (model.padded_vocab_size, h), -1),
-           ("language_model.embedding.position_embeddings.weight",
-            (model.max_position_embeddings, h), -1)]
+    raw = [("language_model.embedding.word_embeddings.weight", (model.padded_vocab_size, h), -1)]
+    if not model.rotary:
+        raw.append(("language_model.embedding.position_embeddings.weight",
+                    (model.max_position_embeddings, h), -1))
     for layer in range(model.num_layers):
         raw += _layer_params(model, layer)
-    raw += [("language_model.encoder.final_layernorm.weight", (h,), -1),
-            ("language_model.encoder.final_layernorm.bias", (h,), -1)]
+    raw += [("language_model.encoder." + n, s, e) for n, s, e in _norm("final_layernorm", h, model)]
+    if model.untie:
+        raw.append(("language_model.output_layer.weight", (model.padded_vocab_size, h), -1))
     out = []
     for name, shape, expert in raw:
         no_wd = name.endswith(".bias") or len(shape) == 1
         out.append(UpstreamParam(name, tuple(shape), (2 if expert >= 0 else 0) + int(no_wd),
                                  expert))
+    return out
+
+
+def expected_shapes(model: UpstreamModel) -> Dict[str, Tuple[int, ...]]:
+    """Upstream name (experts by global id) -> shape of every parameter of the whole model."""
+    out = {p.name: p.shape for p in upstream_params(model) if p.expert < 0}
+    local = [p for p in upstream_params(model) if p.expert == 0]
+    for layer in model.moe_layers:
+        for expert in range(model.num_experts):
+            for p in local:
+                head = f"language_model.encoder.layers.{layer}."
+                if p.name.startswith(head):
+                    name = p.name.replace(".deepspeed_experts.0.", f".deepspeed_experts.{expert}.")
+                    out[name] = p.shape
     return out
 
 

@@ -7,11 +7,6 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 REFUSED = (
     # (upstream argument, value MoC needs, the flag to name)
-    ("swiglu", False, "--swiglu"),
-    ("normalization", "layernorm", "--normalization"),
-    ("add_bias_linear", True, "--disable-bias-linear"),
-    ("untie_embeddings_and_output_weights", False, "--untie-embeddings-and-output-weights"),
-    ("use_rotary_position_embeddings", False, "--use-rotary-position-embeddings"),
     ("apply_residual_connection_post_layernorm", False,
      "--apply-residual-connection-post-layernorm"),
     ("mlp_type", "standard", "--mlp-type"),
@@ -85,6 +80,32 @@ class UpstreamModel:
     """Samples per rank and micro-step."""
     tokenizer_type: str
     """Upstream's tokenizer."""
+    swiglu: bool = False
+    """SwiGLU MLPs and experts (``dense_h_to_4h``: gate rows, then up rows)."""
+    normalization: str = "layernorm"
+    """``layernorm`` or ``rmsnorm`` (weight only)."""
+    add_bias_linear: bool = True
+    """Biases in the linear layers."""
+    untie: bool = False
+    """An output layer of its own (``output_layer.weight``)."""
+    num_key_value_heads: int = 0
+    """Key-value heads (0: one per head); fewer: the QKV rows are grouped per key-value head."""
+    rotary: bool = False
+    """Upstream's rotary embedding (halves rotated) instead of a learned position table."""
+    rope_theta: float = 10000.0
+    """The rotary embedding's base."""
+    layernorm_epsilon: float = 1e-5
+    """The norms' epsilon."""
+
+    @property
+    def kv_heads(self) -> int:
+        """Key-value heads (the head count without grouped-query attention)."""
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def grouped(self) -> bool:
+        """Grouped-query attention: QKV rows already in MoC's (and upstream's) grouped order."""
+        return self.kv_heads < self.num_attention_heads
 
     @property
     def moe_layers(self) -> List[int]:
@@ -131,7 +152,7 @@ class UpstreamModel:
             dp_world_size=int(values.get("data_parallel_size") or values.get("world_size") or 1),
             global_batch_size=int(values["global_batch_size"]),
             micro_batch_size=int(values["micro_batch_size"]),
-            tokenizer_type=str(values.get("tokenizer_type")))
+            tokenizer_type=str(values.get("tokenizer_type")), **_architecture(values))
         if model.num_experts % model.ep_size or model.dp_world_size % model.ep_size:
             raise ValueError(f"--moe-expert-parallel-size {model.ep_size} divides neither "
                              f"{model.num_experts} experts nor {model.dp_world_size} ranks")
@@ -147,10 +168,12 @@ class UpstreamModel:
             ValueError: a model upstream's GPT does not have (rotary embeddings in MoC's
                 layout), no experts, or a layout the experts do not fit.
         """
-        if args.get("position_embedding_type", "learned_absolute") != "learned_absolute":
+        if args.get("position_embedding_type", "learned_absolute") != "learned_absolute" \
+                and not args.get("use_rotary_position_embeddings"):
             raise ValueError(f"--position-embedding-type {args['position_embedding_type']}: "
-                             f"MoC's rotary embedding is not laid out as Megatron-DeepSpeed's; "
-                             f"only learned absolute position embeddings are exported")
+                             f"this rotary embedding (adjacent pairs rotated) is not "
+                             f"Megatron-DeepSpeed's (--use-rotary-position-embeddings rotates "
+                             f"halves); it is not exported")
         missing = [k for k in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
                                "padded_vocab_size", "num_experts", "global_batch_size")
                    if args.get(k) is None]
@@ -170,7 +193,15 @@ class UpstreamModel:
             topk=int(args.get("topk", 1)), ep_size=ep_size, dp_world_size=dp_world_size,
             global_batch_size=int(args["global_batch_size"]),
             micro_batch_size=int(args.get("micro_batch_size") or 1),
-            tokenizer_type=str(args.get("tokenizer_type")))
+            tokenizer_type=str(args.get("tokenizer_type")),
+            swiglu=bool(args.get("swiglu", False)),
+            normalization=str(args.get("normalization", "layernorm")),
+            add_bias_linear=bool(args.get("add_bias_linear", True)),
+            untie=bool(args.get("untie_embeddings_and_output_weights", False)),
+            num_key_value_heads=int(args.get("num_key_value_heads") or 0),
+            rotary=bool(args.get("use_rotary_position_embeddings", False)),
+            rope_theta=float(args.get("rope_theta", 10000.0)),
+            layernorm_epsilon=float(args.get("layernorm_epsilon", 1e-5)))
         if model.num_experts < 2:
             raise ValueError("the checkpoint's model has no experts (--num-experts 1)")
         if model.num_experts % ep_size or dp_world_size % ep_size:
@@ -193,7 +224,7 @@ class UpstreamModel:
                 "num_attention_heads": self.num_attention_heads,
                 "seq_length": self.seq_length,
                 "max_position_embeddings": self.max_position_embeddings,
-                "position_embedding_type": "learned_absolute",
+                "position_embedding_type": "rope" if self.rotary else "learned_absolute",
                 "padded_vocab_size": self.padded_vocab_size,
                 "true_vocab_size": self.true_vocab_size,
                 "make_vocab_size_divisible_by": self.make_vocab_size_divisible_by,
@@ -201,7 +232,13 @@ class UpstreamModel:
                 "topk": self.topk, "moe_expert_parallel_size": self.ep_size,
                 "global_batch_size": self.global_batch_size,
                 "micro_batch_size": self.micro_batch_size,
-                "tokenizer_type": self.tokenizer_type, "imported_from": "megatron-deepspeed"}
+                "tokenizer_type": self.tokenizer_type, "imported_from": "megatron-deepspeed",
+                "swiglu": self.swiglu, "normalization": self.normalization,
+                "add_bias_linear": self.add_bias_linear,
+                "untie_embeddings_and_output_weights": self.untie,
+                "num_key_value_heads": self.num_key_value_heads or None,
+                "use_rotary_position_embeddings": self.rotary, "rope_theta": self.rope_theta,
+                "layernorm_epsilon": self.layernorm_epsilon}
 
 
 def _refuse(values: Mapping[str, Any]) -> None:
@@ -210,15 +247,32 @@ def _refuse(values: Mapping[str, Any]) -> None:
         if value != needed:
             raise ValueError(f"the checkpoint was trained with {flag} ({name} = {value!r}); "
                              f"MoC's GPT-MoE cannot train it yet, so it is not imported")
-    kv = values.get("num_key_value_heads")
-    if kv not in (None, values.get("num_attention_heads")):
-        raise ValueError(f"the checkpoint was trained with --num-key-value-heads {kv} "
-                         f"(grouped-query attention); MoC's GPT-MoE cannot train it yet")
-    if values.get("position_embedding_type", "learned_absolute") not in ("learned_absolute",
-                                                                          None):
-        raise ValueError(f"the checkpoint was trained with --position-embedding-type "
-                         f"{values['position_embedding_type']}; only learned absolute "
-                         f"position embeddings are imported yet")
+    rotary = bool(values.get("use_rotary_position_embeddings", False))
+    learned = bool(values.get("add_position_embedding", not rotary))
+    if rotary == learned:
+        raise ValueError("the checkpoint was trained with " + (
+            "both a learned position table and --use-rotary-position-embeddings"
+            if rotary else "no position embedding at all (--no-position-embedding)")
+            + "; MoC's GPT-MoE has one or the other")
+    if float(values.get("rotary_percent", 1.0) or 1.0) != 1.0:
+        raise ValueError(f"the checkpoint was trained with --rotary-percent "
+                         f"{values['rotary_percent']}; MoC rotates whole heads")
+
+
+def _architecture(values: Mapping[str, Any]) -> Dict[str, Any]:
+    """The architecture fields of :meth:`UpstreamModel.from_args`."""
+    heads = int(values["num_attention_heads"])
+    kv = int(values.get("num_key_value_heads") or heads)
+    if heads % kv:
+        raise ValueError(f"--num-key-value-heads {kv} does not divide {heads} heads")
+    return {"swiglu": bool(values.get("swiglu", False)),
+            "normalization": str(values.get("normalization") or "layernorm"),
+            "add_bias_linear": bool(values.get("add_bias_linear", True)),
+            "untie": bool(values.get("untie_embeddings_and_output_weights", False)),
+            "num_key_value_heads": kv if kv != heads else 0,
+            "rotary": bool(values.get("use_rotary_position_embeddings", False)),
+            "rope_theta": float(values.get("rope_theta", 10000.0) or 10000.0),
+            "layernorm_epsilon": float(values.get("layernorm_epsilon", 1e-5))}
 
 
 SAMPLE_COUNTS = ("num_steps", "lr_warmup_steps", "lr_decay_steps", "wd_incr_steps")

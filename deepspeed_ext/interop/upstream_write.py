@@ -38,14 +38,15 @@ def upstream_tensors(ckpt: UpstreamCheckpoint) -> Dict[str, Dict[str, torch.Tens
     """Upstream name (global expert ids) -> kind (``fp32``, ``exp_avg``, ``exp_avg_sq``)
     -> tensor, the fused QKV rows in upstream's order."""
     out: Dict[str, Dict[str, torch.Tensor]] = {}
-    heads = ckpt.model.num_attention_heads
+    heads, permute = ckpt.model.num_attention_heads, not ckpt.model.grouped
     for name, tensor in ckpt.weights.items():
         kinds = {"fp32": tensor}
         for kind in ("exp_avg", "exp_avg_sq"):
             if (name, kind) in ckpt.moments:
                 kinds[kind] = ckpt.moments[(name, kind)]
-        out[upstream_name(name)] = {k: (qkv_to_upstream(t, heads) if is_qkv(name) else t)
-                                   .contiguous() for k, t in kinds.items()}
+        out[upstream_name(name)] = {
+            k: (qkv_to_upstream(t, heads) if permute and is_qkv(name) else t).contiguous()
+            for k, t in kinds.items()}
     return out
 
 
@@ -72,7 +73,7 @@ def write_upstream_checkpoint(out_dir: str, ckpt: UpstreamCheckpoint,
             prefix = (f"language_model.encoder.layers.{layer}.mlp.deepspeed_moe.experts."
                       f"deepspeed_experts.{expert}.")
             _save(os.path.join(tag_dir, expert_file(ordinal, expert)),
-                  {prefix + n: tensors[prefix + n]["fp32"] for n in EXPERT_TENSORS})
+                  {prefix + n: tensors[prefix + n]["fp32"] for n in expert_tensors(model)})
     if ckpt.moments:
         for rank, groups in rank_partitions(model).items():
             _save(os.path.join(tag_dir, zero_file(rank)),
@@ -83,12 +84,17 @@ def write_upstream_checkpoint(out_dir: str, ckpt: UpstreamCheckpoint,
     return tag_dir
 
 
+def expert_tensors(model) -> tuple:
+    """An expert's tensors in its module's order (the biases only where the model has them)."""
+    return tuple(n for n in EXPERT_TENSORS if model.add_bias_linear or n.endswith("weight"))
+
+
 def _expected_names(ckpt: UpstreamCheckpoint) -> set:
     model = ckpt.model
     names = {p.name for p in upstream_params(model) if p.expert < 0}
     for layer in model.moe_layers:
         for expert in range(model.num_experts):
-            for n in EXPERT_TENSORS:
+            for n in expert_tensors(model):
                 names.add(f"language_model.encoder.layers.{layer}.mlp.deepspeed_moe.experts."
                           f"deepspeed_experts.{expert}.{n}")
     return names
@@ -108,12 +114,17 @@ def model_state(ckpt: UpstreamCheckpoint, tensors: Mapping[str, Mapping[str, tor
         (p.name[len("language_model.encoder."):], tensors[p.name]["fp32"])
         for p in params if p.expert < 0 and p.name.startswith("language_model.encoder."))
     embedding = {"word_embeddings": {"weight": tensors[
-                     "language_model.embedding.word_embeddings.weight"]["fp32"]},
-                 "position_embeddings": {"weight": tensors[
-                     "language_model.embedding.position_embeddings.weight"]["fp32"]}}
+        "language_model.embedding.word_embeddings.weight"]["fp32"]}}
+    language_model = {"embedding": embedding, "encoder": encoder}
+    if not model.rotary:
+        embedding["position_embeddings"] = {"weight": tensors[
+            "language_model.embedding.position_embeddings.weight"]["fp32"]}
+    if model.untie:
+        language_model["output_layer"] = {"weight": tensors[
+            "language_model.output_layer.weight"]["fp32"]}
     shapes = [collections.OrderedDict((p.name, torch.Size(p.shape)) for p in params
                                       if p.group == g) for g in range(4)]
-    return {"module": {"language_model": {"embedding": embedding, "encoder": encoder}},
+    return {"module": {"language_model": language_model},
             "buffer_names": [], "optimizer": None, "param_shapes": shapes,
             "frozen_param_shapes": None, "shared_params": {}, "frozen_param_fragments": None,
             "lr_scheduler": dict(ckpt.scheduler), "data_sampler": None, "random_ltd": None,
@@ -127,7 +138,8 @@ def model_state(ckpt: UpstreamCheckpoint, tensors: Mapping[str, Mapping[str, tor
                 "original_vocab_size": model.true_vocab_size,
                 "padded_vocab_size": model.padded_vocab_size,
                 "vocabulary_parameter_patterns": [
-                    "language_model.embedding.word_embeddings.weight"],
+                    "language_model.embedding.word_embeddings.weight"]
+                + (["language_model.output_layer.weight"] if model.untie else []),
                 "parameter_with_2_sub_params_cat_dim_0": []},
             "args": stored_args(ckpt), "checkpoint_version": 3.0, "iteration": ckpt.iteration,
             "tokens": ckpt.global_samples * model.seq_length,
@@ -149,15 +161,17 @@ def stored_args(ckpt: UpstreamCheckpoint) -> argparse.Namespace:
     m = ckpt.model
     return argparse.Namespace(
         num_layers=m.num_layers, hidden_size=m.hidden_size, ffn_hidden_size=m.ffn_hidden_size,
-        num_attention_heads=m.num_attention_heads, num_key_value_heads=m.num_attention_heads,
+        num_attention_heads=m.num_attention_heads, num_key_value_heads=m.kv_heads,
         kv_channels=m.hidden_size // m.num_attention_heads, seq_length=m.seq_length,
-        max_position_embeddings=m.max_position_embeddings, add_position_embedding=True,
+        max_position_embeddings=m.max_position_embeddings, add_position_embedding=not m.rotary,
         padded_vocab_size=m.padded_vocab_size,
         make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
         tokenizer_type=m.tokenizer_type, num_experts=[m.num_experts],
         expert_interval=m.expert_interval, topk=m.topk, moe_expert_parallel_size=m.ep_size,
-        mlp_type="standard", swiglu=False, normalization="layernorm", add_bias_linear=True,
-        untie_embeddings_and_output_weights=False, use_rotary_position_embeddings=False,
+        mlp_type="standard", swiglu=m.swiglu, normalization=m.normalization,
+        add_bias_linear=m.add_bias_linear, untie_embeddings_and_output_weights=m.untie,
+        use_rotary_position_embeddings=m.rotary, rope_theta=m.rope_theta,
+        layernorm_epsilon=m.layernorm_epsilon,
         apply_residual_connection_post_layernorm=False, enable_expert_tensor_parallelism=False,
         tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
         data_parallel_size=m.dp_world_size, world_size=m.dp_world_size,

@@ -152,3 +152,29 @@ def test_the_hugging_face_export_gives_the_same_logits_in_transformers(runs, tmp
     assert got.shape == want.shape == (2, 32, 272)
     print("max |logit difference|", float((got - want).abs().max()))
     assert torch.allclose(got, want, atol=1e-4, rtol=0), (got - want).abs().max()
+
+
+def test_the_megatron_deepspeed_export_round_trips_bitwise(runs, tmp_path):
+    """T = 2's step-3 checkpoint exported to upstream's layout (an output layer of its own,
+    no position table, no biases, RMSNorm weights, SwiGLU's doubled rows, the grouped QKV
+    rows) and imported again: every weight and moment as the MoC checkpoint holds it."""
+    from deepspeed_ext.cli.main import main
+    from deepspeed_ext.interop.safe_load import load_upstream_file
+    up, again = tmp_path / "up", tmp_path / "again"
+    assert main(["export", str(runs["t2"][1]), "--tag", "global_step3", "--format",
+                 "megatron-deepspeed", "--out", str(up)]) == 0
+    state = load_upstream_file(str(up), str(up / "global_step3" / "mp_rank_00_model_states.pt"))
+    lm = state["module"]["language_model"]
+    assert list(lm) == ["embedding", "encoder", "output_layer"]
+    assert list(lm["embedding"]) == ["word_embeddings"]
+    assert not [k for k in lm["encoder"] if k.endswith(".bias")]
+    assert lm["encoder"]["layers.0.self_attention.query_key_value.weight"].shape == (64, 32)
+    args = state["args"]
+    assert (args.swiglu, args.normalization, args.num_key_value_heads,
+            args.use_rotary_position_embeddings, args.add_position_embedding) == \
+        (True, "rmsnorm", 2, True, False)
+    assert main(["import", str(up), "--out", str(again)]) == 0
+    first, second = _whole(runs["t2"][1], "global_step3"), _whole(again, "global_step3")
+    assert first.keys() == second.keys()
+    for key, tensor in first.items():
+        assert torch.equal(second[key], tensor), key

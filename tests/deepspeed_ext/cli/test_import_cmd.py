@@ -45,12 +45,18 @@ def test_an_architecture_moc_cannot_train_is_refused_naming_the_flag(tmp_path, c
     shutil.copytree(ROOT, ckpt)
     path = ckpt / "global_step6" / "mp_rank_00_model_states.pt"
     state = load_upstream_file(str(ckpt), str(path))
-    # model_type: our stand-in enum would be saved under its own name, not upstream's
-    state["args"] = argparse.Namespace(**dict(vars(state["args"]), swiglu=True, model_type=None))
+    args = dict(vars(state["args"]), model_type=None)  # our stand-in would be saved by its name
+    state["args"] = argparse.Namespace(**dict(args, mlp_type="residual"))
     torch.save(state, path)
     assert main(["import", str(ckpt), "--out", str(tmp_path / "moc")]) == 1
-    assert "--swiglu" in capsys.readouterr().err
+    assert "--mlp-type" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "moc" / "latest")
+    # Arguments that do not describe the files (SwiGLU's doubled rows are not there).
+    state["args"] = argparse.Namespace(**dict(args, swiglu=True))
+    torch.save(state, path)
+    assert main(["import", str(ckpt), "--out", str(tmp_path / "moc")]) == 1
+    err = capsys.readouterr().err
+    assert "dense_h_to_4h.bias is (128,), but the stored arguments describe (256,)" in err
 
 
 def test_no_latest_and_a_bad_tag_are_named(tmp_path, capsys):

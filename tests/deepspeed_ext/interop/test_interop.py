@@ -72,8 +72,10 @@ def test_names_map_both_ways_and_the_stray_copies_are_dropped():
         "language_model.embedding.position_embeddings.weight"
     assert names.moc_name("language_model.encoder.final_layernorm.bias") == "final_layernorm.bias"
     assert names.moc_name("encoderlayers.1.mlp.deepspeed_moe.experts.deepspeed_experts.0.dense_h_to_4h.weight") is None
-    with pytest.raises(ValueError, match="output_layer"):
-        names.moc_name("language_model.output_layer.weight")
+    assert names.moc_name("language_model.output_layer.weight") == "output_layer.weight"
+    assert names.upstream_name("output_layer.weight") == "language_model.output_layer.weight"
+    with pytest.raises(ValueError, match="pooler"):
+        names.moc_name("language_model.pooler.dense.weight")
     assert names.expert_of(EXPERT3) == (3, 3) and names.expert_of(QKV) is None
 
 
@@ -134,17 +136,30 @@ def test_model_and_scheduler_come_from_the_stored_arguments(upstream, model_file
         scheduler_in_iterations({"num_steps": 4}, 4)
 
 
-@pytest.mark.parametrize("field,value,flag", [
-    ("swiglu", True, "--swiglu"), ("normalization", "rmsnorm", "--normalization"),
-    ("untie_embeddings_and_output_weights", True, "--untie-embeddings-and-output-weights"),
-    ("num_key_value_heads", 2, "--num-key-value-heads"), ("num_experts", [4, 8], "--num-experts"),
-    ("use_rotary_position_embeddings", True, "--use-rotary-position-embeddings"),
-    ("tensor_model_parallel_size", 2, "--tensor-model-parallel-size")])
-def test_architectures_moc_cannot_train_yet_are_refused_by_name(model_file, field, value, flag):
-    args = argparse.Namespace(**vars(model_file["args"]))
-    setattr(args, field, value)
+@pytest.mark.parametrize("fields,flag", [
+    ({"mlp_type": "residual"}, "--mlp-type"), ({"num_experts": [4, 8]}, "--num-experts"),
+    ({"tensor_model_parallel_size": 2}, "--tensor-model-parallel-size"),
+    ({"apply_residual_connection_post_layernorm": True}, "--apply-residual-connection"),
+    ({"use_rotary_position_embeddings": True}, "both a learned position table"),
+    ({"add_position_embedding": False}, "no position embedding at all"),
+    ({"num_key_value_heads": 3}, "--num-key-value-heads 3")])
+def test_architectures_moc_cannot_train_are_refused_by_name(model_file, fields, flag):
+    args = argparse.Namespace(**dict(vars(model_file["args"]), **fields))
     with pytest.raises(ValueError, match=flag):
         UpstreamModel.from_args(args, model_file["universal_checkpoint_info"])
+
+
+def test_today_s_architectures_are_read_from_the_stored_arguments(model_file):
+    args = argparse.Namespace(**dict(
+        vars(model_file["args"]), swiglu=True, normalization="rmsnorm", add_bias_linear=False,
+        untie_embeddings_and_output_weights=True, num_key_value_heads=2,
+        use_rotary_position_embeddings=True, add_position_embedding=False, rope_theta=1e6))
+    m = UpstreamModel.from_args(args, model_file["universal_checkpoint_info"])
+    assert (m.swiglu, m.normalization, m.add_bias_linear, m.untie, m.kv_heads, m.grouped,
+            m.rotary, m.rope_theta) == (True, "rmsnorm", False, True, 2, True, True, 1e6)
+    moc = m.moc_args()
+    assert (moc["position_embedding_type"], moc["num_key_value_heads"],
+            moc["use_rotary_position_embeddings"]) == ("rope", 2, True)
 
 
 def test_a_missing_zero_file_is_named_and_weights_only_reads_none(tmp_path):
