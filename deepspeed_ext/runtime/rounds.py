@@ -34,9 +34,6 @@ DONE_KEY = PREFIX + "done"
 FINISHED_KEY = PREFIX + "finished"
 """How many training processes exited 0 (``store.add``, by every node's supervisor): the
 job is done when it reaches the world size."""
-TRAINING_KEY = PREFIX + "training"
-"""Set (``store.add``) by rank 0 of a round right before its first iteration: the spares
-import only then, not while the training ranks start up on the same cores."""
 LEFT_KEY = PREFIX + "left"
 """How many supervisors are done with the store (``store.add``): the one serving it
 keeps it until every node's has left."""

@@ -32,7 +32,6 @@ import torch.distributed as dist
 from megatron.errors import ConfigError
 from megatron.training import checkpointing
 from megatron.training.arguments import moc_config_from_args
-from megatron.training.in_job import announce_training
 from megatron.training.loaders import build_loaders
 from megatron.training.log import print_rank_0
 from megatron.training.loop_watch import LoopWatch
@@ -233,7 +232,6 @@ class FaultTolerance:
         self.watch = LoopWatch(self.args)
         self.progress = _progress_recorder(self.args)
         self.watch.ready(state.iteration)
-        announce_training(self.args)  # in-job: the spares may import now
         if self.injector is not None:
             self.injector.training_starts()
         record_start(self.args, state.iteration)

@@ -7,8 +7,7 @@ MoC's supervisor (``python -m deepspeed_ext.supervisor``, started by
 :func:`run_in_job`:
 
 1. imports everything training needs (a spare then waits with nothing to import: a
-   takeover costs no import time, and no restart can land inside a half-done import;
-   a spare imports once round 0's ranks train, not during their start-up);
+   takeover costs no import time, and no restart can land inside a half-done import);
 2. waits for the newest round that gives its slot a rank (a spare waits here, without
    training memory, until a training process dies or the job ends);
 3. trains in that round: its rank and round in the environment, the round's process
@@ -86,22 +85,6 @@ class RoundClient:
                 after = newest  # still waiting in this round
             time.sleep(POLL_S)
 
-    def wait_until_training(self) -> None:
-        """A spare, before its imports: wait until round 0's ranks train (rank 0 set
-        :data:`rounds.TRAINING_KEY`), a round gives this slot a rank, or the job ends.
-        Its imports then do not compete with the training ranks' start-up for the node's
-        cores (2 cores, 4 ranks: about 0.6 s longer before their first iteration); a
-        failure before that waits for them (2-3 s)."""
-        while not self.store.check([rounds.TRAINING_KEY]) and self.done() is None:
-            if self.assignment(self.newest()).rank_of(self.slot) is not None:
-                return
-            time.sleep(POLL_S * 5)
-
-    def announce_training(self) -> None:
-        """Rank 0 of a round, right before its first iteration (see
-        :meth:`wait_until_training`)."""
-        self.store.add(rounds.TRAINING_KEY, 1)
-
     def peer_failed(self, mine: rounds.RoundAssignment, within_s: float) -> bool:
         """Whether, within ``within_s`` seconds, a round after ``mine`` says one of
         ``mine``'s training processes died (a round that only drops a dead spare does
@@ -170,17 +153,6 @@ def preload() -> None:
     import megatron.data  # noqa: F401
     import megatron.model.gpt_moe  # noqa: F401
     import megatron.training.lr_schedule  # noqa: F401
-
-
-def announce_training(args: argparse.Namespace) -> None:
-    """Rank 0, right before the first iteration of a run under ``--moc-restart in-job``:
-    tell the spares waiting to import that the ranks' start-up is over (nothing without
-    in-job restarts)."""
-    if getattr(args, "moc_restart", "relaunch") != "in-job" or rounds.STORE_ENV not in os.environ:
-        return
-    import torch.distributed as dist
-    if dist.get_rank() == 0:
-        RoundClient.from_env(timeout_s=10.0).announce_training()
 
 
 def enter_round(assignment: rounds.RoundAssignment, slot: int) -> int:
@@ -274,8 +246,6 @@ def run_in_job(argv: List[str], parse: Callable[[List[str]], argparse.Namespace]
         Exception: a failure of this process's own (no newer round came).
     """
     client = RoundClient.from_env()
-    if client.assignment(client.newest()).rank_of(client.slot) is None:
-        client.wait_until_training()  # a spare: its imports after the ranks' start-up
     preload()
     # The ~300,000 objects of the imports are never garbage: out of the collector's
     # sight, each full collection that frees a failed run (free_run_objects) scans only

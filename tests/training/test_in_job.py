@@ -133,32 +133,3 @@ def test_free_run_objects_collects_a_runs_cycles_and_says_how_many_passes():
     passes = in_job.free_run_objects()
     assert ref() is None and 2 <= passes <= 5
     assert in_job.free_run_objects(max_passes=1) == 1
-
-
-def _job_with_a_spare():
-    """A store holding round 0 of 2 training slots and 1 spare (slot 2)."""
-    store = dist.HashStore()
-    store.set(rounds.round_key(0), rounds.first_round(2, 1).to_json())
-    store.set(rounds.CURRENT_KEY, "0")
-    return store
-
-
-@pytest.mark.parametrize("event", ["training", "rank", "done"])
-def test_a_spare_waits_to_import_until_the_ranks_train_it_is_needed_or_the_job_ends(event):
-    import threading
-    import time
-    store = _job_with_a_spare()
-    spare = RoundClient(store, slot=2)
-    waited = threading.Thread(target=spare.wait_until_training, daemon=True)
-    waited.start()
-    time.sleep(0.3)
-    assert waited.is_alive()  # round 0 gives slot 2 no rank, nobody trains yet
-    if event == "training":
-        RoundClient(store, slot=0).announce_training()
-    elif event == "rank":
-        store.set(rounds.round_key(1), rounds.next_round(rounds.first_round(2, 1), [1]).to_json())
-        store.set(rounds.CURRENT_KEY, "1")
-    else:
-        store.set(rounds.DONE_KEY, "finished")
-    waited.join(timeout=5)
-    assert not waited.is_alive()
