@@ -8,6 +8,7 @@ and a short allow-list (:mod:`deepspeed_ext.interop.safe_load`)."""
 import argparse
 import logging
 import os
+import sys
 
 from deepspeed_ext.cli.common import UsageError, check_dir, size_text
 from deepspeed_ext.format import fs
@@ -77,11 +78,24 @@ def _check_out(out: str) -> None:
                          f"directory")
 
 
+class _CurrentStderr(logging.StreamHandler):
+    """A handler writing to ``sys.stderr`` as it is when a record comes (a replaced one,
+    a test's capture, never a closed one kept from an earlier call)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        """Ignored: the stream is always the current stderr."""
+
+
 def _show_library_lines() -> None:
     """The interop modules' ``[moc]`` notes (stray tensors, weights only) on stderr."""
     logger = logging.getLogger("deepspeed_ext.interop")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
+    if not any(isinstance(h, _CurrentStderr) for h in logger.handlers):
+        handler = _CurrentStderr()
         handler.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)

@@ -140,6 +140,8 @@ def why_not_scheduled(moe) -> Optional[str]:
     mlp = moe.deepspeed_moe.experts.deepspeed_experts[0]
     if not all(hasattr(mlp, a) for a in ("dense_h_to_4h", "dense_4h_to_h", "activation")):
         return "the experts are not this model's MLP"
+    if mlp.dense_4h_to_h.bias is None:
+        return "the experts have no biases (--disable-bias-linear): not supported by the schedules yet"
     return None
 
 

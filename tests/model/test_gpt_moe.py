@@ -100,3 +100,18 @@ def test_loss_goes_down_when_trained(world_of_one):
 def test_config_checks(kw, needle):
     with pytest.raises(ValueError, match=needle):
         _config(**kw)
+
+
+def test_mixtral_8x7b_has_mixtral_s_parameter_count():
+    """configs/mixtral-8x7b.yaml's shape with Mixtral's 32,000-token vocabulary: 46,702,792,704
+    parameters, the count of Hugging Face's Mixtral-8x7B (every tensor of it, the untied
+    output layer included)."""
+    cfg = GPTMoEConfig(num_layers=32, hidden_size=4096, ffn_hidden_size=14336,
+                       num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                       max_position_embeddings=32768, position_embedding_type="rope",
+                       num_experts=8, expert_interval=1, topk=2, swiglu=True,
+                       normalization="rmsnorm", add_bias_linear=False,
+                       untie_embeddings_and_output_weights=True)
+    counts = count_parameters(cfg)
+    assert counts["total"] == 46_702_792_704
+    assert counts["expert"] == 32 * 8 * 3 * 4096 * 14336

@@ -61,7 +61,9 @@ def model_config_from_args(args: argparse.Namespace):
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, vocab_size=args.padded_vocab_size,
         max_position_embeddings=args.max_position_embeddings, ffn_hidden_size=args.ffn_hidden_size,
-        position_embedding_type=args.position_embedding_type, num_experts=args.num_experts,
+        # --use-rotary-position-embeddings means rope, also before validation fills it in
+        position_embedding_type=("rope" if getattr(args, "use_rotary_position_embeddings", False)
+                                 else args.position_embedding_type), num_experts=args.num_experts,
         expert_interval=args.expert_interval, moe_expert_parallel_size=args.moe_expert_parallel_size,
         topk=args.topk, moe_train_capacity_factor=args.moe_train_capacity_factor,
         moe_eval_capacity_factor=args.moe_eval_capacity_factor,
