@@ -43,6 +43,7 @@ LONGEST_FIRST = (
     "tests/deepspeed_ext/test_peers.py",
     "tests/training/test_pipeline_training.py",
     "tests/training/test_tensor_parallel_training.py",
+    "tests/training/test_mixtral_shape.py",
     "tests/training/test_pretrain.py",
     "tests/training/test_startup.py",
     "tests/training/test_megatron_deepspeed_flags.py",
