@@ -12,7 +12,8 @@
 # With --moc-restart in-job: MoC's supervisor starts the processes instead and keeps the
 # job's store; the last --moc-spares N of each node's NPROC_PER_NODE processes wait as hot
 # spares, and a failed process is replaced by one of its node's in place, the others
-# keeping their processes and memory. When no spare is left the job is relaunched (up to
+# keeping their processes and memory (--moc-refill-spares: a new process then takes the
+# dead one's slot as a spare). When no spare is left the job is relaunched (up to
 # MAX_RESTARTS times), as without the flag. Several nodes: the same command on every node
 # with NNODES, RDZV_ENDPOINT=node0:port and NODE_RANK=0..NNODES-1 (node 0's supervisor
 # serves the store at RDZV_ENDPOINT, on its port plus the relaunch attempt); SPARE_NODES=K
@@ -62,7 +63,8 @@ if [ "$RESTART" = in-job ]; then
         [ "$port" -gt 0 ] && PORT=(--port "$((port + attempt))") || PORT=()
         # the attempt, for the event file and the ETTR (each round adds its own number)
         MOC_RESTART_COUNT="$attempt" python -m deepspeed_ext.supervisor "${NODES[@]}" "${PORT[@]}" \
-            --nproc "$((NPROC - spares))" --spares "$spares" -- pretrain_gpt_moe.py "$@" \
+            --nproc "$((NPROC - spares))" --spares "$spares" ${REFILL[@]+"${REFILL[@]}"} \
+            -- pretrain_gpt_moe.py "$@" \
             || status=$?
         # 0 done, 2 bad input, 3 this node left the job (its ranks went to a spare node;
         # the job goes on on the others), 128+N stopped by a signal (Ctrl-C): no relaunch

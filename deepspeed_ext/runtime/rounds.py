@@ -44,6 +44,9 @@ SLOT_ENV = "MOC_SLOT"
 ROUND_ENV = "MOC_ROUND"
 """The round this process trains in, set by the trainer's in-job loop before it forms
 the round's process group."""
+RECOVERIES_ENV = "MOC_RECOVERIES"
+"""How many of the rounds up to that one were recoveries (refill rounds are not), set
+beside :data:`ROUND_ENV`: the restart number of the event file and the ETTR."""
 MAX_REASON_BYTES = 1000
 """At most this much of a kill request's reason is read (and written)."""
 MAX_JSON_BYTES = 1 << 20
@@ -228,6 +231,21 @@ def next_round(previous: RoundAssignment, dead: Iterable[int],
     failed = {s for s in dead if s in previous.slots or s in previous.spares} | displaced
     return RoundAssignment(previous.round + 1, tuple(slots), tuple(waiting),
                            tuple(sorted(failed)))
+
+
+def refill_round(previous: RoundAssignment, slot: int) -> Optional[RoundAssignment]:
+    """The round after ``previous`` that lists ``slot`` (its process dead, a new one
+    started in it) as a waiting spare again, last in line; nobody's rank moves and no
+    slot failed, so no training process leaves its run for it. None when ``slot`` is in
+    the job already."""
+    if slot in previous.slots or slot in previous.spares:
+        return None
+    return RoundAssignment(previous.round + 1, previous.slots, previous.spares + (slot,))
+
+
+def recoveries(rounds: Iterable[RoundAssignment]) -> int:
+    """How many of ``rounds`` are recoveries (some slot failed), not refills."""
+    return sum(1 for r in rounds if r.failed)
 
 
 def _spare_node_moves(previous: RoundAssignment, dead: Set[int], waiting: List[int],

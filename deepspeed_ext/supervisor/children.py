@@ -34,6 +34,10 @@ class Child:
     process: subprocess.Popen
     returncode: Optional[int] = None
     """None while it runs; then ``Popen.returncode`` (negative: the signal that ended it)."""
+    since_round: int = 0
+    """The first round this process is in (0: the launch; a refilled spare: its refill
+    round): only rounds from then on are about it (a kill request, a later round naming
+    its slot failed)."""
 
     @property
     def pid(self) -> int:

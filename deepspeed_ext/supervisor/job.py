@@ -19,7 +19,10 @@ nodes node 0's serves the store and the others join it):
    slot's own node takes its rank) is claimed in the store (two nodes' deaths at once
    must not write two rounds under one number; the later builds on the earlier) and
    written, its record before ``current``, and one line is logged. Deaths close together
-   are one round each, in the order they are seen.
+   are one round each, in the order they are seen. With ``--refill-spares`` a new
+   process is then started in the dead slot and a refill round lists it as a waiting
+   spare (:func:`~deepspeed_ext.runtime.rounds.refill_round`; not a recovery for
+   ``--max-rounds``).
 4. No round possible (no spare left on the node, a training process already finished,
    more than ``max_rounds`` recoveries): ``done`` is ``failed: why``, one line says why
    and that the job must be relaunched, every process gets SIGTERM, then SIGKILL
@@ -182,8 +185,8 @@ class Supervisor(JobEnding):
         this node lost, or a death moved the node's ranks to a spare node: a machine whose
         ranks were given away must not come back into the job); returns :data:`LEFT_JOB`
         once none of this node's slots is in the job any more."""
-        named = {s for r in self.book.rounds for s in r.failed}
-        stale = [c for c in self.children if c.running and c.slot in named]
+        stale = [c for c in self.children if c.running and any(
+            c.slot in r.failed for r in self.book.rounds if r.round > c.since_round)]
         if stale:
             self.fenced.update(c.slot for c in stale)
             LOG.warning(f"{self.prefix}slot(s) {[c.slot for c in stale]} were given away "
@@ -237,7 +240,7 @@ class Supervisor(JobEnding):
         if after is None:
             self.fail(none_left)
             return None
-        if after.round > self.options.max_rounds:
+        if self.book.recoveries_with(after) > self.options.max_rounds:
             self.fail(f"{who}: round {after.round} would be more than --max-rounds "
                       f"{self.options.max_rounds} recoveries in place")
             return None
@@ -257,9 +260,12 @@ class Supervisor(JobEnding):
                 continue
             self.kills_seen[assignment.round] = count
             for rank, slot in enumerate(assignment.slots):
-                child = next((c for c in self.children if c.slot == slot), None)
+                child = self._child_of(slot)
                 key = kill_key(assignment.round, rank)
                 if child is None or not self.store.check([key]):  # another node's
+                    continue
+                if child.since_round > assignment.round:  # about the process it replaced
+                    self.store.delete_key(key)
                     continue
                 why = self.store.get(key)[:MAX_REASON_BYTES].decode("utf-8", "replace")
                 self.store.delete_key(key)
@@ -316,7 +322,35 @@ class Supervisor(JobEnding):
         if self.options.nnodes > 1:
             left += f", {sum(s in self.options.own_slots for s in after.spares)} on this node"
         LOG.info(f"{self.prefix}{who}: round {after.round}, {change}; {left}")
+        if self.options.refill_spares:
+            self.refill(child)
         return None
+
+    def refill(self, dead: Child) -> None:
+        """``--refill-spares``: start a new process in ``dead``'s slot and make it a
+        waiting spare of this node again (a refill round: no rank moves, no slot failed,
+        not a recovery for ``--max-rounds``). A slot that cannot start is left empty."""
+        argv = program_argv(self.options.command)
+        env = child_env(dict(os.environ), dead.slot, self.options, self.port)
+        try:
+            new = start_child(argv, env, dead.slot)
+        except OSError as err:
+            LOG.warning(f"{self.prefix}slot {dead.slot} could not be refilled ({err}): "
+                        f"{_spares_left(len(self.current.spares))}")
+            return
+        new.since_round = self.current.round + 1
+        self.children[self.children.index(dead)] = new
+        after = self.book.claim_refill(dead.slot)
+        if after is None:
+            return
+        self.book.publish(after)
+        new.since_round = after.round
+        LOG.info(f"{self.prefix}slot {dead.slot} refilled (pid {new.pid}): round "
+                 f"{after.round}, a waiting spare; {_spares_left(len(after.spares))}")
+
+    def _child_of(self, slot: int) -> Optional[Child]:
+        """This node's newest process in ``slot`` (None: another node's slot)."""
+        return next((c for c in reversed(self.children) if c.slot == slot), None)
 
     def _role(self, slot: int) -> str:
         rank = self.current.rank_of(slot)

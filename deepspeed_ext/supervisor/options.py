@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import List, Mapping, Optional, Sequence, Tuple
 
 PROG = "python -m deepspeed_ext.supervisor"
-USAGE = (f"{PROG} --nproc N --spares S [--max-rounds R] [--port P] [--grace-s G] "
-         "[--nnodes M --node-rank I --master-addr HOST [--spare-nodes K] [--node-timeout S]] "
-         "-- PROGRAM [ARGS...]")
+USAGE = (f"{PROG} --nproc N --spares S [--refill-spares] [--max-rounds R] [--port P] "
+         "[--grace-s G] [--nnodes M --node-rank I --master-addr HOST [--spare-nodes K] "
+         "[--node-timeout S]] -- PROGRAM [ARGS...]")
 LOCALHOST = "127.0.0.1"
 """The store's address on one node (``--master-addr``'s default there)."""
 MAX_PORT = 65535
@@ -54,6 +54,8 @@ class SupervisorOptions:
     """The last this many nodes train nothing: each waits whole to take a lost node's ranks."""
     node_timeout_s: float = 5.0
     """Node 0's supervisor finds a node lost once its supervisor has not beaten for this long."""
+    refill_spares: bool = False
+    """Start a new process in a dead process's slot as a waiting spare (``--refill-spares``)."""
 
     @property
     def launched(self) -> int:
@@ -114,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--master-addr", default=None, metavar="HOST",
                         help="node 0's address, where every process reaches the store "
                              f"(default: MASTER_ADDR, else {LOCALHOST})")
+    parser.add_argument("--refill-spares", action="store_true",
+                        help="after each recovery, start a new process in the dead one's slot "
+                             "as a waiting spare of this node (a later failure is recovered "
+                             "in place too; --max-rounds still bounds the recoveries)")
     parser.add_argument("--max-rounds", type=int, default=3, metavar="R",
                         help="recoveries in place before the job stops to be relaunched "
                              "(default 3; 0: none)")
@@ -149,7 +155,8 @@ def parse_options(argv: Optional[Sequence[str]] = None,
                              max_rounds=ns.max_rounds, port=_port(ns, environ),
                              grace_s=ns.grace_s, host=_host(ns, environ),
                              nnodes=ns.nnodes, node_rank=ns.node_rank,
-                             spare_nodes=ns.spare_nodes, node_timeout_s=ns.node_timeout)
+                             spare_nodes=ns.spare_nodes, node_timeout_s=ns.node_timeout,
+                             refill_spares=ns.refill_spares)
 
 
 def _count_problem(ns: argparse.Namespace) -> str:

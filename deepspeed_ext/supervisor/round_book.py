@@ -14,7 +14,7 @@ from typing import List, Optional, Set
 import torch.distributed as dist
 
 from deepspeed_ext.runtime.rounds import (CURRENT_KEY, RoundAssignment, claim_key, next_round,
-                                          round_key)
+                                          recoveries, refill_round, round_key)
 from deepspeed_ext.supervisor.store import STORE_TIMEOUT, write_round
 
 WAIT_POLL_S = 0.1
@@ -47,16 +47,30 @@ class RoundBook:
                 self.store.get(round_key(self.current.round + 1)))
             self.rounds.append(self.current)
 
+    def recoveries_with(self, after: RoundAssignment) -> int:
+        """Recoveries in place once ``after`` is written (refill rounds do not count)."""
+        return recoveries(self.rounds + [after])
+
     def claim_next(self, dead: Set[int]) -> Optional[RoundAssignment]:
         """The round after the newest once the slots ``dead`` died, claimed for this
         supervisor to write; None when no spare can take a rank, and past ``max_rounds``
-        the unclaimed round (the caller fails either way)."""
+        recoveries the unclaimed round (the caller fails either way)."""
         while True:
             self.follow()
             after = next_round(self.current, dead, self.launched)
-            if after is None or after.round > self.max_rounds:
+            if after is None or self.recoveries_with(after) > self.max_rounds:
                 return after
             if self.store.add(claim_key(after.round), 1) == 1:
+                return after
+            self.wait_for(after.round)
+
+    def claim_refill(self, slot: int) -> Optional[RoundAssignment]:
+        """The round that makes ``slot`` (restarted) a waiting spare again, claimed; None
+        when it is in the job already."""
+        while True:
+            self.follow()
+            after = refill_round(self.current, slot)
+            if after is None or self.store.add(claim_key(after.round), 1) == 1:
                 return after
             self.wait_for(after.round)
 

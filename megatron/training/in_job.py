@@ -85,6 +85,10 @@ class RoundClient:
                 after = newest  # still waiting in this round
             time.sleep(POLL_S)
 
+    def recoveries_until(self, number: int) -> int:
+        """How many of rounds 1..``number`` were recoveries (a refill round is not)."""
+        return rounds.recoveries(self.assignment(r) for r in range(1, number + 1))
+
     def peer_failed(self, mine: rounds.RoundAssignment, within_s: float) -> bool:
         """Whether, within ``within_s`` seconds, a round after ``mine`` says one of
         ``mine``'s training processes died (a round that only drops a dead spare does
@@ -155,14 +159,17 @@ def preload() -> None:
     import megatron.training.lr_schedule  # noqa: F401
 
 
-def enter_round(assignment: rounds.RoundAssignment, slot: int) -> int:
+def enter_round(assignment: rounds.RoundAssignment, slot: int, recoveries: int = -1) -> int:
     """Set this process's rank, world and round in the environment (what the process
-    group, DeepSpeed and the event file read); returns the rank."""
+    group, DeepSpeed and the event file read; ``recoveries``: how many rounds so far were
+    recoveries, -1: the round's number); returns the rank."""
     rank = assignment.rank_of(slot)
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or assignment.world_size)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank % per_node),
                       WORLD_SIZE=str(assignment.world_size),
-                      **{rounds.ROUND_ENV: str(assignment.round)})
+                      **{rounds.ROUND_ENV: str(assignment.round),
+                         rounds.RECOVERIES_ENV: str(assignment.round if recoveries < 0
+                                                    else recoveries)})
     return rank
 
 
@@ -259,7 +266,7 @@ def run_in_job(argv: List[str], parse: Callable[[List[str]], argparse.Namespace]
             log(f"[moc] slot {client.slot}: the job ended ({client.done()}); this spare was "
                 "not needed")
             return 0
-        rank = enter_round(assignment, client.slot)
+        rank = enter_round(assignment, client.slot, client.recoveries_until(assignment.round))
         if assignment.round:
             log(f"[moc] slot {client.slot} (pid {os.getpid()}): round {assignment.round} as "
                 f"rank {rank} (slots {list(assignment.failed)} failed)")

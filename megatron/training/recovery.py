@@ -251,12 +251,14 @@ def restart_count(args: Optional[argparse.Namespace] = None) -> int:
     """Which attempt of the job this is: ``--moc-restart-count`` (scripts/launch_cluster.sh
     passes it: the DeepSpeed launcher does not carry its own environment to other
     nodes' ranks), else torchrun's elastic agent's ``TORCHELASTIC_RESTART_COUNT``, else
-    ``MOC_RESTART_COUNT``; plus, under ``--moc-restart in-job``, the recovery round this
-    process trains in (``MOC_ROUND``): a round after a failure is a restart too, and the
+    ``MOC_RESTART_COUNT``; plus, under ``--moc-restart in-job``, the recoveries up to the
+    round this process trains in (``MOC_RECOVERIES``, else the round, ``MOC_ROUND``): a
+    round after a failure is a restart too, and the
     ETTR takes the job's start from the one start with 0 (when round 1 of a launch that
     passed ``--moc-restart-count 0`` counted 0 as well, its start hid the failure)."""
-    from deepspeed_ext.runtime.rounds import ROUND_ENV
-    recovery_round = os.environ.get(ROUND_ENV, "")
+    from deepspeed_ext.runtime.rounds import RECOVERIES_ENV, ROUND_ENV
+    # the recoveries so far (refill rounds of --moc-refill-spares are not restarts)
+    recovery_round = os.environ.get(RECOVERIES_ENV, os.environ.get(ROUND_ENV, ""))
     extra = int(recovery_round) if recovery_round.isdigit() else 0
     given = getattr(args, "moc_restart_count", None)
     if given is not None:

@@ -164,6 +164,8 @@ def test_restart_defaults_to_a_relaunch_without_spares():
         check_restart(parse_args(BASE + ["--moc-spares", "-1"]), 1)
     with pytest.raises(ConfigError, match="--moc-spares needs --moc-restart in-job"):
         check_restart(parse_args(BASE + ["--moc-spares", "1"]), 1)
+    with pytest.raises(ConfigError, match="--moc-refill-spares needs --moc-restart in-job"):
+        check_restart(parse_args(BASE + ["--moc-refill-spares"]), 1)
 
 
 def test_an_in_job_restart_needs_the_supervisor_and_checkpoints_saved_where_it_loads(

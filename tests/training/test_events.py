@@ -91,6 +91,8 @@ def test_restart_count_comes_from_the_flag_before_the_environment(monkeypatch):
     monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
     monkeypatch.delenv("MOC_RESTART_COUNT")
     assert restart_count(parse_args(BASE)) == 2
+    monkeypatch.setenv("MOC_RECOVERIES", "1")  # round 2 after a refill round: 1 recovery
+    assert restart_count(parse_args(BASE)) == 1
     with pytest.raises(ConfigError, match="--moc-restart-count must be >= 0"):
         validate_args(parse_args(BASE + ["--moc-restart-count", "-1"]), 1)
 

@@ -22,6 +22,11 @@ def add_restart_args(p: argparse.ArgumentParser) -> None:
                    help="--moc-restart in-job: how many of the launched processes wait as "
                         "hot spares (the last ones of the launch); read by "
                         "scripts/run_elastic.sh, which starts the supervisor.")
+    g.add_argument("--moc-refill-spares", action="store_true",
+                   help="--moc-restart in-job: after each recovery, start a new process in "
+                        "the dead one's slot as a waiting spare (a later failure is recovered "
+                        "in place too, up to the supervisor's --max-rounds); read by "
+                        "scripts/run_elastic.sh.")
 
 
 def check_restart(args: argparse.Namespace, world_size: int) -> None:
@@ -36,6 +41,9 @@ def check_restart(args: argparse.Namespace, world_size: int) -> None:
         if spares:
             raise ConfigError("--moc-spares needs --moc-restart in-job (a relaunch starts "
                               "every process again and has no use for spares)")
+        if getattr(args, "moc_refill_spares", False):
+            raise ConfigError("--moc-refill-spares needs --moc-restart in-job (the spares it "
+                              "refills are the in-job restart's)")
         return
     from deepspeed_ext.runtime.rounds import STORE_ENV
     if not os.environ.get(STORE_ENV):

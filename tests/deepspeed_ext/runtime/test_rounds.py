@@ -202,3 +202,16 @@ def test_a_node_without_a_spare_of_its_own_moves_whole_to_the_spare_node():
     first = first_round(2, 0, nodes=3, spare_nodes=1)  # slots (0, 1 | 2, 3), node 2 waits
     assert next_round(first, {2}, launched=2) == RoundAssignment(1, (0, 1, 4, 5), (), (2, 3))
     assert next_round(first, {2}) == RoundAssignment(1, (0, 1, 4, 3), (5,), (2,))  # one node
+
+
+def test_a_refill_round_lists_the_restarted_slot_last_and_is_no_recovery():
+    from deepspeed_ext.runtime.rounds import next_round, recoveries, refill_round
+    first = first_round(2, 1)
+    one = next_round(first, [1])
+    assert (one.slots, one.spares, one.failed) == ((0, 2), (), (1,))
+    two = refill_round(one, 1)
+    assert (two.round, two.slots, two.spares, two.failed) == (2, (0, 2), (1,), ())
+    assert refill_round(two, 1) is None and refill_round(two, 0) is None  # in the job already
+    three = next_round(two, [0])
+    assert (three.slots, three.spares) == ((1, 2), ())  # the refilled slot takes rank 0
+    assert recoveries([first, one, two, three]) == 2

@@ -260,3 +260,55 @@ def test_a_rank_reported_hung_is_killed_and_its_death_starts_the_next_round(capl
     request_kill(supervisor.store, 1, 1, "the spare hangs too")
     assert supervisor.kill_requested() == [3]  # round 1's rank 1: the spare's slot
     assert supervisor.children[3].process.signals == [(signal.SIGKILL, None)]
+
+
+def refilling(monkeypatch, nproc: int, spares: int, **options):
+    """A supervisor with ``--refill-spares`` whose restarts are stand-ins too (pids from
+    ``FIRST_PID + 100``)."""
+    supervisor = supervised(nproc, spares, refill_spares=True, **options)
+    pids = iter(range(FIRST_PID + 100, FIRST_PID + 200))
+    monkeypatch.setattr(job, "start_child", lambda argv, env, slot: Child(
+        slot, StandIn(next(pids), supervisor.store)))
+    return supervisor
+
+
+def test_refill_spares_restarts_the_dead_slot_as_a_spare_and_recovers_again(monkeypatch,
+                                                                             caplog):
+    """--refill-spares: each death's slot gets a new process, listed as a waiting spare by
+    a refill round (no rank moves, nobody failed), so the next death recovers in place
+    too; --max-rounds counts recoveries, not refills."""
+    supervisor = refilling(monkeypatch, 1, 1, max_rounds=2)
+    trainer, spare = supervisor.children
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        assert supervisor.on_exit(ended(trainer, -signal.SIGKILL)) is None
+        refilled = supervisor.children[0]
+        assert refilled is not trainer and refilled.slot == 0 and refilled.running
+        assert supervisor.on_exit(ended(spare, -signal.SIGKILL)) is None  # rank 0's process
+        again = supervisor.children[1]
+        assert supervisor.on_exit(ended(refilled, 3)) == 1  # a third recovery: too many
+    assert rounds(supervisor.store)[1:] == [
+        RoundAssignment(1, (1,), (), (0,)), RoundAssignment(2, (1,), (0,)),
+        RoundAssignment(3, (0,), (), (1,)), RoundAssignment(4, (0,), (1,))]
+    assert lines(caplog)[:4] == [
+        f"{PREFIX}slot 0 (rank 0, pid {trainer.pid}) exited with signal 9: round 1, rank 0 -> "
+        "slot 1 (spare); 0 spares left",
+        f"{PREFIX}slot 0 refilled (pid {refilled.pid}): round 2, a waiting spare; 1 spare left",
+        f"{PREFIX}slot 1 (rank 0, pid {spare.pid}) exited with signal 9: round 3, rank 0 -> "
+        "slot 0 (spare); 0 spares left",
+        f"{PREFIX}slot 1 refilled (pid {again.pid}): round 4, a waiting spare; 1 spare left"]
+    assert "would be more than --max-rounds 2 recoveries in place" in done(supervisor.store)
+
+
+def test_a_refilled_process_is_not_fenced_nor_killed_for_its_predecessor(monkeypatch):
+    """The round that named the dead process failed, and a kill request its rank got in
+    an earlier round, are about the process it replaced, not the refilled one."""
+    from deepspeed_ext.runtime.rounds import request_kill
+    supervisor = refilling(monkeypatch, 2, 1)
+    assert supervisor.on_exit(ended(supervisor.children[1], -signal.SIGKILL)) is None
+    refilled = supervisor.children[1]
+    assert supervisor.fence() is None and refilled.process.signals == []
+    request_kill(supervisor.store, 0, 1, "late: round 0's rank 1, slot 1's old process")
+    assert supervisor.kill_requested() == []
+    assert refilled.running and refilled.process.signals == []
+    request_kill(supervisor.store, 1, 1, "round 1's rank 1: the spare in slot 2")
+    assert supervisor.kill_requested() == [2]

@@ -98,7 +98,13 @@ def test_experts_in_older_slots_are_recovered_without_storage(tmp_path, caplog):
 def test_an_expert_nowhere_fails_the_memory_recovery_and_then_the_load(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="deepspeed_ext"), \
             one_rank_job(tmp_path, "--moc-persist-interval", "100", "--moc-k-snapshot", "1") as job:
-        job.train_and_save(4)  # step 1's snapshot, the only one with every expert, is gone
+        job.train_and_save(1)
+        # Step 1's snapshot (the only one with every expert) is handed to the keeper to
+        # persist, which keeps its slot until it is written: under load (the suite on 2
+        # cores) step 4's snapshot took another slot and the premise failed. Waiting for
+        # the persist first lets step 4 take step 1's slot, as the test means.
+        job.moc.wait()
+        job.train_and_save(3)  # step 1's snapshot, the only one with every expert, is gone
         empty = str(tmp_path / "empty")
         with pytest.raises(MoCCheckpointError, match=rf"recovery from memory at step 4 failed "
                                                      rf"and {empty} holds no checkpoint"):
