@@ -5,7 +5,7 @@ that the job still finishes with every loss of the fault-free run, in place or t
 the relaunch it falls back to.
 
     python benchmarks/restart_trials.py [--trials 20] [--seed 1] [--ranks 2|4]
-        [--iters 12] [--out-dir DIR]
+        [--iters 12] [--refill] [--out-dir DIR]
 
 Every job runs ``pretrain_gpt_moe.py`` under ``scripts/run_elastic.sh NPROC 1`` with
 ``--moc-restart in-job --moc-spares 1`` (NPROC = ranks + 1: one hot spare; MAX_RESTARTS
@@ -20,7 +20,8 @@ reference losses. Each trial draws, from ``random.Random(seed * 1000 + trial)``:
 - ``second`` (5 in 20): as ``rank``, then a random other training process of the new
   round is SIGKILLed a random 0-300 ms after the supervisor wrote it (during the
   recovery): no spare is left, so the supervisor stops the job and ``run_elastic.sh``
-  relaunches it, which recovers from the keeper's memory or storage;
+  relaunches it, which recovers from the keeper's memory or storage (with ``--refill``,
+  the first death's slot has a new spare by then, which takes the rank in place);
 - ``stop`` (4 in 20): a random training rank is SIGSTOPped at such a moment (a hang its
   own watchdog cannot end): the others' watchdogs (every job runs ``--moc-monitor
   --moc-hang-timeout 2``) find it and ask the supervisor, which SIGKILLs it; the spare
@@ -70,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=int, choices=(2, 4), default=2,
                    help="Training ranks (EP 2); every job has one spare more.")
     p.add_argument("--iters", type=int, default=12, help="Training iterations per job.")
+    p.add_argument("--refill", action="store_true",
+                   help="Every job with --moc-refill-spares: a dead process's slot gets a new "
+                        "spare, so a second kill is recovered in place too.")
     p.add_argument("--out-dir", metavar="DIR",
                    help=f"Where every job's log, metrics and {RESULTS} go, kept (default: a "
                         "temporary directory, deleted at the end).")
@@ -142,8 +146,9 @@ class Killer:
 
 
 def job_command(opts, data: str, job_dir: str, shm: str) -> list:
+    refill = ["--moc-refill-spares"] if opts.refill else []
     return elastic_job_command(opts.ranks + 1, 1, data, opts.iters, job_dir, shm, [
-        "--moc-restart", "in-job", "--moc-spares", "1",
+        "--moc-restart", "in-job", "--moc-spares", "1", *refill,
         "--moc-monitor", "--moc-hang-timeout", "2", "--moc-monitor-poll", "0.25"])
 
 
@@ -173,7 +178,8 @@ def judge(row: dict, reference: dict) -> dict:
 
 def print_report(opts, command: str, reference: dict, rows: list) -> None:
     launch.print_header("Seeded kills of an in-job restart job", command)
-    print(f"jobs: configs/tiny.yaml, {opts.ranks} training ranks (EP 2) + 1 spare, "
+    print(f"jobs: configs/tiny.yaml, {opts.ranks} training ranks (EP 2) + 1 spare"
+          f"{' (refilled after each death: --moc-refill-spares)' if opts.refill else ''}, "
           f"{opts.iters} iterations, a two-level snapshot every iteration, --moc-monitor "
           f"--moc-hang-timeout 2, run_elastic.sh MAX_RESTARTS 1; reference: {reference['wall_s']} s, "
           f"{len(reference['losses'])} iterations")
