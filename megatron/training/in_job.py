@@ -85,6 +85,16 @@ class RoundClient:
                 after = newest  # still waiting in this round
             time.sleep(POLL_S)
 
+    def base_round(self, assignment: rounds.RoundAssignment) -> rounds.RoundAssignment:
+        """The round whose process group ``assignment``'s processes form: itself, or for
+        a refill round (``--moc-refill-spares``: only a spare added, nothing failed) the
+        recovery round (or round 0) before it, which has the same ranks. Processes that
+        read ``current`` just before and just after a refill round so meet in one group
+        instead of forming two that never fill."""
+        while assignment.round and not assignment.failed:
+            assignment = self.assignment(assignment.round - 1)
+        return assignment
+
     def recoveries_until(self, number: int) -> int:
         """How many of rounds 1..``number`` were recoveries (a refill round is not)."""
         return rounds.recoveries(self.assignment(r) for r in range(1, number + 1))
@@ -266,6 +276,7 @@ def run_in_job(argv: List[str], parse: Callable[[List[str]], argparse.Namespace]
             log(f"[moc] slot {client.slot}: the job ended ({client.done()}); this spare was "
                 "not needed")
             return 0
+        newest, assignment = assignment.round, client.base_round(assignment)
         rank = enter_round(assignment, client.slot, client.recoveries_until(assignment.round))
         if assignment.round:
             log(f"[moc] slot {client.slot} (pid {os.getpid()}): round {assignment.round} as "
@@ -280,7 +291,7 @@ def run_in_job(argv: List[str], parse: Callable[[List[str]], argparse.Namespace]
             failure.raise_again()
         log(f"[moc] slot {client.slot} (rank {rank}, pid {os.getpid()}): round "
             f"{assignment.round} failed ({failure.summary}); joining the next round")
-        seen = assignment.round
+        seen = newest
 
 
 def _run_round(argv, parse, train, close, record) -> Optional["OwnError"]:

@@ -133,3 +133,20 @@ def test_free_run_objects_collects_a_runs_cycles_and_says_how_many_passes():
     passes = in_job.free_run_objects()
     assert ref() is None and 2 <= passes <= 5
     assert in_job.free_run_objects(max_passes=1) == 1
+
+
+def test_a_refill_round_is_joined_as_the_recovery_round_before_it():
+    """--moc-refill-spares writes a refill round right after each recovery round: the
+    processes that read either form the recovery round's group (the same ranks), not two
+    groups that never fill."""
+    first = rounds.first_round(2, 1)
+    one = rounds.next_round(first, [1])
+    two = rounds.refill_round(one, 1)
+    store = dist.HashStore()
+    for r in (first, one, two):
+        store.set(rounds.round_key(r.round), r.to_json())
+    store.set(rounds.CURRENT_KEY, "2")
+    client = RoundClient(store, slot=2)
+    assert client.base_round(two) == one and client.base_round(one) == one
+    assert client.base_round(first) == first
+    assert client.recoveries_until(2) == 1
