@@ -72,6 +72,58 @@ def request_kill(store, round_number: int, rank: int, why: str) -> None:
     store.add(kill_count_key(round_number), 1)
 
 
+def joined_key(round_number: int) -> str:
+    """How many of round ``round_number``'s training processes are at its rendezvous
+    (``store.add``; :func:`await_round`)."""
+    return f"{PREFIX}joined/{round_number}"
+
+
+class RoundSuperseded(RuntimeError):
+    """A newer round named a training process of this one failed before every one of
+    them reached its rendezvous: the group would never fill; join the newer round."""
+
+
+def superseded(store, mine: "RoundAssignment") -> Optional[int]:
+    """The first round after ``mine`` that names one of ``mine``'s training slots failed
+    (None: none yet)."""
+    newest = int(store.get(CURRENT_KEY))
+    for number in range(mine.round + 1, newest + 1):
+        later = RoundAssignment.from_json(store.get(round_key(number)))
+        if set(later.failed) & set(mine.slots):
+            return number
+    return None
+
+
+def await_round(store, mine: "RoundAssignment", timeout_s: float, poll_s: float = 0.02) -> None:
+    """Every training process of round ``mine``, before it forms the round's process
+    group: count itself in, and wait until all ``mine.world_size`` have.
+
+    A process that joined a round another death made stale (its spare, say, read round
+    1 while the survivors, a moment later, read round 2) would otherwise wait in a
+    rendezvous nobody else comes to until the group's timeout, and the newer round,
+    which needs it, with it.
+
+    Raises:
+        RoundSuperseded: a newer round named one of ``mine``'s training slots failed
+            before all arrived.
+        TimeoutError: not all arrived within ``timeout_s``.
+    """
+    import time
+    deadline = time.monotonic() + timeout_s
+    arrived = store.add(joined_key(mine.round), 1)
+    while arrived < mine.world_size:
+        newer = superseded(store, mine)
+        if newer is not None:
+            raise RoundSuperseded(f"round {newer} named a training process of round "
+                                  f"{mine.round} failed before all {mine.world_size} reached "
+                                  f"its rendezvous ({arrived} did)")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{arrived} of round {mine.round}'s {mine.world_size} training "
+                               f"processes reached its rendezvous within {timeout_s:g} s")
+        time.sleep(poll_s)
+        arrived = store.add(joined_key(mine.round), 0)
+
+
 def claim_key(round_number: int) -> str:
     """Which supervisor writes round ``round_number`` (``store.add``: the one that reads
     1). With one supervisor per node, two deaths on two nodes at once would otherwise

@@ -129,7 +129,11 @@ def _init_on_round_store(backend: str, timeout) -> None:
     from deepspeed_ext.runtime import rounds
     host, port = rounds.store_address(os.environ[rounds.STORE_ENV])
     store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
-    prefix = rounds.group_prefix(int(os.environ.get(rounds.ROUND_ENV, "0")))
+    number = int(os.environ.get(rounds.ROUND_ENV, "0"))
+    if number:  # a recovery round: all of it must get there before its group forms
+        mine = rounds.RoundAssignment.from_json(store.get(rounds.round_key(number)))
+        rounds.await_round(store, mine, timeout.total_seconds())
+    prefix = rounds.group_prefix(number)
     dist.init_process_group(backend, store=dist.PrefixStore(prefix, store),
                             rank=int(os.environ["RANK"]),
                             world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)

@@ -215,3 +215,38 @@ def test_a_refill_round_lists_the_restarted_slot_last_and_is_no_recovery():
     three = next_round(two, [0])
     assert (three.slots, three.spares) == ((1, 2), ())  # the refilled slot takes rank 0
     assert recoveries([first, one, two, three]) == 2
+
+
+def test_a_round_s_rendezvous_waits_for_all_and_gives_up_when_a_newer_round_supersedes_it():
+    """A spare that joined round 1 while a second death made round 2 (the survivors
+    joined that): round 1's rendezvous never fills, so it gives up at once and the spare
+    joins round 2 (before: both waited for the group's timeout)."""
+    import threading
+    import torch.distributed as dist
+    from deepspeed_ext.runtime.rounds import (RoundSuperseded, await_round, next_round,
+                                              round_key)
+    store = dist.HashStore()
+    first = first_round(4, 2)
+    one = next_round(first, [3])  # rank 3 -> slot 4
+    two = next_round(one, [2])  # rank 2 -> slot 5
+    for r in (first, one):
+        store.set(round_key(r.round), r.to_json())
+    store.set(CURRENT_KEY, "1")
+    waiting = threading.Thread(target=lambda: pytest.raises(RoundSuperseded, await_round,
+                                                           store, one, 30.0), daemon=True)
+    waiting.start()  # slot 4, alone in round 1
+    store.set(round_key(2), two.to_json())
+    store.set(CURRENT_KEY, "2")
+    waiting.join(timeout=5)
+    assert not waiting.is_alive()
+    arrivals = [threading.Thread(target=await_round, args=(store, two, 30.0), daemon=True)
+                for _ in range(two.world_size)]
+    for t in arrivals:
+        t.start()
+    for t in arrivals:
+        t.join(timeout=5)
+    assert not any(t.is_alive() for t in arrivals)  # all four arrived: every one goes on
+    alone = dist.HashStore()
+    alone.set(CURRENT_KEY, "1")
+    with pytest.raises(TimeoutError, match="1 of round 1's 4 training processes"):
+        await_round(alone, one, 0.05)
