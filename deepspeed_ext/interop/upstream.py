@@ -29,6 +29,7 @@ from deepspeed_ext.format.naming import check_tag
 from deepspeed_ext.interop.megatron_names import (expert_of, flatten_module, is_qkv, moc_name,
                                                   qkv_to_moc)
 from deepspeed_ext.interop.safe_load import check_inside, load_upstream_file
+from deepspeed_ext.interop.upstream_layout import expected_shapes
 from deepspeed_ext.interop.upstream_model import AdamSettings, UpstreamModel
 from deepspeed_ext.interop.zero_files import ZeroState, assemble_zero
 
@@ -136,7 +137,7 @@ def read_upstream(root: str, tag: Optional[str] = None,
     experts = _expert_weights(root, tag_dir, model)
     _check_shapes(tag_dir, model, {**module, **experts})
     names = list(module) + list(experts)
-    zero = None if weights_only else _zero_state(root, tag_dir, model, state, experts)
+    zero = None if weights_only else _zero_state(root, tag_dir, model)
     ckpt = UpstreamCheckpoint(
         tag=tag, model=model, iteration=int(state.get("iteration", state.get("global_steps", 0))),
         global_samples=int(state.get("global_samples", 0)), weights={},
@@ -208,7 +209,6 @@ def _check_shapes(tag_dir: str, model: UpstreamModel, tensors: Mapping[str, torc
         CheckpointError: naming the first tensor that differs (arguments that do not
             describe these files: a hand-edited ``args``, another model's files).
     """
-    from deepspeed_ext.interop.upstream_layout import expected_shapes
     expected = expected_shapes(model)
     for name in sorted(set(expected) | set(tensors)):
         want, got = expected.get(name), tuple(tensors[name].shape) if name in tensors else None
@@ -243,8 +243,7 @@ def _expert_weights(root: str, tag_dir: str, model: UpstreamModel) -> Dict[str, 
     return out
 
 
-def _zero_state(root: str, tag_dir: str, model: UpstreamModel, state: Mapping,
-                experts: Mapping[str, torch.Tensor]) -> Optional[ZeroState]:
+def _zero_state(root: str, tag_dir: str, model: UpstreamModel) -> Optional[ZeroState]:
     """The ZeRO files' state, or None (with a log line) when the checkpoint has none."""
     paths = [os.path.join(tag_dir, zero_file(r)) for r in range(model.dp_world_size)]
     present = [os.path.isfile(p) for p in paths]
@@ -265,18 +264,11 @@ def _zero_state(root: str, tag_dir: str, model: UpstreamModel, state: Mapping,
             raise CheckpointError(f"{path}: not a ZeRO stage 1/2 optimizer file "
                                   f"(no optimizer_state_dict.param_slice_mappings)")
         states.append(osd)
-    shapes = {n: tuple(t.shape) for n, t in _dense_shapes(state).items()}
-    shapes.update({n: tuple(t.shape) for n, t in experts.items()})
+    shapes = expected_shapes(model)  # the files' tensors have them (_check_shapes)
     try:
         return assemble_zero(states, model.ep_size, model.local_experts, shapes)
     except (ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"{tag_dir}: ZeRO files: {err}") from None
-
-
-def _dense_shapes(state: Mapping) -> Dict[str, torch.Tensor]:
-    flat = flatten_module(state["module"])
-    return {(n if n.startswith("language_model.") else "language_model." + n): t
-            for n, t in flat.items() if moc_name(n) is not None}
 
 
 def _rng_state(saved: Mapping) -> Dict[str, Any]:
