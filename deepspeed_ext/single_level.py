@@ -119,6 +119,7 @@ class SingleLevel:
         """Where the last load came from (``storage``), or the exact replay's source."""
         self.stall_s: List[float] = []
         """Snapshot stalls: none without two-level checkpointing."""
+        self._abandoned = threading.Event()
 
     def host_memory_bytes(self) -> int:
         """Bytes of this rank's save buffer."""
@@ -131,6 +132,18 @@ class SingleLevel:
     def shutdown(self) -> None:
         """End of training, every rank: wait for the last save."""
         self.wait()
+
+    def abandon(self, join_s: float = 30.0) -> None:
+        """This rank alone, after its run failed (an in-job restart; no collective): the
+        save being written is given up. This rank's share is still written (its file and
+        report: a few seconds at most); rank 0's commit stops at its next poll instead of
+        waiting ``--moc-commit-timeout`` for a dead rank's report, so that its thread lets
+        go of the engine and the failed run's groups. Waits up to ``join_s`` for the
+        thread."""
+        self._abandoned.set()
+        pending, self._pending = self._pending, None
+        if pending is not None and pending.thread is not None:
+            pending.thread.join(timeout=join_s)
 
     # -- save ---------------------------------------------------------------------
 
@@ -259,7 +272,8 @@ class SingleLevel:
             try:
                 self._commit(tag_dir, pending)
             except Exception as e:
-                traceback.print_exc()
+                if not self._abandoned.is_set():
+                    traceback.print_exc()
                 pending.outcome = (False, f"{type(e).__name__}: {e}")
                 return
         pending.outcome = (True, None)
@@ -289,7 +303,7 @@ class SingleLevel:
     def _commit(self, tag_dir: str, pending: "_PendingSave") -> None:
         """Rank 0's writer thread: wait for every rank's report, then commit."""
         shares = commit.wait_for_reports(tag_dir, pending.world, self.config.commit_timeout_s,
-                                         claim=pending.claim)
+                                         claim=pending.claim, given_up=self._abandoned.is_set)
         commit.commit_checkpoint(
             pending.save_dir, pending.tag, pending.step,
             self.session.layout_record(pending.world, pending.zero_stage),

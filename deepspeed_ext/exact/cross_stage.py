@@ -134,6 +134,14 @@ class CrossStageLog:
         """Drop every entry (the log is lost with its rank's state)."""
         self.entries.clear()
 
+    def adopt(self, entries: Dict[Tuple[int, GroupKey], List[torch.Tensor]],
+              retain_iterations: int) -> None:
+        """Take a failed run's entries as this log's (as ``UpstreamLog.adopt``); the
+        group keys are global ranks, which an in-job round keeps."""
+        self.entries = {k: list(v) for k, v in entries.items()}
+        if retain_iterations:
+            self.retain_iterations = retain_iterations
+
     def free_before(self, iteration: int) -> None:
         """Drop every step before ``iteration``."""
         for slot in [s for s in self.entries if s[0] < iteration]:

@@ -54,6 +54,7 @@ class ExactSnapshots:
         self.replay: Optional[Replay] = None
         self._order: Optional[List[str]] = None
         self._fixed_start = False
+        self._continued = False  # a localized recovery set the grid (continue_grid)
         self.memory = NodeMemory(self.rank, save_dir, self.log)
         self.writer = FrameWriter(self.rank, self.world, save_dir, self.memory,
                                   config.write_frames)
@@ -145,6 +146,10 @@ class ExactSnapshots:
         a recovery the replayed window's grid continues and nothing happens here."""
         if self.replay is not None:
             return
+        if self._continued:  # the job's frames are this run's timeline: none dropped
+            self._continued = False
+            self.snapshot(iteration, client_state)
+            return
         self.recovery.drop_earlier_timeline()
         if self.cfg.window:
             # Check the budget now, before training, on the schedule the grid will use.
@@ -153,6 +158,19 @@ class ExactSnapshots:
             self.snapshot(iteration, client_state)
         else:
             self.sizer.start_probe(iteration)
+
+    def continue_grid(self, found, popularity) -> None:
+        """Every rank, in a new run of the same job after a localized recovery
+        (``--moc-restart in-job``: the failed stage replayed window ``found``, the other
+        stages took their state from their failed run): the grid of ``found`` goes on
+        with the job's expert popularity (the same on every rank), and :meth:`start`
+        takes the recovered iteration's frame again (a rank that died may not have
+        written it) instead of dropping the frames."""
+        self.schedule = win.Schedule(found.window, tuple(tuple(g) for g in found.groups))
+        self.base = found.start
+        self._order = [name for group in self.schedule.groups for name in group]
+        self.index.popularity = dict(popularity)
+        self._continued = True
 
     def after_step(self, iteration: int) -> None:
         """After step ``iteration - 1`` (so ``iteration`` steps are done), every rank.

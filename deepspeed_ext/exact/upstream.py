@@ -206,6 +206,17 @@ class UpstreamLog:
         self.entries.clear()
         self.bytes = 0
 
+    def adopt(self, entries: Dict[LogKey, Tuple[torch.Tensor, ...]], retain_iterations: int) -> None:
+        """Take a failed run's entries (host copies) as this log's, in the same process
+        (``--moc-restart in-job``: the engine is new, the steps it sent are not), with
+        their retention (0: this log's)."""
+        self.clear()
+        if retain_iterations:
+            self.retain_iterations = retain_iterations
+        self.entries.update(entries)
+        self.bytes = sum(_nbytes(v) for v in entries.values())
+        self.peak_bytes = max(self.peak_bytes, self.bytes)
+
     def free_before(self, iteration: int) -> None:
         """Drop every step before ``iteration``."""
         for key in [k for k in self.entries if k.iteration < iteration]:

@@ -35,7 +35,7 @@ still names the previous one, and retention deletes the leftovers later.
 
 import logging
 import os
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from deepspeed_ext.format import fs
 from deepspeed_ext.format.assemble import RankReport, assemble_manifest
@@ -103,7 +103,8 @@ def _read_report(path: str, rank: int) -> Optional[Dict[str, Any]]:
 
 
 def wait_for_reports(tag_dir: str, world_size: int, timeout_s: float,
-                     poll_s: float = 0.01, claim: Optional[str] = None) -> List[Dict[str, Any]]:
+                     poll_s: float = 0.01, claim: Optional[str] = None,
+                     given_up: Optional[Callable[[], bool]] = None) -> List[Dict[str, Any]]:
     """The committer: every rank's report payload, in rank order.
 
     Polls the directory (no collective) until every rank's report exists, backing off
@@ -114,15 +115,21 @@ def wait_for_reports(tag_dir: str, world_size: int, timeout_s: float,
     Args:
         claim: the committer's claim (rank 0's, from the save's prepare), checked every
             round and required in every report (None: no check).
+        given_up: polled after each incomplete round; True: the save's run was abandoned
+            (an in-job restart), and a dead rank's report will not come.
 
     Raises:
         Superseded: ``tag_dir`` lost ``claim`` (checked before the reports are read), or
             was marked failed (:class:`MarkedFailed`).
         CommitError: a rank reported an error (its message is included), or some
             reports were still missing after ``timeout_s`` (the ranks are named: their
-            storage is slow or the process died).
+            storage is slow or the process died) or when ``given_up``.
     """
     reports: Dict[int, Dict[str, Any]] = {}
+
+    def missing_text() -> str:
+        missing = [r for r in range(world_size) if r not in reports]
+        return ", ".join(map(str, missing[:16])) + (" ..." if len(missing) > 16 else "")
 
     def attempt() -> Optional[List[Dict[str, Any]]]:
         check_claim(tag_dir, claim)
@@ -140,12 +147,15 @@ def wait_for_reports(tag_dir: str, world_size: int, timeout_s: float,
             reports[rank] = report
         if len(reports) == world_size:
             return [reports[r]["payload"] for r in range(world_size)]
+        if given_up is not None and given_up():
+            # The committer's thread holds the run's engine: waiting out the timeout kept
+            # the failed run's process groups, and a peer blocked in one, alive.
+            raise CommitError(f"no report from rank(s) {missing_text()}, and the run was "
+                              f"abandoned; {tag_dir} is not committed")
         return None
 
     def timed_out() -> List[Dict[str, Any]]:
-        missing = [r for r in range(world_size) if r not in reports]
-        shown = ", ".join(map(str, missing[:16])) + (" ..." if len(missing) > 16 else "")
-        raise CommitError(f"no report from rank(s) {shown} within {timeout_s:.0f} s "
+        raise CommitError(f"no report from rank(s) {missing_text()} within {timeout_s:.0f} s "
                           f"(slow storage or a dead process; --moc-commit-timeout); "
                           f"{tag_dir} is not committed")
 

@@ -84,6 +84,31 @@ def release_engine(engine) -> None:
         except Exception as e:  # noqa: BLE001  (a half-built engine: nothing more to free)
             print_rank_0(f"> releasing the engine: {type(e).__name__}: {e}")
     unlink_parameter_groups(getattr(engine, "module", None))
+    drop_pipeline_buffers(engine)
+
+
+def drop_pipeline_buffers(engine) -> int:
+    """A pipeline engine's activations in flight, let go of (no collective); returns how
+    many buffers were dropped. DeepSpeed hooks each output's backward with a closure that
+    holds the engine; the output, kept in ``engine.pipe_buffers`` until its gradient comes
+    back, sits in autograd's graph, so the cycle is one the collector cannot see. A stage
+    whose run failed between a forward and its backward (stage 0 when stage 1 died) kept
+    its engine, and every group of the run, alive: its peer in stage 1 waited out the
+    group's timeout in the next round's set-up."""
+    buffers = getattr(engine, "pipe_buffers", None)
+    if not isinstance(buffers, dict):
+        return 0
+    dropped = 0
+    for values in buffers.values():
+        for i, value in enumerate(values):
+            for tensor in (value if isinstance(value, (tuple, list)) else (value,)):
+                hooks = getattr(tensor, "_backward_hooks", None) if torch.is_tensor(tensor) else None
+                if hooks:
+                    hooks.clear()
+            if value is not None:
+                values[i] = None
+                dropped += 1
+    return dropped
 
 
 PARAMETER_LINKS = ("_dp_group", "_hp_mapping")

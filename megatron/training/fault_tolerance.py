@@ -30,7 +30,9 @@ from typing import Dict, Optional, Tuple
 import torch.distributed as dist
 
 from megatron.errors import ConfigError
-from megatron.training import checkpointing
+from deepspeed_ext.engine.rng import get_rng_state
+from deepspeed_ext.exact.survivor import mark as survivor_mark
+from megatron.training import checkpointing, local_restart
 from megatron.training.arguments import moc_config_from_args
 from megatron.training.loaders import build_loaders
 from megatron.training.log import print_rank_0
@@ -79,7 +81,17 @@ def _size_upstream_log(engine, args, exact) -> None:
     engine.moc_upstream_window = schedule.window
 
 
-def _stage_loss(args, engine, exact, scheduler, datasets):
+def _batches_from(args, datasets):
+    """``consumed samples -> iterator`` of the training batches from there (a stage that
+    replays reads its steps' data from it)."""
+    def batches_from(consumed: int):
+        resume = checkpointing.ResumeState(iteration=consumed // args.global_batch_size,
+                                           consumed_train_samples=consumed)
+        return build_loaders(args, datasets, resume)[0]
+    return batches_from
+
+
+def _stage_loss(args, engine, exact, scheduler, batches_from):
     """Every rank: the ``lose-stage`` faults' in-process recovery
     (:mod:`megatron.training.stage_loss`), or None."""
     from megatron.training.faults import faults_from_args
@@ -88,12 +100,6 @@ def _stage_loss(args, engine, exact, scheduler, datasets):
         return None
     from megatron.training.stage_loss import StageLoss
     stage_size = dist.get_world_size() // args.pipeline_model_parallel_size
-
-    def batches_from(consumed: int):
-        resume = checkpointing.ResumeState(iteration=consumed // args.global_batch_size,
-                                           consumed_train_samples=consumed)
-        return build_loaders(args, datasets, resume)[0]
-
     return StageLoss(engine, exact, specs, lambda rank: rank // stage_size, batches_from,
                      scheduler, args, print_rank_0)
 
@@ -184,12 +190,16 @@ class FaultTolerance:
     docstring for the order). One per run; every rank makes one."""
 
     def __init__(self, args: argparse.Namespace, engine, scheduler, injector=None,
-                 exact=None, stage_loss=None):
+                 exact=None, stage_loss=None, batches_from=None):
         self.args, self.engine, self.scheduler = args, engine, scheduler
         self.injector, self.exact, self.stage_loss = injector, exact, stage_loss
         self.watch: Optional[LoopWatch] = None
         self.progress = None
         self.loop_time: Optional[LoopTime] = None
+        # --moc-restart in-job under a pipeline: what a survivor keeps for a localized
+        # recovery (megatron/training/local_restart.py); None when it does not apply
+        self.batches_from = batches_from if exact is not None and local_restart.applies(args) else None
+        self.last_mark: Optional[local_restart.LoopMark] = None
 
     @classmethod
     def setup(cls, args: argparse.Namespace, engine, scheduler, datasets) -> "FaultTolerance":
@@ -200,8 +210,9 @@ class FaultTolerance:
         if args.moc_checkpoint:
             _enable_moc(args, engine, injector)
         exact = _exact_snapshots(args, engine)
+        batches_from = _batches_from(args, datasets)
         return cls(args, engine, scheduler, injector, exact,
-                   _stage_loss(args, engine, exact, scheduler, datasets))
+                   _stage_loss(args, engine, exact, scheduler, batches_from), batches_from)
 
     @property
     def moc(self):
@@ -214,9 +225,19 @@ class FaultTolerance:
         checkpoint may be saved."""
         return self.exact is not None and self.exact.replaying
 
+    def resume_in_job(self) -> Optional[checkpointing.ResumeState]:
+        """Every rank, before the checkpoint load: under an in-job restart of a pipeline,
+        the localized recovery (only the failed rank's stage replays); None: load as
+        before (:func:`megatron.training.local_restart.resume_localized`)."""
+        if self.batches_from is None:
+            return None
+        return local_restart.resume_localized(self.args, self.engine, self.scheduler,
+                                              self.exact, self.batches_from)
+
     def after_load(self) -> None:
         """Every rank, after the checkpoint load."""
-        if self.replaying and getattr(self.engine, "moc_upstream", None):
+        if self.replaying and getattr(self.engine, "moc_upstream", None) \
+                and self.batches_from is None:  # in-job: resume_in_job said why
             print_rank_0("[moc] upstream logs: none survived the restart (they live in the "
                          "training processes, which it replaced): every stage replays the "
                          "window (global exact replay)")
@@ -287,6 +308,11 @@ class FaultTolerance:
         if self.exact is not None:
             self._exact_call(lambda: self.exact.snapshot(
                 state.iteration, _exact_client_state(state, self.scheduler)))
+        if self.batches_from is not None and not self.replaying:
+            # a global replay's frozen groups are not the original's until it ends
+            self.last_mark = local_restart.LoopMark(
+                survivor_mark(self.engine), state.iteration, state.consumed_train_samples,
+                self.scheduler.state_dict(), get_rng_state(), dict(self.exact.popularity))
 
     def touch(self) -> None:
         """Progress inside an iteration (evaluation steps, a save): not a hang."""
@@ -326,5 +352,10 @@ class FaultTolerance:
         may be gone)."""
         if self.watch is not None:
             self.watch.stop()
+        if self.batches_from is not None:
+            why = local_restart.keep(self.engine, self.exact, self.last_mark)
+            if why:
+                print(f"[moc] rank {dist.get_rank()}: keeps no state for a localized recovery "
+                      f"({why})", flush=True)
         if self.moc is not None and getattr(self.args, "moc_restart", "relaunch") == "in-job":
             self.moc.abandon()

@@ -178,6 +178,12 @@ def close_process_groups() -> None:
     core = sys.modules.get("megatron.core.parallel_state")
     if core is not None and core.model_parallel_is_initialized():
         core.destroy_model_parallel()
+    p2p = sys.modules.get("deepspeed.runtime.pipe.p2p")
+    if p2p is not None:
+        # The pipeline's send/recv groups and grid live in module globals: kept, they held
+        # a failed run's connections open, and a stage-0 survivor waited in its recv from
+        # stage 1 (which had left the round) for the whole group timeout.
+        p2p._groups, p2p._grid, p2p._async = None, None, []
     from deepspeed.comm import comm as ds_comm  # the module: the package's cdb is a copy
     if ds_comm.cdb is not None:
         ds_comm.destroy_process_group()

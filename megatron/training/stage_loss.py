@@ -26,8 +26,8 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext.engine.rng import get_rng_state, set_rng_state
 from megatron.errors import ConfigError
+from megatron.training.stage_replay import StageReplayer
 
 KIND = "lose-stage"
 
@@ -82,8 +82,8 @@ class StageLoss:
     def __init__(self, engine, exact, specs, stage_of: Callable[[int], int],
                  batches_from: Callable[[int], object], scheduler, args: argparse.Namespace,
                  log: Callable[[str], None]):
-        self.engine, self.exact, self.scheduler, self.args = engine, exact, scheduler, args
-        self.batches_from, self.log = batches_from, log
+        self.engine, self.exact, self.args, self.log = engine, exact, args, log
+        self.replayer = StageReplayer(engine, exact, batches_from, scheduler, args)
         self.pending = sorted({(s.iteration, stage_of(s.rank)) for s in specs if s.kind == KIND})
         self.recoveries: List[Recovered] = []
 
@@ -140,96 +140,17 @@ class StageLoss:
                 log.clear()
 
     def _recover(self, iteration: int, failed: List[int], began: float) -> Recovered:
-        from deepspeed_ext.exact.local_replay import (StageReplay, gather_replay_inputs,
-                                                      newest_window)
+        from deepspeed_ext.exact.local_replay import newest_window
         from deepspeed_ext.runtime.groups import metadata_group
         found = newest_window(self.exact)
         if found is None:
             raise RuntimeError(f"stage(s) {failed} lost their state at iteration {iteration} "
                                "and no complete window of exact-mode frames exists yet")
         steps = list(range(found.start + 1, iteration))
-        engine, upstream = self.engine, getattr(self.engine, "moc_upstream", None)
-        why = ""
-        if upstream is None:
-            why = "no upstream logs: --moc-upstream-logging is off"
-        elif len(failed) > 1:
-            why = f"stages {failed} failed together: a stage's neighbour has no log to give"
-        inputs = None
-        if not why:
-            try:
-                inputs = gather_replay_inputs(engine, failed[0], steps, upstream, engine.moc_cross)
-            except KeyError as e:
-                why = f"a neighbour's upstream log is incomplete ({e.args[0]})"
-            every: List = [None] * dist.get_world_size()
-            dist.all_gather_object(every, why, group=metadata_group())
-            why = next((w for w in every if w), "")  # one decision for every rank
-        replaying = bool(why) or engine.stage_id in failed
-        frames = self._load_agreed(found, replaying)
+        inputs, why = self.replayer.inputs(failed, steps)
+        replaying = bool(why) or self.engine.stage_id in failed
+        frames = self.replayer.load_agreed(found, replaying)
         if replaying:
-            replay, objects = self._restore(found, frames)
-            consumed = int(objects["client_state"]["consumed_train_samples"])
-            rng = get_rng_state()
-            data = self.batches_from(consumed)
-            # after the loader: building one draws from the global generator (measured:
-            # with dropout the replayed steps' masks differed)
-            set_rng_state(rng)
-            stage_replay = None if why else StageReplay(engine, upstream, engine.moc_cross, inputs)
-            for step in steps:
-                if stage_replay is not None:
-                    stage_replay.step(data)
-                else:
-                    engine.train_batch(data)
-                self._after_replayed_step(step, replay)
-            self._drop_replayed_outputs()
+            self.replayer.replay(found, frames, steps, None if why else inputs)
         dist.barrier(group=metadata_group())  # the other stages wait here
         return Recovered(iteration, failed, not why, found.start, time.perf_counter() - began, why)
-
-    def _load_agreed(self, found, replaying: bool):
-        """Every rank: the replaying ranks load and check their frames of ``found`` (no
-        collectives), and every rank learns whether all could before anything collective:
-        a rank failing alone would leave the others waiting in ZeRO's all-gather or the
-        barrier. Returns this rank's frames (None when it does not replay).
-
-        Raises:
-            RuntimeError: on every rank, naming each rank's problem.
-        """
-        from deepspeed_ext.exact.local_replay import load_window
-        from deepspeed_ext.runtime.groups import metadata_group
-        frames, error = None, None
-        if replaying:
-            try:
-                frames = load_window(self.exact, found)
-            except Exception as e:  # reported on every rank below
-                error = f"rank {dist.get_rank()}: {type(e).__name__}: {e}"
-        every: List = [None] * dist.get_world_size()
-        dist.all_gather_object(every, error, group=metadata_group())
-        errors = [e for e in every if e]
-        if errors:
-            raise RuntimeError(f"in-place recovery cannot restore the window of frames at "
-                               f"{found.start}: {'; '.join(errors)}")
-        return frames
-
-    def _restore(self, found, frames):
-        """The window's first frame into this rank's engine, and the trainer's scheduler
-        to that frame's step."""
-        replay, objects = self.exact.recovery.start_replay(found, frames)
-        # megatron.core's scheduler loads by stepping from where it is: from 0 here, or it
-        # would land at the loss's step plus the frame's
-        self.scheduler.num_steps = 0
-        self.scheduler.load_state_dict(objects["client_state"]["opt_param_scheduler"])
-        set_rng_state(objects["rng"])  # dropout and gate noise draw as the first time
-        return replay, objects
-
-    def _after_replayed_step(self, step: int, replay) -> None:
-        """As the loop does after a step: the scheduler's next rate; the window's frame."""
-        args = self.args
-        self.scheduler.step(1, token_num=step * args.global_batch_size * args.seq_length)
-        if step < replay.end:
-            replay.apply(step, self.exact.index, self.engine)
-
-    def _drop_replayed_outputs(self) -> None:
-        """The replayed steps' losses and gate counts were counted the first time."""
-        from megatron.model.gpt_moe_pipe import take_gate_counts
-        engine = self.engine
-        engine.module.loss_fn.take(engine.device)
-        take_gate_counts(engine.module, self.args.num_experts, engine.device)

@@ -162,6 +162,9 @@ def _load(args: argparse.Namespace, engine, scheduler,
     checkpointing.record_attempt(engine, args)
     if args.load:
         redirect_upstream_load(args)  # a Megatron-DeepSpeed --load: imported into --save
+        resumed = ft.resume_in_job()  # in-job, a pipeline: only the failed stage replays
+        if resumed is not None:
+            return resumed
         state = checkpointing.load_checkpoint(engine, args, scheduler, exact=ft.exact)
         ft.after_load()
     return state

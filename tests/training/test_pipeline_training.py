@@ -161,9 +161,9 @@ def test_moc_checkpoints_load_under_another_pipeline_size(runs, corpus, tmp_path
         _close(got, runs[target][0], 1e-5)
 
 
-def _elastic(tmp_path, corpus, extra):
+def _elastic(tmp_path, corpus, extra, nproc="4", restarts="2"):
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
-    cmd = ["bash", "scripts/run_elastic.sh", "4", "2", *TINY, "--pipeline-model-parallel-size",
+    cmd = ["bash", "scripts/run_elastic.sh", nproc, restarts, *TINY, "--pipeline-model-parallel-size",
            "2", "--data-path", corpus, "--save", str(ckpt), "--load", str(ckpt),
            "--metrics-file", str(metrics), "--moc-checkpoint", *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
@@ -250,21 +250,34 @@ def test_a_stage_that_loses_its_state_recovers_in_place_to_the_bit(runs, corpus,
     assert runs_out["reference"][0] != runs[2][0]  # the dropout masks count
 
 
-def test_a_stage_with_tensor_parallelism_recovers_alone_to_the_bit(runs, corpus, shm, tmp_path):
-    """PP = 2 x TP = 2: at the top of step 4 stage 1 (ranks 2 and 3, a tensor-parallel
-    pair) loses its state; both ranks restore frames 1-2 and replay steps 2-3 from stage
-    0's logs (each from its counterpart of the same tensor-parallel rank) and the
-    all-reduces over the pipeline that stage 0 kept (the gradient norm's, the tied
-    embedding's per vocabulary slice), their own all-reduces inside the pair run again.
-    Every loss and gradient norm equals the run without a failure, to the bit."""
-    results = run_ranks(4, TINY + TP_PP + [
-        "--moc-shm-dir", shm, "--data-path", corpus, "--metrics-file", str(tmp_path / "m.jsonl"),
-        "--moc-checkpoint", "--save", str(tmp_path / "ckpt"), "--save-interval", "3",
-        "--moc-pec-k", "2", "--moc-fault", "lose-stage@4:rank=3"], timeout=240)
-    assert all(r.returncode == 0 for r in results), describe(results)
-    assert "localized: stage(s) [1] replayed iterations 2..3 from their neighbours' upstream " \
-           "logs while the others waited" in results[0].output, results[0].output[-3000:]
-    assert _records(tmp_path / "m.jsonl") == runs["tp"][0]
+def test_a_crashed_stage_recovers_alone_in_job_to_the_bit(runs, corpus, tmp_path):
+    """PP = 2 x TP = 2 and one hot spare under MoC's supervisor (``--moc-restart in-job``):
+    rank 3 (stage 1, a tensor-parallel pair with rank 2) is SIGKILLed at the top of step
+    4. The spare takes rank 3. Stage 0's ranks keep their processes, the state of step 3
+    and their upstream logs; stage 1 (the spare and rank 2) restores the window of frames
+    1-2 from the node's memory and replays steps 2-3 alone, from stage 0's logs (each rank
+    from its counterpart of the same tensor-parallel rank) and the all-reduces across the
+    pipeline that stage 0 kept (the gradient norm's, the tied embedding's per vocabulary
+    slice), its own all-reduces inside the pair run again. Every loss and gradient norm
+    equals the run that never failed, to the bit. (Before the in-job teardown dropped the
+    pipeline's activations in flight, stage 0's engine outlived it, and a survivor waited
+    out the group timeout: measured, 10 minutes.)"""
+    shm = new_shm_dir()
+    try:
+        got, log, events = _elastic(tmp_path, corpus, [
+            *TP_PP, "--moc-shm-dir", shm, "--save-interval", "3", "--moc-pec-k", "2",
+            "--moc-restart", "in-job", "--moc-spares", "1", "--moc-fault", "crash@4:rank=3"],
+            nproc="5", restarts="0")
+    finally:
+        stop_keepers(shm)
+    assert "[moc] recovered in " in log and "localized in-job: stage 1 replayed iterations " \
+           "2..3 from its neighbours' upstream logs; the other stages kept their state and " \
+           "resume at iteration 4" in log, log[-3000:]
+    assert [(e["source"], e["iteration"], e["iterations_lost"]) for e in events
+            if e["kind"] == "recovery"] == [("exact replay from memory, localized to stage 1", 3, 0)]
+    rounds = sorted((e["rank"], e["role"]) for e in events if e["kind"] == "in-job-round")
+    assert rounds == [(0, "survivor"), (1, "survivor"), (2, "survivor"), (3, "spare")], rounds
+    assert got == runs["tp"][0]
 
 
 @pytest.mark.parametrize("extra, needle", [

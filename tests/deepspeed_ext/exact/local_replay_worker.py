@@ -51,16 +51,6 @@ def _wipe(engine, naming):
             p.fill_(float("nan"))
 
 
-def _restore(engine, naming, saved):
-    from deepspeed_ext.state import describe_local_state, refresh_compute_weights, set_optimizer_scalars
-    with torch.no_grad():
-        for f in describe_local_state(engine, naming):
-            f.tensor.copy_(saved["frags"][f.key])
-    set_optimizer_scalars(engine, saved["scalars"])
-    engine.global_steps, engine.global_samples, engine.skipped_steps = saved["steps"]
-    refresh_compute_weights(engine)  # the stage's data-parallel all-gather
-
-
 def _same(a, b):
     return (a["steps"] == b["steps"] and a["scalars"] == b["scalars"]
             and a["frags"].keys() == b["frags"].keys()
@@ -75,7 +65,9 @@ def main():
     from megatron.training import jit_ops
     jit_ops.disable_unused_ops()
     deepspeed.init_distributed(dist_backend="gloo")
+    from deepspeed_ext.exact import survivor
     from deepspeed_ext.exact.cross_stage import CrossStageLog
+    from deepspeed_ext.exact.operators import OperatorIndex
     from deepspeed_ext.exact.local_replay import StageReplay, gather_replay_inputs
     from deepspeed_ext.exact.upstream import UpstreamLog
     from deepspeed_ext.runtime.groups import init_metadata_group, metadata_group
@@ -95,6 +87,7 @@ def main():
                 "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
                 "zero_optimization": {"stage": 1}, "steps_per_print": 10 ** 6})
     naming = expert_naming(engine.module)
+    index = OperatorIndex(engine, naming)
     stage, dp_rank = engine.stage_id, engine.grid.get_data_parallel_id()
     upstream = UpstreamLog(engine, retain_iterations=4)
     upstream.attach()
@@ -102,13 +95,14 @@ def main():
     cross.attach()
     saved, results, losses = {}, [], []
     for failed, (start, end) in ((1, (2, 4)), (0, (4, 6))):
+        # the state of step `start`, as a survivor of an in-job restart keeps it
         if engine.global_steps == start:
-            saved[start] = _capture(engine, naming)
+            saved[start] = survivor.capture(engine, naming, survivor.mark(engine))
         while engine.global_steps < end:
             losses.append(engine.train_batch(_batches(engine.global_steps + 1, end, dp_rank)).item())
             cross.end_step()
             if engine.global_steps == start:
-                saved[start] = _capture(engine, naming)
+                saved[start] = survivor.capture(engine, naming, survivor.mark(engine))
         replayed = list(range(start + 1, end + 1))
         if stage == failed:  # the failure: this stage's state and logs are gone
             before = _capture(engine, naming)
@@ -116,14 +110,22 @@ def main():
             _wipe(engine, naming)
             upstream.clear()
             cross.clear()
+        else:  # the logs through a survivor's new engine (in-job): kept, then adopted
+            kept = survivor.capture(engine, naming, survivor.mark(engine), upstream, cross)
+            upstream.clear()
+            cross.clear()
+            survivor.adopt_logs(kept, upstream, cross)
         inputs = gather_replay_inputs(engine, failed, replayed, upstream, cross)
         if stage == failed:
-            _restore(engine, naming, saved[start])
+            misfit = survivor.misfit(engine, index, saved[start])
+            empty = survivor.misfit(engine, index, survivor.SurvivorState(start, {}, {}))
+            survivor.restore(engine, index, saved[start])  # the stage's all-gather
             replay = StageReplay(engine, upstream, cross, inputs)
             data = _batches(start + 1, end, dp_rank)
             steps = [replay.step(data) for _ in replayed]
             resent = {k: v for k, v in upstream.entries.items() if k.iteration in replayed}
-            results.append({"failed": failed, "steps": steps, "same_state": _same(before, _capture(engine, naming)),
+            results.append({"failed": failed, "steps": steps, "misfit": misfit, "misfit_empty": empty,
+                            "same_state": _same(before, _capture(engine, naming)),
                             "same_sends": sent.keys() == resent.keys() and all(
                                 all(torch.equal(a, b) for a, b in zip(sent[k], resent[k])) for k in sent),
                             "sends": len(sent), "collectives": len(inputs.collectives)})

@@ -17,7 +17,9 @@ def test_a_stage_replays_alone_to_the_bit(tmp_path):
     steps 5-6 from step 4's. Each time, on both of the failed stage's ranks: fp32
     masters, moments, compute weights and counters equal the state before the failure,
     and the activations or gradients it sends were logged again, equal; the steps after
-    train on all ranks alike."""
+    train on all ranks alike. The survivors' logs go through what an in-job restart does
+    with them (kept off the engine, adopted back), and the failed stage's earlier state
+    is restored as a survivor's kept one."""
     results = run_ranks(4, [str(tmp_path)], script="tests/deepspeed_ext/exact/local_replay_worker.py",
                         timeout=240)
     assert all(r.returncode == 0 for r in results), describe(results)
@@ -28,6 +30,10 @@ def test_a_stage_replays_alone_to_the_bit(tmp_path):
         assert result["failed"] == o["stage"]
         assert result["steps"] == ([3, 4] if o["stage"] == 1 else [5, 6])
         assert result["same_state"] and result["same_sends"], result
+        # restored as a survivor's kept state is (deepspeed_ext.exact.survivor), after
+        # checking that the engine takes it; a state lacking its fragments is refused
+        assert result["misfit"] is None
+        assert result["misfit_empty"].startswith("the carried state lacks "), result
         assert result["sends"] == 2 * 4  # 2 steps of 4 micro-batches
         # the tied gradient's and the norm's all-reduces, both over this rank's pair of
         # stages, in the two steps

@@ -44,6 +44,21 @@ def test_missing_reports_time_out_naming_the_ranks(tmp_path):
         wait_for_reports(str(tmp_path), 3, timeout_s=0.3)
 
 
+def test_an_abandoned_run_stops_the_wait_for_a_dead_ranks_report(tmp_path):
+    """In-job restart: the save's run failed, rank 2 is dead; the committer stops at its
+    next poll (its thread held the failed run's engine, and its groups, while it waited),
+    and a complete set of reports still commits however abandoned."""
+    write_report(str(tmp_path), 0, {})
+    write_report(str(tmp_path), 1, {})
+    abandoned = threading.Event()
+    threading.Timer(0.2, abandoned.set).start()
+    start = time.monotonic()
+    with pytest.raises(CommitError, match=r"rank\(s\) 2, and the run was abandoned"):
+        wait_for_reports(str(tmp_path), 3, timeout_s=60, given_up=abandoned.is_set)
+    assert time.monotonic() - start < 10
+    assert wait_for_reports(str(tmp_path), 2, timeout_s=60, given_up=lambda: True) == [{}, {}]
+
+
 def test_report_of_another_rank_or_garbage_is_refused(tmp_path):
     write_report(str(tmp_path), 0, {})
     (tmp_path / report_name(0)).replace(tmp_path / report_name(1))
