@@ -105,6 +105,12 @@ RUN_BY = {
         "not run: one node of it is the two-node test's supervisor with --nnodes 1 "
         "(tests/deepspeed_ext/supervisor/test_supervisor.py); benchmarks/restart_bench.py "
         "runs it with 4 ranks",
+    "bash scripts/run_elastic.sh 5 0 --config configs/tiny.yaml --data-path DATA --save ckpt "
+    "--load ckpt --moc-checkpoint --pipeline-model-parallel-size 2 --zero-stage 1 "
+    "--expert-interval 1 --moc-mode exact --moc-window 2 --moc-upstream-logging --moc-restart "
+    "in-job --moc-spares 1":
+        "tests/training/test_pipeline_training.py::"
+        "test_a_crashed_stage_recovers_alone_in_job_to_the_bit",
     "NNODES=2 NODE_RANK=I RDZV_ENDPOINT=NODE0:29500 bash scripts/run_elastic.sh 2 0 --config "
     "configs/tiny.yaml --data-path DATA --save ckpt --load ckpt --moc-checkpoint --moc-two-level "
     "--moc-snapshot-interval 1 --moc-restart in-job --moc-spares 1":
