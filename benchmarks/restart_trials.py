@@ -5,13 +5,15 @@ that the job still finishes with every loss of the fault-free run, in place or t
 the relaunch it falls back to.
 
     python benchmarks/restart_trials.py [--trials 20] [--seed 1] [--ranks 2|4]
-        [--iters 12] [--refill] [--out-dir DIR]
+        [--iters 12] [--refill] [--pipeline] [--out-dir DIR]
 
 Every job runs ``pretrain_gpt_moe.py`` under ``scripts/run_elastic.sh NPROC 1`` with
 ``--moc-restart in-job --moc-spares 1`` (NPROC = ranks + 1: one hot spare; MAX_RESTARTS
 1: a relaunch when the supervisor gives up), ``configs/tiny.yaml``, EP 2, a two-level
-snapshot every iteration, on the quickstart's corpus. A fault-free job first gives the
-reference losses. Each trial draws, from ``random.Random(seed * 1000 + trial)``:
+snapshot every iteration (``--pipeline``: two pipeline stages in exact mode with upstream
+logs, where a crash replays only its stage when it can), on the quickstart's corpus. A
+fault-free job first gives the reference losses. Each trial draws, from
+``random.Random(seed * 1000 + trial)``:
 
 - ``rank`` (8 in 20): a random training rank is SIGKILLed a random 0-150 ms after a
   random iteration's log line (iterations 2 to ``--iters`` - 2): the spare takes it;
@@ -74,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--refill", action="store_true",
                    help="Every job with --moc-refill-spares: a dead process's slot gets a new "
                         "spare, so a second kill is recovered in place too.")
+    p.add_argument("--pipeline", action="store_true",
+                   help="Two pipeline stages (--ranks 4: 2 ranks each) in exact mode with "
+                        "upstream logs instead of two-level snapshots: a crash replays only "
+                        "its stage when it can (the table counts those as localized).")
     p.add_argument("--out-dir", metavar="DIR",
                    help=f"Where every job's log, metrics and {RESULTS} go, kept (default: a "
                         "temporary directory, deleted at the end).")
@@ -145,11 +151,19 @@ class Killer:
         threading.Timer(delay, kill).start()
 
 
+PIPELINE = ("--pipeline-model-parallel-size", "2", "--zero-stage", "1", "--expert-interval", "1",
+            "--moc-mode", "exact", "--moc-window", "2", "--moc-upstream-logging")
+"""``--pipeline``'s job: two stages, every layer MoE (a stage needs one), frames every
+iteration in windows of 2, upstream logs."""
+LOCALIZED = re.compile(r"\[moc\] recovered in .* localized in-job: stage")
+
+
 def job_command(opts, data: str, job_dir: str, shm: str) -> list:
     refill = ["--moc-refill-spares"] if opts.refill else []
     return elastic_job_command(opts.ranks + 1, 1, data, opts.iters, job_dir, shm, [
         "--moc-restart", "in-job", "--moc-spares", "1", *refill,
-        "--moc-monitor", "--moc-hang-timeout", "2", "--moc-monitor-poll", "0.25"])
+        "--moc-monitor", "--moc-hang-timeout", "2", "--moc-monitor-poll", "0.25",
+        *(PIPELINE if opts.pipeline else ())], two_level=not opts.pipeline)
 
 
 def run_trial(opts, data: str, out: str, name: str, fault) -> dict:
@@ -166,6 +180,7 @@ def run_trial(opts, data: str, out: str, name: str, fault) -> dict:
             "wall_s": round(run.wall_s, 2), "killed": killer.killed if killer else [],
             "rounds": sum(bool(ANY_ROUND.search(t)) for t in texts),
             "relaunched": sum(bool(STARTED.search(t)) for t in texts) > 1,
+            "localized": sum(bool(LOCALIZED.search(t)) for t in texts),
             "losses": final_losses(job_dir), "leftover": run.leftover}
 
 
@@ -173,14 +188,18 @@ def judge(row: dict, reference: dict) -> dict:
     row["equal"] = row["rc"] == 0 and row["losses"] == reference and bool(reference)
     row["outcome"] = ("FAILED" if not row["equal"] else "relaunched" if row["relaunched"]
                       else "in place" if row["rounds"] else "no fault landed")
+    if row["equal"] and row.get("localized"):
+        row["outcome"] += ", localized"
     return row
 
 
 def print_report(opts, command: str, reference: dict, rows: list) -> None:
     launch.print_header("Seeded kills of an in-job restart job", command)
+    mode = ("2 pipeline stages, exact mode (W = 2) with upstream logs" if opts.pipeline
+            else "a two-level snapshot every iteration")
     print(f"jobs: configs/tiny.yaml, {opts.ranks} training ranks (EP 2) + 1 spare"
           f"{' (refilled after each death: --moc-refill-spares)' if opts.refill else ''}, "
-          f"{opts.iters} iterations, a two-level snapshot every iteration, --moc-monitor "
+          f"{opts.iters} iterations, {mode}, --moc-monitor "
           f"--moc-hang-timeout 2, run_elastic.sh MAX_RESTARTS 1; reference: {reference['wall_s']} s, "
           f"{len(reference['losses'])} iterations")
     table = [["trial", "fault", "after it.", "killed (slot)", "rounds", "outcome", "wall s",
@@ -196,14 +215,17 @@ def print_report(opts, command: str, reference: dict, rows: list) -> None:
     print_aligned(table)
     passed = sum(row["equal"] for row in rows)
     print(f"\n{passed} of {len(rows)} trials finished with every loss equal to the "
-          f"fault-free run's (in place: {sum(r['outcome'] == 'in place' for r in rows)}, "
-          f"relaunched: {sum(r['outcome'] == 'relaunched' for r in rows)})")
+          f"fault-free run's (in place: {sum(r['outcome'].startswith('in place') for r in rows)}"
+          f"{', of them localized: ' + str(sum(r['outcome'].endswith('localized') for r in rows)) if opts.pipeline else ''}, "
+          f"relaunched: {sum(r['outcome'].startswith('relaunched') for r in rows)})")
 
 
 def main() -> int:
     opts = build_parser().parse_args()
     bad = "--trials must be at least 1 and --iters at least 4" \
         if opts.trials < 1 or opts.iters < 4 else None
+    if opts.pipeline and opts.ranks != 4:
+        bad = "--pipeline needs --ranks 4 (2 ranks per stage: expert parallelism 2 in each)"
     setup = launch.job_run_setup(opts, "moc-restart-trials-", bad)
     if setup is None:
         return 2

@@ -26,10 +26,11 @@ NEVER = 10 ** 6
 
 
 def elastic_job_command(nproc: int, restarts: int, data: str, iters: int, job_dir: str,
-                        shm: str, extra=()) -> list:
+                        shm: str, extra=(), two_level: bool = True) -> list:
     """``scripts/run_elastic.sh``'s command line for the restart benchmarks' small job:
     ``configs/tiny.yaml`` on ``data`` for ``iters`` iterations, a two-level snapshot every
-    iteration into ``shm``, no evaluation or periodic save, ``--save`` = ``--load`` and
+    iteration into ``shm`` (``two_level`` False: only the memory directory; ``extra``
+    then names the mode), no evaluation or periodic save, ``--save`` = ``--load`` and
     the metrics file in ``job_dir``; ``extra`` flags last."""
     ckpt = os.path.join(job_dir, "ckpt")
     return ["bash", "scripts/run_elastic.sh", str(nproc), str(restarts),
@@ -38,5 +39,6 @@ def elastic_job_command(nproc: int, restarts: int, data: str, iters: int, job_di
             "--eval-interval", str(NEVER), "--eval-iters", "1", "--log-interval", "1",
             "--save", ckpt, "--load", ckpt, "--save-interval", str(NEVER),
             "--metrics-file", os.path.join(job_dir, "metrics.jsonl"),
-            "--moc-checkpoint", "--moc-two-level", "--moc-snapshot-interval", "1",
+            "--moc-checkpoint",
+            *(("--moc-two-level", "--moc-snapshot-interval", "1") if two_level else ()),
             "--moc-shm-dir", shm, *extra]

@@ -169,7 +169,9 @@ def test_a_start_up_phase_that_never_ends_is_reported_by_name(corpus, tmp_path):
     assert "HANG in start-up: phase 'process group'" in rank0.output, describe(results)
     (event,) = [json.loads(line) for line in open(events)]
     assert event["kind"] == "hang" and event["phase"] == "process group"
-    assert event["rank"] == 0 and event["seconds_since_progress"] > 3
+    # past the timeout when it fired; recorded to the millisecond, so 3.0002 s reads 3.0
+    # (seen once in CI)
+    assert event["rank"] == 0 and event["seconds_since_progress"] >= 3
 
 
 class _Clock:
