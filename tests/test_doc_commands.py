@@ -139,6 +139,7 @@ RUN_BY = {
     "python benchmarks/restart_trials.py --trials 20 --seed 7 --ranks 4": BENCHMARK,
     "python benchmarks/restart_trials.py --trials 20 --seed 5 --ranks 4 --refill": BENCHMARK,
     "python benchmarks/restart_trials.py --trials 16 --seed 5 --ranks 4 --refill": BENCHMARK,
+    "python benchmarks/restart_trials.py --trials 20 --seed 1 --ranks 4 --pipeline": BENCHMARK,
     "python experiments/accuracy.py --out runs/accuracy":
         "not run: the accuracy experiment (thousands of iterations); tests/test_readme.py "
         "parses its flags",
