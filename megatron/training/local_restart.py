@@ -17,7 +17,9 @@ run (every rank, in its load phase) calls :func:`resume_localized`:
    their logs into the new engine's and hand F's ranks those of steps ``s+1 .. R``;
 3. F's ranks (the spare and F's survivors) restore the window from the node's memory
    and replay ``s+1 .. R`` alone (:class:`~megatron.training.stage_replay.StageReplayer`),
-   while the other stages restore their kept state into their new engines;
+   then take their random generators' state at R (a survivor its kept one, the spare
+   the failed rank's frame R: the replay does not draw what evaluations drew), while
+   the other stages restore their kept state into their new engines;
 4. training resumes at R + 1 on every rank, and the exact-mode window grid goes on.
 
 When any step says no (the reason is logged once), every rank returns None and loads
@@ -33,7 +35,6 @@ from typing import Dict, List, Optional, Tuple
 
 import torch.distributed as dist
 
-from deepspeed_ext.engine.rng import get_rng_state
 from deepspeed_ext.exact import survivor
 from megatron.training.log import print_rank_0
 
@@ -182,8 +183,12 @@ def _agree(args, engine, scheduler, exact, batches_from, kept):
     steps = list(range(found.start + 1, decided.iteration + 1))
     inputs, why = replayer.inputs([decided.failed_stage], steps)
     replaying = engine.stage_id == decided.failed_stage
+    end_rng = None
     if not why:
-        misfit = None if replaying else survivor.misfit(engine, exact.index, kept.state)
+        if replaying:
+            end_rng, misfit = generators_after(exact, decided.iteration, kept)
+        else:
+            misfit = survivor.misfit(engine, exact.index, kept.state)
         why = next((f"rank {r}: {m}" for r, m in enumerate(_gather(misfit)) if m), "")
     if why:
         return replace(decided, why=why), None, None, None
@@ -191,7 +196,26 @@ def _agree(args, engine, scheduler, exact, batches_from, kept):
         frames = replayer.load_agreed(found, replaying, what="the localized in-job recovery")
     except RuntimeError as e:  # raised on every rank alike
         return replace(decided, why=str(e)), None, None, None
-    return decided, found, inputs, frames
+    return decided, found, inputs, (frames, end_rng)
+
+
+def generators_after(exact, iteration: int, kept) -> Tuple[Optional[Dict], Optional[str]]:
+    """A replaying rank, alone: its random generators' state at the end of ``iteration``
+    (its kept state's, or its frame of that iteration's: a spare reads the failed rank's),
+    or why it is unknown. The replay draws what the steps drew, but not what the
+    evaluations between them did (top-2 gating samples its second expert in evaluation
+    too): continued from the replay's, the next steps' dropout masks and gate noise
+    differed from the uninterrupted run's (measured)."""
+    from deepspeed_ext.exact.replay import load_frame
+    if kept is not None:
+        return kept.mark.rng, None
+    held = exact.recovery.available_frames(exact.save_dir)
+    if iteration not in held:
+        return None, f"holds no frame {iteration}, which has its generators' state then"
+    try:
+        return load_frame(held[iteration][1], iteration, exact.rank)[1]["rng"], None
+    except Exception as e:  # noqa: BLE001  (a damaged frame: the recovery is global)
+        return None, f"its frame {iteration} cannot be read ({type(e).__name__}: {e})"
 
 
 def _recover(args, engine, scheduler, exact, batches_from, kept, decided, found, inputs,
@@ -205,10 +229,11 @@ def _recover(args, engine, scheduler, exact, batches_from, kept, decided, found,
     failed, it = decided.failed_stage, decided.iteration
     popularity = [kept.mark.popularity if kept is not None else None]
     dist.broadcast_object_list(popularity, src=decided.popularity_from, group=metadata_group())
+    frames, end_rng = frames
     if engine.stage_id == failed:
         StageReplayer(engine, exact, batches_from, scheduler, args).replay(
             found, frames, list(range(found.start + 1, it + 1)), inputs)
-        rng = get_rng_state()
+        rng = end_rng
     else:
         survivor.restore(engine, exact.index, kept.state)
         scheduler.num_steps = 0  # megatron.core's scheduler loads by stepping from where it is

@@ -57,3 +57,32 @@ def test_a_survivor_whose_update_ran_after_the_mark_keeps_nothing():
     assert local_restart.take() is None
     assert local_restart.keep(engine, None, None) == "no iteration finished in the failed run"
     assert local_restart.take() is None
+
+
+class _Recovery:
+    def __init__(self, held):
+        self.held = held
+
+    def available_frames(self, save_dir):
+        return self.held
+
+
+class _Exact:
+    save_dir, rank = "unused", 3
+
+    def __init__(self, held):
+        self.recovery = _Recovery(held)
+
+
+def test_a_replaying_rank_needs_its_generators_state_at_the_recovered_iteration():
+    """A replay draws what its steps drew, not what the evaluations between them did: a
+    survivor of the failed stage takes its kept generators, a spare the failed rank's
+    frame R; without that frame the recovery is global."""
+    from megatron.training.local_restart import Kept, LoopMark, generators_after
+    kept = Kept(survivor.SurvivorState(4, {}, {}),
+                LoopMark(survivor.StepMark(4, ()), 4, 32, {}, {"cpu": "kept"}))
+    assert generators_after(_Exact({}), 4, kept) == ({"cpu": "kept"}, None)
+    rng, why = generators_after(_Exact({3: ({}, "root")}), 4, None)
+    assert rng is None and why == "holds no frame 4, which has its generators' state then"
+    rng, why = generators_after(_Exact({4: ({}, "/nonexistent")}), 4, None)
+    assert rng is None and why.startswith("its frame 4 cannot be read")

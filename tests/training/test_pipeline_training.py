@@ -211,10 +211,13 @@ def test_a_stage_that_loses_its_state_recovers_in_place_to_the_bit(runs, corpus,
     window of frames 3-4 and replays steps 4-5 through the pipeline, and the log says why.
     Every loss and gradient norm equals the run without a failure, to the bit. With
     dropout: the replay draws its masks from the frame's generator state (building the
-    replay's data loader draws too: restored after it; measured, the masks differed)."""
+    replay's data loader draws too: restored after it; measured, the masks differed). With
+    top-2 gating: its second expert is sampled in evaluation too, and the evaluation at 3
+    is not replayed: the generators are set back after the replay (measured: steps 4-6
+    differed)."""
     shm = new_shm_dir()
     flags = TINY + ["--data-path", corpus, "--pipeline-model-parallel-size", "2",
-                    "--hidden-dropout", "0.1", "--moc-checkpoint", "--save-interval", "100",
+                    "--hidden-dropout", "0.1", "--topk", "2", "--moc-checkpoint", "--save-interval", "100",
                     "--moc-mode", "exact", "--moc-window", "2", "--moc-shm-dir", shm,
                     "--moc-upstream-logging"]
     try:
