@@ -18,7 +18,11 @@
 # with NNODES, RDZV_ENDPOINT=node0:port and NODE_RANK=0..NNODES-1 (node 0's supervisor
 # serves the store at RDZV_ENDPOINT, on its port plus the relaunch attempt); SPARE_NODES=K
 # makes the last K nodes spare nodes, one of which takes the ranks of a node whose
-# supervisor node 0's has not heard from for NODE_TIMEOUT seconds (5).
+# supervisor node 0's has not heard from for NODE_TIMEOUT seconds (5). Node 0 serves the
+# store, so losing it relaunches the job; to survive that too, run the same command once
+# more on a host that does not train with COORDINATOR=serve (no NODE_RANK: it serves the
+# store at RDZV_ENDPOINT, starts no process and watches every node) and every node's with
+# COORDINATOR=join.
 set -euo pipefail
 if [ $# -lt 2 ]; then
     sed -n '2,10p' "$0" >&2
@@ -45,11 +49,22 @@ in_job_flags "$NPROC" NPROC_PER_NODE "$@"
 if [ "$RESTART" = in-job ]; then
     spares="$SPARES"
     NODES=(); port="${MASTER_PORT:-0}"
+    case "${COORDINATOR:-}" in
+        "") COORD=() ;;
+        serve) COORD=(--coordinator); NODE_RANK="${NODE_RANK:-0}" ;;
+        join) COORD=(--store-elsewhere) ;;
+        *) echo "error: COORDINATOR must be serve (this host serves the store and watches" \
+                "every node) or join (a coordinator serves it), got '$COORDINATOR'" >&2; exit 2 ;;
+    esac
     if [ -n "${NNODES:-}" ] && [ "${NNODES}" != 1 ]; then
         : "${NODE_RANK:?set NODE_RANK=0..NNODES-1 (the index of this node; node 0 serves the store)}"
         NODES=(--nnodes "$NNODES" --node-rank "$NODE_RANK" --master-addr "${RDZV_ENDPOINT%:*}"
-               --spare-nodes "${SPARE_NODES:-0}" --node-timeout "${NODE_TIMEOUT:-5}")
+               --spare-nodes "${SPARE_NODES:-0}" --node-timeout "${NODE_TIMEOUT:-5}"
+               ${COORD[@]+"${COORD[@]}"})
         port="${RDZV_ENDPOINT##*:}"
+    elif [ "${#COORD[@]}" -gt 0 ]; then
+        echo "error: COORDINATOR=${COORDINATOR} needs NNODES > 1 (a coordinator watches several" \
+             "nodes)" >&2; exit 2
     fi
     case "$port" in
         *[!0-9]*|"") echo "error: RDZV_ENDPOINT (or MASTER_PORT) must end in a port number," \

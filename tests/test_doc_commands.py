@@ -111,11 +111,23 @@ RUN_BY = {
     "in-job --moc-spares 1":
         "tests/training/test_pipeline_training.py::"
         "test_a_crashed_stage_recovers_alone_in_job_to_the_bit",
+    "COORDINATOR=serve NNODES=3 SPARE_NODES=1 RDZV_ENDPOINT=HEAD:29500 bash scripts/run_elastic.sh "
+    "2 0 --config configs/tiny.yaml --data-path DATA --save ckpt --load ckpt --moc-checkpoint "
+    "--moc-two-level --moc-snapshot-interval 1 --moc-redundancy replicate --moc-ranks-per-node 1 "
+    "--moc-restart in-job --moc-spares 1":
+        "tests/training/test_restart.py::"
+        "test_in_job_restart_a_crash_goes_to_its_node_s_spare_and_a_lost_node_0_to_the_spare_node",
+    "COORDINATOR=join NNODES=3 SPARE_NODES=1 NODE_RANK=I RDZV_ENDPOINT=HEAD:29500 bash "
+    "scripts/run_elastic.sh 2 0 --config configs/tiny.yaml --data-path DATA --save ckpt --load "
+    "ckpt --moc-checkpoint --moc-two-level --moc-snapshot-interval 1 --moc-redundancy replicate "
+    "--moc-ranks-per-node 1 --moc-restart in-job --moc-spares 1":
+        "tests/training/test_restart.py::"
+        "test_in_job_restart_a_crash_goes_to_its_node_s_spare_and_a_lost_node_0_to_the_spare_node",
     "NNODES=2 NODE_RANK=I RDZV_ENDPOINT=NODE0:29500 bash scripts/run_elastic.sh 2 0 --config "
     "configs/tiny.yaml --data-path DATA --save ckpt --load ckpt --moc-checkpoint --moc-two-level "
     "--moc-snapshot-interval 1 --moc-restart in-job --moc-spares 1":
         "tests/training/test_restart.py::"
-        "test_in_job_restart_a_crash_goes_to_its_node_s_spare_and_a_lost_node_to_the_spare_node",
+        "test_in_job_restart_a_crash_goes_to_its_node_s_spare_and_a_lost_node_0_to_the_spare_node",
     "MAX_RESTARTS=3 bash scripts/launch_cluster.sh hostfile data/web_text_document "
     "configs/small.yaml 2 8 2 --global-batch-size 56 "
     "--save ckpt --load ckpt --moc-checkpoint --moc-two-level --moc-restart in-job "
@@ -125,7 +137,7 @@ RUN_BY = {
     "python -m deepspeed_ext.supervisor --nproc 2 --spares 1 --nnodes 2 --node-rank 1 "
     "--master-addr NODE0 --port 29500 -- PROGRAM [ARGS...]":
         "tests/training/test_restart.py::"
-        "test_in_job_restart_a_crash_goes_to_its_node_s_spare_and_a_lost_node_to_the_spare_node",
+        "test_in_job_restart_a_crash_goes_to_its_node_s_spare_and_a_lost_node_0_to_the_spare_node",
     "python -m deepspeed_ext.supervisor --nproc 2 --spares 1 [--max-rounds 3] [--grace-s 10] "
     "[--port 29500] -- PROGRAM [ARGS...]":
         "tests/deepspeed_ext/supervisor/test_supervisor.py::"

@@ -347,6 +347,8 @@ def _launch_world(script: str, positional: List[str], flags: Sequence[str] = (),
                   env: Optional[Dict[str, str]] = None) -> Optional[int]:
     if script == "scripts/run_elastic.sh":  # with --moc-restart in-job, less the spares
         nproc, nodes = _int(positional[0]), _int((env or {}).get("NNODES", "1"))
+        spare_nodes = _int((env or {}).get("SPARE_NODES", "0"))  # they train nothing
+        nodes = nodes - spare_nodes if nodes is not None and spare_nodes is not None else None
         spares = (_int(flags[flags.index("--moc-spares") + 1])
                   if "--moc-spares" in flags[:-1] and "in-job" in flags else 0)
         return (nproc - spares) * nodes if nproc and nodes and spares is not None else None

@@ -60,10 +60,12 @@ class JobEnding:
         return 1
 
     def leave(self) -> None:
-        """Leave the store (:func:`~deepspeed_ext.supervisor.store.leave_store`); node 0's
-        waits for every node's not found lost, each giving its processes ``grace_s``."""
+        """Leave the store (:func:`~deepspeed_ext.supervisor.store.leave_store`); its
+        server waits for every node's not found lost (and a coordinator's own), each
+        giving its processes ``grace_s``."""
         try:
-            leave_store(self.store, self.options.nnodes - len(self.nodes.lost),
+            leave_store(self.store, self.options.nnodes - len(self.nodes.lost)
+                        + int(self.options.coordinator),
                         self.options.serves_store, 2 * self.options.grace_s + 10.0)
         except dist.DistError as err:  # leaving cannot fail the job: it ended already
             LOG.warning(f"{self.prefix}WARNING: could not leave the job's store ({err})")

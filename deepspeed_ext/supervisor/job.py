@@ -4,10 +4,11 @@ job's store instead of stopping the survivors (torchrun's agent stops every proc
 job about 0.3 s after one death, so nothing survives to recover in place).
 
 The order, in each node's supervisor (the children only read the store; with several
-nodes node 0's serves the store and the others join it):
+nodes node 0's serves the store and the others join it, or a ``--coordinator`` on a host
+that does not train serves it and watches every node, and starts no process):
 
 1. :meth:`Supervisor.run` writes round 0 (``first_round(nproc, spares, nnodes)``) and
-   ``current`` (node 0; the others wait for it), then starts the node's slots in order
+   ``current`` (the store's server; the others wait for it), then starts the node's slots in order
    (:func:`~deepspeed_ext.supervisor.children.child_env`).
 2. :meth:`Supervisor.watch` looks every ``POLL_S`` for the rounds and the end other nodes
    wrote (:meth:`Supervisor.follow`) and for its own processes' exits. A training process
@@ -37,9 +38,10 @@ nodes node 0's serves the store and the others join it):
 6. SIGINT or SIGTERM to the supervisor (:meth:`Supervisor.request_stop`) is passed on to
    every process; ``done`` is ``failed: ...``, the processes get ``grace_s`` to end, then
    SIGKILL: exit status 128 + the signal's number.
-7. A store that cannot be reached any more (node 0, and its supervisor, gone): every
-   process of the node is stopped, exit status 1 (relaunch). Last, each supervisor leaves
-   the store; node 0's keeps serving it until every node's has left.
+7. A store that cannot be reached any more (its server's host gone: node 0, or the
+   coordinator's): every process of the node is stopped, exit status 1 (relaunch). Last,
+   each supervisor leaves the store; the server keeps serving it until every node's has
+   left.
 """
 
 import logging
@@ -99,11 +101,12 @@ class Supervisor(JobEnding):
         self.kills_seen: Dict[int, int] = {}
         """Per round, the kill requests counted so far."""
         self.nodes = NodeWatch(options.node_timeout_s)
-        """Node 0's: the other nodes' supervisors' beats."""
+        """The store server's: the watched nodes' supervisors' beats."""
         self.fenced: Set[int] = set()
         """This node's slots a round named failed while they ran (their node was found
         lost): killed, and their deaths start no round."""
         self.prefix = PREFIX if options.nnodes == 1 else \
+            "[moc supervisor, coordinator] " if options.coordinator else \
             f"[moc supervisor, node {options.node_rank}] "
 
     @property
@@ -130,6 +133,12 @@ class Supervisor(JobEnding):
 
     def start(self) -> str:
         """Start every slot, in order; returns why one could not start ("" when all did)."""
+        if self.options.coordinator:
+            LOG.info(f"{self.prefix}store {self.options.host}:{self.port} for "
+                     f"{self.options.nnodes} nodes, up to {self.options.max_rounds} recoveries "
+                     f"in place; starting no process, watching every node's supervisor "
+                     f"(node 0's too; lost after {self.options.node_timeout_s:g} s of silence)")
+            return ""
         argv = program_argv(self.options.command)
         base = dict(os.environ)
         for slot in self.options.own_slots:
@@ -158,7 +167,8 @@ class Supervisor(JobEnding):
         while True:
             if self.stop_signal is not None:
                 return self.stopped()
-            if self.options.nnodes > 1:  # node 0's NodeWatch reads it
+            if self.options.nnodes > 1 and not self.options.coordinator:
+                # the store server's NodeWatch reads it
                 self.store.add(node_beat_key(self.options.node_rank), 1)
             status = self.follow()
             status = self.watch_nodes() if status is None else status
@@ -201,13 +211,14 @@ class Supervisor(JobEnding):
         return None
 
     def watch_nodes(self) -> Optional[int]:
-        """Node 0's: find the nodes whose supervisors went silent and give their ranks to
-        a spare node; returns 1 when one cannot be (the job then stopped), else None."""
-        if not self.options.serves_store or self.options.nnodes == 1:
+        """The store server's (node 0's, or a coordinator's, which watches node 0 too):
+        find the nodes whose supervisors went silent and give their ranks to a spare
+        node; returns 1 when one cannot be (the job then stopped), else None."""
+        watched = self.options.watched_nodes
+        if not watched:
             return None
         now = time.monotonic()
-        counts = {n: self.store.add(node_beat_key(n), 0)
-                  for n in range(1, self.options.nnodes)}
+        counts = {n: self.store.add(node_beat_key(n), 0) for n in watched}
         for node in self.nodes.look(counts, now):
             status = self.node_lost(node, self.nodes.silent_s(node, now))
             if status is not None:

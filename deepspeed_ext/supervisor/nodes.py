@@ -1,9 +1,10 @@
-"""Node 0's watch over the other nodes' supervisors: a node whose supervisor stopped
+"""The store server's watch over the nodes' supervisors (node 0's over the others, or a
+``--coordinator``'s over every node, node 0 too): a node whose supervisor stopped
 beating is lost (the machine, its processes and its keeper's memory with it), and its
 ranks must go to a spare node before the survivors give up waiting for a round.
 
 Each supervisor adds 1 to its node's beat counter in the store at every look (every
-``POLL_S``, :func:`~deepspeed_ext.runtime.rounds.node_beat_key`); node 0's reads the
+``POLL_S``, :func:`~deepspeed_ext.runtime.rounds.node_beat_key`); the server reads the
 counters and keeps, per node, when it last saw one move, on its own monotonic clock (no
 two machines' clocks are compared). Pure bookkeeping here, no store and no clock of its
 own: the supervisor feeds it.

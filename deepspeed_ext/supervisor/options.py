@@ -2,11 +2,14 @@
 
     python -m deepspeed_ext.supervisor --nproc N --spares S [--max-rounds R] [--port P]
         [--grace-s G] [--nnodes M --node-rank I --master-addr HOST [--spare-nodes K]
-        [--node-timeout S]] -- PROGRAM [ARGS...]
+        [--node-timeout S] [--coordinator | --store-elsewhere]] -- PROGRAM [ARGS...]
 
 Several nodes: the same command on every node, each with its ``--node-rank``; node 0's
 supervisor serves the job's store at ``--master-addr:--port``, the others join it; the
-last ``--spare-nodes`` nodes wait whole to take a lost node's ranks.
+last ``--spare-nodes`` nodes wait whole to take a lost node's ranks. With a
+``--coordinator`` (the same command on a host that does not train) serving the store
+and watching every node, the nodes run with ``--store-elsewhere``, and node 0 is lost
+and replaced like any other node.
 
 Bad input prints ``error: ...`` naming the flag on stderr and exits 2. Nothing here
 imports torch, so a mistyped flag answers at once.
@@ -22,7 +25,7 @@ from typing import List, Mapping, Optional, Sequence, Tuple
 PROG = "python -m deepspeed_ext.supervisor"
 USAGE = (f"{PROG} --nproc N --spares S [--refill-spares] [--max-rounds R] [--port P] "
          "[--grace-s G] [--nnodes M --node-rank I --master-addr HOST [--spare-nodes K] "
-         "[--node-timeout S]] -- PROGRAM [ARGS...]")
+         "[--node-timeout S] [--coordinator | --store-elsewhere]] -- PROGRAM [ARGS...]")
 LOCALHOST = "127.0.0.1"
 """The store's address on one node (``--master-addr``'s default there)."""
 MAX_PORT = 65535
@@ -56,6 +59,11 @@ class SupervisorOptions:
     """Node 0's supervisor finds a node lost once its supervisor has not beaten for this long."""
     refill_spares: bool = False
     """Start a new process in a dead process's slot as a waiting spare (``--refill-spares``)."""
+    coordinator: bool = False
+    """Start no process: serve the job's store and watch every node's supervisor, node 0's
+    too (``--coordinator``, on a host that does not train)."""
+    store_elsewhere: bool = False
+    """A coordinator serves the store: node 0's supervisor joins it as the others do."""
 
     @property
     def launched(self) -> int:
@@ -74,13 +82,24 @@ class SupervisorOptions:
 
     @property
     def own_slots(self) -> range:
-        """The slots this supervisor starts and watches."""
+        """The slots this supervisor starts and watches (a coordinator's: none)."""
+        if self.coordinator:
+            return range(0)
         return range(self.node_rank * self.launched, (self.node_rank + 1) * self.launched)
 
     @property
     def serves_store(self) -> bool:
-        """Whether this supervisor serves the job's store (node 0's) or joins it."""
-        return self.node_rank == 0
+        """Whether this supervisor serves the job's store (a coordinator, else node 0's)
+        or joins it."""
+        return self.coordinator or (self.node_rank == 0 and not self.store_elsewhere)
+
+    @property
+    def watched_nodes(self) -> range:
+        """The nodes whose supervisors' beats this one watches: none unless it serves the
+        store; every node but its own for node 0's, every node for a coordinator's."""
+        if not self.serves_store or self.nnodes == 1:
+            return range(0)
+        return range(0 if self.coordinator else 1, self.nnodes)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -116,6 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--master-addr", default=None, metavar="HOST",
                         help="node 0's address, where every process reaches the store "
                              f"(default: MASTER_ADDR, else {LOCALHOST})")
+    parser.add_argument("--coordinator", action="store_true",
+                        help="start no process: serve the job's store at --master-addr and "
+                             "watch every node's supervisor, node 0's too (run it on a host "
+                             "that does not train; the nodes run with --store-elsewhere): "
+                             "losing node 0 is then recovered like losing any node")
+    parser.add_argument("--store-elsewhere", action="store_true",
+                        help="a --coordinator serves the job's store at --master-addr: node "
+                             "0's supervisor joins it too instead of serving it")
     parser.add_argument("--refill-spares", action="store_true",
                         help="after each recovery, start a new process in the dead one's slot "
                              "as a waiting spare of this node (a later failure is recovered "
@@ -156,7 +183,8 @@ def parse_options(argv: Optional[Sequence[str]] = None,
                              grace_s=ns.grace_s, host=_host(ns, environ),
                              nnodes=ns.nnodes, node_rank=ns.node_rank,
                              spare_nodes=ns.spare_nodes, node_timeout_s=ns.node_timeout,
-                             refill_spares=ns.refill_spares)
+                             refill_spares=ns.refill_spares, coordinator=ns.coordinator,
+                             store_elsewhere=ns.store_elsewhere)
 
 
 def _count_problem(ns: argparse.Namespace) -> str:
@@ -199,6 +227,13 @@ def _nodes_problem(ns: argparse.Namespace, environ: Mapping[str, str]) -> str:
     if not 0 <= ns.spare_nodes < ns.nnodes:
         return (f"--spare-nodes {ns.spare_nodes}: 0 to --nnodes - 1 ({ns.nnodes - 1}): at "
                 "least one node must train")
+    if ns.coordinator and ns.store_elsewhere:
+        return ("--coordinator with --store-elsewhere: the coordinator is where the store "
+                "is served; give --store-elsewhere to the nodes' supervisors")
+    if (ns.coordinator or ns.store_elsewhere) and ns.nnodes < 2:
+        flag = "--coordinator" if ns.coordinator else "--store-elsewhere"
+        return (f"{flag} with --nnodes {ns.nnodes}: a coordinator watches several nodes "
+                "(one node serves its own store)")
     if not (ns.node_timeout > 0 and ns.node_timeout < 1e6):  # also refuses nan
         return f"--node-timeout {ns.node_timeout}: a positive number of seconds"
     if ns.nnodes > 1 and _port(ns, environ) == 0:

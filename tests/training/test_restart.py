@@ -164,13 +164,15 @@ def test_two_level_faults_in_snapshot_persist_and_node_memory(corpus, tmp_path):
         stop_keepers(shm)
 
 
-def _elastic_nodes(tmp_path, corpus, extra, nproc, nodes=2, spare_nodes=0, timeout=400):
+def _elastic_nodes(tmp_path, corpus, extra, nproc, nodes=2, spare_nodes=0, timeout=400,
+                   coordinator=False):
     """:func:`_elastic` as ``nodes`` nodes run it, on this host: one run_elastic.sh per
     node (``NNODES``, ``NODE_RANK``, ``RDZV_ENDPOINT`` on loopback, ``SPARE_NODES``, a
     4 s ``NODE_TIMEOUT``: with 1 s, a supervisor starved by ten processes importing torch
     on 2 loaded cores went 1.7 s without a beat and was found lost), each in a session of
-    its own (a lost node's process group is its own), started together; returns
-    (processes, metrics, events)."""
+    its own (a lost node's process group is its own), started together; with
+    ``coordinator``, one more (``COORDINATOR=serve``, last in the list) serves the store
+    and the nodes join it (``COORDINATOR=join``). Returns (processes, metrics, events)."""
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     cmd = ["bash", "scripts/run_elastic.sh", str(nproc), "0", *TINY, "--data-path", corpus,
            "--save", str(ckpt), "--load", str(ckpt), "--metrics-file", str(metrics),
@@ -178,10 +180,12 @@ def _elastic_nodes(tmp_path, corpus, extra, nproc, nodes=2, spare_nodes=0, timeo
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", NNODES=str(nodes),
                RDZV_ENDPOINT=f"127.0.0.1:{free_port()}", SPARE_NODES=str(spare_nodes),
                NODE_TIMEOUT="4")
+    roles = [dict(NODE_RANK=str(node)) for node in range(nodes)]
+    if coordinator:
+        roles = [dict(role, COORDINATOR="join") for role in roles] + [dict(COORDINATOR="serve")]
     procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, start_new_session=True,
-                              env=dict(env, NODE_RANK=str(node)))
-             for node in range(nodes)]
+                              text=True, start_new_session=True, env=dict(env, **role))
+             for role in roles]
     done = []
     for proc in procs:
         try:
@@ -197,19 +201,21 @@ def _elastic_nodes(tmp_path, corpus, extra, nproc, nodes=2, spare_nodes=0, timeo
     return done, records, events
 
 
-def test_in_job_restart_a_crash_goes_to_its_node_s_spare_and_a_lost_node_to_the_spare_node(
+def test_in_job_restart_a_crash_goes_to_its_node_s_spare_and_a_lost_node_0_to_the_spare_node(
         corpus, tmp_path, reference):
-    """--moc-restart in-job on three nodes (one supervisor each, on this host): nodes 0 and
-    1 train one rank each with one hot spare, node 2 is a spare node. Rank 1 is SIGKILLed
-    at the top of 4 and node 1's spare takes it, recovering from node 1's keeper; at the
-    top of 7 node 1 is lost whole (its keeper, memory, supervisor and processes), node 0's
-    supervisor finds it silent and gives rank 1 to the spare node, which recovers from
-    node 0's replicas. Node 0's rank keeps its process through both, and every
-    iteration's loss is the uninterrupted run's, to the bit. (It replaced the first crash
-    under torchrun's relaunch, recovered from memory: a relaunch from memory is
-    tests/deepspeed_ext/two_level/test_two_level.py's crash test, and torchrun's restart
-    is test_crash_restarts_and_finishes_exactly here; one node is the supervisor's
-    nnodes=1 case, tests/deepspeed_ext/supervisor/.)"""
+    """--moc-restart in-job on three nodes (one supervisor each, on this host) and a
+    coordinator (``COORDINATOR=serve``: it serves the store and watches every node, node
+    0 too; it starts no process): nodes 0 and 1 train one rank each with one hot spare,
+    node 2 is a spare node. Rank 1 is SIGKILLed at the top of 4 and node 1's spare takes
+    it, recovering from node 1's keeper; at the top of 7 node 0 is lost whole (its
+    keeper, memory, supervisor and processes: rank 0 with them), the coordinator finds it
+    silent and gives rank 0 to the spare node, which recovers from node 1's replicas.
+    Rank 1's new process keeps its process through the second recovery, and every
+    iteration's loss is the uninterrupted run's, to the bit. (Node 0's supervisor serving
+    the store and finding node 1 lost is tests/deepspeed_ext/supervisor/test_nodes.py's,
+    in process; a relaunch from memory is tests/deepspeed_ext/two_level/test_two_level.py's
+    crash test, and torchrun's restart is test_crash_restarts_and_finishes_exactly here;
+    one node is the supervisor's nnodes=1 case, tests/deepspeed_ext/supervisor/.)"""
     import re
     shm = new_shm_dir()
     try:
@@ -217,26 +223,30 @@ def test_in_job_restart_a_crash_goes_to_its_node_s_spare_and_a_lost_node_to_the_
             "--save-interval", "4", "--moc-two-level", "--moc-snapshot-interval", "1",
             "--moc-persist-interval", "4", "--moc-shm-dir", shm, "--moc-redundancy",
             "replicate", "--moc-restart", "in-job", "--moc-spares", "1",
-            "--moc-fault", "crash@4:rank=1", "--moc-fault", "lose-node@7:rank=1"],
-            nproc=2, nodes=3, spare_nodes=1)
-        zero, one, two = (p.stdout for p in procs)
-        assert procs[0].returncode == 0, zero[-5000:]
+            "--moc-fault", "crash@4:rank=1", "--moc-fault", "lose-node@7:rank=0"],
+            nproc=2, nodes=3, spare_nodes=1, coordinator=True)
+        zero, one, two, coordinator = (p.stdout for p in procs)
+        assert procs[3].returncode == 0, coordinator[-5000:]
+        assert procs[1].returncode == 0, one[-5000:]
         assert procs[2].returncode == 0, two[-5000:]
-        assert procs[1].returncode == -9, one[-5000:]  # its process group, killed
-        # the survivor (slot 0) left rounds 0 and 1 and trained in round 2, same process
-        failed = re.findall(r"slot 0 \(rank 0, pid (\d+)\): round [01] failed", zero)
-        joined = re.findall(r"slot 0 \(pid (\d+)\): round 2 as rank 0", zero)
-        assert len(failed) == 2 and set(failed) == set(joined), zero[-6000:]
+        assert procs[0].returncode == -9, zero[-5000:]  # its process group, killed
+        # rank 1's second process (slot 3) left round 1 and trained in round 2, same process
+        failed = re.findall(r"slot 3 \(rank 1, pid (\d+)\): round 1 failed", one)
+        joined = re.findall(r"slot 3 \(pid (\d+)\): round 2 as rank 1", one)
+        assert len(failed) == 1 and set(failed) == set(joined), one[-6000:]
         assert "round 1, rank 1 -> slot 3 (spare); 3 spares left, 0 on this node" in one
-        assert re.search(r"node 1's supervisor has been silent for [\d.]+ s: node lost; "
-                         r"round 2: rank 1 -> slot 4; 2 spares left", zero), zero[-5000:]
-        assert re.search(r"slot 4 \(pid \d+\): round 2 as rank 1 \(slots \[3\] failed\)", two)
+        assert "starting no process, watching every node's supervisor" in coordinator
+        assert re.search(r"\[moc supervisor, coordinator\] node 0's supervisor has been "
+                         r"silent for [\d.]+ s: node lost; round 2: rank 0 -> slot 4; 1 "
+                         r"spare left", coordinator), coordinator[-5000:]
+        assert re.search(r"slot 4 \(pid \d+\): round 2 as rank 0 \(slots \[0, 1\] failed\)",
+                         two), two[-3000:]
         recovery = [e for e in events if e["kind"] == "recovery"]
         assert [e["source"] for e in recovery] == ["memory", "memory+peers"], events
         rounds = [(e["round"], e["slot"], e["role"]) for e in events
                   if e["kind"] == "in-job-round"]
         assert sorted(rounds) == [(1, 0, "survivor"), (1, 3, "spare"),
-                                  (2, 0, "survivor"), (2, 4, "spare")], rounds
+                                  (2, 3, "survivor"), (2, 4, "spare")], rounds
         last = {r["iteration"]: r for r in records if r["kind"] == "train"}
         want = {r["iteration"]: r for r in reference if r["kind"] == "train"}
         assert last == want

@@ -273,3 +273,59 @@ def test_node_0_says_when_no_spare_node_can_take_a_lost_node(monkeypatch, caplog
     line = ("[moc supervisor, node 0] no spare node (--spare-nodes 0): a lost node, or a "
             "crash on a node with no spare process left, relaunches the job")
     assert (line in lines(caplog)) == said
+
+
+def test_a_coordinator_gives_a_silent_node_0_s_ranks_to_the_spare_node(caplog):
+    """With a ``--coordinator`` serving the store (the nodes ``--store-elsewhere``), node
+    0 is watched like any node: silent, its ranks (rank 0 too) go to the spare node, and
+    the coordinator, which starts no process, waits at the end for the nodes still in
+    the job to leave."""
+    store = dist.HashStore()
+    common = dict(grace_s=0.0, host="10.0.0.9", nnodes=3, spare_nodes=1, node_timeout_s=0.2)
+    coordinator = Supervisor(SupervisorOptions(2, 0, (PROGRAM,), coordinator=True, **common),
+                             store, port=29500)
+    assert coordinator.options.own_slots == range(0)
+    assert coordinator.options.watched_nodes == range(3) and coordinator.options.serves_store
+    nodes = []
+    for node in range(3):
+        supervisor = Supervisor(SupervisorOptions(2, 0, (PROGRAM,), node_rank=node,
+                                                  store_elsewhere=True, **common),
+                                store, port=29500)
+        assert not supervisor.options.serves_store and not supervisor.options.watched_nodes
+        supervisor.children = [Child(slot, StandIn(FIRST_PID + slot, store))
+                               for slot in supervisor.options.own_slots]
+        nodes.append(supervisor)
+    write_round(store, coordinator.current)
+    for node in range(3):
+        store.add(node_beat_key(node), 1)
+    assert coordinator.watch_nodes() is None  # first beats seen
+    time.sleep(0.3)
+    for node in (1, 2):  # node 0 is silent
+        store.add(node_beat_key(node), 1)
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        assert coordinator.watch_nodes() is None
+    assert rounds(store)[1:] == [RoundAssignment(1, (4, 5, 2, 3), (), (0, 1))]
+    (line,) = lines(caplog)
+    assert line.startswith("[moc supervisor, coordinator] node 0's supervisor has been silent")
+    assert line.endswith("node lost; round 1: rank 0 -> slot 4, rank 1 -> slot 5; 0 spares left")
+    zero, one, two = nodes
+    assert zero.follow() == job.LEFT_JOB  # node 0 was only stalled: it leaves the job
+    assert one.follow() is None and two.follow() is None and two.current.round == 1
+    one.leave()
+    two.leave()
+    start = time.monotonic()
+    coordinator.leave()  # its own leave and nodes 1 and 2's; node 0 is lost
+    assert time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--coordinator", "--store-elsewhere"], "--coordinator with --store-elsewhere"),
+    (["--coordinator"], "--coordinator with --nnodes 1"),
+    (["--store-elsewhere"], "--store-elsewhere with --nnodes 1"),
+])
+def test_coordinator_flags_are_checked(capsys, flags, needle):
+    from deepspeed_ext.supervisor.options import parse_options
+    with pytest.raises(SystemExit) as stop:
+        parse_options(["--nproc", "1", "--spares", "1", *flags, "--", PROGRAM], environ={})
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.startswith(f"error: {needle}")
