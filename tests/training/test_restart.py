@@ -107,15 +107,17 @@ def test_hang_is_detected_named_and_the_job_restarts(corpus, tmp_path, reference
     assert _final_loss(records) == _final_loss(reference)
 
 
+# The suite's 10 minutes: the case of a rank slow between iterations (slow@3, 16-20 s)
+# went; it is the easier one (the slow rank's iteration is longer on its own clock), the
+# straggler rule's clocks are tests/training/test_monitor.py's, and a slow@ fault runs end
+# to end in test_two_level_faults_in_snapshot_persist_and_node_memory.
 @pytest.mark.parametrize("fault", [
-    "slow@3:rank=1:slow=0.4",          # between iterations
     "slow-compute@3:rank=1:slow=0.2",  # inside each of the 2 micro-batches' forward
 ])
 def test_straggler_is_reported_without_stopping_the_job(corpus, tmp_path, fault):
-    """Rank 1 loses 0.4 s per iteration from iteration 3, between iterations or between
-    the collectives inside one (where rank 0 waits for it in the next collective, and
-    only the time each rank spends inside collectives tells them apart): reported as
-    rank 1, job not stopped."""
+    """Rank 1 loses 0.4 s per iteration from iteration 3, between the collectives inside
+    one (where rank 0 waits for it in the next collective, and only the time each rank
+    spends inside collectives tells them apart): reported as rank 1, job not stopped."""
     proc, records, events = _elastic(tmp_path, corpus, [
         "--train-iters", "10", "--lr-decay-iters", "10", "--moc-monitor",
         # A 5-beat window: a healthy rank's noise must last 3 of 5 beats to be flagged.
