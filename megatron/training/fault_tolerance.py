@@ -353,7 +353,10 @@ class FaultTolerance:
         if self.watch is not None:
             self.watch.stop()
         if self.batches_from is not None:
-            why = local_restart.keep(self.engine, self.exact, self.last_mark)
+            try:
+                why = local_restart.keep(self.engine, self.exact, self.last_mark)
+            except Exception as e:  # noqa: BLE001  (the run's own failure must stay the one raised)
+                why = f"{type(e).__name__}: {e}"
             if why:
                 print(f"[moc] rank {dist.get_rank()}: keeps no state for a localized recovery "
                       f"({why})", flush=True)

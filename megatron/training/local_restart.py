@@ -161,7 +161,8 @@ def _gather(value) -> List:
 
 def _agree(args, engine, scheduler, exact, batches_from, kept):
     """Every rank, the same collectives in the same order until the first 'no':
-    ``(plan, window, this rank's replay inputs, its frames)``; the plan's ``why`` says no."""
+    ``(plan, window, this rank's replay inputs, (its frames, its generators' state at R))``
+    (the last two None off the failed stage's ranks); the plan's ``why`` says no."""
     from dataclasses import replace
     from deepspeed_ext.exact.local_replay import newest_window
     from megatron.training.pipeline import check_upstream_log
