@@ -152,7 +152,11 @@ def test_two_level_faults_in_snapshot_persist_and_node_memory(corpus, tmp_path):
                   if e["kind"] == "fault" and e["fault"] != "slow"]
         assert faults == [("snapshot-crash", 0), ("lose-memory", 1)], events
         recoveries = [e for e in events if e["kind"] == "recovery"]
-        assert [(e["source"], e["iteration"]) for e in recoveries][0] == ("memory", 2)
+        # the half-written snapshot of 3 never counts; 2's is sealed beside step 3 by a
+        # background thread, and on a loaded machine rank 0 died before it was (seen once
+        # in CI): then the restart takes 1's, and replays 2
+        assert [(e["source"], e["iteration"]) for e in recoveries][0] in (("memory", 2),
+                                                                          ("memory", 1))
         assert recoveries[1]["source"] == "storage" and recoveries[1]["iteration"] <= 10
         # the keeper's own line went to its log in the node's (since deleted) memory
         # directory; the ranks say it is gone and persist from their own processes
