@@ -45,10 +45,9 @@ class SurvivorState:
     """One rank's training state after its last finished step, off its failed engine
     (host copies: nothing of the failed run's engine or groups is referenced)."""
 
-    global_steps: int
-    """Steps the state is after (the iteration the loop finished last)."""
     objects: Dict[str, Any]
-    """Engine counters, optimizer scalars and loss scaler, as a frame's objects."""
+    """Engine counters (their ``global_steps``: the steps the state is after), optimizer
+    scalars and loss scaler, as a frame's objects."""
     fragments: Dict[str, torch.Tensor]
     """This rank's fp32 master and moment fragments by key (host copies)."""
     upstream: Dict[Any, Tuple[torch.Tensor, ...]] = field(default_factory=dict)
@@ -90,18 +89,17 @@ def capture(engine, naming, at: StepMark, upstream=None, cross=None) -> Survivor
         upstream, cross: the engine's upstream and cross-stage logs (None: none);
             entries of the failed iteration (after ``at``) are left out.
     """
+    from deepspeed_ext.exact.operators import ENGINE_COUNTERS
     from deepspeed_ext.state import (describe_local_state, loss_scaler_state,
                                      optimizer_scalars)
-    objects = {"engine": {"global_steps": engine.global_steps,
-                          "global_samples": engine.global_samples,
-                          "skipped_steps": engine.skipped_steps},
+    objects = {"engine": {k: getattr(engine, k) for k in ENGINE_COUNTERS},
                "optimizer_scalars": optimizer_scalars(engine),
                "loss_scaler": loss_scaler_state(engine)}
     with torch.no_grad():
         fragments = {f.key: f.tensor.detach().to("cpu", copy=True)
                      for f in describe_local_state(engine, naming)}
     done = at.global_steps
-    out = SurvivorState(done, objects, fragments)
+    out = SurvivorState(objects, fragments)
     if upstream is not None:
         upstream.sync()
         out.upstream = {k: v for k, v in upstream.entries.items() if k.iteration <= done}

@@ -196,9 +196,10 @@ class FaultTolerance:
         self.watch: Optional[LoopWatch] = None
         self.progress = None
         self.loop_time: Optional[LoopTime] = None
-        # --moc-restart in-job under a pipeline: what a survivor keeps for a localized
-        # recovery (megatron/training/local_restart.py); None when it does not apply
-        self.batches_from = batches_from if exact is not None and local_restart.applies(args) else None
+        # --moc-restart in-job under a pipeline, exact mode and upstream logs: a survivor
+        # keeps its state for a localized recovery (megatron/training/local_restart.py)
+        self.localizes = exact is not None and local_restart.applies(args)
+        self.batches_from = batches_from
         self.last_mark: Optional[local_restart.LoopMark] = None
 
     @classmethod
@@ -229,7 +230,7 @@ class FaultTolerance:
         """Every rank, before the checkpoint load: under an in-job restart of a pipeline,
         the localized recovery (only the failed rank's stage replays); None: load as
         before (:func:`megatron.training.local_restart.resume_localized`)."""
-        if self.batches_from is None:
+        if not self.localizes:
             return None
         return local_restart.resume_localized(self.args, self.engine, self.scheduler,
                                               self.exact, self.batches_from)
@@ -237,7 +238,7 @@ class FaultTolerance:
     def after_load(self) -> None:
         """Every rank, after the checkpoint load."""
         if self.replaying and getattr(self.engine, "moc_upstream", None) \
-                and self.batches_from is None:  # in-job: resume_in_job said why
+                and not self.localizes:  # in-job: resume_in_job said why
             print_rank_0("[moc] upstream logs: none survived the restart (they live in the "
                          "training processes, which it replaced): every stage replays the "
                          "window (global exact replay)")
@@ -308,7 +309,7 @@ class FaultTolerance:
         if self.exact is not None:
             self._exact_call(lambda: self.exact.snapshot(
                 state.iteration, _exact_client_state(state, self.scheduler)))
-        if self.batches_from is not None and not self.replaying:
+        if self.localizes and not self.replaying:
             # a global replay's frozen groups are not the original's until it ends
             self.last_mark = local_restart.LoopMark(
                 survivor_mark(self.engine), state.iteration, state.consumed_train_samples,
@@ -352,7 +353,7 @@ class FaultTolerance:
         may be gone)."""
         if self.watch is not None:
             self.watch.stop()
-        if self.batches_from is not None:
+        if self.localizes:
             try:
                 why = local_restart.keep(self.engine, self.exact, self.last_mark)
             except Exception as e:  # noqa: BLE001  (the run's own failure must stay the one raised)

@@ -203,10 +203,8 @@ def _agree(args, engine, scheduler, exact, batches_from, kept):
 def generators_after(exact, iteration: int, kept) -> Tuple[Optional[Dict], Optional[str]]:
     """A replaying rank, alone: its random generators' state at the end of ``iteration``
     (its kept state's, or its frame of that iteration's: a spare reads the failed rank's),
-    or why it is unknown. The replay draws what the steps drew, but not what the
-    evaluations between them did (top-2 gating samples its second expert in evaluation
-    too): continued from the replay's, the next steps' dropout masks and gate noise
-    differed from the uninterrupted run's (measured)."""
+    or why it is unknown (:meth:`StageReplayer.replay` ends at it: the replay does not
+    draw what the evaluations between its steps drew)."""
     from deepspeed_ext.exact.replay import load_frame
     if kept is not None:
         return kept.mark.rng, None
@@ -233,7 +231,7 @@ def _recover(args, engine, scheduler, exact, batches_from, kept, decided, found,
     frames, end_rng = frames
     if engine.stage_id == failed:
         StageReplayer(engine, exact, batches_from, scheduler, args).replay(
-            found, frames, list(range(found.start + 1, it + 1)), inputs)
+            found, frames, list(range(found.start + 1, it + 1)), inputs, end_rng)
         rng = end_rng
     else:
         survivor.restore(engine, exact.index, kept.state)

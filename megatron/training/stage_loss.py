@@ -26,7 +26,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext.engine.rng import get_rng_state, set_rng_state
+from deepspeed_ext.engine.rng import get_rng_state
 from megatron.errors import ConfigError
 from megatron.training.stage_replay import StageReplayer
 
@@ -152,11 +152,7 @@ class StageLoss:
         replaying = bool(why) or self.engine.stage_id in failed
         frames = self.replayer.load_agreed(found, replaying)
         if replaying:
-            rng = get_rng_state()  # this process's generators survive the loss
-            self.replayer.replay(found, frames, steps, None if why else inputs)
-            # The replay draws only what the steps drew, not what the evaluations between
-            # them did (top-2 gating samples its second expert in evaluation too):
-            # continued from there, the next steps' dropout masks and gate noise differed.
-            set_rng_state(rng)
+            # this process's generators survive the loss: the state they end at
+            self.replayer.replay(found, frames, steps, None if why else inputs, get_rng_state())
         dist.barrier(group=metadata_group())  # the other stages wait here
         return Recovered(iteration, failed, not why, found.start, time.perf_counter() - began, why)

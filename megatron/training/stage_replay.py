@@ -86,12 +86,16 @@ class StageReplayer:
                                f"{found.start}: {'; '.join(errors)}")
         return frames
 
-    def replay(self, found, frames, steps: List[int], inputs) -> None:
+    def replay(self, found, frames, steps: List[int], inputs, end_rng) -> None:
         """The replaying ranks, together: restore ``found``'s first frame and run
         ``steps`` again, from the logs (``inputs``) or, when None, through the whole
         pipeline (every stage replays). The window's later frames are applied after their
         steps; the replayed steps' losses and gate counts are dropped (counted the first
-        time)."""
+        time); last, the random generators are set to ``end_rng``, their state after the
+        last step's iteration. A replay draws what its steps drew, but not what the
+        evaluations between them did (top-2 gating samples its second expert in
+        evaluation too): continued from the replay's, the next steps' dropout masks and
+        gate noise differed from the uninterrupted run's (measured)."""
         from deepspeed_ext.exact.local_replay import StageReplay
         engine = self.engine
         replay, objects = self._restore(found, frames)
@@ -110,6 +114,7 @@ class StageReplayer:
                 engine.train_batch(data)
             self._after_replayed_step(step, replay)
         self._drop_replayed_outputs()
+        set_rng_state(end_rng)
 
     def _restore(self, found, frames):
         """The window's first frame into this rank's engine, and the trainer's scheduler

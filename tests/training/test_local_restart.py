@@ -79,7 +79,7 @@ def test_a_replaying_rank_needs_its_generators_state_at_the_recovered_iteration(
     survivor of the failed stage takes its kept generators, a spare the failed rank's
     frame R; without that frame the recovery is global."""
     from megatron.training.local_restart import Kept, LoopMark, generators_after
-    kept = Kept(survivor.SurvivorState(4, {}, {}),
+    kept = Kept(survivor.SurvivorState({}, {}),
                 LoopMark(survivor.StepMark(4, ()), 4, 32, {}, {"cpu": "kept"}))
     assert generators_after(_Exact({}), 4, kept) == ({"cpu": "kept"}, None)
     rng, why = generators_after(_Exact({3: ({}, "root")}), 4, None)

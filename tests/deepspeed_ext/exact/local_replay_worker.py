@@ -118,7 +118,7 @@ def main():
         inputs = gather_replay_inputs(engine, failed, replayed, upstream, cross)
         if stage == failed:
             misfit = survivor.misfit(engine, index, saved[start])
-            empty = survivor.misfit(engine, index, survivor.SurvivorState(start, {}, {}))
+            empty = survivor.misfit(engine, index, survivor.SurvivorState({}, {}))
             survivor.restore(engine, index, saved[start])  # the stage's all-gather
             replay = StageReplay(engine, upstream, cross, inputs)
             data = _batches(start + 1, end, dp_rank)
