@@ -105,9 +105,8 @@ class RoundClient:
         not: this process's error is then its own)."""
         deadline = time.monotonic() + within_s
         while True:
-            for r in range(mine.round + 1, self.newest() + 1):
-                if set(self.assignment(r).failed) & set(mine.slots):
-                    return True
+            if rounds.superseded(self.store, mine) is not None:
+                return True
             if time.monotonic() >= deadline:
                 return False
             time.sleep(POLL_S)

@@ -150,3 +150,22 @@ def test_a_refill_round_is_joined_as_the_recovery_round_before_it():
     assert client.base_round(two) == one and client.base_round(one) == one
     assert client.base_round(first) == first
     assert client.recoveries_until(2) == 1
+
+
+def test_a_run_failed_by_a_peer_is_told_from_one_failed_on_its_own():
+    """A process whose run raised joins the next round only when a later round names one
+    of its round's training processes failed; a round that drops a dead spare does not,
+    and the error is then its own (``peer_failed`` returns False after its wait)."""
+    first = rounds.first_round(2, 2)  # slots 0 and 1 train, 2 and 3 wait
+    spare_gone = rounds.next_round(first, [3])
+    store = dist.HashStore()
+    for r in (first, spare_gone):
+        store.set(rounds.round_key(r.round), r.to_json())
+    store.set(rounds.CURRENT_KEY, str(spare_gone.round))
+    client = RoundClient(store, slot=0)
+    assert not client.peer_failed(first, within_s=0.05)
+    peer_gone = rounds.next_round(spare_gone, [1])
+    store.set(rounds.round_key(peer_gone.round), peer_gone.to_json())
+    store.set(rounds.CURRENT_KEY, str(peer_gone.round))
+    assert client.peer_failed(first, within_s=0.05)
+    assert not client.peer_failed(peer_gone, within_s=0.05)
