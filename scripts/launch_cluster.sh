@@ -46,11 +46,19 @@
 # (SSH: the command, default ssh; one node runs here) with NNODES, NODE_RANK and
 # RDZV_ENDPOINT (MASTER_ADDR, default the first host's name, and MASTER_PORT, default
 # 29500, plus the attempt) and the variables listed above. A crash is recovered in
-# place by a spare of its node; when no spare can (a whole node lost), the attempt
-# fails and MAX_RESTARTS relaunches it on the hosts then left, spare hosts included.
+# place by a spare of its node. SPARE_NODES=K starts the K hosts after the first NODES
+# as spare nodes (all their processes wait): one takes the ranks of a node lost whole,
+# whose supervisor went silent for NODE_TIMEOUT seconds (5; passed on when set),
+# recovering them from the peers' copies (--moc-redundancy). COORDINATOR_HOST=HOST
+# runs MoC's coordinator there over ssh (a host outside HOSTFILE that trains nothing,
+# by a name the nodes reach): it serves the job's store instead of node 0, so losing
+# node 0 is a node loss like any other; a list HOST1,HOST2 moves the next attempt to
+# the next host when an attempt's coordinator was lost (its ssh exited 255, or still ran
+# COORDINATOR_GRACE seconds, 60, after every node ended). When no spare can help, the
+# attempt fails and MAX_RESTARTS relaunches it on the hosts then left.
 set -euo pipefail
 if [ $# -lt 6 ]; then
-    sed -n '2,50p' "$0" >&2
+    sed -n '2,58p' "$0" >&2
     exit 2
 fi
 HOSTFILE="$1"; DATA_PATH="$2"; CONFIG="$3"; NODES="$4"; GPUS="$5"; EP="$6"; shift 6
@@ -59,10 +67,14 @@ for f in "$HOSTFILE" "$CONFIG" "${DATA_PATH}.idx" "${DATA_PATH}.bin"; do
     [ -f "$f" ] || { echo "error: file not found: $f" >&2; exit 2; }
 done
 for n in "NODES=$NODES" "GPUS_PER_NODE=$GPUS" "MAX_RESTARTS=${MAX_RESTARTS:-0}" \
-         "MASTER_PORT=${MASTER_PORT:-0}"; do
+         "MASTER_PORT=${MASTER_PORT:-0}" "SPARE_NODES=${SPARE_NODES:-0}" \
+         "COORDINATOR_GRACE=${COORDINATOR_GRACE:-0}"; do
     case "${n#*=}" in *[!0-9]*|'') echo "error: ${n%%=*} must be an integer" >&2; exit 2 ;; esac
 done
 MAX_RESTARTS="${MAX_RESTARTS:-0}"
+SPARE_NODES="${SPARE_NODES:-0}"
+IFS=, read -r -a COORDINATORS <<< "${COORDINATOR_HOST:-}"
+COORD_INDEX=0
 # shellcheck disable=SC1091  # the project's venv, made by scripts/setup_env.sh
 [ -x .venv/bin/python ] && source .venv/bin/activate
 
@@ -70,6 +82,26 @@ MAX_RESTARTS="${MAX_RESTARTS:-0}"
 source scripts/lib/in_job_flags.sh
 in_job_flags "$GPUS" GPUS_PER_NODE "$@"
 restart="$RESTART"
+if [ "$restart" != in-job ] && { [ "$SPARE_NODES" != 0 ] || [ "${#COORDINATORS[@]}" != 0 ]; }; then
+    echo "error: SPARE_NODES and COORDINATOR_HOST need --moc-restart in-job (a relaunch" \
+         "takes spare hosts from the hostfile by itself: see EXCLUDE_SUSPECTS)" >&2
+    exit 2
+fi
+if [ "${#COORDINATORS[@]}" != 0 ]; then
+    if [ $((NODES + SPARE_NODES)) -lt 2 ]; then
+        echo "error: COORDINATOR_HOST needs NODES + SPARE_NODES >= 2 (a coordinator watches" \
+             "several nodes; one node runs here with its own store)" >&2
+        exit 2
+    fi
+    for host in "${COORDINATORS[@]}"; do
+        if awk -v h="$host" '!/^[[:space:]]*#/ && $2 ~ /^slots=/ && $1 == h {found=1}
+                             END {exit !found}' "$HOSTFILE"; then
+            echo "error: COORDINATOR_HOST names $host, a host of $HOSTFILE: the coordinator" \
+                 "runs on a host that trains nothing (a head or login node)" >&2
+            exit 2
+        fi
+    done
+fi
 if [ "$restart" = in-job ]; then
     # checked as the supervisor starts them: its store named, the spares left out
     export MOC_RESTART_STORE="${MOC_RESTART_STORE:-127.0.0.1:29500}"
@@ -174,42 +206,110 @@ print(hosts[0])
 PY
 }
 
+# The remote command for one host: cd to this repository, then env with the variables the
+# deepspeed launcher would have sent the other nodes' ranks, then the words given (NAME=VALUE
+# words, then the command), each quoted for the remote shell.
+remote_command() {
+    local remote line
+    remote="cd $(printf %q "$PWD") && env"
+    while IFS= read -r line; do
+        [ -n "$line" ] && remote+=" $(printf %q "$line")"
+    done < "$DS_ENV_FILE"
+    printf '%s%s' "$remote" "$(printf ' %q' "$@")"
+}
+
+# wait_within PID SECONDS: PID's exit status; 124 when it still ran after SECONDS (then
+# killed). A coordinator whose host went down can leave its ssh waiting on a dead
+# connection for as long as TCP keeps it open, which would hold the relaunch.
+wait_within() {
+    local pid="$1" ticks=$(( $2 * 10 ))
+    while kill -0 "$pid" 2>/dev/null && [ "$ticks" -gt 0 ]; do
+        sleep 0.1
+        ticks=$((ticks - 1))
+    done
+    if kill -0 "$pid" 2>/dev/null; then
+        kill "$pid" 2>/dev/null || true
+        wait "$pid" 2>/dev/null || true
+        return 124
+    fi
+    wait "$pid"
+}
+
 # One attempt of an in-job launch: run_elastic.sh on each of the first NODES hosts of
-# $1 (the attempt's hostfile), rank 0's being $2, the attempt's number $3, the trainer's
-# flags after; waits for every node's, returns the first non-zero status.
+# $1 (the attempt's hostfile) and on the SPARE_NODES hosts after them, rank 0's host
+# being $2, the attempt's number $3, the trainer's flags after; with COORDINATOR_HOST,
+# MoC's coordinator on COORDINATORS[COORD_INDEX] too. Waits for every node's, then the
+# coordinator's (COORDINATOR_GRACE seconds at most), returns the first non-zero status;
+# sets COORD_LOST=1 when the coordinator's ssh failed (255) or had to be killed.
 launch_in_job() {
     local hostfile="$1" first="$2" try="$3"; shift 3
     local -a cmd=(bash scripts/run_elastic.sh "$GPUS" 0 --config "$CONFIG"
                   --data-path "$DATA_PATH" --moe-expert-parallel-size "$EP" "$@"
                   --moc-restart-count "$try")
     local port=$(( ${MASTER_PORT:-29500} + try ))
-    if [ "$NODES" = 1 ]; then
+    local -a hosts pids=() place
+    mapfile -t hosts < <(awk '!/^[[:space:]]*#/ && $2 ~ /^slots=/ {print $1}' "$hostfile" \
+                         | head -n "$((NODES + SPARE_NODES))")
+    local spares=$(( ${#hosts[@]} > NODES ? ${#hosts[@]} - NODES : 0 ))
+    if [ "${#hosts[@]}" = 1 ] && [ "${#COORDINATORS[@]}" = 0 ]; then
         MASTER_PORT="$port" "${cmd[@]}"
         return
     fi
-    local addr="${MASTER_ADDR:-$first}" node=0 host remote status=0 pid rc line
+    if [ "$spares" -lt "$SPARE_NODES" ]; then
+        echo "[launch_cluster] warning: $spares of SPARE_NODES=$SPARE_NODES spare hosts left" \
+             "in the hostfile: a node lost beyond them relaunches the job" >&2
+    fi
+    local addr="${MASTER_ADDR:-$first}" node=0 host status=0 pid rc coord_pid=""
     [ "$first" = "$FIRST_HOST" ] || addr="$first"
-    local -a pids=() hosts
-    mapfile -t hosts < <(awk '!/^[[:space:]]*#/ && $2 ~ /^slots=/ {print $1}' "$hostfile" \
-                         | head -n "$NODES")
+    place=(NNODES="${#hosts[@]}" SPARE_NODES="$spares")
+    [ -z "${NODE_TIMEOUT:-}" ] || place+=(NODE_TIMEOUT="$NODE_TIMEOUT")
+    COORD_LOST=0
+    if [ "${#COORDINATORS[@]}" -gt 0 ]; then
+        # the store on a host that trains nothing: losing node 0 is then a node loss
+        addr="${COORDINATORS[$COORD_INDEX]}"
+        ${SSH:-ssh} "$addr" "$(remote_command "${place[@]}" COORDINATOR=serve \
+                                RDZV_ENDPOINT="$addr:$port" "${cmd[@]}")" &
+        coord_pid="$!"
+        place+=(COORDINATOR=join)
+    fi
     for host in "${hosts[@]}"; do
-        # the variables the deepspeed launcher would have sent, then this node's place
-        remote="cd $(printf %q "$PWD") && env"
-        while IFS= read -r line; do
-            [ -n "$line" ] && remote+=" $(printf %q "$line")"
-        done < "$DS_ENV_FILE"
-        remote+=" NNODES=${#hosts[@]} NODE_RANK=$node RDZV_ENDPOINT=$(printf %q "$addr:$port")"
-        remote+="$(printf ' %q' "${cmd[@]}")"
-        ${SSH:-ssh} "$host" "$remote" &
+        ${SSH:-ssh} "$host" "$(remote_command "${place[@]}" NODE_RANK="$node" \
+                                RDZV_ENDPOINT="$addr:$port" "${cmd[@]}")" &
         pids+=("$!")
         node=$((node + 1))
     done
+    local index=0 server="${hosts[0]}" verdict=""
+    local -a failed=()
     for pid in "${pids[@]}"; do
         rc=0
         wait "$pid" || rc=$?
         [ "$rc" != 3 ] || rc=0  # that node left the job, its ranks on a spare node
+        [ "$rc" = 0 ] || failed+=("${hosts[$index]} (exit $rc)")
+        [ "$index" != 0 ] || [ -n "$coord_pid" ] || verdict="$rc"  # node 0 serves the store
         [ "$status" != 0 ] || status="$rc"
+        index=$((index + 1))
     done
+    if [ -n "$coord_pid" ]; then
+        rc=0
+        wait_within "$coord_pid" "${COORDINATOR_GRACE:-60}" || rc=$?
+        if [ "$rc" = 255 ] || [ "$rc" = 124 ]; then
+            COORD_LOST=1
+            echo "[launch_cluster] the coordinator on $addr was lost (ssh" \
+                 "$([ "$rc" = 124 ] && echo "still waiting ${COORDINATOR_GRACE:-60} s after" \
+                    "every node ended" || echo "exit 255"))" >&2
+        fi
+        server="$addr"
+        verdict="$rc"
+        [ "$status" != 0 ] || status="$rc"
+    fi
+    # The store's server ends 0 only when every training process of the job exited 0: a
+    # node lost and replaced by a spare node (its ssh ended 255, or killed) does not fail
+    # a job that finished without it, and a relaunch would redo the whole job.
+    if [ "$verdict" = 0 ] && [ "$status" != 0 ]; then
+        echo "[launch_cluster] the job finished ($server's supervisor ended 0);" \
+             "lost and replaced on the way: ${failed[*]}" >&2
+        status=0
+    fi
     return "$status"
 }
 
@@ -259,6 +359,11 @@ while true; do
         exit "$status"  # done, bad input (a restart would fail the same way), or out of restarts
     fi
     attempt=$((attempt + 1))
+    if [ "${COORD_LOST:-0}" = 1 ] && [ "${#COORDINATORS[@]}" -gt 1 ]; then
+        COORD_INDEX=$(( (COORD_INDEX + 1) % ${#COORDINATORS[@]} ))
+        echo "[launch_cluster] the next attempt's coordinator runs on" \
+             "${COORDINATORS[$COORD_INDEX]}" >&2
+    fi
     excluded="$(suspects)"
     echo "[launch_cluster] the job failed (exit $status); restart $attempt of $MAX_RESTARTS" \
          "in ${RESTART_DELAY:-10} s${excluded:+, without $excluded}" >&2

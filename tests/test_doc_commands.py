@@ -134,6 +134,12 @@ RUN_BY = {
     "--moc-spares 1":
         "tests/test_launch_scripts.py::"
         "test_an_in_job_launch_runs_one_supervisor_per_host_and_relaunches_on_the_next_port",
+    "SPARE_NODES=1 COORDINATOR_HOST=HEAD MAX_RESTARTS=3 bash scripts/launch_cluster.sh hostfile "
+    "data/web_text_document configs/small.yaml 2 8 2 --global-batch-size 56 --save ckpt --load "
+    "ckpt --moc-checkpoint --moc-two-level --moc-redundancy replicate --moc-restart in-job "
+    "--moc-spares 1":
+        "tests/test_launch_scripts.py::"
+        "test_an_in_job_launch_starts_spare_nodes_and_a_coordinator_and_moves_a_lost_one",
     "python -m deepspeed_ext.supervisor --nproc 2 --spares 1 --nnodes 2 --node-rank 1 "
     "--master-addr NODE0 --port 29500 -- PROGRAM [ARGS...]":
         "tests/training/test_restart.py::"

@@ -154,8 +154,13 @@ def test_master_address_and_port_reach_the_launcher(tmp_path):
 
 IN_JOB = ("--moc-checkpoint", "--save", "ckpt", "--load", "ckpt", "--moc-restart", "in-job",
           "--moc-spares", "1")
+# The stand-ins run at once, one per host: each call is one append of one line, a single
+# write (two print() calls' lines interleaved, and the file could not be read back).
+RECORD = ("import json, os, sys; fd = os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND | os.O_CREAT);"
+          " os.write(fd, (json.dumps(sys.argv[2:]) + chr(10)).encode())")
 FAKE_SSH = """#!/bin/sh
-"{python}" -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "$@" >> "{state}/ssh.jsonl"
+RECORD='{record}'
+"{python}" -c "$RECORD" "{state}/ssh.jsonl" "$@"
 case "$2" in *":29500 "*) exit 1 ;; esac
 """
 
@@ -169,7 +174,8 @@ def test_an_in_job_launch_runs_one_supervisor_per_host_and_relaunches_on_the_nex
     relaunch uses the next port. DeepSpeed's launcher is not used."""
     import shlex
     state = tmp_path / "state"
-    ssh = _executable(tmp_path / "ssh", FAKE_SSH.format(python=sys.executable, state=state))
+    ssh = _executable(tmp_path / "ssh",
+                      FAKE_SSH.format(python=sys.executable, state=state, record=RECORD))
     proc, launches, _ = _run(tmp_path, [], max_restarts=1, gpus=3, flags=IN_JOB,
                              extra_env={"SSH": str(ssh), "MOC_TEST_VALUE": "a b"})
     assert proc.returncode == 0, proc.stderr
@@ -194,6 +200,85 @@ def test_an_in_job_launch_runs_one_supervisor_per_host_and_relaunches_on_the_nex
                       flags=(*IN_JOB[:-1], "3"), extra_env={"SSH": str(ssh)})
     assert proc.returncode == 2
     assert "--moc-spares 3 leaves no training process of GPUS_PER_NODE 3" in proc.stderr
+
+
+COORDINATED_SSH = """#!/bin/sh
+RECORD='{record}'
+"{python}" -c "$RECORD" "{state}/ssh.jsonl" "$@"
+case "$1 $2" in
+    "head-1 "*":29500 "*) exec sleep 30 ;;
+    "head-2 "*) exit 255 ;;
+    "node-c "*":29502 "*) exit 255 ;;
+    *":29500 "*|*":29501 "*) exit 1 ;;
+esac
+"""
+
+
+def test_an_in_job_launch_starts_spare_nodes_and_a_coordinator_and_moves_a_lost_one(
+        tmp_path):
+    """SPARE_NODES=1 adds the host after the first NODES as a spare node (NNODES counts
+    it); COORDINATOR_HOST runs the coordinator over ssh (COORDINATOR=serve) and every
+    node joins its store (COORDINATOR=join, RDZV_ENDPOINT the coordinator's). Attempt 0's
+    coordinator still runs after every node ended (killed after COORDINATOR_GRACE),
+    attempt 1's ssh exits 255: each moves the next attempt to the next host of the list,
+    and attempt 2 runs on head-1 again. There node-c's ssh exits 255 (a node lost, its
+    ranks taken by the spare node) and the coordinator's 0 (the job finished): the launch
+    ends 0, with no fourth attempt."""
+    import shlex
+    state = tmp_path / "state"
+    ssh = _executable(tmp_path / "ssh", COORDINATED_SSH.format(python=sys.executable,
+                                                               state=state, record=RECORD))
+    env = {"SSH": str(ssh), "SPARE_NODES": "1", "COORDINATOR_HOST": "head-1,head-2",
+           "COORDINATOR_GRACE": "1", "NODE_TIMEOUT": "7"}
+    proc, launches, _ = _run(tmp_path, [], max_restarts=2, gpus=3, flags=IN_JOB,
+                             hosts=("node-a", "node-b", "node-c", "node-d"), extra_env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert launches == []
+    by_attempt = {}
+    for host, remote in (json.loads(line) for line in
+                         (state / "ssh.jsonl").read_text().splitlines()):
+        words = shlex.split(remote)
+        by_attempt.setdefault(int(words[-1]), {})[host] = words
+    assert sorted(by_attempt) == [0, 1, 2]
+    for attempt, coordinator in ((0, "head-1"), (1, "head-2"), (2, "head-1")):
+        calls = by_attempt[attempt]
+        assert sorted(calls) == sorted([coordinator, "node-a", "node-b", "node-c"]), calls
+        for host, words in calls.items():
+            assert "NNODES=3" in words and "SPARE_NODES=1" in words and "NODE_TIMEOUT=7" in words
+            assert f"RDZV_ENDPOINT={coordinator}:{29500 + attempt}" in words
+            assert words[words.index("bash"):][:4] == ["bash", "scripts/run_elastic.sh", "3", "0"]
+        assert "COORDINATOR=serve" in calls[coordinator]
+        assert not any(w.startswith("NODE_RANK=") for w in calls[coordinator])
+        for node, host in enumerate(("node-a", "node-b", "node-c")):
+            assert "COORDINATOR=join" in calls[host] and f"NODE_RANK={node}" in calls[host]
+    assert "the coordinator on head-1 was lost (ssh still waiting 1 s" in proc.stderr
+    assert "the coordinator on head-2 was lost (ssh exit 255)" in proc.stderr
+    assert proc.stderr.count("the next attempt's coordinator runs on") == 2
+    assert ("the job finished (head-1's supervisor ended 0); lost and replaced on the way: "
+            "node-c (exit 255)") in proc.stderr
+
+
+@pytest.mark.parametrize("env, nodes, flags, needle", [
+    ({"SPARE_NODES": "1"}, 2, ("--save", "ckpt"),
+     "error: SPARE_NODES and COORDINATOR_HOST need --moc-restart in-job"),
+    ({"COORDINATOR_HOST": "head"}, 2, ("--save", "ckpt"),
+     "error: SPARE_NODES and COORDINATOR_HOST need --moc-restart in-job"),
+    ({"COORDINATOR_HOST": "node-b"}, 2, IN_JOB,
+     "error: COORDINATOR_HOST names node-b, a host of"),
+    ({"COORDINATOR_HOST": "head"}, 1, IN_JOB,
+     "error: COORDINATOR_HOST needs NODES + SPARE_NODES >= 2"),
+    ({"SPARE_NODES": "one"}, 2, IN_JOB, "error: SPARE_NODES must be an integer"),
+])
+def test_spare_nodes_and_a_coordinator_are_refused_where_they_cannot_work(
+        tmp_path, env, nodes, flags, needle):
+    """Nothing starts (no ssh, no launcher), exit 2, a line naming the variable."""
+    state = tmp_path / "state"
+    ssh = _executable(tmp_path / "ssh",
+                      FAKE_SSH.format(python=sys.executable, state=state, record=RECORD))
+    proc, launches, _ = _run(tmp_path, [0], max_restarts=0, nodes=nodes, gpus=3, flags=flags,
+                             extra_env={"SSH": str(ssh), **env})
+    assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+    assert launches == [] and not (state / "ssh.jsonl").exists()
 
 
 @pytest.mark.parametrize("flags, needle", [

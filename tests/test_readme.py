@@ -343,38 +343,49 @@ def torchrun_problems(args: List[str]) -> List[str]:
     return python_problems("python", [ns.training_script, *ns.training_script_args], world)
 
 
+def _launch_per_node(script: str, positional: List[str], flags: Sequence[str]) -> Optional[int]:
+    """Training processes per node of a launch script's command (its spares left out)."""
+    if script not in ("scripts/run_elastic.sh", "scripts/launch_cluster.sh"):
+        return None
+    per_node = _int(positional[0] if script == "scripts/run_elastic.sh" else positional[4])
+    spares = (_int(flags[flags.index("--moc-spares") + 1])
+              if "--moc-spares" in flags[:-1] and "in-job" in flags else 0)
+    return per_node - spares if per_node and spares is not None else None
+
+
 def _launch_world(script: str, positional: List[str], flags: Sequence[str] = (),
                   env: Optional[Dict[str, str]] = None) -> Optional[int]:
+    per_node = _launch_per_node(script, positional, flags)
     if script == "scripts/run_elastic.sh":  # with --moc-restart in-job, less the spares
-        nproc, nodes = _int(positional[0]), _int((env or {}).get("NNODES", "1"))
+        nodes = _int((env or {}).get("NNODES", "1"))
         spare_nodes = _int((env or {}).get("SPARE_NODES", "0"))  # they train nothing
         nodes = nodes - spare_nodes if nodes is not None and spare_nodes is not None else None
-        spares = (_int(flags[flags.index("--moc-spares") + 1])
-                  if "--moc-spares" in flags[:-1] and "in-job" in flags else 0)
-        return (nproc - spares) * nodes if nproc and nodes and spares is not None else None
-    if script == "scripts/launch_cluster.sh":
-        nodes, gpus = _int(positional[3]), _int(positional[4])
-        spares = (_int(flags[flags.index("--moc-spares") + 1])
-                  if "--moc-spares" in flags[:-1] and "in-job" in flags else 0)
-        return nodes * (gpus - spares) if nodes and gpus and spares is not None else None
+        return per_node * nodes if per_node and nodes else None
+    if script == "scripts/launch_cluster.sh":  # NODES training nodes (SPARE_NODES besides)
+        nodes = _int(positional[3])
+        return nodes * per_node if nodes and per_node else None
     return None  # the fixed layouts: tests/test_doc_commands.py launches them
 
 
 @contextlib.contextmanager
-def _under_supervisor(yes: bool):
+def _under_supervisor(yes: bool, per_node: Optional[int] = None):
     """The environment MoC's supervisor gives the trainer (``run_elastic.sh`` starts it
-    for ``--moc-restart in-job``), while a launch's flags are checked."""
+    for ``--moc-restart in-job``): the store's address and, when known, its training
+    processes per node (``LOCAL_WORLD_SIZE``), while a launch's flags are checked."""
     from deepspeed_ext.runtime.rounds import STORE_ENV
-    old = os.environ.get(STORE_ENV)
-    if yes:
-        os.environ[STORE_ENV] = "127.0.0.1:29500"
+    given = {STORE_ENV: "127.0.0.1:29500"} if yes else {}
+    if yes and per_node:
+        given["LOCAL_WORLD_SIZE"] = str(per_node)
+    old = {key: os.environ.get(key) for key in given}
+    os.environ.update(given)
     try:
         yield
     finally:
-        if yes and old is None:
-            os.environ.pop(STORE_ENV, None)
-        elif yes:
-            os.environ[STORE_ENV] = old
+        for key, value in old.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _launch_argv(script: str, positional: List[str], flags: List[str]) -> List[str]:
@@ -412,7 +423,7 @@ def shell_problems(args: List[str], env: Optional[Dict[str, str]] = None) -> Lis
         return [f"{script} takes {least}-{most} positional words and "
                 f"{'flags' if rest else 'no flags'}: got {' '.join(words)}"]
     if rest == "trainer":
-        with _under_supervisor("in-job" in flags):
+        with _under_supervisor("in-job" in flags, _launch_per_node(script, positional, flags)):
             return trainer_problems(_launch_argv(script, positional, flags),
                                     _launch_world(script, positional, flags, env))
     if rest == "scripts/gpu_check.py":
