@@ -76,8 +76,13 @@ def _run_in_job(words) -> int:
         pretrain(args)
         remove_deepspeed_shm_buffers()
 
+    import torch
+    from megatron.training.process import abort_communicators
+    # NCCL (CUDA) only: gloo cannot be aborted from another thread, and a gloo peer's
+    # death closes the connections a survivor waits on anyway
     return run_in_job(words, parse_args, train, _destroy_process_group,
-                      lambda line: print(line, flush=True))
+                      lambda line: print(line, flush=True),
+                      abort=abort_communicators if torch.cuda.is_available() else None)
 
 
 def _destroy_process_group() -> None:
@@ -85,7 +90,7 @@ def _destroy_process_group() -> None:
     megatron-core's, DeepSpeed's cached ones and MoC's with the default group
     (:func:`megatron.training.process.close_process_groups`)."""
     dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
+    if dist is not None and dist.is_available():  # an aborted world is not initialized
         from megatron.training.process import close_process_groups
         close_process_groups()
 

@@ -18,11 +18,16 @@ that writes tens of GB last):
    and the losses after it equal (bitwise, ``--deterministic``) to an uninterrupted run's.
 5. ``exact_replay``: ``--moc-mode exact``: a crash mid-window, the replay, and every
    tensor of the final checkpoint and every loss equal to the uninterrupted run's.
-6. ``checkpoint_stall``: ``benchmarks/two_level_bench.py`` on an 84 M-parameter GPT-MoE,
+6. ``in_job_restart``: issue 37's rows (one GPU shows no multi-rank recovery): the
+   survivor's group cycle five times in one process (the round's groups, an
+   all-reduce, ``abort_communicators``, ``close_process_groups``), and a hot spare
+   taking rank 0 over after a crash at 7 (1 rank + 1 spare, ``--moc-restart in-job``),
+   recovering from memory with every loss equal to the bit.
+7. ``checkpoint_stall``: ``benchmarks/two_level_bench.py`` on an 84 M-parameter GPT-MoE,
    one rank (EP 1), a checkpoint every iteration, 30 timed: MoC's stall against DeepSpeed's
    ``save_checkpoint``, the iteration overhead (A/B/A), the slot preparation at start-up
    and the median of each snapshot stage.
-7. ``checkpoint_stall_large``: the same benchmark, ``moc-full`` only, on a 757 M-parameter
+8. ``checkpoint_stall_large``: the same benchmark, ``moc-full`` only, on a 757 M-parameter
    GPT-MoE (9.1 GB of fp32 master weights and Adam moments on the one rank), a snapshot
    every 4 iterations: the stall against the save call (within a few ms) and the copy's
    GB/s against a pinned copy's (>= 0.8x; ``snapshot_bandwidth``'s, else measured here).

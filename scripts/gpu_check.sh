@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Check MoC's CUDA paths on one GPU in under 10 minutes: install the project's dependencies
+# Check MoC's CUDA paths on one GPU (10 minutes without in_job_restart): install the project's dependencies
 # offline from .gpu_wheels/ (made by scripts/gpu_wheels.sh on a machine that reaches PyPI
-# and copied over with the repository), then run scripts/gpu_check.py's seven checks, each under a time cap: the
+# and copied over with the repository), then run scripts/gpu_check.py's eight checks, each under a time cap: the
 # CUDA unit tests, what 2 ranks sharing the GPU can use, snapshot bandwidth against a
 # pinned copy, a crash recovered from memory with bitwise losses, an exact-mode replay,
-# the checkpoint stall against DeepSpeed's save_checkpoint with MoC's snapshot stages, and
+# an in-job restart's NCCL group cycle and a hot spare's takeover, the checkpoint stall against DeepSpeed's save_checkpoint with MoC's snapshot stages, and
 # the stall and copy bandwidth of a 9 GB state (checkpoint_stall_large). Prints one PASS/FAIL/SKIP
 # line per check and writes a JSON summary to benchmarks/gpu/<date>-<device>.json and to
 # $OUT when set. Exit 0 unless a check failed.

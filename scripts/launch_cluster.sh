@@ -21,8 +21,8 @@
 # prints on that host, which can be an interface the other nodes cannot reach (docker0).
 # The launcher gives the other nodes' ranks only part of this environment (PYTHON*,
 # NCCL*, ...); this script also sends them every MOC_*, TORCH_NCCL_* and OMP_NUM_THREADS
-# variable set here (TORCH_NCCL_ASYNC_ERROR_HANDLING defaults to 1), through a file of
-# its own, to which it adds the lines of your .deepspeed_env in $HOME and in the
+# variable set here (TORCH_NCCL_ASYNC_ERROR_HANDLING defaults to 1, 2 in-job), through a
+# file of its own, to which it adds the lines of your .deepspeed_env in $HOME and in the
 # repository root (or of the files DS_ENV_FILE names there; read, never written; their
 # values win, as they do over NCCL_* ones with DeepSpeed alone).
 #
@@ -111,8 +111,12 @@ fi
 python -m megatron.training.launch_check "$CONFIG" "$DATA_PATH" "$EP" "$@" || exit 2
 unset MOC_RESTART_STORE  # the supervisor sets it for its processes
 # TORCH_NCCL_ASYNC_ERROR_HANDLING is the current name (NCCL_ASYNC_ERROR_HANDLING is
-# deprecated); a value given under the old name still counts.
-export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-${NCCL_ASYNC_ERROR_HANDLING:-1}}"
+# deprecated); a value given under the old name still counts. 1 tears a rank down on its
+# first NCCL error, so that the launcher sees the failure; in-job, 2 aborts the
+# communicators and leaves the process alive (a survivor), as MoC's supervisor requires.
+handling=1
+[ "$restart" != in-job ] || handling=2
+export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-${NCCL_ASYNC_ERROR_HANDLING:-$handling}}"
 LAUNCHED_AT="$(date +%s)"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/moc-launch.XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT

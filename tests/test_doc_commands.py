@@ -174,6 +174,8 @@ RUN_BY = {
         "tests/test_gpu_check.py::test_a_failed_install_fails_the_run_and_runs_no_check",
     "bash scripts/gpu_check.sh --only cuda_unit_tests,checkpoint_stall":
         "tests/test_gpu_check.py::test_dry_run_writes_the_summary_with_every_check_skipped",
+    "bash scripts/gpu_check.sh --only in_job_restart":
+        "tests/test_gpu_check.py::test_dry_run_writes_the_summary_with_every_check_skipped",
     # docs/logs.md
     "pip install -e .[tensorboard]": INSTALL,
     # docs/megatron-deepspeed.md

@@ -18,7 +18,7 @@ import pytest
 from tests.launch import REPO
 
 CHECKS = ["cuda_unit_tests", "ranks_per_gpu", "snapshot_bandwidth", "memory_recovery",
-          "exact_replay", "checkpoint_stall", "checkpoint_stall_large"]
+          "exact_replay", "in_job_restart", "checkpoint_stall", "checkpoint_stall_large"]
 ENVIRONMENT = {"mode", "device", "date", "commit", "host", "python", "torch", "cuda", "nccl",
                "deepspeed", "megatron_core", "shm_free_gib"}
 

@@ -188,6 +188,7 @@ def test_an_in_job_launch_runs_one_supervisor_per_host_and_relaunches_on_the_nex
         attempt = int(words[-1])
         node = {"node-a": "0", "node-b": "1"}[host]
         assert "MOC_TEST_VALUE=a b" in words and "NNODES=2" in words
+        assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=2" in words  # in-job: survivors live on
         assert f"NODE_RANK={node}" in words
         assert f"RDZV_ENDPOINT=node-a:{29500 + attempt}" in words
         start = words.index("bash")

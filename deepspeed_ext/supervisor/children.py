@@ -5,7 +5,9 @@ Every process of the launch has a *slot* (its index in the whole job, ``MOC_SLOT
 ranks with the variables torchrun sets (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); its ``S`` spares after them get
 the same less ``RANK`` and ``LOCAL_RANK`` (a spare learns its rank from the round that
-gives it one), as does every process of a spare node. Every process gets the store's address (``MOC_RESTART_STORE``).
+gives it one), as does every process of a spare node. Every process gets the store's
+address (``MOC_RESTART_STORE``), and ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` 2 unless it is 0
+or 2 (:data:`SURVIVABLE_HANDLING`).
 """
 
 import signal
@@ -20,6 +22,14 @@ from deepspeed_ext.supervisor.options import SupervisorOptions
 POLL_S = 0.1
 """How often exits are looked for: a death is seen within it, and a waiting supervisor
 costs nothing (no busy loop)."""
+
+NCCL_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+"""What torch's NCCL watchdog does when a collective fails or times out."""
+SURVIVABLE_HANDLING = ("2", "0")
+"""Values that leave a survivor alive: 2 (CleanUpOnly: abort the communicators, raise in
+the process) and 0 (no handling). The default (3) and 1 tear the process down on the
+first error, a survivor's too, and every in-job recovery on NCCL would become a
+relaunch; the processes get 2 instead."""
 
 RANK_VARIABLES = ("RANK", "LOCAL_RANK")
 """What a spare must not inherit: a spare that read a stale ``RANK`` from the
@@ -63,6 +73,8 @@ def child_env(base: Mapping[str, str], slot: int, options: SupervisorOptions,
     env = dict(base)
     for name in RANK_VARIABLES:
         env.pop(name, None)
+    if env.get(NCCL_ERROR_HANDLING) not in SURVIVABLE_HANDLING:
+        env[NCCL_ERROR_HANDLING] = SURVIVABLE_HANDLING[0]
     host = options.host
     env.update({STORE_ENV: f"{host}:{port}", SLOT_ENV: str(slot),
                 "WORLD_SIZE": str(options.world_size), "LOCAL_WORLD_SIZE": str(options.nproc),

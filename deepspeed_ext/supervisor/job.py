@@ -55,7 +55,8 @@ import torch.distributed as dist
 from deepspeed_ext.runtime.rounds import (CURRENT_KEY, DONE_KEY, FINISHED_KEY,
                                           MAX_REASON_BYTES, RoundAssignment, first_round,
                                           kill_count_key, kill_key, node_beat_key)
-from deepspeed_ext.supervisor.children import (POLL_S, Child, child_env, describe_exit,
+from deepspeed_ext.supervisor.children import (NCCL_ERROR_HANDLING, POLL_S, SURVIVABLE_HANDLING,
+                                               Child, child_env, describe_exit,
                                                kill_children, signal_children, start_child)
 from deepspeed_ext.supervisor.ending import JobEnding
 from deepspeed_ext.supervisor.nodes import NodeWatch
@@ -141,6 +142,10 @@ class Supervisor(JobEnding):
             return ""
         argv = program_argv(self.options.command)
         base = dict(os.environ)
+        if base.get(NCCL_ERROR_HANDLING, SURVIVABLE_HANDLING[0]) not in SURVIVABLE_HANDLING:
+            LOG.info(f"{self.prefix}{NCCL_ERROR_HANDLING}={SURVIVABLE_HANDLING[0]} for the "
+                     f"processes, not {base[NCCL_ERROR_HANDLING]} (which tears a survivor down "
+                     "on its first NCCL error)")
         for slot in self.options.own_slots:
             if self.stop_signal is not None:  # stopped while starting: start no more
                 return ""

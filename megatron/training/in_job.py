@@ -22,6 +22,7 @@ MoC's supervisor (``python -m deepspeed_ext.supervisor``, started by
 """
 
 import argparse
+import contextlib
 import gc
 import os
 import sys
@@ -32,6 +33,7 @@ from typing import Callable, Dict, List, Optional
 
 from deepspeed_ext.runtime import rounds
 from megatron.training.group_leaks import describe, group_refs, outlived
+from megatron.training.round_watch import RoundWatcher
 from megatron.errors import ConfigError
 
 PEER_FAILURE_WAIT_S = 15.0
@@ -245,7 +247,8 @@ def free_run_objects(max_passes: int = 5) -> int:
 
 def run_in_job(argv: List[str], parse: Callable[[List[str]], argparse.Namespace],
                train: Callable[[argparse.Namespace], object],
-               close: Callable[[], None], log: Callable[[str], None]) -> int:
+               close: Callable[[], None], log: Callable[[str], None],
+               abort: Optional[Callable[[], bool]] = None) -> int:
     """Every process the supervisor started: train in each round this slot has a rank in
     until the job is done (see the module docstring). Returns 0 when this process's last
     run finished or the job ended without needing it.
@@ -256,6 +259,11 @@ def run_in_job(argv: List[str], parse: Callable[[List[str]], argparse.Namespace]
         close: what follows a run on this process (its process groups torn down), after
             a finished run and after a failed one.
         log: one line to the user.
+        abort: with NCCL, what ends this process's communicators without waiting for
+            peers (:func:`megatron.training.process.abort_communicators`): called after a
+            failed run, before ``close``, and by a :class:`RoundWatcher` beside each run
+            once a newer round names a peer failed (a kernel waiting for a dead peer
+            never errs). None: neither (gloo).
 
     Raises:
         ConfigError: bad flags (the same on every process: no round would fix them).
@@ -280,9 +288,12 @@ def run_in_job(argv: List[str], parse: Callable[[List[str]], argparse.Namespace]
         if assignment.round:
             log(f"[moc] slot {client.slot} (pid {os.getpid()}): round {assignment.round} as "
                 f"rank {rank} (slots {list(assignment.failed)} failed)")
-        failure = _run_round(argv, parse, train, close,
-                             lambda args: _record_round(args, assignment, client.slot, left,
-                                                        joined))
+        watch = (RoundWatcher(lambda: RoundClient.from_env().store, assignment, abort, log)
+                 if abort is not None else contextlib.nullcontext())
+        with watch:
+            failure = _run_round(argv, parse, train, close,
+                                 lambda args: _record_round(args, assignment, client.slot,
+                                                            left, joined), abort)
         if failure is None:
             return 0
         left = LeftRound(assignment.round, caught=failure.caught, torn_down=time.time())
@@ -293,7 +304,7 @@ def run_in_job(argv: List[str], parse: Callable[[List[str]], argparse.Namespace]
         seen = newest
 
 
-def _run_round(argv, parse, train, close, record) -> Optional["OwnError"]:
+def _run_round(argv, parse, train, close, record, abort=None) -> Optional["OwnError"]:
     """One round's run on this process: None when it finished, else its error, once the
     failed run is left (its groups closed, its objects freed).
 
@@ -317,6 +328,8 @@ def _run_round(argv, parse, train, close, record) -> Optional["OwnError"]:
         close()
         return None
     refs = group_refs()
+    if abort is not None:
+        abort()  # NCCL: a destroy would wait for the failed collectives
     close()
     free_run_objects()
     survivors = outlived(refs)

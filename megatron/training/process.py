@@ -11,6 +11,7 @@ next round of an in-job restart).
 
 import argparse
 import os
+import threading
 
 import torch
 import torch.distributed as dist
@@ -161,6 +162,43 @@ def set_determinism(args: argparse.Namespace) -> None:
                      + ": " + "; ".join(done))
 
 
+ABORT_LOCK = threading.Lock()
+"""Held while the communicators are aborted or the groups closed: the round watcher's
+thread and the main thread may both get there after a failure."""
+_aborted = False
+"""Whether :func:`abort_communicators` ended this process's world since the last
+:func:`close_process_groups`."""
+
+
+def nccl_in_use() -> bool:
+    """Whether this process's default group runs its CUDA collectives on NCCL."""
+    return (dist.is_available() and dist.is_initialized() and dist.is_nccl_available()
+            and "nccl" in str(dist.get_backend()))
+
+
+def abort_communicators() -> bool:
+    """Any thread of a training process, once its run has failed (a peer died): on NCCL,
+    abort every communicator of every group (``ncclCommAbort``) and drop torch's record of
+    them; returns whether it did. No-op (False) on gloo, or when nothing is left to abort.
+
+    A destroy would wait for the failed collectives, and a kernel waiting for a dead
+    peer inside a node never errs: the main thread would stay blocked until the group's
+    timeout. After the abort that kernel ends, the main thread's next collective raises,
+    and :func:`close_process_groups` drops what DeepSpeed and megatron-core keep.
+    (gloo cannot be aborted from another thread in torch 2.13: a gloo peer's death
+    closes its connections instead, and a hang is the monitor's.)
+    """
+    global _aborted
+    with ABORT_LOCK:
+        if not nccl_in_use():
+            return False
+        # torch's own experimental call: every group's communicators in one NCCL group
+        # call (aborted one by one they can deadlock each other), its tables cleared
+        dist.distributed_c10d._abort_process_group()
+        _aborted = True
+        return True
+
+
 def close_process_groups() -> None:
     """Every rank, after its last collective of the run: destroy every group the run made,
     so that :func:`initialize_distributed` can make them again in this process.
@@ -170,24 +208,50 @@ def close_process_groups() -> None:
     also drops the expert, expert-data, all-to-all and world groups and the mpu that
     ``deepspeed.utils.groups`` caches), then MoC's metadata group. A second
     ``deepspeed.initialize`` that found the cached groups of a destroyed world reused
-    them and failed in its first collective. No-op when no process group exists.
+    them and failed in its first collective. After :func:`abort_communicators` torch's
+    groups are gone already: only the references are dropped. No-op when no process
+    group exists.
     """
+    global _aborted
+    with ABORT_LOCK:
+        aborted, _aborted = _aborted, False
+        if not aborted and not (dist.is_available() and dist.is_initialized()):
+            return
+        _forget_cached_groups()
+        from deepspeed.comm import comm as ds_comm  # the module: the package's cdb is a copy
+        if aborted:
+            _release_deepspeed_groups()
+        elif ds_comm.cdb is not None:
+            ds_comm.destroy_process_group()
+        else:
+            dist.destroy_process_group()
+        from deepspeed_ext.runtime.groups import forget_metadata_group
+        forget_metadata_group()
+
+
+def _forget_cached_groups() -> None:
+    """megatron-core's model-parallel groups and the pipeline's p2p groups."""
     import sys
-    if not (dist.is_available() and dist.is_initialized()):
-        return
     core = sys.modules.get("megatron.core.parallel_state")
     if core is not None and core.model_parallel_is_initialized():
-        core.destroy_model_parallel()
+        core.destroy_model_parallel()  # destroys only the groups torch still lists
     p2p = sys.modules.get("deepspeed.runtime.pipe.p2p")
     if p2p is not None:
         # The pipeline's send/recv groups and grid live in module globals: kept, they held
         # a failed run's connections open, and a stage-0 survivor waited in its recv from
         # stage 1 (which had left the round) for the whole group timeout.
         p2p._groups, p2p._grid, p2p._async = None, None, []
-    from deepspeed.comm import comm as ds_comm  # the module: the package's cdb is a copy
-    if ds_comm.cdb is not None:
-        ds_comm.destroy_process_group()
-    else:
-        dist.destroy_process_group()
-    from deepspeed_ext.runtime.groups import forget_metadata_group
-    forget_metadata_group()
+
+
+def _release_deepspeed_groups() -> None:
+    """After an abort: what ``deepspeed.comm.destroy_process_group`` drops once torch's
+    destroy succeeded (the expert, expert-data, all-to-all and world groups, the mpu),
+    without that destroy, which would refuse a world torch no longer lists."""
+    from deepspeed.utils import groups
+    release = getattr(groups, "_release_process_group_references", None)
+    if release is None:
+        raise RuntimeError("this DeepSpeed cannot drop its process groups after an NCCL "
+                           "abort (no deepspeed.utils.groups._release_process_group_"
+                           "references): use DeepSpeed 0.19.8 or later for --moc-restart "
+                           "in-job on NCCL")
+    release(group=None)

@@ -13,9 +13,10 @@ from gpu_checks.common import (FAIL, PASS, TINY, CheckResult, Context, child_env
 
 
 def run_pair(ctx: Context, log: str, cap_s: float, base: List[str], ref: str, run: str,
-             max_restarts: str, crash_flags: List[str], shm: Optional[str] = None) -> Optional[str]:
+             max_restarts: str, crash_flags: List[str], shm: Optional[str] = None,
+             nproc: str = "1") -> Optional[str]:
     """The uninterrupted run (``pretrain_gpt_moe.py``, one rank, checkpoints and metrics
-    under ``ref``), then the crashed one (``run_elastic.sh 1 max_restarts``, under
+    under ``ref``), then the crashed one (``run_elastic.sh NPROC max_restarts``, under
     ``run``, with ``crash_flags``; the keepers under ``shm`` stopped after it), both
     within ``cap_s`` from now. Returns why one failed, or None."""
     start = time.monotonic()
@@ -28,7 +29,7 @@ def run_pair(ctx: Context, log: str, cap_s: float, base: List[str], ref: str, ru
     ckpt = os.path.join(run, "ckpt")
     try:
         rc, timed_out, _ = run_capped(
-            ["bash", "scripts/run_elastic.sh", "1", max_restarts, *base, "--save", ckpt,
+            ["bash", "scripts/run_elastic.sh", nproc, max_restarts, *base, "--save", ckpt,
              "--load", ckpt, "--metrics-file", os.path.join(run, "m.jsonl"), *crash_flags],
             log, cap_s - (time.monotonic() - start), child_env({"OMP_NUM_THREADS": "2"}))
     finally:

@@ -58,7 +58,8 @@ class Child:
 
     def record(self, event: str, **fields) -> None:
         line = {"event": event, "slot": self.slot, "pid": os.getpid(), "round": self.round,
-                "rank": self.rank, "env_rank": os.environ.get("RANK"), **fields}
+                "rank": self.rank, "env_rank": os.environ.get("RANK"),
+                "nccl_handling": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING"), **fields}
         text = json.dumps(line)
         with open(os.environ["MOC_TEST_RECORDS"], "a") as f:
             f.write(text + "\n")  # one short write: lines of processes do not mix

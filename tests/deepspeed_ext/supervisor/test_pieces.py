@@ -10,7 +10,7 @@ import pytest
 
 from deepspeed_ext.runtime.rounds import (CURRENT_KEY, DONE_KEY, SLOT_ENV, STORE_ENV,
                                           RoundAssignment, first_round, next_round, round_key)
-from deepspeed_ext.supervisor.children import child_env, describe_exit
+from deepspeed_ext.supervisor.children import NCCL_ERROR_HANDLING, child_env, describe_exit
 from deepspeed_ext.supervisor.options import SupervisorOptions, parse_options, program_argv
 from deepspeed_ext.supervisor.store import write_done, write_round
 
@@ -63,11 +63,22 @@ def test_a_training_slot_gets_torchrun_s_variables_and_a_spare_no_rank():
     assert trainer == {"PATH": "/bin", STORE_ENV: "127.0.0.1:4242", SLOT_ENV: "1",
                        "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2",
                        "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": "4242"}
+                       "MASTER_PORT": "4242", NCCL_ERROR_HANDLING: "2"}
     spare = child_env(base, 2, one_node, 4242)
     assert "RANK" not in spare and "LOCAL_RANK" not in spare  # not the supervisor's own
     assert (spare[SLOT_ENV], spare["WORLD_SIZE"], spare[STORE_ENV]) == ("2", "2", "127.0.0.1:4242")
     assert base["RANK"] == "7"  # the supervisor's environment is not changed
+
+
+@pytest.mark.parametrize("given, gets", [(None, "2"), ("1", "2"), ("3", "2"), ("0", "0"),
+                                         ("2", "2")])
+def test_nccl_errors_leave_a_survivor_alive(given, gets):
+    """TORCH_NCCL_ASYNC_ERROR_HANDLING: its default (3) and 1 end the process on its first
+    NCCL error, a survivor's too; the processes get 2 (abort the communicators, raise)
+    unless it is 0 or 2."""
+    base = {} if given is None else {NCCL_ERROR_HANDLING: given}
+    env = child_env(base, 0, SupervisorOptions(2, 1, ("train.py",)), 4242)
+    assert env[NCCL_ERROR_HANDLING] == gets
 
 
 def test_a_second_node_s_slots_train_as_the_ranks_after_the_first_node_s():

@@ -159,18 +159,24 @@ def test_a_spare_and_a_rank_dying_together_are_two_rounds(jobs):
                for line in deaths), job.stderr
 
 
-def test_a_death_without_a_spare_stops_every_process_and_the_job_fails(jobs):
+def test_a_death_without_a_spare_stops_every_process_and_the_job_fails(jobs, monkeypatch):
+    """And TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (a survivor torn down on its first NCCL
+    error) reaches the processes as 2, with one line saying so."""
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     job = jobs(2, 0)
     survivor = job.joined(0, 0)
+    assert survivor["nccl_handling"] == "2"
     job.joined(0, 1)
     job.tell(1, "kill")
     assert job.end() == 1, job.stderr
     stopped = job.records("terminated")
     assert [(r["slot"], r["pid"]) for r in stopped] == [(0, survivor["pid"])]
     assert stopped[0]["done"].startswith("failed: slot 1 (rank 1, pid ")  # done before SIGTERM
-    (line,) = [line for line in job.lines() if "ERROR" in line]
+    (line,) = [line for line in job.lines() if "ERROR:" in line]
     assert "no spare is left to take rank 1" in line and "must be relaunched" in line
     assert not any("round 1" in line for line in job.lines()), job.stderr
+    assert ("[moc supervisor] TORCH_NCCL_ASYNC_ERROR_HANDLING=2 for the processes, not 1 (which "
+            "tears a survivor down on its first NCCL error)") in job.lines(), job.stderr
 
 
 @pytest.mark.parametrize("flags, flag", [
