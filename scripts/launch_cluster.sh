@@ -54,11 +54,13 @@
 # by a name the nodes reach): it serves the job's store instead of node 0, so losing
 # node 0 is a node loss like any other; a list HOST1,HOST2 moves the next attempt to
 # the next host when an attempt's coordinator was lost (its ssh exited 255, or still ran
-# COORDINATOR_GRACE seconds, 60, after every node ended). When no spare can help, the
-# attempt fails and MAX_RESTARTS relaunches it on the hosts then left.
+# COORDINATOR_GRACE seconds, 60, after every node ended). An attempt whose store server
+# (the coordinator, else node 0's supervisor) ended 0 finished, whatever a lost node's ssh
+# returned. When no spare can help, the attempt fails and MAX_RESTARTS relaunches it on
+# the hosts then left.
 set -euo pipefail
 if [ $# -lt 6 ]; then
-    sed -n '2,58p' "$0" >&2
+    sed -n '2,60p' "$0" >&2
     exit 2
 fi
 HOSTFILE="$1"; DATA_PATH="$2"; CONFIG="$3"; NODES="$4"; GPUS="$5"; EP="$6"; shift 6

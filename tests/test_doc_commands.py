@@ -149,6 +149,7 @@ RUN_BY = {
         "tests/deepspeed_ext/supervisor/test_supervisor.py::"
         "test_a_killed_rank_goes_to_a_spare_the_survivors_keep_running_and_the_other_is_released",
     "python benchmarks/restart_bench.py --ranks 4 --repeats 3": BENCHMARK,
+    "python benchmarks/restart_bench.py --ranks 4 --repeats 5": BENCHMARK,
     "python benchmarks/restart_bench.py --ranks 4 --repeats 3 --iters 48 --crash-at 32": BENCHMARK,
     "python benchmarks/restart_bench.py --ranks 4 --repeats 2 --fault hang": BENCHMARK,
     "python benchmarks/restart_trials.py --trials 20 --seed 1 --ranks 4": BENCHMARK,
