@@ -57,7 +57,7 @@
 # COORDINATOR_GRACE seconds, 60, after every node ended). An attempt whose store server
 # (the coordinator, else node 0's supervisor) ended 0 finished, whatever a lost node's ssh
 # returned. When no spare can help, the attempt fails and MAX_RESTARTS relaunches it on
-# the hosts then left.
+# the hosts then left, without those whose ssh exited 255 (down or unreachable).
 set -euo pipefail
 if [ $# -lt 6 ]; then
     sed -n '2,60p' "$0" >&2
@@ -77,6 +77,7 @@ MAX_RESTARTS="${MAX_RESTARTS:-0}"
 SPARE_NODES="${SPARE_NODES:-0}"
 IFS=, read -r -a COORDINATORS <<< "${COORDINATOR_HOST:-}"
 COORD_INDEX=0
+UNREACHABLE=""
 # shellcheck disable=SC1091  # the project's venv, made by scripts/setup_env.sh
 [ -x .venv/bin/python ] && source .venv/bin/activate
 
@@ -174,6 +175,14 @@ for line in open(sys.argv[1]):
         hosts.append(event["host"])
 print("@".join(hosts))
 PY
+}
+
+# The hosts the next attempt leaves out, joined by @: the suspects, and the hosts whose
+# ssh failed (255) in an in-job attempt.
+left_out() {
+    local named
+    named="$(suspects)"
+    printf '%s' "${named}${named:+${UNREACHABLE:+@}}${UNREACHABLE}"
 }
 
 # Writes HOSTFILE less the hosts in $1 (joined by @) to $WORK/hostfile; prints the first
@@ -291,6 +300,9 @@ launch_in_job() {
         wait "$pid" || rc=$?
         [ "$rc" != 3 ] || rc=0  # that node left the job, its ranks on a spare node
         [ "$rc" = 0 ] || failed+=("${hosts[$index]} (exit $rc)")
+        # ssh's own failure: the host went down or cannot be reached; the next attempt
+        # leaves it out (a node never started would hold round 0 of every later attempt)
+        [ "$rc" != 255 ] || UNREACHABLE+="${UNREACHABLE:+@}${hosts[$index]}"
         [ "$index" != 0 ] || [ -n "$coord_pid" ] || verdict="$rc"  # node 0 serves the store
         [ "$status" != 0 ] || status="$rc"
         index=$((index + 1))
@@ -330,7 +342,7 @@ while true; do
     # they pass the hostfile to mpirun.
     hostfile="$HOSTFILE"
     first="$FIRST_HOST"
-    excluded="$(suspects)"
+    excluded="$(left_out)"
     if [ -n "$excluded" ]; then
         first="$(hostfile_without "$excluded")" || exit 1
         hostfile="$WORK/hostfile"
@@ -370,7 +382,7 @@ while true; do
         echo "[launch_cluster] the next attempt's coordinator runs on" \
              "${COORDINATORS[$COORD_INDEX]}" >&2
     fi
-    excluded="$(suspects)"
+    excluded="$(left_out)"
     echo "[launch_cluster] the job failed (exit $status); restart $attempt of $MAX_RESTARTS" \
          "in ${RESTART_DELAY:-10} s${excluded:+, without $excluded}" >&2
     sleep "${RESTART_DELAY:-10}"

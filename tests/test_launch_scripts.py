@@ -259,6 +259,36 @@ def test_an_in_job_launch_starts_spare_nodes_and_a_coordinator_and_moves_a_lost_
             "node-c (exit 255)") in proc.stderr
 
 
+UNREACHABLE_SSH = """#!/bin/sh
+RECORD='{record}'
+"{python}" -c "$RECORD" "{state}/ssh.jsonl" "$@"
+case "$1 $2" in
+    "node-b "*":29500 "*) exit 255 ;;
+    *":29500 "*) exit 1 ;;
+esac
+"""
+
+
+def test_a_host_whose_ssh_failed_is_left_out_of_the_next_attempt(tmp_path):
+    """Attempt 0: node-b's ssh exits 255 (the host down), node-a's supervisor 1 (the job
+    could not go on). Attempt 1 runs on node-a and node-c, node-b left out: a node that
+    never starts would hold every later attempt's round 0."""
+    import shlex
+    state = tmp_path / "state"
+    ssh = _executable(tmp_path / "ssh", UNREACHABLE_SSH.format(python=sys.executable,
+                                                               state=state, record=RECORD))
+    proc, _, _ = _run(tmp_path, [], max_restarts=1, gpus=3, flags=IN_JOB,
+                      hosts=("node-a", "node-b", "node-c"), extra_env={"SSH": str(ssh)})
+    assert proc.returncode == 0, proc.stderr
+    calls = [json.loads(line) for line in (state / "ssh.jsonl").read_text().splitlines()]
+    by_attempt = {}
+    for host, remote in calls:
+        by_attempt.setdefault(int(shlex.split(remote)[-1]), []).append(host)
+    assert sorted(by_attempt[0]) == ["node-a", "node-b"]
+    assert sorted(by_attempt[1]) == ["node-a", "node-c"]
+    assert "restart 1 of 1 in 0 s, without node-b" in proc.stderr
+
+
 @pytest.mark.parametrize("env, nodes, flags, needle", [
     ({"SPARE_NODES": "1"}, 2, ("--save", "ckpt"),
      "error: SPARE_NODES and COORDINATOR_HOST need --moc-restart in-job"),
