@@ -301,7 +301,7 @@ launch_in_job() {
         [ "$rc" != 3 ] || rc=0  # that node left the job, its ranks on a spare node
         [ "$rc" = 0 ] || failed+=("${hosts[$index]} (exit $rc)")
         # ssh's own failure: the host went down or cannot be reached; the next attempt
-        # leaves it out (a node never started would hold round 0 of every later attempt)
+        # leaves it out (a node never started would hold round 0 until its group timed out)
         [ "$rc" != 255 ] || UNREACHABLE+="${UNREACHABLE:+@}${hosts[$index]}"
         [ "$index" != 0 ] || [ -n "$coord_pid" ] || verdict="$rc"  # node 0 serves the store
         [ "$status" != 0 ] || status="$rc"

@@ -272,7 +272,7 @@ esac
 def test_a_host_whose_ssh_failed_is_left_out_of_the_next_attempt(tmp_path):
     """Attempt 0: node-b's ssh exits 255 (the host down), node-a's supervisor 1 (the job
     could not go on). Attempt 1 runs on node-a and node-c, node-b left out: a node that
-    never starts would hold every later attempt's round 0."""
+    never starts would hold the next round 0 until its group timed out."""
     import shlex
     state = tmp_path / "state"
     ssh = _executable(tmp_path / "ssh", UNREACHABLE_SSH.format(python=sys.executable,
