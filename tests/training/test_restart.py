@@ -131,23 +131,31 @@ def test_straggler_is_reported_without_stopping_the_job(corpus, tmp_path, fault)
 
 
 def test_two_level_faults_in_snapshot_persist_and_node_memory(corpus, tmp_path):
-    """Rank 0 dies while the snapshot of iteration 3 is being copied (the half-written
-    snapshot must not count: the restart recovers iteration 2 from memory); the keeper
-    dies while persisting (training goes on, persisting in process); rank 1's node loses
-    its memory at iteration 11 (the restart recovers from storage)."""
+    """In-job (2 ranks + 2 hot spares; a relaunch from memory is
+    test_crash_restarts_and_finishes_exactly's): rank 0 dies while the snapshot of
+    iteration 3 is being copied (the half-written snapshot must not count: a spare
+    recovers iteration 2 from memory); the keeper dies while persisting (training goes
+    on, persisting in process); rank 1's node loses its memory at iteration 11 (the other
+    spare recovers from storage). Both recoveries in place: no relaunch (restarts 0)."""
     shm = new_shm_dir()
     try:
         proc, records, events = _elastic(tmp_path, corpus, [
             "--train-iters", "14", "--lr-decay-iters", "14", "--moc-two-level",
             "--moc-snapshot-interval", "1", "--moc-persist-interval", "3", "--moc-shm-dir", shm,
+            "--moc-restart", "in-job", "--moc-spares", "2",
             "--moc-fault", "snapshot-crash@3:rank=0", "persist-crash@5:rank=1",
             "lose-memory@11:rank=1",
             # After the restart, snapshots 3, 6 and 9 are due for storage. The keeper must
             # finish persisting 3 before 6 is taken (else 6 stays in memory and the crash
             # moves to 9), and die on 6 before 9 is taken (where the ranks notice): on a
             # loaded machine it can lag, so rank 1 pauses 2 s before 6 and before 9.
-            "slow@6:rank=1:slow=2", "slow@9:rank=1:slow=2"], restarts=3)
+            "slow@6:rank=1:slow=2", "slow@9:rank=1:slow=2"], nproc=4, restarts=0)
         _ok(proc)
+        rounds = sorted((e["round"], e["slot"], e["role"]) for e in events
+                        if e["kind"] == "in-job-round")
+        # slot 0 (rank 0) died at 3, its spare slot 2 took it; slot 1 (rank 1) at 11, slot 3
+        assert rounds == [(1, 1, "survivor"), (1, 2, "spare"), (2, 2, "survivor"),
+                          (2, 3, "spare")], rounds
         faults = [(e["fault"], e["rank"]) for e in events
                   if e["kind"] == "fault" and e["fault"] != "slow"]
         assert faults == [("snapshot-crash", 0), ("lose-memory", 1)], events
