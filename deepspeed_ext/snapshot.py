@@ -396,6 +396,38 @@ def _touch(mapping: torch.Tensor) -> None:
         int(mapping[::mmap.PAGESIZE].max())
 
 
+PERSIST_WAIT_S = 60.0
+"""How long a snapshot waits for the keeper to read a slot it persists, when every other
+slot is still being persisted, before it fails: storage slower than the snapshots for
+longer is a setting to change (``--moc-persist-interval``), not a wait to sit out."""
+
+
+def choose_waiting(slots: "SnapshotSlots", exclude=(), timeout_s: Optional[float] = None,
+                   poll_s: float = 0.01) -> Tuple[int, float]:
+    """:meth:`SnapshotSlots.choose`, waiting up to ``timeout_s`` (default
+    :data:`PERSIST_WAIT_S`) while no slot is free (the keeper removes a slot's
+    ``persisting`` mark once it has read it); returns the slot and the seconds waited (0
+    when one was free at once). Right after an in-job restart the keeper can still be
+    reading the failed run's persisted slots when the new run's first persisted snapshot
+    takes the last one: on a loaded machine the next snapshot then failed, and with it
+    the job (``MoCCheckpointError`` at the next persisted snapshot).
+
+    Raises:
+        RuntimeError: still no free slot after ``timeout_s``.
+    """
+    limit = PERSIST_WAIT_S if timeout_s is None else timeout_s
+    start = None
+    while True:
+        try:
+            slot = slots.choose(exclude=exclude)
+            return slot, 0.0 if start is None else time.monotonic() - start
+        except RuntimeError:
+            start = time.monotonic() if start is None else start
+            if time.monotonic() - start >= limit:
+                raise
+        time.sleep(poll_s)
+
+
 class SlotImage:
     """Read access to one slot image: mapped once, tensors copied out by layout record.
 

@@ -19,6 +19,7 @@ from deepspeed_ext.engine.rng import get_rng_state
 from deepspeed_ext.runtime.exchange import Exchanger
 from deepspeed_ext.runtime.log import rank_zero_lines
 from deepspeed_ext.runtime.outcomes import raise_if_failed
+from deepspeed_ext.snapshot import choose_waiting
 from deepspeed_ext.two_level.handover import KeeperHandOver
 from deepspeed_ext.two_level.layouts import SnapshotLayouts
 from deepspeed_ext.two_level.persister import Persister
@@ -251,8 +252,9 @@ class Snapshotter:
         nor the redundancy thread still reads, and that does not hold the snapshot
         erasure coding needs to rebuild a lost node (:meth:`_kept_for_rebuild`). Waits
         for the oldest seal, then for the redundancy, only while no slot is free (the
-        waits go to ``timing.slot_wait_s``), and gives up the kept snapshot only when even
-        that leaves none."""
+        waits go to ``timing.slot_wait_s``), gives up the kept snapshot only when even
+        that leaves none, and waits for the keeper to read a slot it persists when every
+        slot is being persisted (:func:`deepspeed_ext.snapshot.choose_waiting`)."""
         place = self.place
         keep = self._kept_for_rebuild()
         while True:
@@ -274,8 +276,16 @@ class Snapshotter:
         try:
             return place.slots.choose(exclude=keep)
         except RuntimeError:
-            if not keep:
-                raise
+            pass
+        try:  # the slot erasure coding keeps, when it is not being persisted
+            slot = place.slots.choose()
+        except RuntimeError:  # the keeper still reads every other slot: wait (bounded)
+            slot, waited = choose_waiting(place.slots)
+            timing.slot_wait_s += waited
+            logger.warning(f"[moc] rank {place.rank}: WARNING: the snapshot of step "
+                           f"{timing.step} waited {waited:.2f} s for the keeper to read a slot "
+                           "it persists (storage slower than the snapshots)")
+            return slot
         if not self._evict_warned:
             self._evict_warned = True
             logger.warning(
@@ -283,7 +293,7 @@ class Snapshotter:
                 f"{self.protected[1]}'s snapshot, the newest one erasure coding protects "
                 f"(the other slots are newer or still being persisted): a node lost "
                 f"before the next protected snapshot recovers from storage")
-        return place.slots.choose()
+        return slot
 
     def _kept_for_rebuild(self) -> set:
         """The slot to keep for erasure coding, as a set (empty: none to keep). Rebuilding

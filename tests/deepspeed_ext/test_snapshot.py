@@ -420,3 +420,27 @@ def test_the_first_snapshot_into_a_prepared_slot_takes_no_page_faults():
         assert faults < 256, faults
         assert int(buf.min()) == 7
         del buf, slots
+
+
+def test_with_every_other_slot_being_persisted_a_snapshot_waits_for_the_keeper(tmp_path):
+    """Slot 2 holds the newest snapshot, slots 0 and 1 are being persisted (right after an
+    in-job restart, the failed run's persist and the new run's first one): choose raises,
+    choose_waiting waits until the keeper removes a mark and returns that slot, and gives
+    up with choose's error once its time is out."""
+    import threading
+    import time
+    from deepspeed_ext.snapshot import choose_waiting
+    slots = SnapshotSlots(str(tmp_path), 0)
+    for i, step in ((0, 3), (1, 4), (2, 5)):
+        _fill(slots, i, step, [float(step)])
+    markers = [slots.persist_marker(0), slots.persist_marker(1)]
+    with pytest.raises(RuntimeError, match="no free snapshot slot"):
+        slots.choose()
+    with pytest.raises(RuntimeError, match="no free snapshot slot"):
+        choose_waiting(slots, timeout_s=0.05)
+    keeper = threading.Timer(0.2, os.remove, args=(markers[1],))  # the keeper read slot 1
+    keeper.start()
+    start = time.monotonic()
+    slot, waited = choose_waiting(slots, timeout_s=10.0)
+    keeper.join()
+    assert slot == 1 and 0.15 < waited < 5.0 and time.monotonic() - start >= waited

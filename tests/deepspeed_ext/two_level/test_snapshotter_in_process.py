@@ -287,8 +287,12 @@ def test_erasure_keeps_the_protected_snapshot_until_no_other_slot_is_left(tmp_pa
             os.remove(marker)
 
 
-def test_a_save_with_no_slot_left_fails_on_this_rank_and_is_raised_at_the_wait(tmp_path, caplog):
+def test_a_save_with_no_slot_left_fails_on_this_rank_and_is_raised_at_the_wait(tmp_path, caplog,
+                                                                              monkeypatch):
+    """After waiting snapshot.PERSIST_WAIT_S (shortened here) for the keeper."""
+    from deepspeed_ext import snapshot
     from deepspeed_ext.runtime.outcomes import MoCCheckpointError
+    monkeypatch.setattr(snapshot, "PERSIST_WAIT_S", 0.2)
     with caplog.at_level(logging.INFO, logger="deepspeed_ext"), \
             one_rank_job(tmp_path, "--moc-persist-interval", "100") as job:
         two = job.two
