@@ -115,11 +115,12 @@ def test_crash_mid_window_replays_to_the_bit(tmp_path, corpus, reference, nproc,
 
 def test_a_crash_during_the_replay_recovers_again(tmp_path, corpus, reference):
     """A job crashes at the top of 9 with no restart left; the next job replays [4..6]
-    from frame 4 and crashes at the top of 6, inside that replay; its restart must find
-    the same window again and still end exactly."""
+    from frame 4 and crashes at the top of 6, inside that replay; its restart (in-job: a
+    hot spare takes rank 0) must find the same window again and still end exactly."""
     ref = reference([], 2)
     _crashed(tmp_path, corpus, [], 2, ["--moc-fault", "crash@9:rank=1"], restarts=0, ok=False)
-    ckpt, out, events = _crashed(tmp_path, corpus, [], 2, ["--moc-fault", "crash@6:rank=0"])
+    ckpt, out, events = _crashed(tmp_path, corpus, [], 2, ["--moc-fault", "crash@6:rank=0"],
+                                 spares=1)
     assert "[fault] rank 0: injected crash at iteration 6" in out
     recoveries = [e for e in events if e["kind"] == "recovery"]
     assert [r["iteration"] for r in recoveries] == [4, 4], events
