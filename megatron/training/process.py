@@ -6,7 +6,8 @@ Every rank calls, in this order: :func:`set_threads`, :func:`set_determinism` (b
 CUDA work), :func:`initialize_distributed`; at the end :func:`remove_deepspeed_shm_buffers`
 after its last collective and :func:`close_process_groups`, after which
 :func:`initialize_distributed` may run again in the same process (a second run, or the
-next round of an in-job restart).
+next round of an in-job restart). After a failed run on NCCL, :func:`abort_communicators`
+(any thread) comes before :func:`close_process_groups`.
 """
 
 import argparse
